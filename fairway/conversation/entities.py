@@ -1,0 +1,135 @@
+"""The conversation store's entities: Conversation 1—* Message, Message (user) 1—* Reply.
+
+Times are Unix seconds as floats: the same on SQLite and PostgreSQL, exact through both, and
+what the API hands to clients anyway.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Role(StrEnum):
+    USER = "user"
+    ASSISTANT = "assistant"
+    SYSTEM = "system"
+
+
+class MessageStatus(StrEnum):
+    COMPLETE = "complete"
+    STOPPED = "stopped"  # user Stop, or nobody listening for 30 s: the text so far is kept
+    FLAGGED = "flagged"  # the output check stopped it
+
+
+class ReplyState(StrEnum):
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    PREEMPTED = "PREEMPTED"
+    RESUMING = "RESUMING"
+    FINISHED = "FINISHED"
+    STOPPED = "STOPPED"
+    FLAGGED = "FLAGGED"
+    SHED = "SHED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+    def can_become(self, other: ReplyState) -> bool:
+        """Whether the reply state machine allows self → other (staying put is always allowed
+        for a live reply, e.g. a new replica_id or last_event_id on a RUNNING reply)."""
+        if self.terminal:
+            return False
+        return other == self or other in _NEXT[self]
+
+
+TERMINAL_STATES = frozenset({ReplyState.FINISHED, ReplyState.STOPPED, ReplyState.FLAGGED, ReplyState.SHED})
+
+# The seeds' "Reply state machine". Stop is also accepted while a reply waits (queued,
+# preempted, resuming): a user can press Stop, or walk away, before the first token.
+_NEXT: dict[ReplyState, frozenset[ReplyState]] = {
+    ReplyState.QUEUED: frozenset({ReplyState.RUNNING, ReplyState.SHED, ReplyState.STOPPED}),
+    ReplyState.RUNNING: frozenset(
+        {
+            ReplyState.PREEMPTED,
+            ReplyState.RESUMING,
+            ReplyState.FINISHED,
+            ReplyState.STOPPED,
+            ReplyState.FLAGGED,
+        }
+    ),
+    ReplyState.PREEMPTED: frozenset({ReplyState.QUEUED, ReplyState.STOPPED}),
+    ReplyState.RESUMING: frozenset({ReplyState.QUEUED, ReplyState.STOPPED}),
+}
+
+# How an assistant message's status maps onto the reply's final state.
+STATE_FOR_STATUS: dict[MessageStatus, ReplyState] = {
+    MessageStatus.COMPLETE: ReplyState.FINISHED,
+    MessageStatus.STOPPED: ReplyState.STOPPED,
+    MessageStatus.FLAGGED: ReplyState.FLAGGED,
+}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+_last_now = 0.0
+
+
+def now() -> float:
+    """Wall-clock seconds, strictly increasing within this process, so two messages written
+    back to back never tie and list in the order they were written."""
+    global _last_now
+    _last_now = max(time.time(), _last_now + 1e-6)
+    return _last_now
+
+
+@dataclass
+class Conversation:
+    id: str
+    user_id: str
+    tier: str  # free / paid / business: the gateway's tiers, stored as given
+    model: str
+    title: str = ""
+    created_at: float = 0.0
+    updated_at: float = 0.0  # last message or reply: conversations list newest first by it
+
+
+@dataclass
+class Message:
+    id: str
+    conversation_id: str
+    role: Role
+    text: str
+    client_key: str | None = None  # the client's message id: a resend with it is a duplicate
+    status: MessageStatus = MessageStatus.COMPLETE
+    created_at: float = 0.0
+    reply_id: str | None = None  # on an assistant message: the reply that wrote it
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class Reply:
+    id: str
+    conversation_id: str
+    message_id: str  # the user message it answers
+    state: ReplyState = ReplyState.QUEUED
+    replica_id: str | None = None
+    last_event_id: int = 0  # the last token-log event n written for it
+    finish_reason: str | None = None
+    # The prompt as token ids (and/or text): enough to resubmit the reply as a continuation
+    # once its token log has expired or its replica died.
+    prompt_token_ids: list[int] | None = field(default=None, repr=False)
+    context_text: str | None = field(default=None, repr=False)
+    created_at: float = 0.0
+    finished_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.state.terminal

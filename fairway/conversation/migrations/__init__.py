@@ -1,0 +1,1 @@
+"""Alembic migrations for the conversation store (run by SqlConversationStore.init)."""

@@ -1,0 +1,358 @@
+"""The conversation store on SQLAlchemy 2 (asyncio): one set of queries for SQLite (aiosqlite,
+the embedded default) and PostgreSQL (asyncpg, at scale). The schema comes from the Alembic
+migrations next to this file, on both."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.engine import Connection, make_url
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
+from sqlalchemy.pool import StaticPool
+
+from .entities import (
+    STATE_FOR_STATUS,
+    Conversation,
+    Message,
+    MessageStatus,
+    Reply,
+    ReplyState,
+    Role,
+    new_id,
+    now,
+)
+from .schema import conversations, messages, replies
+from .store import REPLY_UPDATABLE, ConversationStore, DuplicateClientKey, NotFound, ReplyFinished
+
+MIGRATIONS = Path(__file__).parent / "migrations"
+# Any fixed number: PostgreSQL advisory locks are keyed by a bigint.
+_MIGRATION_LOCK_KEY = 0x0FA1_4A7C
+
+
+def alembic_config() -> Config:
+    """Alembic configured in code, so no alembic.ini has to sit in the working directory."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS))
+    return cfg
+
+
+def _upgrade_to_head(connection: Connection) -> None:
+    cfg = alembic_config()
+    cfg.attributes["connection"] = connection  # env.py migrates on it instead of connecting
+    command.upgrade(cfg, "head")
+
+
+def _engine_options(url: str) -> dict[str, Any]:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite":
+        return {"pool_pre_ping": True}
+    if parsed.database in (None, "", ":memory:"):
+        # Each connection to :memory: is its own empty database: share one connection.
+        return {"poolclass": StaticPool}
+    return {}
+
+
+def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA foreign_keys=ON")  # off by default in SQLite
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
+    cursor.execute("PRAGMA busy_timeout=30000")  # wait for the writer instead of failing
+    cursor.close()
+
+
+def _values(entity: object) -> dict[str, Any]:
+    """A dataclass as column values; enums as their plain strings (asyncpg wants str)."""
+    return {k: v.value if isinstance(v, Enum) else v for k, v in vars(entity).items()}
+
+
+def _conversation(row: Mapping[str, Any]) -> Conversation:
+    return Conversation(**row)
+
+
+def _message(row: Mapping[str, Any]) -> Message:
+    return Message(**{**row, "role": Role(row["role"]), "status": MessageStatus(row["status"])})
+
+
+def _reply(row: Mapping[str, Any]) -> Reply:
+    return Reply(**{**row, "state": ReplyState(row["state"])})
+
+
+class SqlConversationStore(ConversationStore):
+    def __init__(self, url: str, **engine_kwargs: Any):
+        self.url = url
+        self._engine = create_async_engine(url, **{**_engine_options(url), **engine_kwargs})
+        self._dialect = self._engine.dialect.name
+        if self._dialect == "sqlite":
+            sa.event.listen(self._engine.sync_engine, "connect", _sqlite_pragmas)
+
+    async def init(self) -> None:
+        async with self._engine.begin() as conn:
+            if self._dialect == "postgresql":
+                # Replicas and gateways start together: one migrates, the others wait and
+                # then find the schema at head.
+                await conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_MIGRATION_LOCK_KEY)))
+            await conn.run_sync(_upgrade_to_head)
+
+    async def close(self) -> None:
+        await self._engine.dispose()
+
+    # conversations
+
+    async def create_conversation(
+        self, user_id: str, tier: str, model: str, title: str = "", id: str | None = None
+    ) -> Conversation:
+        ts = now()
+        conv = Conversation(id or new_id("conv"), user_id, tier, model, title, ts, ts)
+        async with self._engine.begin() as conn:
+            await conn.execute(sa.insert(conversations).values(_values(conv)))
+        return conv
+
+    async def get_conversation(self, id: str, user_id: str) -> Conversation | None:
+        query = sa.select(conversations).where(conversations.c.id == id, conversations.c.user_id == user_id)
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        return _conversation(row) if row else None
+
+    async def list_conversations(
+        self, user_id: str, limit: int = 50, before: float | None = None
+    ) -> list[Conversation]:
+        query = sa.select(conversations).where(conversations.c.user_id == user_id)
+        if before is not None:
+            query = query.where(conversations.c.updated_at < before)
+        query = query.order_by(conversations.c.updated_at.desc(), conversations.c.id.desc()).limit(limit)
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [_conversation(r) for r in rows]
+
+    async def delete_conversation(self, id: str, user_id: str) -> bool:
+        owned = (
+            sa.select(conversations.c.id)
+            .where(conversations.c.id == id, conversations.c.user_id == user_id)
+            .with_for_update()  # PostgreSQL: holds off new messages until the delete commits
+        )
+        async with self._engine.begin() as conn:
+            if (await conn.execute(owned)).first() is None:
+                return False
+            # Children first: the foreign keys point at the conversation.
+            await conn.execute(sa.delete(replies).where(replies.c.conversation_id == id))
+            await conn.execute(sa.delete(messages).where(messages.c.conversation_id == id))
+            await conn.execute(sa.delete(conversations).where(conversations.c.id == id))
+        return True
+
+    async def _touch(self, conn: AsyncConnection, conversation_id: str, ts: float) -> bool:
+        """Bump updated_at so the conversation lists first; False if it does not exist."""
+        result = await conn.execute(
+            sa.update(conversations).where(conversations.c.id == conversation_id).values(updated_at=ts)
+        )
+        return result.rowcount > 0
+
+    # messages
+
+    async def add_message(
+        self,
+        conversation_id: str,
+        role: Role,
+        text: str,
+        *,
+        client_key: str | None = None,
+        status: MessageStatus = MessageStatus.COMPLETE,
+        reply_id: str | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+        id: str | None = None,
+    ) -> Message:
+        msg = Message(
+            id=id or new_id("msg"),
+            conversation_id=conversation_id,
+            role=Role(role),
+            text=text,
+            client_key=client_key,
+            status=MessageStatus(status),
+            created_at=now(),
+            reply_id=reply_id,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
+        )
+        try:
+            async with self._engine.begin() as conn:
+                # The update comes first: it takes the write lock (SQLite) / the row lock
+                # (PostgreSQL) before the insert, and tells a missing conversation apart.
+                if not await self._touch(conn, conversation_id, msg.created_at):
+                    raise NotFound(f"conversation {conversation_id}")
+                await conn.execute(sa.insert(messages).values(_values(msg)))
+        except IntegrityError:
+            existing = (
+                await self.get_message_by_client_key(conversation_id, client_key) if client_key else None
+            )
+            if existing is None:
+                raise
+            raise DuplicateClientKey(existing) from None
+        return msg
+
+    async def list_messages(self, conversation_id: str) -> list[Message]:
+        query = (
+            sa.select(messages)
+            .where(messages.c.conversation_id == conversation_id)
+            .order_by(messages.c.created_at, messages.c.id)
+        )
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [_message(r) for r in rows]
+
+    async def get_message_by_client_key(self, conversation_id: str, client_key: str) -> Message | None:
+        query = sa.select(messages).where(
+            messages.c.conversation_id == conversation_id, messages.c.client_key == client_key
+        )
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        return _message(row) if row else None
+
+    # replies
+
+    async def create_reply(
+        self,
+        conversation_id: str,
+        message_id: str,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        context_text: str | None = None,
+        replica_id: str | None = None,
+        state: ReplyState = ReplyState.QUEUED,
+        id: str | None = None,
+    ) -> Reply:
+        state = ReplyState(state)
+        ts = now()
+        reply = Reply(
+            id=id or new_id("rep"),
+            conversation_id=conversation_id,
+            message_id=message_id,
+            state=state,
+            replica_id=replica_id,
+            prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
+            context_text=context_text,
+            created_at=ts,
+            finished_at=ts if state.terminal else None,  # e.g. shed on arrival
+        )
+        try:
+            async with self._engine.begin() as conn:
+                await conn.execute(sa.insert(replies).values(_values(reply)))
+        except IntegrityError as e:
+            raise NotFound(f"message {message_id} in conversation {conversation_id}") from e
+        return reply
+
+    async def get_reply(self, id: str) -> Reply | None:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sa.select(replies).where(replies.c.id == id))).mappings().first()
+        return _reply(row) if row else None
+
+    async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
+        query = (
+            sa.select(replies)
+            .where(replies.c.conversation_id == conversation_id, replies.c.message_id == message_id)
+            .order_by(replies.c.created_at.desc())
+            .limit(1)
+        )
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        return _reply(row) if row else None
+
+    async def update_reply(self, id: str, **fields: Any) -> Reply | None:
+        unknown = fields.keys() - REPLY_UPDATABLE
+        if unknown:
+            raise TypeError(f"update_reply cannot set {sorted(unknown)}")
+        if not fields:
+            return await self.get_reply(id)
+        values = dict(fields)
+        if "state" in values:
+            state = ReplyState(values["state"])
+            values["state"] = state.value
+            if state.terminal:
+                values["finished_at"] = now()
+        if values.get("prompt_token_ids") is not None:
+            values["prompt_token_ids"] = list(values["prompt_token_ids"])
+        # finished_at IS NULL in the WHERE makes "final states are final" atomic: of two
+        # racing writers only the first one to commit a final state changes the row.
+        stmt = (
+            sa.update(replies)
+            .where(replies.c.id == id, replies.c.finished_at.is_(None))
+            .values(**values)
+            .returning(*replies.c)
+        )
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(stmt)).mappings().first()
+        if row is not None:
+            return _reply(row)
+        current = await self.get_reply(id)
+        if current is None:
+            return None
+        raise ReplyFinished(id, current.state)
+
+    async def finish_reply(
+        self,
+        reply_id: str,
+        text: str,
+        status: MessageStatus,
+        finish_reason: str | None = None,
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> Message:
+        status = MessageStatus(status)
+        if finish_reason is None and status is MessageStatus.FLAGGED:
+            finish_reason = "content_filter"  # what the OpenAI API reports for a filtered reply
+        ts = now()
+        mark = (
+            sa.update(replies)
+            .where(replies.c.id == reply_id, replies.c.finished_at.is_(None))
+            .values(state=STATE_FOR_STATUS[status].value, finish_reason=finish_reason, finished_at=ts)
+            .returning(replies.c.conversation_id)
+        )
+        async with self._engine.begin() as conn:
+            row = (await conn.execute(mark)).first()
+            if row is not None:
+                msg = Message(
+                    id=new_id("msg"),
+                    conversation_id=row.conversation_id,
+                    role=Role.ASSISTANT,
+                    text=text,
+                    status=status,
+                    created_at=ts,
+                    reply_id=reply_id,
+                    prompt_tokens=prompt_tokens,
+                    completion_tokens=completion_tokens,
+                    cached_tokens=cached_tokens,
+                )
+                await conn.execute(sa.insert(messages).values(_values(msg)))
+                await self._touch(conn, msg.conversation_id, ts)
+                return msg
+        return await self._finished_message(reply_id)
+
+    async def _finished_message(self, reply_id: str) -> Message:
+        """The message of a reply that someone else already finished."""
+        reply = await self.get_reply(reply_id)
+        if reply is None:
+            raise NotFound(f"reply {reply_id}")
+        query = sa.select(messages).where(
+            messages.c.conversation_id == reply.conversation_id, messages.c.reply_id == reply_id
+        )
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        if row is None:
+            raise ReplyFinished(reply_id, reply.state)
+        return _message(row)
+
+    async def list_unfinished_replies(self) -> list[Reply]:
+        query = sa.select(replies).where(replies.c.finished_at.is_(None)).order_by(replies.c.created_at)
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [_reply(r) for r in rows]

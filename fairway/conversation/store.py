@@ -1,0 +1,158 @@
+"""The conversation store interface. One SQL implementation serves SQLite and PostgreSQL
+(sql_store.py); the rest of Fairway sees only this class."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+
+from .entities import Conversation, Message, MessageStatus, Reply, ReplyState, Role
+
+
+class StoreError(Exception):
+    pass
+
+
+class DuplicateClientKey(StoreError):
+    """A message with this client_key is already in the conversation: the client resent it."""
+
+    def __init__(self, existing: Message):
+        super().__init__(f"client_key {existing.client_key!r} already stored as {existing.id}")
+        self.existing = existing
+
+
+class ReplyFinished(StoreError):
+    """The reply already reached a final state; final states never change, so a late writer
+    (a Stop racing the last token, a dead replica's straggler) cannot overwrite the outcome."""
+
+    def __init__(self, reply_id: str, state: ReplyState):
+        super().__init__(f"reply {reply_id} is already {state}")
+        self.reply_id = reply_id
+        self.state = state
+
+
+class NotFound(StoreError):
+    pass
+
+
+# Fields update_reply may change; ids, the answered message and created_at are fixed.
+REPLY_UPDATABLE = frozenset(
+    {"state", "replica_id", "last_event_id", "finish_reason", "prompt_token_ids", "context_text"}
+)
+
+
+class ConversationStore(ABC):
+    """Conversations, their messages and the replies that answer them.
+
+    Ownership is checked where a user names a conversation (get, list, delete): the other
+    methods take ids the caller already got through those, so they do not re-check.
+    """
+
+    @abstractmethod
+    async def init(self) -> None:
+        """Create or upgrade the schema (Alembic, to head). Safe to call again."""
+
+    @abstractmethod
+    async def close(self) -> None: ...
+
+    # conversations
+
+    @abstractmethod
+    async def create_conversation(
+        self, user_id: str, tier: str, model: str, title: str = "", id: str | None = None
+    ) -> Conversation: ...
+
+    @abstractmethod
+    async def get_conversation(self, id: str, user_id: str) -> Conversation | None:
+        """None when missing *or* another user's, so callers answer 404 for both and do not
+        reveal that the id exists."""
+
+    @abstractmethod
+    async def list_conversations(
+        self, user_id: str, limit: int = 50, before: float | None = None
+    ) -> list[Conversation]:
+        """Newest activity first; `before` is the updated_at of the last one of the previous
+        page."""
+
+    @abstractmethod
+    async def delete_conversation(self, id: str, user_id: str) -> bool:
+        """Deletes the conversation with its messages and replies; False if missing or not
+        the user's."""
+
+    # messages
+
+    @abstractmethod
+    async def add_message(
+        self,
+        conversation_id: str,
+        role: Role,
+        text: str,
+        *,
+        client_key: str | None = None,
+        status: MessageStatus = MessageStatus.COMPLETE,
+        reply_id: str | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+        id: str | None = None,
+    ) -> Message:
+        """Raises DuplicateClientKey (carrying the stored message) on a resent client_key,
+        NotFound if the conversation does not exist."""
+
+    @abstractmethod
+    async def list_messages(self, conversation_id: str) -> list[Message]:
+        """Oldest first."""
+
+    @abstractmethod
+    async def get_message_by_client_key(self, conversation_id: str, client_key: str) -> Message | None: ...
+
+    # replies
+
+    @abstractmethod
+    async def create_reply(
+        self,
+        conversation_id: str,
+        message_id: str,
+        *,
+        prompt_token_ids: Sequence[int] | None = None,
+        context_text: str | None = None,
+        replica_id: str | None = None,
+        state: ReplyState = ReplyState.QUEUED,
+        id: str | None = None,
+    ) -> Reply: ...
+
+    @abstractmethod
+    async def get_reply(self, id: str) -> Reply | None: ...
+
+    @abstractmethod
+    async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
+        """The newest reply answering this user message (a resent message finds its reply)."""
+
+    @abstractmethod
+    async def update_reply(self, id: str, **fields: object) -> Reply | None:
+        """Set any of REPLY_UPDATABLE; None if no such reply. Raises ReplyFinished if it is
+        already final. Moving to a final state stamps finished_at. The store does not police
+        the live transitions (QUEUED → RUNNING …): components may skip writing them; see
+        ReplyState.can_become for the full machine."""
+
+    @abstractmethod
+    async def finish_reply(
+        self,
+        reply_id: str,
+        text: str,
+        status: MessageStatus,
+        finish_reason: str | None = None,
+        *,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_tokens: int = 0,
+    ) -> Message:
+        """In one transaction: store the assistant message and mark the reply FINISHED,
+        STOPPED or FLAGGED (by status). If the reply was already finished with a message, that
+        stored message is returned (the first writer wins a Stop/finish race); if it ended
+        without one (SHED), raises ReplyFinished. Raises NotFound for an unknown reply."""
+
+    @abstractmethod
+    async def list_unfinished_replies(self) -> list[Reply]:
+        """Replies not in a final state, oldest first, with their stored context: what a
+        restarted relay or router must resume."""

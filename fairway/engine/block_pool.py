@@ -1,0 +1,117 @@
+"""KV cache blocks: reference counts, prefix hashes, and an LRU of freed-but-still-cached blocks.
+
+A block that nobody references goes to the free queue but keeps its hash and tokens, so a later
+request with the same prefix can take it back; it loses them only when its memory is reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+BLOCK_SIZE = 16
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
+    """Hash of a full block, chained with its prefix; stable across processes (the router uses it)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update((parent or 0).to_bytes(8, "little"))
+    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+def prefix_block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> list[int]:
+    hashes: list[int] = []
+    parent: int | None = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, tuple(token_ids[start:start + block_size]))
+        hashes.append(parent)
+    return hashes
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    hash: int | None = None  # set only for a full block whose tokens are final
+    tokens: tuple[int, ...] | None = None  # kept to verify a hash hit, not just trust it
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int = BLOCK_SIZE) -> None:
+        self.block_size = block_size
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first; eviction takes from the front.
+        self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.cached: dict[int, KVBlock] = {}  # hash -> block
+        self.queries = 0  # prefix-cache lookups, in blocks
+        self.hits = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def lookup(self, hashes: list[int], token_ids: list[int]) -> list[KVBlock]:
+        """The longest run of cached blocks matching this prefix, verified token by token."""
+        found: list[KVBlock] = []
+        bs = self.block_size
+        for i, h in enumerate(hashes):
+            block = self.cached.get(h)
+            if block is None or block.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            found.append(block)
+        self.queries += len(hashes)
+        self.hits += len(found)
+        return found
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take a reference on cached blocks (removing them from the free queue if idle)."""
+        for b in blocks:
+            if b.ref_count == 0:
+                del self.free[b.block_id]
+            b.ref_count += 1
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self.free)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        if n > len(self.free):
+            raise RuntimeError(f"asked for {n} KV blocks, {len(self.free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self.free.popitem(last=False)
+            self._forget(block)
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference each; blocks reaching zero join the free queue, hash kept."""
+        # Free in reverse so a sequence's tail blocks are evicted before its shared head blocks.
+        for b in reversed(blocks):
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                self.free[b.block_id] = b
+            elif b.ref_count < 0:
+                raise RuntimeError(f"block {b.block_id} released more often than taken")
+
+    def cache_block(self, block: KVBlock, h: int, tokens: tuple[int, ...]) -> None:
+        """Mark a now-full block as reusable by later requests with the same prefix."""
+        if block.hash is not None:
+            return
+        if h in self.cached:  # an identical block already cached (computed concurrently): keep the first
+            return
+        block.hash, block.tokens = h, tokens
+        self.cached[h] = block
+
+    def _forget(self, block: KVBlock) -> None:
+        if block.hash is not None and self.cached.get(block.hash) is block:
+            del self.cached[block.hash]
+        block.hash, block.tokens = None, None

@@ -1,0 +1,172 @@
+"""One replica's engine: add requests, abort them, and step the whole batch forward one token at a time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from fairway.engine.block_pool import BLOCK_SIZE
+from fairway.engine.kv_cache_manager import KVCacheManager
+from fairway.engine.model_runner import ModelRunner
+from fairway.engine.outputs import FinishReason, RequestOutput
+from fairway.engine.sampling_params import SamplingParams
+from fairway.engine.scheduler import Scheduler, SchedulerConfig
+from fairway.engine.sequence import Priority, Sequence, SequenceStatus
+from fairway.engine.stats import EngineStats
+from fairway.engine.stop_checker import StopChecker
+from fairway.models.llama import LlamaModel
+
+
+class RequestRejected(ValueError):
+    """A request that can never run (too long for the context window or the KV cache); raised before admission."""
+
+
+@dataclass
+class EngineConfig:
+    num_kv_blocks: int = 2048  # 16-token blocks: 32k token slots
+    block_size: int = BLOCK_SIZE
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # defaults to the model's context length
+    enable_prefix_caching: bool = True
+    reserve_blocks: int | None = None
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, config: EngineConfig | None = None, tokenizer=None) -> None:
+        self.config = config or EngineConfig()
+        c = self.config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_model_len = c.max_model_len or model.cfg.max_position_embeddings
+        self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.reserve_blocks, c.enable_prefix_caching)
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv)
+        self.runner = ModelRunner(model, c.num_kv_blocks, c.block_size)
+        self.requests: dict[str, Sequence] = {}
+        self._aborts: list[str] = []
+        self._eos = set(tokenizer.stop_token_ids) if tokenizer is not None else set()
+        self.num_steps = 0
+        self.step_seconds = 0.0
+
+    # --- requests -------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    priority: int = Priority.PAID, arrival: float | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.check_prompt(len(prompt_token_ids))
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_token_ids):
+            raise ValueError("prompt contains token ids outside the vocabulary")
+        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
+                       arrival=arrival if arrival is not None else time.monotonic())
+        seq.stop_checker = StopChecker(params, self.tokenizer, prompt_token_ids)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def check_prompt(self, num_tokens: int) -> None:
+        """Reject a prompt that could never run, so it fails now instead of waiting forever."""
+        if num_tokens == 0:
+            raise RequestRejected("prompt is empty")
+        if num_tokens >= self.max_model_len:
+            raise RequestRejected(f"prompt has {num_tokens} tokens; the context window is "
+                                  f"{self.max_model_len} tokens including at least one generated token")
+        if num_tokens + 1 > self.kv.max_admissible_tokens():
+            raise RequestRejected(f"prompt has {num_tokens} tokens; the KV cache holds at most "
+                                  f"{self.kv.max_admissible_tokens()} tokens for one request")
+
+    def abort(self, request_id: str) -> None:
+        """The sequence leaves at the next step and its blocks are freed; unknown ids are ignored."""
+        self._aborts.append(request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests) or bool(self._aborts)
+
+    # --- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = self._process_aborts()
+        batch = self.scheduler.schedule()
+        if not batch.empty:
+            tokens = self.runner.execute(batch)
+            for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+                seq.num_computed_tokens += n
+                self.kv.cache_full_blocks(seq)
+            now = time.monotonic()
+            for seq, token in tokens.items():
+                outputs.append(self._append_token(seq, token, now))
+            self.num_steps += 1
+        self.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        else:
+            seq.inter_token_times.append(now - seq.last_token_time)
+        seq.last_token_time = now
+        finish = None
+        if not seq.params.ignore_eos and token in self._eos or token in seq.params.stop_token_ids:
+            finish = FinishReason.STOP
+        text, stop_hit = seq.stop_checker.add(token, is_stop_token=finish is not None)
+        if stop_hit:
+            finish = FinishReason.STOP
+        elif finish is None and (seq.num_output_tokens >= seq.params.max_tokens
+                                 or seq.num_tokens >= self.max_model_len):
+            finish = FinishReason.LENGTH
+        if finish is not None:
+            text += seq.stop_checker.flush() if not stop_hit else ""
+            self._finish(seq, finish)
+        return self._output(seq, token, text, finish)
+
+    def _process_aborts(self) -> list[RequestOutput]:
+        outputs = []
+        for rid in self._aborts:
+            seq = self.requests.get(rid)
+            if seq is None:
+                continue
+            self._finish(seq, FinishReason.ABORT)
+            outputs.append(self._output(seq, None, "", FinishReason.ABORT))
+        self._aborts.clear()
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self.requests[seq.request_id]
+
+    def _output(self, seq: Sequence, token: int | None, text: str, finish: FinishReason | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, token_id=token, text=text, finish_reason=finish,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens, ttft=seq.ttft,
+            inter_token_times=list(seq.inter_token_times) if finish is not None else None)
+
+    # --- counters -------------------------------------------------------------------------------
+    def stats(self) -> EngineStats:
+        running = self.scheduler.running
+        pool = self.kv.pool
+        used = self.kv.num_used_blocks
+        return EngineStats(
+            num_running=len(running), num_waiting=self.scheduler.num_waiting,
+            kv_blocks_total=pool.num_blocks, kv_blocks_used=used,
+            kv_slots_total=pool.num_blocks * pool.block_size, kv_slots_used=used * pool.block_size,
+            kv_tokens_live=sum(s.num_tokens for s in running),
+            prefix_cache_queries=self.kv.query_tokens, prefix_cache_hits=self.kv.hit_tokens,
+            num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
+            step_seconds=self.step_seconds, forward_seconds=self.runner.forward_seconds)
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+        """Run prompts to completion (offline use and tests); returns the generated token ids of each."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [f"offline-{self.num_steps}-{i}" for i in range(len(prompts))]
+        for rid, prompt, p in zip(ids, prompts, plist, strict=True):
+            self.add_request(rid, prompt, p)
+        result: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                if out.token_id is not None:
+                    result[out.request_id].append(out.token_id)
+        return [result[rid] for rid in ids]
+

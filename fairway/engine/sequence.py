@@ -1,0 +1,75 @@
+"""One request inside the engine: its tokens, its blocks, and how far the model has computed it."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from fairway.engine.block_pool import KVBlock
+from fairway.engine.outputs import FinishReason
+from fairway.engine.sampling_params import SamplingParams
+from fairway.engine.stop_checker import StopChecker
+
+
+class SequenceStatus(StrEnum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Priority:
+    """Lower runs first: the tier lanes."""
+
+    PAID = 0
+    FREE = 1
+    BACKGROUND = 2
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    params: SamplingParams
+    priority: int = Priority.PAID
+    arrival: float = field(default_factory=time.monotonic)
+    num_prompt_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    blocks: list[KVBlock] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks so far
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at first admission
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    stop_checker: StopChecker | None = None  # turns tokens into text deltas and finds stop strings
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_times: list[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival

@@ -1,0 +1,148 @@
+"""Load weights: a GGUF file (dequantized once, then cached as safetensors) or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fairway.models.bundled import ModelFileError
+from fairway.models.cache import cache_dir
+from fairway.models.config import LlamaConfig
+from fairway.models.llama import LlamaModel, RotaryEmbedding
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> LlamaModel:
+    """A .gguf file or a folder with config.json + *.safetensors."""
+    path = Path(path)
+    if not path.exists():
+        raise ModelFileError(f"model file {path} does not exist: pass a .gguf file or a Hugging Face folder")
+    if path.is_dir():
+        config, state = _read_hf_folder(path)
+    else:
+        config, state = read_gguf_cached(path)
+    with torch.device("meta"):
+        model = LlamaModel(config)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:  # to_empty gives every parameter its own storage: tie again
+        model.lm_head.weight = model.embed_tokens.weight
+    model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
+    model.load_hf_state_dict(state)
+    return model.to(dtype).eval()
+
+
+def gguf_config(reader) -> LlamaConfig:  # reader: gguf.GGUFReader
+    def field(name: str, default=None):
+        f = reader.fields.get(name)
+        return f.contents() if f is not None else default
+
+    arch = field("general.architecture")
+    if arch != "llama":
+        raise ModelFileError(f"unsupported GGUF architecture {arch!r}: Fairway runs Llama-architecture models")
+    heads = int(field("llama.attention.head_count"))
+    hidden = int(field("llama.embedding_length"))
+    tokens = field("tokenizer.ggml.tokens")
+    names = {t.name for t in reader.tensors}
+    return LlamaConfig(
+        vocab_size=int(field("llama.vocab_size", len(tokens) if tokens else 0)),
+        hidden_size=hidden,
+        intermediate_size=int(field("llama.feed_forward_length")),
+        num_layers=int(field("llama.block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field("llama.attention.head_count_kv", heads)),
+        head_dim=int(field("llama.rope.dimension_count", hidden // heads)),
+        rope_theta=float(field("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position_embeddings=int(field("llama.context_length", 2048)),
+        tie_word_embeddings="output.weight" not in names,
+    )
+
+
+def read_gguf_cached(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    """Dequantize a GGUF once; later loads read the float32 safetensors cache (memory-mapped)."""
+    from safetensors.torch import load_file, save_file
+
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    cached = cache_dir() / f"{path.stem}-{key}.safetensors"
+    meta = cached.with_suffix(".json")
+    if cached.exists() and meta.exists():
+        try:
+            return LlamaConfig(**json.loads(meta.read_text())), load_file(str(cached))
+        except Exception:  # a half-written cache from an interrupted run: rebuild it
+            pass
+    config, state = read_gguf(path)
+    tmp = cached.with_suffix(".tmp")
+    save_file(state, str(tmp))
+    tmp.replace(cached)
+    meta.write_text(json.dumps(config.__dict__))
+    return config, state
+
+
+def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelFileError(f"model file {path} is not a readable GGUF file ({exc}): "
+                             "re-download or reinstall it") from exc
+    config = gguf_config(reader)
+    state: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        shape = tuple(reversed([int(d) for d in t.shape]))  # GGUF lists dims fastest-first
+        values = gguf.quants.dequantize(t.data, t.tensor_type).reshape(shape).astype(np.float32)
+        name = _hf_name(t.name)
+        # llama.cpp's converter permutes Q/K rows for its interleaved RoPE; undo it for rotate-half RoPE.
+        if name.endswith("q_proj.weight"):
+            values = _unpermute(values, config.num_heads)
+        elif name.endswith("k_proj.weight"):
+            values = _unpermute(values, config.num_kv_heads)
+        state[name] = torch.from_numpy(np.ascontiguousarray(values))
+    return config, state
+
+
+def _hf_name(name: str) -> str:
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    _, layer, part, kind = name.split(".")
+    return f"model.layers.{layer}.{_GGUF_LAYER_NAMES[part]}.{kind}"
+
+
+def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _read_hf_folder(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    files = sorted(path.glob("*.safetensors"))
+    if not cfg_file.is_file() or not files:
+        raise ModelFileError(f"model folder {path} needs config.json and *.safetensors files")
+    config = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return config, state

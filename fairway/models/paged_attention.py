@@ -1,0 +1,96 @@
+"""Attention that reads K/V through block tables (a paged KV cache), in portable PyTorch.
+
+The cache of one layer is [kv_heads, num_blocks * block_size, head_dim]: a slot is
+block * block_size + offset, and gathering a sequence's slots along dim 1 yields each head's
+keys contiguous, ready for batched matmuls without another copy.
+
+The batch is flat: T tokens of many sequences. Sequences with exactly one new token (decode,
+or the last token of a prefill) come first and are handled together with one gather; sequences
+with several new tokens (prefill chunks) follow, one attention call each. Grouped-query
+attention is done without repeating K/V: the G query heads that share a KV head are folded
+into the query-length dimension.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first index of this sequence's tokens in the flat batch
+    end: int
+    mask: torch.Tensor  # [G * n, context_len] bool: causal, offset by the cached prefix
+    # Cache slots of the whole context (cached prefix + these tokens); None when the chunk starts
+    # at position 0, where its own K/V are the whole context and nothing needs gathering.
+    context_slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
+    num_decode: int  # tokens [0, num_decode) belong to single-token sequences
+    decode_slots: torch.Tensor | None = None  # [num_decode * width] long, padded with slot 0
+    decode_width: int = 0  # longest decode context, in slots (a multiple of the block size)
+    decode_masked: torch.Tensor | None = None  # [1, num_decode, 1, width] bool: True = padding
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+class PagedKVCache:
+    """K and V for every layer: [layers, kv_heads, num_blocks * block_size, head_dim]."""
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D]. Returns [T, Hq, D]."""
+    kv_heads = k_cache.shape[0]
+    group = q.shape[1] // kv_heads
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+
+    out = torch.empty_like(q)
+    if meta.num_decode:
+        out[:meta.num_decode] = _decode_attention(q[:meta.num_decode], k_cache, v_cache, meta, group, scale)
+    for span in meta.prefills:
+        s = slice(span.start, span.end)
+        out[s] = _prefill_attention(q[s], k[s], v[s], k_cache, v_cache, span, group, scale)
+    return out
+
+
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata, group: int, scale: float) -> torch.Tensor:
+    nd, hq, d = q.shape
+    hkv = hq // group
+    keys = k_cache.index_select(1, meta.decode_slots).view(hkv, nd, meta.decode_width, d)
+    values = v_cache.index_select(1, meta.decode_slots).view(hkv, nd, meta.decode_width, d)
+    qd = q.view(nd, hkv, group, d).transpose(0, 1)  # [Hkv, nd, G, D]
+    # Plain matmuls beat the fused CPU kernel here: 3 query rows per head are too few for it.
+    scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale
+    probs = scores.masked_fill_(meta.decode_masked, float("-inf")).softmax(dim=-1).to(q.dtype)
+    return torch.matmul(probs, values).transpose(0, 1).reshape(nd, hq, d)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                       v_cache: torch.Tensor, span: PrefillSpan, group: int, scale: float) -> torch.Tensor:
+    n, hq, d = q.shape
+    hkv = hq // group
+    # [n, Hkv, G, D] -> [Hkv, G * n, D]: the G query heads of a KV head become extra query rows.
+    qf = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
+    if span.context_slots is None:
+        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    else:
+        keys = k_cache.index_select(1, span.context_slots)
+        values = v_cache.index_select(1, span.context_slots)
+    o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=span.mask, scale=scale)
+    return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)

@@ -1,0 +1,67 @@
+"""The reply bus: gateways submit generation jobs, replica workers claim them, paid lane first.
+
+A queue is named by its consumer (a replica id, or a model pool the router chose); inside a
+queue there is one lane per tier. claim() always drains paid before free before background, so a
+free burst can delay background work but never a paid request.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+
+class Lane(StrEnum):
+    PAID = "paid"
+    FREE = "free"
+    BACKGROUND = "background"
+
+
+LANE_ORDER: tuple[Lane, ...] = (Lane.PAID, Lane.FREE, Lane.BACKGROUND)  # claim priority, highest first
+
+DEFAULT_QUEUE = "default"
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    id: str
+    lane: Lane
+    job: dict[str, Any]
+
+
+def encode_job(job_id: str, job: dict[str, Any]) -> str:
+    # JSON so the same payload crosses process boundaries unchanged in the Redis backend.
+    return json.dumps({"id": job_id, "job": job}, separators=(",", ":"))
+
+
+def decode_job(raw: str, lane: Lane) -> ClaimedJob:
+    data = json.loads(raw)
+    return ClaimedJob(data["id"], lane, data["job"])
+
+
+class ReplyBus(ABC):
+    """Work submission between gateways (producers of jobs) and replicas (consumers)."""
+
+    @abstractmethod
+    async def submit(
+        self,
+        job: dict[str, Any],
+        lane: Lane | str = Lane.FREE,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        front: bool = False,
+    ) -> str:
+        """Queue a JSON-able job; returns its id. front=True puts it at the head of its lane
+        (failover continuations go there so the client's pause stays short)."""
+
+    @abstractmethod
+    async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
+        """Take the next job, paid before free before background. timeout: 0 = don't wait,
+        None = wait until one arrives, else seconds; returns None when it runs out."""
+
+    @abstractmethod
+    async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
+        """Jobs waiting per lane (for shedding free work at capacity and for metrics)."""

@@ -1,0 +1,51 @@
+"""Errors the relay raises; each maps to one answer the gateway gives (404, 409, 503...)."""
+
+from __future__ import annotations
+
+
+class RelayError(Exception):
+    """Base class for everything the relay raises on purpose."""
+
+
+class RelayUnavailable(RelayError):
+    """The backing store (Redis) cannot be reached; callers answer 503 rather than hang."""
+
+
+class ReplyNotFound(RelayError, KeyError):
+    """No log for this reply: never created, or expired after its retention window (404)."""
+
+    def __init__(self, reply_id: str) -> None:
+        super().__init__(reply_id)
+        self.reply_id = reply_id
+
+    def __str__(self) -> str:
+        return f"no token log for reply {self.reply_id!r} (unknown or expired)"
+
+
+class ReplyFinished(RelayError):
+    """An append or finish after the terminal event: the reply is over, nothing may follow it."""
+
+    def __init__(self, reply_id: str, last_n: int) -> None:
+        super().__init__(f"reply {reply_id!r} already finished at event {last_n}")
+        self.reply_id = reply_id
+        self.last_n = last_n
+
+
+class EventOutOfOrder(RelayError):
+    """An append whose n is not last+1: a duplicate or a gap (e.g. a zombie producer after failover)."""
+
+    def __init__(self, reply_id: str, n: int, last_n: int) -> None:
+        super().__init__(f"reply {reply_id!r}: event {n} does not follow event {last_n}")
+        self.reply_id = reply_id
+        self.n = n
+        self.last_n = last_n
+
+
+class EventIdOutOfRange(RelayError, ValueError):
+    """A read/subscribe `after` beyond the end of a finished reply: no such event will ever exist."""
+
+    def __init__(self, reply_id: str, after: int, last_n: int) -> None:
+        super().__init__(f"reply {reply_id!r} ended at event {last_n}; there is nothing after {after}")
+        self.reply_id = reply_id
+        self.after = after
+        self.last_n = last_n

@@ -1,0 +1,123 @@
+"""The events of one reply's token log, and their flat dict[str, str] form for Redis.
+
+Every event carries n, its SSE event id: tokens are 1, 2, 3, ... and the terminal event takes
+the next number, so a client that saw the terminal event can resume "after" it and get nothing,
+while one that dropped just before it still gets it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "content_filter", "abort"]
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "content_filter", "abort")
+
+
+class ReplyState(StrEnum):
+    """Reply states from the design's state machine; only the terminal ones end a log."""
+
+    QUEUED = "QUEUED"
+    RUNNING = "RUNNING"
+    PREEMPTED = "PREEMPTED"
+    RESUMING = "RESUMING"
+    FINISHED = "FINISHED"
+    STOPPED = "STOPPED"
+    FLAGGED = "FLAGGED"
+    SHED = "SHED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({ReplyState.FINISHED, ReplyState.STOPPED, ReplyState.FLAGGED, ReplyState.SHED})
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """One step of output: text delta plus the token ids behind it (may be several, or none)."""
+
+    n: int  # 0 asks append() to assign the next number
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+
+    def to_fields(self) -> dict[str, str]:
+        return {"k": "t", "n": str(self.n), "text": self.text, "ids": ",".join(map(str, self.token_ids))}
+
+
+@dataclass(frozen=True)
+class FinalEvent:
+    """The terminal event: why the reply ended, its state and its usage. Nothing follows it."""
+
+    n: int  # 0 asks finish() to assign the next number
+    finish_reason: FinishReason
+    state: ReplyState
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    def __post_init__(self) -> None:
+        # Validate here so a bad terminal event fails at the producer, not in every client.
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        state = ReplyState(self.state)
+        if not state.terminal:
+            raise ValueError(f"a final event needs a terminal state, got {state}")
+        object.__setattr__(self, "state", state)
+
+    def to_fields(self) -> dict[str, str]:
+        fields = {
+            "k": "f",
+            "n": str(self.n),
+            "reason": self.finish_reason,
+            "state": str(self.state),
+            "prompt": str(self.prompt_tokens),
+            "cached": str(self.cached_tokens),
+            "completion": str(self.completion_tokens),
+        }
+        if self.error is not None:
+            fields["error"] = self.error
+        return fields
+
+
+Event = TokenEvent | FinalEvent
+
+
+def with_n(event: Event, n: int) -> Event:
+    """The same event numbered n (append assigns numbers to events sent with n=0)."""
+    if event.n == n:
+        return event
+    if isinstance(event, TokenEvent):
+        return TokenEvent(n, event.text, list(event.token_ids))
+    return FinalEvent(
+        n,
+        event.finish_reason,
+        event.state,
+        event.prompt_tokens,
+        event.cached_tokens,
+        event.completion_tokens,
+        event.error,
+    )
+
+
+def event_from_fields(fields: dict[str, str]) -> Event:
+    """Inverse of to_fields(); raises ValueError on anything that is not an event."""
+    kind = fields.get("k")
+    n = int(fields["n"])
+    if kind == "t":
+        ids = fields.get("ids", "")
+        return TokenEvent(n, fields.get("text", ""), [int(i) for i in ids.split(",")] if ids else [])
+    if kind == "f":
+        return FinalEvent(
+            n,
+            fields["reason"],  # type: ignore[arg-type]  # validated in __post_init__
+            ReplyState(fields["state"]),
+            int(fields.get("prompt", 0)),
+            int(fields.get("cached", 0)),
+            int(fields.get("completion", 0)),
+            fields.get("error"),
+        )
+    raise ValueError(f"not a token log event: kind {kind!r}")

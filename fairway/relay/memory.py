@@ -1,0 +1,245 @@
+"""InProcessTokenLog: the embedded backend (one process, `make serve`), plain asyncio.
+
+Logs are lists in a dict; each log has an asyncio.Event that is set and replaced on every append,
+so waiting subscribers wake exactly when there is something new. Expiry is by timestamp, checked
+on access and swept lazily, so no background task is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
+from fairway.relay.errors import EventOutOfOrder, ReplyFinished, ReplyNotFound
+from fairway.relay.events import Event, FinalEvent, TokenEvent, with_n
+from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, check_after
+
+
+def _new_signal() -> asyncio.Event:
+    return asyncio.Event()
+
+
+@dataclass
+class _Log:
+    touched: float  # monotonic time of the last event (or create): retention counts from here
+    listened_at: float  # wall time the last listener left (or create)
+    events: list[Event] = field(default_factory=list)  # events[i].n == i + 1
+    changed: asyncio.Event = field(default_factory=_new_signal)
+    listeners: int = 0
+    stop: bool = False
+
+    @property
+    def last_n(self) -> int:
+        return self.events[-1].n if self.events else 0
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.events) and isinstance(self.events[-1], FinalEvent)
+
+    def notify(self) -> None:
+        # Wake everyone waiting on the old signal; later waiters get a fresh one.
+        self.changed.set()
+        self.changed = asyncio.Event()
+
+
+@dataclass
+class _Queue:
+    lanes: dict[Lane, deque[str]] = field(default_factory=lambda: {lane: deque() for lane in LANE_ORDER})
+    arrived: asyncio.Event = field(default_factory=_new_signal)
+
+
+class InProcessTokenLog(TokenLog):
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, *, poll_s: float = 1.0) -> None:
+        self.ttl_s = ttl_s
+        self._poll_s = poll_s  # how often an idle subscriber re-checks that its log has not expired
+        self._logs: dict[str, _Log] = {}
+        self._last_sweep = time.monotonic()
+        self._stop_watchers: set[asyncio.Queue[str]] = set()
+        self._queues: dict[str, _Queue] = {}
+
+    # -- storage helpers ---------------------------------------------------------------------
+
+    def _get(self, reply_id: str) -> _Log | None:
+        self._sweep()
+        log = self._logs.get(reply_id)
+        if log is not None and time.monotonic() - log.touched > self.ttl_s:
+            del self._logs[reply_id]
+            return None
+        return log
+
+    def _require(self, reply_id: str) -> _Log:
+        log = self._get(reply_id)
+        if log is None:
+            raise ReplyNotFound(reply_id)
+        return log
+
+    def _sweep(self) -> None:
+        # Lazy: at most once per min(ttl, 1 s), drop every expired log so memory stays bounded.
+        now = time.monotonic()
+        if now - self._last_sweep < min(self.ttl_s, 1.0):
+            return
+        self._last_sweep = now
+        for reply_id in [r for r, log in self._logs.items() if now - log.touched > self.ttl_s]:
+            del self._logs[reply_id]
+
+    def _open(self) -> _Log:
+        return _Log(touched=time.monotonic(), listened_at=time.time())
+
+    # -- the log -----------------------------------------------------------------------------
+
+    async def create(self, reply_id: str) -> bool:
+        if self._get(reply_id) is not None:
+            return False
+        self._logs[reply_id] = self._open()
+        return True
+
+    async def append(self, reply_id: str, event: TokenEvent) -> int:
+        if not isinstance(event, TokenEvent):
+            raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+        return self._add(reply_id, event)
+
+    async def finish(self, reply_id: str, final: FinalEvent) -> int:
+        if not isinstance(final, FinalEvent):
+            raise TypeError("finish() takes a FinalEvent")
+        return self._add(reply_id, final)
+
+    def _add(self, reply_id: str, event: Event) -> int:
+        log = self._get(reply_id)
+        if log is None:
+            log = self._logs[reply_id] = self._open()
+        if log.finished:
+            raise ReplyFinished(reply_id, log.last_n)
+        n = event.n or log.last_n + 1
+        if n != log.last_n + 1:
+            raise EventOutOfOrder(reply_id, n, log.last_n)
+        log.events.append(with_n(event, n))
+        log.touched = time.monotonic()
+        log.notify()
+        return n
+
+    async def read(self, reply_id: str, after: int = 0) -> list[Event]:
+        log = self._require(reply_id)
+        check_after(reply_id, after, log.last_n, log.finished)
+        return log.events[after:]
+
+    async def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
+        log = self._require(reply_id)
+        check_after(reply_id, after, log.last_n, log.finished)
+        counted = log  # the object we counted on, even if the id's log expires and is recreated
+        counted.listeners += 1
+        try:
+            cursor = after
+            while True:
+                batch = log.events[cursor:]
+                for event in batch:
+                    yield event
+                    cursor = event.n
+                    if isinstance(event, FinalEvent):
+                        return
+                if not batch:
+                    if log.finished:
+                        return  # the cursor is at the terminal event already: nothing will follow
+                    await self._wait(log.changed)
+                    log = self._require(reply_id)  # expired while we waited -> ReplyNotFound
+        finally:
+            counted.listeners -= 1
+            counted.listened_at = time.time()
+
+    async def _wait(self, signal: asyncio.Event) -> None:
+        try:
+            await asyncio.wait_for(signal.wait(), self._poll_s)
+        except TimeoutError:
+            pass
+
+    async def exists(self, reply_id: str) -> bool:
+        return self._get(reply_id) is not None
+
+    async def last_event_id(self, reply_id: str) -> int:
+        return self._require(reply_id).last_n
+
+    # -- listeners ---------------------------------------------------------------------------
+
+    async def listener_count(self, reply_id: str) -> int:
+        log = self._get(reply_id)
+        return log.listeners if log else 0
+
+    async def last_listened_at(self, reply_id: str) -> float | None:
+        log = self._get(reply_id)
+        if log is None:
+            return None
+        return time.time() if log.listeners else log.listened_at
+
+    async def listener_idle_s(self, reply_id: str) -> float | None:
+        log = self._get(reply_id)
+        if log is None:
+            return None
+        return 0.0 if log.listeners else max(0.0, time.time() - log.listened_at)
+
+    # -- control -----------------------------------------------------------------------------
+
+    async def request_stop(self, reply_id: str) -> bool:
+        log = self._require(reply_id)
+        if log.finished:
+            return False
+        log.stop = True
+        for watcher in self._stop_watchers:
+            watcher.put_nowait(reply_id)
+        return True
+
+    async def stop_requested(self, reply_id: str) -> bool:
+        log = self._get(reply_id)
+        return bool(log and log.stop)
+
+    async def watch_stops(self) -> AsyncIterator[str]:
+        inbox: asyncio.Queue[str] = asyncio.Queue()
+        self._stop_watchers.add(inbox)
+        try:
+            while True:
+                yield await inbox.get()
+        finally:
+            self._stop_watchers.discard(inbox)
+
+    # -- reply bus ---------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        job: dict[str, Any],
+        lane: Lane | str = Lane.FREE,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        front: bool = False,
+    ) -> str:
+        lane = Lane(lane)
+        job_id = uuid.uuid4().hex
+        raw = encode_job(job_id, job)  # JSON round trip: same semantics (and failures) as Redis
+        q = self._queues.setdefault(queue, _Queue())
+        (q.lanes[lane].appendleft if front else q.lanes[lane].append)(raw)
+        q.arrived.set()
+        q.arrived = asyncio.Event()
+        return job_id
+
+    async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
+        q = self._queues.setdefault(queue, _Queue())
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            for lane in LANE_ORDER:
+                if q.lanes[lane]:
+                    return decode_job(q.lanes[lane].popleft(), lane)
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None
+            try:
+                await asyncio.wait_for(q.arrived.wait(), remaining)
+            except TimeoutError:
+                pass  # one last look at the lanes, then give up
+
+    async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
+        q = self._queues.get(queue) or _Queue()
+        return {lane: len(q.lanes[lane]) for lane in LANE_ORDER}

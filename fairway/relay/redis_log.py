@@ -1,0 +1,417 @@
+"""RedisTokenLog: the at-scale backend, shared by every gateway and replica process.
+
+Layout (the {reply id} hash tag keeps a reply's keys in one Redis Cluster slot, so the Lua
+scripts below stay single-slot):
+
+  {prefix}reply:{<id>}            Stream: header 0-1 from create(), event n at stream id n-0
+  {prefix}reply:{<id>}:listeners  ZSET listener token -> heartbeat deadline (server time)
+  {prefix}reply:{<id>}:listened   when a listener was last seen (server time)
+  {prefix}reply:{<id>}:stop       stop flag
+  {prefix}control                 Stream of stop requests, tailed by replicas (capped)
+  {prefix}bus:{<queue>}:<lane>    List per lane; BLMPOP pops paid, free, background in order
+
+Explicit stream ids make n the id: a replay "after n" is an exact range, and Redis itself rejects
+a second event n, so a duplicate can never be stored. Every key carries a TTL refreshed by the
+writes that matter, so retention needs no sweeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import aclosing, contextmanager, suppress
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import ExponentialBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
+from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
+from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
+from fairway.relay.token_log import DEFAULT_TTL_S, LISTENER_STALE_S, TokenLog, check_after
+
+_NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
+
+# KEYS: stream, listened. ARGV: ttl_ms. Header entry 0-1 lets an empty log exist (streams can't
+# be empty otherwise) and sorts before event 1-0.
+_CREATE = (
+    _NOW
+    + """
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('XADD', KEYS[1], '0-1', 'k', 'open')
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[2], string.format('%.6f', now), 'PX', ARGV[1])
+return 1
+"""
+)
+
+# KEYS: stream, listened. ARGV: n (0 = next), ttl_ms, kind, field/value pairs...
+# Atomic check-and-append: the numbering rule holds even with two producers racing (failover).
+_APPEND = (
+    _NOW
+    + """
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+local last = 0
+if #top > 0 then
+  last = tonumber(string.match(top[1][1], '^(%d+)-'))
+  if top[1][2][2] == 'f' then return redis.error_reply('FAIRWAY_FINISHED ' .. last) end
+else
+  redis.call('SET', KEYS[2], string.format('%.6f', now), 'PX', ARGV[2], 'NX')
+end
+local n = tonumber(ARGV[1])
+if n == 0 then n = last + 1 end
+if n ~= last + 1 then return redis.error_reply('FAIRWAY_ORDER ' .. last) end
+redis.call('XADD', KEYS[1], n .. '-0', 'k', ARGV[3], 'n', n, unpack(ARGV, 4))
+redis.call('PEXPIRE', KEYS[1], ARGV[2])
+return n
+"""
+)
+
+# KEYS: listeners, listened. ARGV: token, ttl_ms, leaving ('1'/'0'), stale_s.
+# The score is the deadline for the next heartbeat, set by the listener's own process, so how
+# soon a silent listener counts as gone does not depend on who asks.
+_HEARTBEAT = (
+    _NOW
+    + """
+if ARGV[3] == '1' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+else
+  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[4]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+redis.call('SET', KEYS[2], string.format('%.6f', now), 'PX', ARGV[2])
+return 1
+"""
+)
+
+# KEYS: listeners, listened, stream. -> {count, listened_at|nil, now, exists}
+# Dead gateways stop heartbeating; their listeners age out here instead of counting forever.
+# (listened_at may then be up to one heartbeat old: the last time that listener was seen.)
+_LISTENERS = (
+    _NOW
+    + """
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. string.format('%.6f', now))
+return {redis.call('ZCARD', KEYS[1]), redis.call('GET', KEYS[2]), string.format('%.6f', now),
+        redis.call('EXISTS', KEYS[3])}
+"""
+)
+
+# KEYS: stream, stop. ARGV: ttl_ms. -> -1 unknown, 0 already ended, 1 stop pending.
+_STOP = """
+local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #top == 0 then return -1 end
+if top[1][2][2] == 'f' then return 0 end
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
+return 1
+"""
+
+
+@contextmanager
+def _guard() -> Iterator[None]:
+    """Turn transport failures into RelayUnavailable and our script errors into relay errors."""
+    try:
+        yield
+    except (RedisConnectionError, RedisTimeoutError) as exc:
+        raise RelayUnavailable(f"Redis unreachable: {exc}") from exc
+
+
+def _script_error(exc: ResponseError, reply_id: str, n: int) -> Exception:
+    code, _, last = str(exc).partition(" ")
+    if code == "FAIRWAY_FINISHED":
+        return ReplyFinished(reply_id, int(last))
+    if code == "FAIRWAY_ORDER":
+        return EventOutOfOrder(reply_id, n, int(last))
+    return exc
+
+
+def _n_of(entry_id: str) -> int:
+    return int(entry_id.split("-", 1)[0])
+
+
+def _events(entries: list[tuple[str, dict[str, str]]]) -> list[Event]:
+    return [event_from_fields(fields) for _, fields in entries if fields.get("k") != "open"]
+
+
+class RedisTokenLog(TokenLog):
+    def __init__(
+        self,
+        url: str = "redis://127.0.0.1:6379/0",
+        *,
+        ttl_s: float = DEFAULT_TTL_S,
+        prefix: str = "fairway:",
+        block_s: float = 1.0,
+        heartbeat_s: float = 2.0,
+        listener_stale_s: float = LISTENER_STALE_S,
+        connect_timeout_s: float = 2.0,
+        control_maxlen: int = 100_000,
+    ) -> None:
+        self.ttl_s = ttl_s
+        self._prefix = prefix
+        self._block_ms = max(1, int(block_s * 1000))  # one XREAD/BLMPOP wait; loops re-check state
+        self._heartbeat_s = heartbeat_s
+        self._stale_s = listener_stale_s
+        self._control_maxlen = control_maxlen
+        self._r = aioredis.from_url(
+            url,
+            decode_responses=True,
+            socket_connect_timeout=connect_timeout_s,
+            # Must outlive the longest blocking command, or blocked reads would look like outages.
+            socket_timeout=block_s + 5.0,
+            # A couple of quick retries ride out a blip; beyond that callers get RelayUnavailable.
+            retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2),
+        )
+        self._create = self._r.register_script(_CREATE)
+        self._append = self._r.register_script(_APPEND)
+        self._heartbeat = self._r.register_script(_HEARTBEAT)
+        self._listeners = self._r.register_script(_LISTENERS)
+        self._stop = self._r.register_script(_STOP)
+
+    # -- keys --------------------------------------------------------------------------------
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, int(self.ttl_s * 1000))
+
+    def _key(self, reply_id: str, part: str = "") -> str:
+        return f"{self._prefix}reply:{{{reply_id}}}{':' + part if part else ''}"
+
+    def _lane_key(self, queue: str, lane: Lane) -> str:
+        return f"{self._prefix}bus:{{{queue}}}:{lane}"
+
+    @property
+    def _control_key(self) -> str:
+        return f"{self._prefix}control"
+
+    async def ping(self) -> None:
+        """Fail fast at startup with RelayUnavailable rather than on the first reply."""
+        with _guard():
+            await self._r.ping()
+
+    async def close(self) -> None:
+        await self._r.aclose()
+
+    # -- the log -----------------------------------------------------------------------------
+
+    async def create(self, reply_id: str) -> bool:
+        with _guard():
+            keys = [self._key(reply_id), self._key(reply_id, "listened")]
+            return bool(await self._create(keys=keys, args=[self._ttl_ms]))
+
+    async def append(self, reply_id: str, event: TokenEvent) -> int:
+        if not isinstance(event, TokenEvent):
+            raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+        return await self._add(reply_id, event)
+
+    async def finish(self, reply_id: str, final: FinalEvent) -> int:
+        if not isinstance(final, FinalEvent):
+            raise TypeError("finish() takes a FinalEvent")
+        return await self._add(reply_id, final)
+
+    async def _add(self, reply_id: str, event: Event) -> int:
+        fields = event.to_fields()
+        kind = fields.pop("k")
+        fields.pop("n")  # the script writes the n it assigned or validated
+        flat = [item for pair in fields.items() for item in pair]
+        keys = [self._key(reply_id), self._key(reply_id, "listened")]
+        with _guard():
+            try:
+                return int(await self._append(keys=keys, args=[event.n, self._ttl_ms, kind, *flat]))
+            except ResponseError as exc:
+                raise _script_error(exc, reply_id, event.n) from exc
+
+    async def _snapshot(self, reply_id: str, after: int) -> tuple[list[Event], bool]:
+        """Validated events after `after` and whether the log has ended, read atomically
+        (MULTI/EXEC) so the two agree."""
+        key = self._key(reply_id)
+        with _guard():
+            async with self._r.pipeline(transaction=True) as pipe:
+                pipe.xrevrange(key, "+", "-", count=1)
+                pipe.xrange(key, min=f"{after + 1}-0", max="+")
+                top, entries = await pipe.execute()
+        if not top:
+            raise ReplyNotFound(reply_id)
+        top_id, top_fields = top[0]
+        finished = top_fields.get("k") == "f"
+        check_after(reply_id, after, _n_of(top_id), finished)
+        return _events(entries), finished
+
+    async def read(self, reply_id: str, after: int = 0) -> list[Event]:
+        events, _ = await self._snapshot(reply_id, after)
+        return events
+
+    async def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
+        replay, finished = await self._snapshot(reply_id, after)
+        if finished and not replay:
+            return  # the cursor is at the terminal event already: nothing will follow
+        token = uuid.uuid4().hex
+        await self._beat(reply_id, token)  # counted before the first event is handed out
+        beating = asyncio.create_task(self._keep_beating(reply_id, token))
+        try:
+            cursor = after
+            for event in replay:
+                yield event
+                cursor = event.n
+                if isinstance(event, FinalEvent):
+                    return
+            async with aclosing(self._tail(reply_id, cursor)) as live:
+                async for event in live:
+                    yield event
+                    if isinstance(event, FinalEvent):
+                        return
+        finally:
+            beating.cancel()
+            with suppress(Exception):  # best effort: a stale heartbeat ages out anyway
+                await self._beat(reply_id, token, leaving=True)
+
+    async def _tail(self, reply_id: str, cursor: int) -> AsyncIterator[Event]:
+        """Live events after n = cursor. The stream id cursor makes the replay->live seam exact."""
+        key = self._key(reply_id)
+        while True:
+            with _guard():
+                # "{cursor}-1" sorts after event cursor (id cursor-0) and, for 0, after the header.
+                result = await self._r.xread({key: f"{cursor}-1"}, block=self._block_ms, count=512)
+            if result:
+                for event in _events(result[0][1]):
+                    cursor = event.n
+                    yield event
+            else:
+                with _guard():
+                    if not await self._r.exists(key):
+                        raise ReplyNotFound(reply_id)  # expired while nothing happened
+
+    async def _beat(self, reply_id: str, token: str, leaving: bool = False) -> None:
+        keys = [self._key(reply_id, "listeners"), self._key(reply_id, "listened")]
+        with _guard():
+            await self._heartbeat(
+                keys=keys, args=[token, self._ttl_ms, "1" if leaving else "0", self._stale_s]
+            )
+
+    async def _keep_beating(self, reply_id: str, token: str) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            with suppress(RelayUnavailable):  # keep trying; the stream read reports the outage
+                await self._beat(reply_id, token)
+
+    async def exists(self, reply_id: str) -> bool:
+        with _guard():
+            return bool(await self._r.exists(self._key(reply_id)))
+
+    async def last_event_id(self, reply_id: str) -> int:
+        with _guard():
+            top = await self._r.xrevrange(self._key(reply_id), "+", "-", count=1)
+        if not top:
+            raise ReplyNotFound(reply_id)
+        return _n_of(top[0][0])
+
+    # -- listeners ---------------------------------------------------------------------------
+
+    async def _listener_state(self, reply_id: str) -> tuple[int, float | None, float, bool]:
+        keys = [self._key(reply_id, "listeners"), self._key(reply_id, "listened"), self._key(reply_id)]
+        with _guard():
+            count, listened, now, exists = await self._listeners(keys=keys, args=[])
+        return int(count), float(listened) if listened else None, float(now), bool(exists)
+
+    async def listener_count(self, reply_id: str) -> int:
+        count, _, _, exists = await self._listener_state(reply_id)
+        return count if exists else 0
+
+    async def last_listened_at(self, reply_id: str) -> float | None:
+        count, listened, now, exists = await self._listener_state(reply_id)
+        if not exists:
+            return None
+        return now if count else listened
+
+    async def listener_idle_s(self, reply_id: str) -> float | None:
+        count, listened, now, exists = await self._listener_state(reply_id)
+        if not exists or listened is None:
+            return None
+        return 0.0 if count else max(0.0, now - listened)
+
+    # -- control -----------------------------------------------------------------------------
+
+    async def request_stop(self, reply_id: str) -> bool:
+        keys = [self._key(reply_id), self._key(reply_id, "stop")]
+        with _guard():
+            outcome = int(await self._stop(keys=keys, args=[self._ttl_ms]))
+            if outcome < 0:
+                raise ReplyNotFound(reply_id)
+            if outcome == 0:
+                return False
+            # Flag first, then notify: a watcher that misses the notice still finds the flag. The
+            # control stream lives in another cluster slot, hence a separate command.
+            await self._r.xadd(
+                self._control_key,
+                {"op": "stop", "reply": reply_id},
+                maxlen=self._control_maxlen,
+                approximate=True,
+            )
+        return True
+
+    async def stop_requested(self, reply_id: str) -> bool:
+        with _guard():
+            return bool(await self._r.exists(self._key(reply_id, "stop")))
+
+    async def watch_stops(self) -> AsyncIterator[str]:
+        with _guard():
+            top = await self._r.xrevrange(self._control_key, "+", "-", count=1)
+        cursor = top[0][0] if top else "0-0"  # an explicit id, not "$": nothing slips in between calls
+        while True:
+            with _guard():
+                result = await self._r.xread({self._control_key: cursor}, block=self._block_ms, count=512)
+            for entry_id, fields in result[0][1] if result else []:
+                cursor = entry_id
+                if fields.get("op") == "stop":
+                    yield fields["reply"]
+
+    # -- reply bus ---------------------------------------------------------------------------
+
+    async def submit(
+        self,
+        job: dict[str, Any],
+        lane: Lane | str = Lane.FREE,
+        *,
+        queue: str = DEFAULT_QUEUE,
+        front: bool = False,
+    ) -> str:
+        lane = Lane(lane)
+        job_id = uuid.uuid4().hex
+        raw = encode_job(job_id, job)
+        key = self._lane_key(queue, lane)
+        with _guard():
+            await (self._r.lpush(key, raw) if front else self._r.rpush(key, raw))
+        return job_id
+
+    async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
+        keys = [self._lane_key(queue, lane) for lane in LANE_ORDER]  # (B)LMPOP takes the first non-empty
+        lanes = dict(zip(keys, LANE_ORDER, strict=True))
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while True:
+            remaining = None if deadline is None else deadline - loop.time()
+            with _guard():
+                if remaining is not None and remaining <= 0:
+                    popped = await self._r.lmpop(len(keys), *keys, direction="LEFT")
+                else:
+                    # Wait in slices no longer than block_s so the socket timeout never fires.
+                    wait = (
+                        self._block_ms / 1000 if remaining is None else min(remaining, self._block_ms / 1000)
+                    )
+                    popped = await self._r.blmpop(max(wait, 0.01), len(keys), *keys, direction="LEFT")
+            if popped:
+                key, items = popped
+                return decode_job(items[0], lanes[key])
+            if remaining is not None and remaining <= 0:
+                return None
+
+    async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
+        with _guard():
+            async with self._r.pipeline(transaction=False) as pipe:
+                for lane in LANE_ORDER:
+                    pipe.llen(self._lane_key(queue, lane))
+                depths = await pipe.execute()
+        return dict(zip(LANE_ORDER, (int(d) for d in depths), strict=True))

@@ -1,0 +1,115 @@
+"""TokenLog: each reply's numbered events, kept ttl_s after the last one, readable from any gateway.
+
+The flow it serves (design seed "Wi-Fi drops at token 212, then Stop at 260"):
+
+* the gateway create()s the reply's log, submits the job, then subscribe()s;
+* the replica append()s token n = 1, 2, 3, ... and finally finish()es with the terminal event;
+* a client that reconnects anywhere with Last-Event-ID 212 gets subscribe(after=212): 213
+  onwards from the log at once, then live, with no gap and no repeat;
+* Stop at any gateway is request_stop(); the replica owning the reply sees it through
+  watch_stops() (or stop_requested()) and finishes with state STOPPED, keeping the text;
+* every subscriber counts as a listener while it iterates; when listener_idle_s() passes 30 s
+  the replica cancels the reply ("nobody is listening").
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import AsyncIterator
+
+from fairway.relay.bus import ReplyBus
+from fairway.relay.errors import EventIdOutOfRange
+from fairway.relay.events import Event, FinalEvent, TokenEvent
+
+DEFAULT_TTL_S = 1800.0  # 30 minutes: long enough for any reconnect, short enough to stay small
+LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for this long is gone
+
+
+def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
+    """Reject cursors no client could hold: negative, or past the end of a finished reply.
+
+    Past the end of a running reply is allowed: it just waits for those events to arrive.
+    """
+    if after < 0:
+        raise ValueError(f"after must be >= 0, got {after}")
+    if finished and after > last_n:
+        raise EventIdOutOfRange(reply_id, after, last_n)
+
+
+class TokenLog(ReplyBus):
+    """One small async interface over the in-process and Redis backends (see make_token_log)."""
+
+    ttl_s: float
+
+    # -- the log -----------------------------------------------------------------------------
+
+    @abstractmethod
+    async def create(self, reply_id: str) -> bool:
+        """Open an empty log so subscribers can attach before the first token; also starts the
+        listener idle clock. Returns False (and changes nothing) if the log already exists."""
+
+    @abstractmethod
+    async def append(self, reply_id: str, event: TokenEvent) -> int:
+        """Append one token event and return its n. event.n == 0 takes the next number; any other
+        n must be exactly last+1 (EventOutOfOrder otherwise, so a duplicate or zombie producer
+        cannot corrupt the log). Creates the log if missing; ReplyFinished after finish()."""
+
+    @abstractmethod
+    async def finish(self, reply_id: str, final: FinalEvent) -> int:
+        """Append the terminal event (same numbering rules as append) and return its n."""
+
+    @abstractmethod
+    async def read(self, reply_id: str, after: int = 0) -> list[Event]:
+        """Every event with n > after, right now. ReplyNotFound for an unknown/expired reply,
+        EventIdOutOfRange when after is past the end of a finished reply."""
+
+    @abstractmethod
+    def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
+        """Events with n > after: the logged ones at once, then live, ending after the terminal
+        event. Same errors as read(), raised on the first iteration. The subscriber counts as a
+        listener while it iterates; wrap it in contextlib.aclosing() so leaving is recorded at
+        once rather than at garbage collection."""
+
+    @abstractmethod
+    async def exists(self, reply_id: str) -> bool:
+        """Whether the reply's log is there (created and not yet expired)."""
+
+    @abstractmethod
+    async def last_event_id(self, reply_id: str) -> int:
+        """n of the newest event (0 for a created, empty log); ReplyNotFound if none."""
+
+    # -- listeners ---------------------------------------------------------------------------
+
+    @abstractmethod
+    async def listener_count(self, reply_id: str) -> int:
+        """Subscribers iterating this reply now, across all gateways."""
+
+    @abstractmethod
+    async def last_listened_at(self, reply_id: str) -> float | None:
+        """Wall-clock time (epoch s) a listener was last seen: now while one listens, else when the
+        last one left (or create() time if nobody came). None if never created/listened."""
+
+    @abstractmethod
+    async def listener_idle_s(self, reply_id: str) -> float | None:
+        """Seconds nobody has been listening: 0.0 while someone does. Measured on one clock (the
+        Redis server's for Redis), so the replica's "30 s" is immune to skew between machines."""
+
+    # -- control -----------------------------------------------------------------------------
+
+    @abstractmethod
+    async def request_stop(self, reply_id: str) -> bool:
+        """Ask the producer to stop the reply. True if it was still running (stop pending), False
+        if it already ended. ReplyNotFound for an unknown reply."""
+
+    @abstractmethod
+    async def stop_requested(self, reply_id: str) -> bool:
+        """Whether a stop was requested for the reply (kept as long as the log)."""
+
+    @abstractmethod
+    def watch_stops(self) -> AsyncIterator[str]:
+        """Reply ids of every stop requested from the moment this iteration starts, from any
+        gateway. A replica filters for its own replies; for replies it adopted earlier (e.g. after
+        failover) it checks stop_requested() once."""
+
+    async def close(self) -> None:
+        """Release connections; the in-process backend has none."""

@@ -1,0 +1,360 @@
+"""The conversation store against both backends: a SQLite file and the real PostgreSQL.
+
+PostgreSQL tests share one database per session (fairway_test_<random>, created through the
+`postgres` maintenance database, dropped at the end), each test in its own fresh schema, so
+tests never see each other's rows and none pays for a CREATE DATABASE.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import asyncpg
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+from fairway.conversation import (
+    ConversationStore,
+    DuplicateClientKey,
+    MessageStatus,
+    NotFound,
+    ReplyFinished,
+    ReplyState,
+    Role,
+    database_url,
+    make_store,
+)
+from fairway.conversation.schema import metadata
+from fairway.conversation.sql_store import SqlConversationStore, alembic_config
+
+PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
+PG_USER = os.environ.get("FAIRWAY_TEST_PG_USER", "postgres")
+
+StoreFactory = Callable[[], SqlConversationStore]
+
+
+async def _pg_admin(sql: str) -> None:
+    conn = await asyncpg.connect(f"postgresql://{PG_USER}@{PG_HOST}/postgres", timeout=5)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="session")
+def pg_database() -> Iterator[str | None]:
+    """The session's PostgreSQL database URL, or None when no server answers."""
+    name = f"fairway_test_{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError):
+        yield None
+        return
+    yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
+    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+async def open_store(request: pytest.FixtureRequest, tmp_path, pg_database: str | None) -> StoreFactory:
+    """Opens (another) store on this test's database: SQLite file or PostgreSQL schema."""
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path}/fairway.db"
+        return lambda: SqlConversationStore(url)
+    if pg_database is None:
+        pytest.skip(f"PostgreSQL at {PG_HOST} not reachable")
+    schema = f"t_{uuid.uuid4().hex[:12]}"
+    conn = await asyncpg.connect(pg_database)
+    try:
+        await conn.execute(f'CREATE SCHEMA "{schema}"')
+    finally:
+        await conn.close()
+    settings = {"server_settings": {"search_path": schema}}
+    return lambda: SqlConversationStore(database_url(pg_database), connect_args=settings)
+
+
+@pytest.fixture
+async def store(open_store: StoreFactory) -> AsyncIterator[SqlConversationStore]:
+    s = open_store()
+    await s.init()
+    yield s
+    await s.close()
+
+
+async def _turn(store: ConversationStore, user: str = "u1", text: str = "hi"):
+    conv = await store.create_conversation(user, "paid", "smollm2")
+    msg = await store.add_message(conv.id, Role.USER, text, client_key=f"key-{uuid.uuid4().hex}")
+    return conv, msg
+
+
+async def test_conversation_crud_and_paging(store: ConversationStore) -> None:
+    a = await store.create_conversation("u1", "free", "smollm2", title="first")
+    b = await store.create_conversation("u1", "paid", "smollm2")
+    got = await store.get_conversation(a.id, "u1")
+    assert got == a and got.title == "first" and got.tier == "free"
+
+    assert [c.id for c in await store.list_conversations("u1")] == [b.id, a.id]
+    # A new message moves a conversation to the top.
+    await store.add_message(a.id, Role.USER, "hello")
+    page1 = await store.list_conversations("u1", limit=1)
+    assert [c.id for c in page1] == [a.id]
+    page2 = await store.list_conversations("u1", limit=1, before=page1[-1].updated_at)
+    assert [c.id for c in page2] == [b.id]
+    assert await store.list_conversations("u1", limit=1, before=page2[-1].updated_at) == []
+
+
+async def test_other_users_conversation_is_invisible(store: ConversationStore) -> None:
+    conv, _ = await _turn(store, user="alice")
+    assert await store.get_conversation(conv.id, "mallory") is None
+    assert await store.get_conversation("conv_missing", "alice") is None
+    assert await store.list_conversations("mallory") == []
+    assert await store.delete_conversation(conv.id, "mallory") is False
+    assert await store.get_conversation(conv.id, "alice") is not None
+
+
+async def test_messages_in_order_and_client_keys(store: ConversationStore) -> None:
+    conv = await store.create_conversation("u1", "paid", "smollm2")
+    texts = [f"turn {i}" for i in range(5)]
+    for i, text in enumerate(texts):
+        await store.add_message(conv.id, Role.USER, text, client_key=f"m{i}", prompt_tokens=i)
+    listed = await store.list_messages(conv.id)
+    assert [m.text for m in listed] == texts
+    assert listed[3].prompt_tokens == 3 and listed[3].status is MessageStatus.COMPLETE
+
+    found = await store.get_message_by_client_key(conv.id, "m2")
+    assert found is not None and found.text == "turn 2"
+    assert await store.get_message_by_client_key(conv.id, "nope") is None
+
+    with pytest.raises(DuplicateClientKey) as dup:
+        await store.add_message(conv.id, Role.USER, "resent", client_key="m2")
+    assert dup.value.existing.id == found.id
+    assert len(await store.list_messages(conv.id)) == 5
+
+    # Client keys are per conversation; messages without one never collide.
+    other = await store.create_conversation("u1", "paid", "smollm2")
+    await store.add_message(other.id, Role.USER, "same key elsewhere", client_key="m2")
+    await store.add_message(other.id, Role.SYSTEM, "a")
+    await store.add_message(other.id, Role.SYSTEM, "b")
+    with pytest.raises(NotFound):
+        await store.add_message("conv_missing", Role.USER, "x")
+
+
+async def test_delete_cascades(store: ConversationStore) -> None:
+    conv, msg = await _turn(store)
+    done = await store.create_reply(conv.id, msg.id)
+    await store.finish_reply(done.id, "answer", MessageStatus.COMPLETE)
+    live = await store.create_reply(conv.id, msg.id, prompt_token_ids=[1, 2])
+    keep, keep_msg = await _turn(store)
+
+    assert await store.delete_conversation(conv.id, "u1") is True
+    assert await store.get_conversation(conv.id, "u1") is None
+    assert await store.list_messages(conv.id) == []
+    assert await store.get_reply(done.id) is None and await store.get_reply(live.id) is None
+    assert await store.list_unfinished_replies() == []
+    assert await store.delete_conversation(conv.id, "u1") is False
+    assert [m.id for m in await store.list_messages(keep.id)] == [keep_msg.id]
+
+
+@pytest.mark.parametrize(
+    ("status", "state", "reason"),
+    [
+        (MessageStatus.COMPLETE, ReplyState.FINISHED, "stop"),
+        (MessageStatus.STOPPED, ReplyState.STOPPED, None),
+        (MessageStatus.FLAGGED, ReplyState.FLAGGED, "content_filter"),
+    ],
+)
+async def test_finish_reply_stores_assistant_message(
+    store: ConversationStore, status: MessageStatus, state: ReplyState, reason: str | None
+) -> None:
+    conv, msg = await _turn(store)
+    reply = await store.create_reply(conv.id, msg.id, prompt_token_ids=[5, 6, 7])
+    await store.update_reply(reply.id, state=ReplyState.RUNNING, replica_id="r17", last_event_id=3)
+
+    given_reason = "stop" if status is MessageStatus.COMPLETE else None  # flagged gets a default
+    answer = await store.finish_reply(
+        reply.id,
+        "partial answer",
+        status,
+        given_reason,
+        prompt_tokens=3,
+        completion_tokens=9,
+        cached_tokens=2,
+    )
+    assert (answer.role, answer.status, answer.reply_id) == (Role.ASSISTANT, status, reply.id)
+    assert (answer.prompt_tokens, answer.completion_tokens, answer.cached_tokens) == (3, 9, 2)
+    assert await store.list_messages(conv.id) == [msg, answer]
+
+    stored = await store.get_reply(reply.id)
+    assert stored is not None
+    assert (stored.state, stored.finish_reason, stored.replica_id, stored.last_event_id) == (
+        state,
+        reason,
+        "r17",
+        3,
+    )
+    assert stored.finished and stored.finished_at is not None
+    assert (await store.get_conversation(conv.id, "u1")).updated_at == answer.created_at
+
+
+async def test_final_states_are_final(store: ConversationStore) -> None:
+    conv, msg = await _turn(store)
+    reply = await store.create_reply(conv.id, msg.id)
+    # A Stop and the last token race: exactly one outcome is stored, both callers see it.
+    first, second = await asyncio.gather(
+        store.finish_reply(reply.id, "all of it", MessageStatus.COMPLETE, "stop", completion_tokens=4),
+        store.finish_reply(reply.id, "some of it", MessageStatus.STOPPED, completion_tokens=2),
+    )
+    assert first == second
+    assistants = [m for m in await store.list_messages(conv.id) if m.role is Role.ASSISTANT]
+    assert assistants == [first]
+    with pytest.raises(ReplyFinished):
+        await store.update_reply(reply.id, last_event_id=99)
+
+    shed = await store.create_reply(conv.id, msg.id)
+    shed = await store.update_reply(shed.id, state=ReplyState.SHED)
+    assert shed is not None and shed.finished_at is not None
+    with pytest.raises(ReplyFinished) as err:
+        await store.finish_reply(shed.id, "late", MessageStatus.COMPLETE)
+    assert err.value.state is ReplyState.SHED
+    assert await store.get_reply_for_message(conv.id, msg.id) == shed  # the newest reply
+
+
+async def test_update_reply_fields(store: ConversationStore) -> None:
+    conv, msg = await _turn(store)
+    reply = await store.create_reply(conv.id, msg.id, prompt_token_ids=[1])
+    moved = await store.update_reply(reply.id, state="RESUMING", replica_id="r42", last_event_id=212)
+    assert moved is not None and (moved.state, moved.replica_id, moved.last_event_id) == (
+        ReplyState.RESUMING,
+        "r42",
+        212,
+    )
+    assert moved.finished_at is None
+    assert await store.update_reply("rep_missing", last_event_id=1) is None
+    with pytest.raises(TypeError):
+        await store.update_reply(reply.id, conversation_id="elsewhere")
+    with pytest.raises(NotFound):
+        await store.create_reply(conv.id, "msg_missing")
+    with pytest.raises(NotFound):
+        await store.finish_reply("rep_missing", "x", MessageStatus.COMPLETE)
+
+
+async def test_unfinished_replies_keep_their_context(open_store: StoreFactory) -> None:
+    store = open_store()
+    await store.init()
+    conv, msg = await _turn(store)
+    prompt = list(range(2000))  # a realistic context, to continue after the token log expired
+    running = await store.create_reply(conv.id, msg.id, prompt_token_ids=prompt, context_text="ctx")
+    await store.update_reply(running.id, state=ReplyState.RUNNING, replica_id="r17", last_event_id=212)
+    finished = await store.create_reply(conv.id, msg.id, prompt_token_ids=[1])
+    await store.finish_reply(finished.id, "ok", MessageStatus.COMPLETE)
+    queued = await store.create_reply(conv.id, msg.id, context_text="only text")
+    await store.close()
+
+    # A restarted process finds them, oldest first, with everything needed to resume.
+    reopened = open_store()
+    await reopened.init()
+    try:
+        unfinished = await reopened.list_unfinished_replies()
+        assert [r.id for r in unfinished] == [running.id, queued.id]
+        assert unfinished[0].prompt_token_ids == prompt and unfinished[0].context_text == "ctx"
+        assert (unfinished[0].state, unfinished[0].replica_id, unfinished[0].last_event_id) == (
+            ReplyState.RUNNING,
+            "r17",
+            212,
+        )
+        assert unfinished[1].prompt_token_ids is None and unfinished[1].context_text == "only text"
+    finally:
+        await reopened.close()
+
+
+async def _alembic_heads(store: SqlConversationStore) -> set[str]:
+    def current(conn: sa.Connection) -> set[str]:
+        return set(MigrationContext.configure(conn).get_current_heads())
+
+    async with store._engine.connect() as conn:
+        return await conn.run_sync(current)
+
+
+async def test_init_is_idempotent_and_matches_schema(store: SqlConversationStore) -> None:
+    conv, _ = await _turn(store)
+    await store.init()
+    await asyncio.gather(store.init(), store.init())  # concurrent starters too
+    assert await store.get_conversation(conv.id, "u1") is not None
+    assert await _alembic_heads(store) == set(ScriptDirectory.from_config(alembic_config()).get_heads())
+
+    def diff(conn: sa.Connection) -> list:
+        # Partitions are PostgreSQL's storage, not model tables.
+        def include(obj, name, type_, reflected, compare_to) -> bool:
+            if type_ == "foreign_key_constraint":
+                name = obj.referred_table.name  # PostgreSQL mirrors an FK onto each partition
+            return not (name or "").startswith("messages_p")
+
+        ctx = MigrationContext.configure(conn, opts={"include_object": include})
+        return compare_metadata(ctx, metadata)
+
+    async with store._engine.connect() as conn:
+        assert await conn.run_sync(diff) == []
+
+
+async def test_messages_are_hash_partitioned_on_postgres(store: SqlConversationStore) -> None:
+    if store._dialect != "postgresql":
+        pytest.skip("partitioning is PostgreSQL only")
+    async with store._engine.connect() as conn:
+        strategy = await conn.scalar(
+            sa.text("SELECT partstrat::text FROM pg_partitioned_table WHERE partrelid = 'messages'::regclass")
+        )
+        parts = await conn.scalar(
+            sa.text("SELECT count(*) FROM pg_inherits WHERE inhparent = 'messages'::regclass")
+        )
+    assert (strategy, parts) == ("h", 8)
+
+    # Rows really spread over the partitions.
+    for _ in range(16):
+        await _turn(store)
+    async with store._engine.connect() as conn:
+        used = await conn.scalar(sa.text("SELECT count(DISTINCT tableoid) FROM messages"))
+    assert used > 1
+
+
+def test_database_urls(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert database_url("postgresql://root@db/x") == "postgresql+asyncpg://root@db/x"
+    assert database_url("postgres://root@db/x") == "postgresql+asyncpg://root@db/x"
+    assert database_url("sqlite:///a.db") == "sqlite+aiosqlite:///a.db"
+    assert database_url("postgresql+asyncpg://db/x") == "postgresql+asyncpg://db/x"
+    monkeypatch.chdir(tmp_path)
+    assert database_url(None) == f"sqlite+aiosqlite:///{tmp_path / '.fairway' / 'fairway.db'}"
+
+
+async def test_default_store_is_a_sqlite_file_under_dot_fairway(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = make_store(None)
+    try:
+        await store.init()
+        await store.create_conversation("u1", "free", "smollm2")
+    finally:
+        await store.close()
+    assert (tmp_path / ".fairway" / "fairway.db").is_file()
+
+
+async def test_in_memory_sqlite_shares_one_database() -> None:
+    store = make_store("sqlite+aiosqlite://")
+    try:
+        await store.init()
+        conv, msg = await _turn(store)
+        assert await store.list_messages(conv.id) == [msg]
+    finally:
+        await store.close()
+
+
+def test_reply_state_machine() -> None:
+    S = ReplyState
+    assert S.QUEUED.can_become(S.RUNNING) and S.RUNNING.can_become(S.PREEMPTED)
+    assert S.PREEMPTED.can_become(S.QUEUED) and S.RESUMING.can_become(S.QUEUED)
+    assert S.QUEUED.can_become(S.SHED) and not S.RUNNING.can_become(S.SHED)
+    assert not S.QUEUED.can_become(S.FINISHED)
+    assert all(not s.can_become(S.QUEUED) for s in (S.FINISHED, S.STOPPED, S.FLAGGED, S.SHED))

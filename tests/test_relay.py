@@ -1,0 +1,441 @@
+"""Token log + reply bus, run against both backends (in-process, and the real Redis server)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from typing import Any
+
+import pytest
+
+from fairway.relay import (
+    EventIdOutOfRange,
+    EventOutOfOrder,
+    FinalEvent,
+    InProcessTokenLog,
+    Lane,
+    RelayUnavailable,
+    ReplyFinished,
+    ReplyNotFound,
+    ReplyState,
+    TokenEvent,
+    TokenLog,
+    event_from_fields,
+    make_token_log,
+)
+
+REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+class Backend:
+    """Opens views of one relay: for Redis each open() is a separate client, as a separate gateway
+    or replica process would have; in-process there is only the one object to share."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.prefix = f"test:{uuid.uuid4().hex[:12]}:"  # isolates this test's keys on the shared server
+        self._logs: list[TokenLog] = []
+
+    def open(self, **options: Any) -> TokenLog:
+        if self.kind == "memory":
+            if not self._logs:
+                self._logs.append(InProcessTokenLog(**options))
+            return self._logs[0]
+        from fairway.relay.redis_log import RedisTokenLog
+
+        log = RedisTokenLog(REDIS_URL, prefix=self.prefix, **options)
+        self._logs.append(log)
+        return log
+
+    async def cleanup(self) -> None:
+        if self.kind == "redis":
+            import redis.asyncio as aioredis
+
+            client = aioredis.from_url(REDIS_URL)
+            keys = [key async for key in client.scan_iter(match=f"{self.prefix}*")]
+            if keys:
+                await client.delete(*keys)
+            await client.aclose()
+        for log in self._logs:
+            await log.close()
+
+
+async def _started(kind: str) -> Backend:
+    b = Backend(kind)
+    if kind == "redis":
+        try:
+            await b.open().ping()  # type: ignore[attr-defined]
+        except RelayUnavailable:
+            await b.cleanup()
+            pytest.skip(f"no Redis at {REDIS_URL}")
+    return b
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def backend(request: pytest.FixtureRequest) -> AsyncIterator[Backend]:
+    b = await _started(request.param)
+    yield b
+    await b.cleanup()
+
+
+@pytest.fixture
+async def redis_backend() -> AsyncIterator[Backend]:
+    b = await _started("redis")
+    yield b
+    await b.cleanup()
+
+
+def rid() -> str:
+    return f"r{uuid.uuid4().hex[:8]}"
+
+
+def final(
+    n: int = 0, state: ReplyState = ReplyState.FINISHED, reason: str = "stop", **usage: Any
+) -> FinalEvent:
+    return FinalEvent(n, reason, state, **usage)  # type: ignore[arg-type]
+
+
+async def collect(log: TokenLog, reply_id: str, after: int = 0) -> list[Any]:
+    async with aclosing(log.subscribe(reply_id, after)) as events:
+        return [event async for event in events]
+
+
+async def produce(log: TokenLog, reply_id: str, count: int, start: int = 1) -> None:
+    for n in range(start, start + count):
+        await log.append(reply_id, TokenEvent(n, f"t{n} ", [n]))
+
+
+# -- events --------------------------------------------------------------------------------
+
+
+def test_events_round_trip_flat_fields() -> None:
+    events = [
+        TokenEvent(1, 'héllo, "world"\n', [15, 2, 99]),
+        TokenEvent(2, "", []),
+        final(
+            3, ReplyState.FLAGGED, "content_filter", prompt_tokens=10, cached_tokens=4, completion_tokens=2
+        ),
+        final(4, ReplyState.SHED, "abort", error="free tier at capacity"),
+    ]
+    for event in events:
+        fields = event.to_fields()
+        assert all(isinstance(k, str) and isinstance(v, str) for k, v in fields.items())
+        assert event_from_fields(fields) == event
+
+
+def test_final_event_rejects_bad_reason_and_non_terminal_state() -> None:
+    with pytest.raises(ValueError):
+        final(1, reason="done")
+    with pytest.raises(ValueError):
+        final(1, state=ReplyState.RUNNING)
+    with pytest.raises(ValueError):
+        event_from_fields({"k": "x", "n": "1"})
+
+
+def test_make_token_log_picks_backend() -> None:
+    assert isinstance(make_token_log(None), InProcessTokenLog)
+    assert make_token_log("memory://", ttl_s=5).ttl_s == 5
+    from fairway.relay.redis_log import RedisTokenLog
+
+    assert isinstance(make_token_log(REDIS_URL), RedisTokenLog)
+    with pytest.raises(ValueError):
+        make_token_log("kafka://x")
+
+
+# -- the log -------------------------------------------------------------------------------
+
+
+async def test_append_and_read_in_order(backend: Backend) -> None:
+    log, r = backend.open(), rid()
+    assert await log.create(r) is True
+    assert await log.create(r) is False  # idempotent: a second create changes nothing
+    assert await log.last_event_id(r) == 0
+    assert await log.read(r) == []
+    assert await log.append(r, TokenEvent(0, "Hel", [1])) == 1  # n=0: assigned
+    assert await log.append(r, TokenEvent(2, "lo", [2, 3])) == 2  # explicit n: validated
+    assert await log.append(r, TokenEvent(0, "!", [])) == 3
+    events = await log.read(r)
+    assert [e.n for e in events] == [1, 2, 3]
+    assert "".join(e.text for e in events) == "Hello!"
+    assert events[1].token_ids == [2, 3]
+    assert [e.n for e in await log.read(r, after=2)] == [3]
+    assert await log.read(r, after=3) == []
+    assert await log.read(r, after=7) == []  # running reply: nothing yet, not an error
+    assert await log.finish(r, final(0, completion_tokens=4)) == 4
+    assert await log.last_event_id(r) == 4
+    end = (await log.read(r, after=3))[0]
+    assert isinstance(end, FinalEvent) and end.state is ReplyState.FINISHED and end.completion_tokens == 4
+
+
+async def test_append_creates_missing_log_and_enforces_numbering(backend: Backend) -> None:
+    log, r = backend.open(), rid()
+    assert await log.append(r, TokenEvent(1, "a")) == 1  # a producer may start without create()
+    assert await log.exists(r)
+    with pytest.raises(EventOutOfOrder):
+        await log.append(r, TokenEvent(1, "dup"))  # a duplicate (zombie producer) is refused
+    with pytest.raises(EventOutOfOrder):
+        await log.append(r, TokenEvent(3, "gap"))
+    with pytest.raises(EventOutOfOrder):
+        await log.append(rid(), TokenEvent(5, "zombie"))  # no log, and 5 is not a first event
+    await log.finish(r, final())
+    with pytest.raises(ReplyFinished):
+        await log.append(r, TokenEvent(0, "late"))
+    with pytest.raises(ReplyFinished):
+        await log.finish(r, final())
+    with pytest.raises(TypeError):
+        await log.append(r, final())  # type: ignore[arg-type]
+    assert [e.n for e in await log.read(r)] == [1, 2]
+
+
+async def test_unknown_reply_and_bad_cursor_errors(backend: Backend) -> None:
+    log, r = backend.open(), rid()
+    assert not await log.exists(r)
+    for call in (log.read(r), collect(log, r), log.last_event_id(r), log.request_stop(r)):
+        with pytest.raises(ReplyNotFound):
+            await call
+    await produce(log, r, 3)
+    await log.finish(r, final())  # n = 4
+    with pytest.raises(EventIdOutOfRange):
+        await log.read(r, after=5)
+    with pytest.raises(EventIdOutOfRange):
+        await collect(log, r, after=5)
+    with pytest.raises(ValueError):
+        await log.read(r, after=-1)
+    assert await log.read(r, after=4) == []  # saw the terminal event: nothing more, no error
+
+
+async def test_subscribe_replays_finished_reply_and_ends(backend: Backend) -> None:
+    log, r = backend.open(), rid()
+    await produce(log, r, 5)
+    await log.finish(r, final())
+    assert [e.n for e in await collect(log, r)] == [1, 2, 3, 4, 5, 6]
+    assert [e.n for e in await collect(log, r, after=4)] == [5, 6]
+    assert [e.n for e in await collect(log, r, after=5)] == [6]
+    assert await collect(log, r, after=6) == []
+
+
+async def test_subscribe_before_first_token_goes_live(backend: Backend) -> None:
+    gateway, replica, r = backend.open(), backend.open(), rid()
+    await gateway.create(r)
+    listener = asyncio.create_task(collect(gateway, r))
+    await asyncio.sleep(0.05)
+    await produce(replica, r, 3)
+    await replica.finish(r, final())
+    events = await asyncio.wait_for(listener, 5)
+    assert [e.n for e in events] == [1, 2, 3, 4] and isinstance(events[-1], FinalEvent)
+
+
+async def test_subscribe_at_random_points_gets_no_gap_and_no_duplicate(backend: Backend) -> None:
+    """500 tokens from one process; subscribers join another process at random points."""
+    replica, gateway, r = backend.open(), backend.open(), rid()
+    rng = random.Random(7)
+    total = 500
+    await replica.create(r)
+    listeners: list[tuple[int, asyncio.Task[list[Any]]]] = []
+    for n in range(1, total + 1):
+        await replica.append(r, TokenEvent(n, f"<{n}>", [n]))
+        if n % 20 == 0 or rng.random() < 0.02:
+            after = rng.randint(0, n)
+            listeners.append((after, asyncio.create_task(collect(gateway, r, after))))
+        if n % 5 == 0:
+            await asyncio.sleep(0)  # let subscribers interleave with the producer
+    await replica.finish(r, final(completion_tokens=total))
+    assert len(listeners) >= 25
+    for after, task in listeners:
+        events = await asyncio.wait_for(task, 10)
+        assert [e.n for e in events] == list(range(after + 1, total + 2)), f"subscriber after {after}"
+        assert all(e.text == f"<{e.n}>" for e in events[:-1])
+
+
+async def test_expiry_after_ttl_counts_from_last_event(backend: Backend) -> None:
+    log, r = backend.open(ttl_s=0.4), rid()
+    await log.create(r)
+    for _ in range(3):  # each append restarts the retention clock
+        await asyncio.sleep(0.2)
+        await log.append(r, TokenEvent(0, "x"))
+    assert await log.exists(r)
+    await log.finish(r, final())
+    await asyncio.sleep(0.6)
+    assert not await log.exists(r)
+    with pytest.raises(ReplyNotFound):
+        await log.read(r)
+
+
+async def test_stop_request_reaches_the_producer_from_any_instance(backend: Backend) -> None:
+    replica, edge, r, other = backend.open(), backend.open(), rid(), rid()
+    await replica.create(r)
+    await replica.create(other)
+    seen: list[str] = []
+
+    async def watch() -> None:
+        async with aclosing(replica.watch_stops()) as stops:
+            async for reply_id in stops:
+                seen.append(reply_id)
+                if reply_id == r:
+                    return
+
+    watcher = asyncio.create_task(watch())
+    await asyncio.sleep(0.05)  # the watcher has started
+    assert not await replica.stop_requested(r)
+    assert await edge.request_stop(r) is True
+    await asyncio.wait_for(watcher, 5)
+    assert seen == [r]
+    assert await replica.stop_requested(r)
+    assert not await replica.stop_requested(other)
+    await replica.finish(r, final(state=ReplyState.STOPPED, reason="abort"))
+    await replica.finish(other, final())
+    assert await edge.request_stop(other) is False  # already over: nothing to stop
+
+
+async def test_listener_tracking_across_instances(backend: Backend) -> None:
+    replica, edge, r = backend.open(), backend.open(), rid()
+    assert await replica.listener_count(r) == 0
+    assert await replica.listener_idle_s(r) is None  # no such reply
+    await edge.create(r)
+    await asyncio.sleep(0.1)
+    idle = await replica.listener_idle_s(r)
+    assert idle is not None and 0.05 <= idle < 5  # counts from create() when nobody came
+
+    got = asyncio.Event()
+
+    async def listen() -> None:
+        async with aclosing(edge.subscribe(r)) as events:
+            async for _ in events:
+                got.set()
+
+    task = asyncio.create_task(listen())
+    await replica.append(r, TokenEvent(0, "a"))
+    await asyncio.wait_for(got.wait(), 5)
+    assert await replica.listener_count(r) == 1
+    assert await replica.listener_idle_s(r) == 0.0
+    before = time.time()
+    task.cancel()  # the client went away
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await replica.listener_count(r) == 0
+    left_at = await replica.last_listened_at(r)
+    assert left_at is not None and abs(left_at - before) < 2
+    await asyncio.sleep(0.15)
+    idle = await replica.listener_idle_s(r)
+    assert idle is not None and idle >= 0.1
+
+
+async def test_bus_claims_paid_before_free_before_background(backend: Backend) -> None:
+    gateway, replica = backend.open(), backend.open()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    await gateway.submit({"reply": "bg1"}, Lane.BACKGROUND, queue=q)
+    await gateway.submit({"reply": "free1"}, "free", queue=q)
+    await gateway.submit({"reply": "paid1"}, Lane.PAID, queue=q)
+    await gateway.submit({"reply": "free2"}, Lane.FREE, queue=q)
+    await gateway.submit({"reply": "paid-resume"}, Lane.PAID, queue=q, front=True)  # failover continuation
+    assert await replica.queue_depth(queue=q) == {Lane.PAID: 2, Lane.FREE: 2, Lane.BACKGROUND: 1}
+    order = []
+    while (job := await replica.claim(queue=q)) is not None:
+        order.append((job.lane, job.job["reply"]))
+    assert order == [
+        (Lane.PAID, "paid-resume"),
+        (Lane.PAID, "paid1"),
+        (Lane.FREE, "free1"),
+        (Lane.FREE, "free2"),
+        (Lane.BACKGROUND, "bg1"),
+    ]
+    start = time.monotonic()
+    assert await replica.claim(queue=q, timeout=0.2) is None
+    assert 0.15 <= time.monotonic() - start < 2
+
+
+async def test_bus_blocked_claim_wakes_on_submit(backend: Backend) -> None:
+    gateway, replica = backend.open(), backend.open()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    waiting = asyncio.create_task(replica.claim(queue=q, timeout=5))
+    await asyncio.sleep(0.05)
+    job_id = await gateway.submit({"reply": "r1", "prompt": [1, 2, 3]}, Lane.FREE, queue=q)
+    job = await asyncio.wait_for(waiting, 5)
+    assert job is not None and job.id == job_id and job.job == {"reply": "r1", "prompt": [1, 2, 3]}
+
+
+async def test_wifi_drop_at_212_then_stop_at_260(backend: Backend) -> None:
+    """The design seed: reconnect at another edge with Last-Event-ID 212, Stop at 260."""
+    replica, edge_a, edge_b, r = backend.open(), backend.open(), backend.open(), rid()
+    await edge_a.create(r)
+    stop_seen = asyncio.Event()
+
+    async def watch_stops() -> None:
+        async with aclosing(replica.watch_stops()) as stops:
+            async for reply_id in stops:
+                if reply_id == r:
+                    stop_seen.set()
+                    return
+
+    async def generate() -> None:
+        n = 0
+        while not stop_seen.is_set():
+            n += 1
+            await replica.append(r, TokenEvent(n, f"w{n} ", [n]))
+            await asyncio.sleep(0.001 if n < 255 else 0.01)  # slow near the end so Stop lands mid-reply
+        await replica.finish(r, final(state=ReplyState.STOPPED, reason="abort", completion_tokens=n))
+
+    watcher = asyncio.create_task(watch_stops())
+    await asyncio.sleep(0.05)
+    producer = asyncio.create_task(generate())
+
+    first: list[int] = []
+    async with aclosing(edge_a.subscribe(r)) as events:
+        async for event in events:
+            first.append(event.n)
+            if event.n == 212:
+                break  # Wi-Fi drops
+    assert first == list(range(1, 213))
+
+    second: list[Any] = []
+    async with aclosing(edge_b.subscribe(r, after=212)) as events:
+        async for event in events:
+            second.append(event)
+            if event.n == 260:
+                assert await edge_b.request_stop(r) is True
+    await asyncio.wait_for(asyncio.gather(producer, watcher), 10)
+
+    end = second[-1]
+    assert isinstance(end, FinalEvent) and end.state is ReplyState.STOPPED and end.finish_reason == "abort"
+    assert [e.n for e in second] == list(range(213, end.n + 1))  # no gap, no repeat
+    assert end.completion_tokens == end.n - 1 >= 260  # the text up to Stop is kept
+    assert len(await replica.read(r)) == end.n
+
+
+# -- Redis only ----------------------------------------------------------------------------
+
+
+async def test_redis_listener_of_a_dead_gateway_ages_out(redis_backend: Backend) -> None:
+    backend = redis_backend
+    # heartbeat far slower than the stale limit: as if the gateway process froze or died
+    edge, replica, r = backend.open(heartbeat_s=30, listener_stale_s=0.3), backend.open(), rid()
+    await edge.create(r)
+    events = edge.subscribe(r)
+    task = asyncio.create_task(anext(events))
+    await asyncio.sleep(0.05)
+    assert await replica.listener_count(r) == 1
+    await asyncio.sleep(0.4)
+    assert await replica.listener_count(r) == 0
+    idle = await replica.listener_idle_s(r)
+    assert idle is not None and idle >= 0.3
+    task.cancel()  # throws into the generator, which leaves (and closes) on its own
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await events.aclose()
+
+
+async def test_redis_unreachable_raises_relay_unavailable() -> None:
+    from fairway.relay.redis_log import RedisTokenLog
+
+    log = RedisTokenLog("redis://127.0.0.1:1/0", connect_timeout_s=0.5)
+    start = time.monotonic()
+    for call in (log.read("r1"), log.append("r1", TokenEvent(0, "x")), collect(log, "r1"), log.claim()):
+        with pytest.raises(RelayUnavailable):
+            await call
+    assert time.monotonic() - start < 10
+    await log.close()
