@@ -212,6 +212,22 @@ class Tokenizer:
             logger.warning("could not cache tokenizer at %s: %s", cached, exc)
         return tokenizer
 
+    @classmethod
+    def from_hf_folder(cls, path: str | Path) -> Tokenizer:
+        """A Hugging Face model folder: tokenizer.json plus tokenizer_config.json (template, bos, eos)."""
+        path = Path(path)
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config_file = path / "tokenizer_config.json"
+        config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+
+        def token_id(key: str) -> int | None:
+            tok = config.get(key)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            return backend.token_to_id(tok) if tok else None
+
+        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
+                   chat_template=config.get("chat_template"))
+
     def _to_cache_text(self) -> str:
         # The backend is embedded as a JSON string so loading can hand it straight to from_str.
         return json.dumps({

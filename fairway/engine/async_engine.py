@@ -1,0 +1,146 @@
+"""Runs the engine loop in its own thread and gives each request an async iterator of its outputs.
+
+The engine itself is single-threaded: requests and aborts cross into the loop thread through an
+inbox, outputs cross back to the caller's event loop with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from fairway.engine.llm_engine import LLMEngine
+from fairway.engine.outputs import RequestOutput
+from fairway.engine.sampling_params import SamplingParams
+from fairway.engine.sequence import Priority
+from fairway.engine.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The engine loop failed; requests in flight get this instead of hanging."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[_Add | str | None] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.error: BaseException | None = None
+        self.last_stats: EngineStats = engine.stats()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fairway-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._inbox.put(None)
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       priority: int = Priority.PAID) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, the last with a finish reason. Leaving the loop early aborts it."""
+        if self.error is not None:
+            raise EngineDead(f"engine stopped: {self.error}")
+        self.engine.check_prompt(len(prompt_token_ids))  # reject before admission, in the caller
+        self.start()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already running")
+            self._streams[request_id] = stream
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+            with self._lock:
+                self._streams.pop(request_id, None)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(request_id)
+        self._wake.set()
+
+    # --- the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if self.engine.has_unfinished():
+                    self._dispatch(self.engine.step())
+                    self.last_stats = self.engine.stats()
+                else:
+                    self._wake.wait()
+                    self._wake.clear()
+        except BaseException as exc:  # the loop must never die silently: fail every waiting request
+            log.exception("engine loop failed")
+            self.error = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for s in streams:
+                s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDead(f"engine stopped: {exc}"))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if item is None:
+                continue
+            if isinstance(item, str):
+                self.engine.abort(item)
+                continue
+            try:
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority)
+            except ValueError as exc:
+                self._deliver_to(item.request_id, exc)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self._deliver_to(out.request_id, out)
+
+    def _deliver_to(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        with self._lock:
+            stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)

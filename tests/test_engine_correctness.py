@@ -1,0 +1,98 @@
+"""Greedy tokens of Fairway's engine equal transformers' on the real model, however the batch is formed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fairway.engine import EngineConfig, LLMEngine, SamplingParams
+
+NEW_TOKENS = 32
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a Python function that reverses a string.",
+    "Explain photosynthesis to a ten year old.",
+    "List three primary colors.",
+    "Translate 'good morning' into Spanish and German.",
+    "What is 17 times 23?",
+    "Give me a haiku about autumn leaves.",
+    "Why is the sky blue? Answer in two sentences.",
+    "Name a famous physicist and one of their discoveries.",
+    "Summarise the plot of Romeo and Juliet. " * 40,  # ~400 tokens: prefilled in chunks
+]
+SYSTEM = ("You are Fairway's test assistant. You answer briefly, precisely and politely, and you never "
+          "invent facts. When a question is ambiguous you say so. ") * 3
+
+
+@pytest.fixture(scope="module")
+def prompts(real_tokenizer):
+    out = [real_tokenizer.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    assert len({len(p) for p in out}) > 5  # genuinely different lengths
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_prefix_prompts(real_tokenizer):
+    return [real_tokenizer.chat_prompt_ids([{"role": "system", "content": SYSTEM},
+                                            {"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+def hf_greedy(hf_model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
+    """Plain greedy decoding with transformers' KV cache, no stop tokens."""
+    with torch.no_grad():
+        out = hf_model(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        past = out.past_key_values
+        for _ in range(n - 1):
+            out = hf_model(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def reference(hf_model, prompts, shared_prefix_prompts):
+    return {tuple(p): hf_greedy(hf_model, p) for p in prompts + shared_prefix_prompts}
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+
+def engine(model, **kw) -> LLMEngine:
+    cfg = dict(num_kv_blocks=512, max_num_batched_tokens=256)
+    cfg.update(kw)
+    return LLMEngine(model, EngineConfig(**cfg))
+
+
+def test_one_request_at_a_time(real_model_fp32, prompts, reference):
+    eng = engine(real_model_fp32, enable_prefix_caching=False)
+    for p in prompts:
+        assert eng.generate([p], GREEDY)[0] == reference[tuple(p)]
+
+
+def test_all_together_in_one_batch(real_model_fp32, prompts, reference):
+    eng = engine(real_model_fp32)
+    got = eng.generate(prompts, GREEDY)
+    assert got == [reference[tuple(p)] for p in prompts]
+    assert eng.stats().kv_blocks_used == 0  # everything freed
+
+
+def test_with_prefix_cache_hits(real_model_fp32, shared_prefix_prompts, reference):
+    eng = engine(real_model_fp32)
+    first = eng.generate(shared_prefix_prompts[:1], GREEDY)
+    rest = eng.generate(shared_prefix_prompts[1:], GREEDY)
+    stats = eng.stats()
+    # Every later prompt reuses the shared system text's blocks.
+    assert stats.prefix_cache_hits >= 9 * 96
+    assert first + rest == [reference[tuple(p)] for p in shared_prefix_prompts]
+    again = eng.generate(shared_prefix_prompts, GREEDY)  # whole prompts cached now
+    assert again == [reference[tuple(p)] for p in shared_prefix_prompts]
+
+
+def test_after_forced_preemption(real_model_fp32, prompts, reference):
+    # Room for the prompts, but not for all of them to grow: the newest get preempted and recomputed.
+    need = sum(-(-len(p) // 16) for p in prompts)
+    eng = engine(real_model_fp32, num_kv_blocks=need + 6, reserve_blocks=1)
+    got = eng.generate(prompts, GREEDY)
+    assert eng.stats().num_preemptions > 0
+    assert got == [reference[tuple(p)] for p in prompts]
