@@ -7,7 +7,7 @@ import torch
 
 from fairway.models.bundled import bundled_model_path
 from fairway.models.config import LlamaConfig
-from fairway.models.llama import LlamaModel
+from fairway.models.llama import random_model
 
 
 @pytest.fixture(scope="session")
@@ -38,18 +38,6 @@ def hf_model(model_path):
                                                 dtype=torch.float32).eval()
 
 
-def make_tiny_model(seed: int = 0, vocab_size: int = 256) -> LlamaModel:
-    torch.manual_seed(seed)
-    model = LlamaModel(LlamaConfig.tiny(vocab_size))
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.fill_(1.0)
-    return model.eval()
-
-
 @pytest.fixture
 def tiny_model():
-    return make_tiny_model()
+    return random_model(LlamaConfig.tiny())

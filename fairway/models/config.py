@@ -31,6 +31,11 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:
         heads = cfg["num_attention_heads"]
+        # Newer transformers write rope settings under rope_parameters; older ones at the top level.
+        rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") not in ("default", None):
+            raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported yet")
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
         return cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
@@ -39,7 +44,7 @@ class LlamaConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(theta),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

@@ -142,3 +142,17 @@ class LlamaModel(nn.Module):
         with torch.no_grad():
             for name, tensor in fused.items():
                 own[name].copy_(tensor)
+
+
+def random_model(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> LlamaModel:
+    """Random weights of a given shape: for engine-mechanics tests and shape-only benchmarks."""
+    gen = torch.Generator().manual_seed(seed)
+    model = LlamaModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return model.to(device=device, dtype=dtype).eval()

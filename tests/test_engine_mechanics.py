@@ -1,0 +1,185 @@
+"""Engine mechanics on a tiny random Llama: chunked prefill, lanes, abort, preemption, sampling, bad input."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from fairway.engine import (
+    AsyncEngine,
+    EngineConfig,
+    FinishReason,
+    LLMEngine,
+    Priority,
+    RequestRejected,
+    SamplingParams,
+)
+from fairway.engine.stop_checker import StopChecker
+from fairway.models.config import LlamaConfig
+from fairway.models.llama import random_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def prompts(n: int, lo: int = 5, hi: int = 90) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [torch.randint(0, 256, (k,), generator=g).tolist() for k in lengths]
+
+
+def engine(model=None, **kw) -> LLMEngine:
+    return LLMEngine(model or random_model(LlamaConfig.tiny()), EngineConfig(**{"num_kv_blocks": 128, **kw}))
+
+
+def test_chunked_and_batched_prefill_match_one_at_a_time(tiny_model):
+    ps = prompts(8)
+    alone = [engine(tiny_model, max_num_batched_tokens=1024).generate([p], GREEDY)[0] for p in ps]
+    chunked = engine(tiny_model, max_num_batched_tokens=16)
+    assert chunked.generate(ps, GREEDY) == alone
+    assert chunked.stats().num_steps > 12  # prompts really were split across steps
+
+
+def test_one_step_mixes_prefill_and_decode(tiny_model):
+    eng = engine(tiny_model, max_num_batched_tokens=64)
+    eng.add_request("a", [1, 2, 3], GREEDY)
+    eng.step()
+    eng.add_request("b", prompts(2)[1], GREEDY)
+    batch = eng.scheduler.schedule()
+    assert batch.num_new_tokens[0] == 1 and max(batch.num_new_tokens) > 1
+
+
+def test_paid_lane_admitted_before_free_and_background(tiny_model):
+    eng = engine(tiny_model, max_num_seqs=1)
+    eng.add_request("bg", [1, 2, 3], GREEDY, priority=Priority.BACKGROUND)
+    eng.add_request("free", [1, 2, 4], GREEDY, priority=Priority.FREE)
+    eng.add_request("paid", [1, 2, 5], GREEDY, priority=Priority.PAID)
+    order = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                order.append(out.request_id)
+    assert order == ["paid", "free", "bg"]
+
+
+def test_abort_frees_blocks_at_next_step(tiny_model):
+    eng = engine(tiny_model)
+    eng.add_request("x", prompts(1)[0], SamplingParams(temperature=0, max_tokens=100))
+    eng.step()
+    assert eng.stats().kv_blocks_used > 0
+    eng.abort("x")
+    outs = eng.step()
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("x", FinishReason.ABORT)]
+    assert eng.stats().kv_blocks_used == 0 and not eng.has_unfinished()
+
+
+def test_preemption_recomputes_newest_and_output_is_unchanged(tiny_model):
+    ps = prompts(6, 20, 40)
+    roomy = engine(tiny_model).generate(ps, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    tight = engine(tiny_model, num_kv_blocks=sum(-(-len(p) // 16) for p in ps) + 3, reserve_blocks=1)
+    got = tight.generate(ps, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert tight.stats().num_preemptions > 0
+    assert got == roomy
+
+
+def test_prefix_cache_reuses_blocks_and_full_hit_still_computes_last_token(tiny_model):
+    eng = engine(tiny_model)
+    p = list(range(64))  # exactly 4 full blocks
+    first = eng.generate([p], GREEDY)
+    assert eng.stats().prefix_cache_hits == 0
+    second = eng.generate([p], GREEDY)
+    assert second == first
+    assert eng.stats().prefix_cache_hits == 48  # 3 blocks reused, the last recomputed for its logits
+
+
+def test_length_and_context_window_finish(tiny_model):
+    eng = engine(tiny_model, max_model_len=40)
+    eng.add_request("w", list(range(30)), SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[-1].finish_reason == FinishReason.LENGTH and len(outs) == 10
+
+
+def test_seeded_sampling_is_reproducible(tiny_model):
+    eng = engine(tiny_model)
+    p = prompts(1)[0]
+    a = eng.generate([p], SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True))
+    b = eng.generate([p], SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True))
+    c = eng.generate([p], SamplingParams(temperature=1.0, seed=8, max_tokens=20, ignore_eos=True))
+    assert a == b and a != c
+    top1 = eng.generate([p], SamplingParams(temperature=1.0, top_k=1, seed=3, max_tokens=20, ignore_eos=True))
+    tiny_p = eng.generate([p], SamplingParams(temperature=1.0, top_p=1e-6, seed=3, max_tokens=20, ignore_eos=True))
+    assert top1 == tiny_p == eng.generate([p], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+
+
+def test_counters_and_latencies(tiny_model):
+    eng = engine(tiny_model)
+    eng.add_request("t", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    outs = []
+    while eng.has_unfinished():
+        outs += eng.step()
+    assert outs[0].ttft is not None and outs[0].ttft > 0
+    assert len(outs[-1].inter_token_times) == 4
+    s = eng.stats()
+    assert s.num_steps == 5 and s.prefix_cache_queries == 3 and s.forward_seconds <= s.step_seconds
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("max_tokens", {"max_tokens": 0}), ("temperature", {"temperature": -0.1}),
+    ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.5}), ("top_k", {"top_k": -1}),
+])
+def test_bad_sampling_params_name_the_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_prompts_that_can_never_run_are_rejected_before_admission(tiny_model):
+    eng = engine(tiny_model, num_kv_blocks=8, max_model_len=4096)
+    with pytest.raises(RequestRejected, match="KV cache"):
+        eng.add_request("big", list(range(200)), GREEDY)
+    eng = engine(tiny_model, max_model_len=32)
+    with pytest.raises(RequestRejected, match="context window"):
+        eng.add_request("long", list(range(40)), GREEDY)
+    with pytest.raises(RequestRejected, match="empty"):
+        eng.add_request("empty", [], GREEDY)
+    assert not eng.has_unfinished()
+
+
+def test_stop_strings_cut_text_and_hold_back_partial_matches(real_tokenizer):
+    ids = real_tokenizer.encode("The answer is 42. END of story")
+    checker = StopChecker(SamplingParams(stop=["END"]), real_tokenizer)
+    emitted, hit = "", False
+    for t in ids:
+        text, hit = checker.add(t)
+        emitted += text
+        if hit:
+            break
+    assert hit and emitted == "The answer is 42. "
+    checker = StopChecker(SamplingParams(stop=["ENDX"]), real_tokenizer)
+    emitted = "".join(checker.add(t)[0] for t in ids) + checker.flush()
+    assert emitted == "The answer is 42. END of story"
+
+
+async def test_async_engine_streams_concurrently_and_leaving_early_aborts(tiny_model):
+    aeng = AsyncEngine(engine(tiny_model))
+    try:
+        async def collect(rid, n):
+            return [o async for o in aeng.generate(rid, prompts(2)[1], SamplingParams(
+                temperature=0, max_tokens=n, ignore_eos=True))]
+
+        a, b = await asyncio.gather(collect("a", 8), collect("b", 5))
+        assert len(a) == 8 and len(b) == 5 and a[-1].finish_reason == FinishReason.LENGTH
+
+        async for _ in aeng.generate("c", [1, 2, 3], SamplingParams(temperature=0, max_tokens=1000)):
+            break  # the consumer walks away: the request is aborted and its blocks freed
+        for _ in range(100):
+            if aeng.last_stats.kv_blocks_used == 0 and not aeng.engine.has_unfinished():
+                break
+            await asyncio.sleep(0.02)
+        assert aeng.engine.stats().kv_blocks_used == 0
+        with pytest.raises(RequestRejected):
+            await anext(aeng.generate("d", [], GREEDY))
+    finally:
+        aeng.shutdown()

@@ -1,0 +1,69 @@
+"""Weight loading: the cached GGUF path, Hugging Face folders, and clear errors for bad files."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fairway.engine import EngineConfig, LLMEngine, SamplingParams
+from fairway.models.bundled import ModelFileError
+from fairway.models.loader import load_model
+
+
+def test_second_gguf_load_is_fast(model_path):
+    load_model(model_path)  # dequantizes and caches on first use
+    t0 = time.perf_counter()
+    load_model(model_path, torch.bfloat16)
+    assert time.perf_counter() - t0 < 3.0
+
+
+def test_hf_safetensors_folder_gives_the_same_tokens(tmp_path, hf_model, real_model_fp32, real_tokenizer):
+    # A Hugging Face folder as save_pretrained writes it (transformers won't re-save a GGUF-loaded model).
+    from safetensors.torch import save_file
+
+    state = {k: v.contiguous() for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(hf_model.config.to_json_string())
+    folder_model = load_model(tmp_path, torch.float32)
+    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": "Name three rivers."}])
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    a = LLMEngine(folder_model, EngineConfig(num_kv_blocks=64)).generate([prompt], params)
+    b = LLMEngine(real_model_fp32, EngineConfig(num_kv_blocks=64)).generate([prompt], params)
+    assert a == b
+
+
+def test_bfloat16_model_generates_sensible_text(model_path, real_tokenizer):
+    model = load_model(model_path, torch.bfloat16)
+    eng = LLMEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=real_tokenizer)
+    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
+    eng.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=20))
+    text = ""
+    while eng.has_unfinished():
+        text += "".join(o.text for o in eng.step())
+    assert "Paris" in text
+
+
+def test_missing_and_corrupt_model_files_say_which_file(tmp_path):
+    with pytest.raises(ModelFileError, match="nope.gguf"):
+        load_model(tmp_path / "nope.gguf")
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    with pytest.raises(ModelFileError, match="broken.gguf"):
+        load_model(bad)
+    with pytest.raises(ModelFileError, match="config.json"):
+        load_model(tmp_path)
+
+
+def test_cli_generate_prints_only_the_generated_text():
+    run = subprocess.run([sys.executable, "-m", "fairway.cli", "generate", "--prompt",
+                          "What is the capital of France?", "--chat", "--max-tokens", "12"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert "Paris" in run.stdout and "<|im" not in run.stdout
+    bad = subprocess.run([sys.executable, "-m", "fairway.cli", "generate", "--prompt", "x",
+                          "--model", "/no/such/model.gguf"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "/no/such/model.gguf" in bad.stderr
