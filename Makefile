@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 serve: $(STAMP)
-	$(BIN)/fairway chat
+	$(BIN)/fairway serve
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -10,6 +10,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class Role(StrEnum):
@@ -129,6 +130,9 @@ class Reply:
     context_text: str | None = field(default=None, repr=False)
     created_at: float = 0.0
     finished_at: float | None = None
+    # The generation request (model, sampling parameters, lane) as JSON: with the prompt, what
+    # it takes to run the reply again after its token log expired.
+    job: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:

@@ -58,6 +58,7 @@ replies = sa.Table(
     sa.Column("context_text", sa.Text, nullable=True),
     sa.Column("created_at", sa.Double, nullable=False),
     sa.Column("finished_at", sa.Double, nullable=True),
+    sa.Column("job", Json, nullable=True),  # model, sampling, lane: enough to run it again
     sa.ForeignKeyConstraint(
         ["conversation_id", "message_id"],
         ["messages.conversation_id", "messages.id"],

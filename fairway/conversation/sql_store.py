@@ -228,6 +228,7 @@ class SqlConversationStore(ConversationStore):
         replica_id: str | None = None,
         state: ReplyState = ReplyState.QUEUED,
         id: str | None = None,
+        job: dict[str, Any] | None = None,
     ) -> Reply:
         state = ReplyState(state)
         ts = now()
@@ -241,6 +242,7 @@ class SqlConversationStore(ConversationStore):
             context_text=context_text,
             created_at=ts,
             finished_at=ts if state.terminal else None,  # e.g. shed on arrival
+            job=job,
         )
         try:
             async with self._engine.begin() as conn:
@@ -306,15 +308,19 @@ class SqlConversationStore(ConversationStore):
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         cached_tokens: int = 0,
+        last_event_id: int | None = None,
     ) -> Message:
         status = MessageStatus(status)
         if finish_reason is None and status is MessageStatus.FLAGGED:
             finish_reason = "content_filter"  # what the OpenAI API reports for a filtered reply
         ts = now()
+        final = {"state": STATE_FOR_STATUS[status].value, "finish_reason": finish_reason, "finished_at": ts}
+        if last_event_id is not None:
+            final["last_event_id"] = last_event_id
         mark = (
             sa.update(replies)
             .where(replies.c.id == reply_id, replies.c.finished_at.is_(None))
-            .values(state=STATE_FOR_STATUS[status].value, finish_reason=finish_reason, finished_at=ts)
+            .values(**final)
             .returning(replies.c.conversation_id)
         )
         async with self._engine.begin() as conn:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 from .entities import Conversation, Message, MessageStatus, Reply, ReplyState, Role
 
@@ -37,7 +38,7 @@ class NotFound(StoreError):
 
 # Fields update_reply may change; ids, the answered message and created_at are fixed.
 REPLY_UPDATABLE = frozenset(
-    {"state", "replica_id", "last_event_id", "finish_reason", "prompt_token_ids", "context_text"}
+    {"state", "replica_id", "last_event_id", "finish_reason", "prompt_token_ids", "context_text", "job"}
 )
 
 
@@ -119,6 +120,7 @@ class ConversationStore(ABC):
         replica_id: str | None = None,
         state: ReplyState = ReplyState.QUEUED,
         id: str | None = None,
+        job: dict[str, Any] | None = None,
     ) -> Reply: ...
 
     @abstractmethod
@@ -146,6 +148,7 @@ class ConversationStore(ABC):
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         cached_tokens: int = 0,
+        last_event_id: int | None = None,
     ) -> Message:
         """In one transaction: store the assistant message and mark the reply FINISHED,
         STOPPED or FLAGGED (by status). If the reply was already finished with a message, that

@@ -1,0 +1,147 @@
+"""The context builder: the prompt for one reply, in cache-friendly order, within the window.
+
+Order: the stable system text, then memories (a later issue), then the history, then the new
+turn. Nothing earlier in that order depends on anything later, so turn N+1's prompt begins with
+all of turn N's prompt and reply, and the replica's prefix cache serves all of it again.
+
+The prompt is tokenized one message at a time (each message's slice of the rendered chat
+template) and the pieces are concatenated. For templates whose messages are delimited by special
+tokens (ChatML and most others) this equals tokenizing the whole rendering, and it makes a turn's
+tokens independent of what follows it, which is what keeps consecutive prompts prefix-equal.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Protocol
+
+ChatMessage = dict[str, Any]  # {"role": ..., "content": str}
+
+
+class ChatTokenizer(Protocol):
+    def encode(self, text: str) -> list[int]: ...
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str: ...
+
+
+class ContextTooLong(ValueError):
+    """Even with every old turn dropped, system text + the new turn + max_tokens do not fit."""
+
+    def __init__(self, num_tokens: int, budget: int, window: int, max_tokens: int) -> None:
+        super().__init__(
+            f"This model's context window is {window} tokens. The system text and the new message "
+            f"take {num_tokens} tokens, and {max_tokens} are reserved for the reply (max_tokens), "
+            f"which leaves {budget} for the prompt. Shorten the message or lower max_tokens."
+        )
+        self.num_tokens = num_tokens
+        self.budget = budget
+        self.window = window
+        self.max_tokens = max_tokens
+
+
+@dataclass(frozen=True)
+class Context:
+    prompt_token_ids: list[int]
+    messages: list[ChatMessage]  # what the prompt holds, in order
+    dropped_turns: int = 0  # oldest turns left out so the prompt fits
+    dropped_messages: int = 0
+    segment_lengths: list[int] = field(default_factory=list, repr=False)  # tokens per message (+ gen prompt)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def prompt_text_hint(self) -> str:
+        """The last message's text: what a human looking at the stored reply wants to see."""
+        return str(self.messages[-1].get("content", "")) if self.messages else ""
+
+
+def split_turns(history: Sequence[ChatMessage]) -> list[list[ChatMessage]]:
+    """Whole turns: each starts at a user message and runs to the next one. Anything before the
+    first user message (an assistant greeting) is a turn of its own."""
+    turns: list[list[ChatMessage]] = []
+    for message in history:
+        if message["role"] == "user" or not turns:
+            turns.append([])
+        turns[-1].append(message)
+    return turns
+
+
+class ContextBuilder:
+    def __init__(self, tokenizer: ChatTokenizer, window: int) -> None:
+        self.tokenizer = tokenizer
+        self.window = window  # the model's context length, prompt and reply together
+        # Segments repeat turn after turn (the whole history is re-sent each time): cache them.
+        self._encode = lru_cache(maxsize=4096)(self._encode_uncached)
+
+    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+        return tuple(self.tokenizer.encode(text))
+
+    def build(
+        self,
+        system: Sequence[ChatMessage],
+        history: Sequence[ChatMessage],
+        new: Sequence[ChatMessage],
+        max_tokens: int,
+        memories: Sequence[ChatMessage] = (),
+    ) -> Context:
+        """The prompt for system + memories + history + new, dropping whole oldest turns of the
+        history (never the system text, memories or the new turn) until it fits the window minus
+        max_tokens. Raises ContextTooLong when even the shortest form does not fit."""
+        budget = self.window - max_tokens
+        head = [*system, *memories]
+        turns = split_turns(history)
+        dropped = 0
+        while True:
+            kept = [m for turn in turns[dropped:] for m in turn]
+            messages = [*head, *kept, *new]
+            ids, lengths = self.tokenize(messages)
+            if len(ids) <= budget:
+                dropped_messages = sum(len(t) for t in turns[:dropped])
+                return Context(ids, messages, dropped, dropped_messages, lengths)
+            if dropped == len(turns):
+                raise ContextTooLong(len(ids), max(budget, 0), self.window, max_tokens)
+            dropped = self._next_drop(turns, dropped, lengths[len(head) :], len(ids) - budget)
+
+    @staticmethod
+    def _next_drop(turns: list[list[ChatMessage]], dropped: int, lengths: list[int], excess: int) -> int:
+        """Skip ahead past as many turns as their segments' tokens suggest (re-checked by the caller,
+        since a template may render the new first message differently), at least one."""
+        start, i = dropped, 0
+        for turn in turns[dropped:]:
+            if excess <= 0:
+                break
+            excess -= sum(lengths[i : i + len(turn)])
+            i += len(turn)
+            dropped += 1
+        return max(dropped, start + 1)
+
+    def tokenize(self, messages: Sequence[ChatMessage]) -> tuple[list[int], list[int]]:
+        """Prompt token ids for the messages plus the generation prompt, one segment per message."""
+        render = self.tokenizer.apply_chat_template
+        ids: list[int] = []
+        lengths: list[int] = []
+        previous = ""
+        for i in range(len(messages)):
+            text = render(list(messages[: i + 1]), add_generation_prompt=False)
+            if not text.startswith(previous):
+                # A template that rewrites earlier messages: no stable segments, tokenize whole.
+                whole = list(self._encode(render(list(messages), add_generation_prompt=True)))
+                return whole, [len(whole)]
+            piece = self._encode(text[len(previous) :])
+            ids.extend(piece)
+            lengths.append(len(piece))
+            previous = text
+        full = render(list(messages), add_generation_prompt=True)
+        generation_prompt = self._encode(full[len(previous) :]) if full.startswith(previous) else ()
+        ids.extend(generation_prompt)
+        lengths.append(len(generation_prompt))
+        return ids, lengths
+
+    def count(self, messages: Sequence[ChatMessage]) -> int:
+        return len(self.tokenize(messages)[0])

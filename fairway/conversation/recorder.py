@@ -1,0 +1,97 @@
+"""Saving finished replies in the conversation store.
+
+Two writers, one outcome: the gateway relaying a reply saves it as soon as it sees the final
+event (so the client's next turn finds it in the history), and every gateway runs a
+ReplyRecorder that saves the replicas' reports (so a reply nobody watched is saved too). The
+store's finish_reply is first-writer-wins, so whichever comes second changes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from fairway.conversation.entities import Message, MessageStatus, ReplyState
+from fairway.conversation.store import ConversationStore, NotFound, ReplyFinished
+from fairway.relay import FinalEvent, RelayError, ReplyBus, TokenEvent, TokenLog
+from fairway.replica.report import REPORTS_QUEUE, ReplyReport
+
+log = logging.getLogger(__name__)
+
+STATUS_OF_STATE = {
+    ReplyState.FINISHED: MessageStatus.COMPLETE,
+    ReplyState.STOPPED: MessageStatus.STOPPED,
+    ReplyState.FLAGGED: MessageStatus.FLAGGED,
+}
+
+
+async def save_final(store: ConversationStore, reply_id: str, text: str, final: FinalEvent) -> Message | None:
+    """Store the reply's message with its status and counts; None if it ended without one (shed)
+    or the reply is not in the store."""
+    state = ReplyState(str(final.state))
+    try:
+        if state not in STATUS_OF_STATE:
+            await store.update_reply(reply_id, state=state, last_event_id=final.n)
+            return None
+        return await store.finish_reply(
+            reply_id,
+            text,
+            STATUS_OF_STATE[state],
+            "error" if final.error else final.finish_reason,
+            prompt_tokens=final.prompt_tokens,
+            completion_tokens=final.completion_tokens,
+            cached_tokens=final.cached_tokens,
+            last_event_id=final.n,
+        )
+    except (ReplyFinished, NotFound):
+        return None
+
+
+async def save_from_log(store: ConversationStore, token_log: TokenLog, reply_id: str) -> Message | None:
+    """Save a reply whose log holds its final event, with the text of the whole log."""
+    events = await token_log.read(reply_id)
+    if not events or not isinstance(events[-1], FinalEvent):
+        return None
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    return await save_final(store, reply_id, text, events[-1])
+
+
+class ReplyRecorder:
+    """Claims the replicas' reports from the bus and writes them to the store."""
+
+    def __init__(self, store: ConversationStore, bus: ReplyBus) -> None:
+        self.store = store
+        self.bus = bus
+
+    async def run(self) -> None:
+        while True:
+            try:
+                claimed = await self.bus.claim(queue=REPORTS_QUEUE, timeout=None)
+            except RelayError:
+                log.warning("reply bus unavailable; recorder retrying", exc_info=True)
+                await asyncio.sleep(1.0)
+                continue
+            if claimed is None:
+                continue
+            try:
+                await self.record(ReplyReport.from_dict(claimed.job))
+            except Exception:  # one bad report must not stop the recorder
+                log.exception("could not record report %r", claimed.job)
+
+    async def record(self, report: ReplyReport) -> None:
+        if report.kind == "started":
+            try:
+                await self.store.update_reply(report.reply_id, state=ReplyState.RUNNING, replica_id=report.replica_id)
+            except ReplyFinished:
+                pass  # the "finished" report (or the relaying gateway) got there first
+            return
+        final = FinalEvent(
+            report.last_event_id,
+            report.finish_reason or "stop",  # type: ignore[arg-type]
+            ReplyState(report.state),
+            report.prompt_tokens,
+            report.cached_tokens,
+            report.completion_tokens,
+            report.error,
+        )
+        await save_final(self.store, report.reply_id, report.text, final)

@@ -1,0 +1,261 @@
+"""The conversation service: turns a chat request into a running reply.
+
+It finds or creates the conversation, builds the context (context.py), stores the user message
+before generation starts, asks the router for a replica, opens the reply's token log and
+submits the job. A resent message (same client key) attaches to the reply already running for
+it instead of starting a second one. The gateway only speaks HTTP around this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from fairway.conversation.context import ChatMessage, ChatTokenizer, Context, ContextBuilder, ContextTooLong
+from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role
+from fairway.conversation.store import ConversationStore, DuplicateClientKey, NotFound
+from fairway.relay import Lane, TokenLog
+from fairway.replica.job import GenerationJob
+from fairway.router import ReplicaInfo, Router
+
+LANE_OF_TIER = {"paid": Lane.PAID, "business": Lane.PAID, "free": Lane.FREE, "background": Lane.BACKGROUND}
+
+
+class NothingToResume(NotFound):
+    """A resume (last_received_token_index) for a message that has no reply."""
+
+
+class UnknownModel(LookupError):
+    def __init__(self, model: str, known: Sequence[str]) -> None:
+        super().__init__(f"The model '{model}' does not exist. Available: {', '.join(sorted(known)) or 'none'}")
+        self.model = model
+
+
+@dataclass
+class ServiceSettings:
+    default_max_tokens: int = 512  # when the request sets none
+    default_tier: str = "free"  # until the edge issue brings keys with tiers
+
+
+@dataclass
+class TurnRequest:
+    """A validated chat request, as the gateway hands it over."""
+
+    user_id: str
+    model: str
+    messages: list[ChatMessage]  # {"role": system|user|assistant, "content": str}
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams fields, max_tokens optional
+    conversation_id: str | None = None
+    client_key: str | None = None  # the client's message id (or idempotency key)
+    resume_only: bool = False  # attach to the message's running reply; never start one
+
+
+@dataclass
+class Turn:
+    conversation: Conversation
+    message: Message  # the user message the reply answers
+    reply: Reply
+    context: Context | None  # None when the request attached to an existing reply
+    max_tokens: int = 0
+
+    @property
+    def attached(self) -> bool:
+        return self.context is None
+
+
+class ConversationService:
+    def __init__(
+        self,
+        store: ConversationStore,
+        token_log: TokenLog,
+        router: Router,
+        tokenizers: dict[str, ChatTokenizer],
+        settings: ServiceSettings | None = None,
+    ) -> None:
+        self.store = store
+        self.log = token_log
+        self.router = router
+        self.tokenizers = tokenizers  # model name -> its tokenizer: the models this gateway serves
+        self.settings = settings or ServiceSettings()
+        self._builders: dict[tuple[str, int], ContextBuilder] = {}
+
+    # -- models ------------------------------------------------------------------------------
+
+    def check_model(self, model: str) -> None:
+        if model not in self.tokenizers:
+            raise UnknownModel(model, list(self.tokenizers))
+
+    async def served_models(self) -> list[str]:
+        """Models this gateway can tokenize and some live replica serves."""
+        live = {r.model for r in await self.router.live()}
+        return sorted(m for m in self.tokenizers if m in live)
+
+    def _builder(self, model: str, window: int) -> ContextBuilder:
+        key = (model, window)
+        if key not in self._builders:
+            self._builders[key] = ContextBuilder(self.tokenizers[model], window)
+        return self._builders[key]
+
+    # -- a new turn --------------------------------------------------------------------------
+
+    async def start_turn(self, req: TurnRequest) -> Turn:
+        """Store the message and start its reply, or attach to the reply already started for it.
+
+        Raises UnknownModel, NotFound (conversation), ContextTooLong, NoReplica."""
+        self.check_model(req.model)
+        if req.resume_only:
+            return await self._resume(req)
+        conversation, stored = await self._conversation(req)
+        if req.client_key:
+            turn = await self._existing_turn(conversation, req.client_key)
+            if turn is not None:
+                return turn
+        new = _new_messages(req.messages, stored)
+        replicas = await self._replicas(req.model)
+        window = min(r.max_model_len for r in replicas)
+        max_tokens = int(req.sampling.get("max_tokens") or min(self.settings.default_max_tokens, window // 2))
+        context = self._build(req.model, window, stored, new, max_tokens)
+        longest = min(r.max_prompt_tokens for r in replicas)
+        if context.num_tokens > longest:
+            raise ContextTooLong(context.num_tokens, longest, window, max_tokens)
+        try:
+            message = await self._store_messages(conversation, new, req.client_key)
+        except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
+            turn = await self._existing_turn(conversation, dup.existing.client_key or "")
+            if turn is not None:
+                return turn
+            raise
+        job = GenerationJob(
+            reply_id="",
+            model=req.model,
+            prompt_token_ids=context.prompt_token_ids,
+            sampling={**req.sampling, "max_tokens": max_tokens},
+            lane=LANE_OF_TIER.get(conversation.tier, Lane.FREE).value,
+        )
+        reply = await self._submit(conversation, message, job)
+        return Turn(conversation, message, reply, context, max_tokens)
+
+    async def _conversation(self, req: TurnRequest) -> tuple[Conversation, list[Message]]:
+        if req.conversation_id:
+            conversation = await self.store.get_conversation(req.conversation_id, req.user_id)
+            if conversation is None:
+                raise NotFound(f"conversation {req.conversation_id}")
+            return conversation, await self.store.list_messages(conversation.id)
+        # No conversation named: a new one. With a client key its id is derived from the key, so
+        # re-sending the same request finds the same conversation, and with it the running reply.
+        conv_id = _derived_id(req.user_id, req.client_key) if req.client_key else None
+        if conv_id is not None:
+            existing = await self.store.get_conversation(conv_id, req.user_id)
+            if existing is not None:
+                return existing, await self.store.list_messages(existing.id)
+        title = next((m["content"] for m in req.messages if m["role"] == "user"), "")[:80]
+        conversation = await self.store.create_conversation(
+            req.user_id, self.settings.default_tier, req.model, title=title, id=conv_id
+        )
+        return conversation, []
+
+    async def _resume(self, req: TurnRequest) -> Turn:
+        conv_id = req.conversation_id or (_derived_id(req.user_id, req.client_key) if req.client_key else None)
+        conversation = await self.store.get_conversation(conv_id, req.user_id) if conv_id else None
+        if conversation is None and req.conversation_id:
+            raise NotFound(f"conversation {req.conversation_id}")
+        turn = await self._existing_turn(conversation, req.client_key) if conversation and req.client_key else None
+        if turn is None:
+            raise NothingToResume(f"no reply to message {req.client_key!r} to resume")
+        return turn
+
+    async def _existing_turn(self, conversation: Conversation, client_key: str) -> Turn | None:
+        message = await self.store.get_message_by_client_key(conversation.id, client_key)
+        if message is None:
+            return None
+        reply = await self.store.get_reply_for_message(conversation.id, message.id)
+        if reply is None:
+            return None
+        return Turn(conversation, message, reply, None)
+
+    async def _replicas(self, model: str) -> list[ReplicaInfo]:
+        replicas = await self.router.replicas_for(model)
+        if not replicas:
+            await self.router.place(model)  # raises NoReplica after a fresh look
+            replicas = await self.router.replicas_for(model)
+        return replicas
+
+    def _build(
+        self, model: str, window: int, stored: list[Message], new: list[ChatMessage], max_tokens: int
+    ) -> Context:
+        """Stored history and the request's messages (an OpenAI client sends its whole history in
+        a new conversation) as system text, older turns that may be dropped, and the new turn."""
+        messages = [_chat(m) for m in stored if m.status != MessageStatus.FLAGGED] + new
+        # System text leads the context only while it leads the conversation; a system message
+        # sent later stays where it was said.
+        lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
+        last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+        system, history, turn = messages[:lead], messages[lead:last_user], messages[last_user:]
+        return self._builder(model, window).build(system, history, turn, max_tokens)
+
+    async def _store_messages(
+        self, conversation: Conversation, new: list[ChatMessage], client_key: str | None
+    ) -> Message:
+        """Store the request's messages in order; the last (the user's) carries the client key."""
+        message: Message | None = None
+        for i, m in enumerate(new):
+            last = i == len(new) - 1
+            message = await self.store.add_message(
+                conversation.id, Role(m["role"]), m["content"], client_key=client_key if last else None
+            )
+        assert message is not None  # the gateway guarantees at least one (user) message
+        return message
+
+    async def _submit(self, conversation: Conversation, message: Message, job: GenerationJob) -> Reply:
+        replica = await self.router.place(job.model)
+        reply = await self.store.create_reply(
+            conversation.id,
+            message.id,
+            prompt_token_ids=job.prompt_token_ids,
+            replica_id=replica.id,
+            job={k: v for k, v in job.to_dict().items() if k not in ("reply_id", "prompt_token_ids")},
+        )
+        job.reply_id = reply.id
+        await self.log.create(reply.id)  # before the job: listeners may attach before token 1
+        await self.log.submit(job.to_dict(), job.lane, queue=replica.queue)
+        return reply
+
+    # -- existing replies --------------------------------------------------------------------
+
+    async def reply_for_user(self, reply_id: str, user_id: str) -> Reply:
+        """The reply, if it belongs to one of the user's conversations (NotFound otherwise)."""
+        reply = await self.store.get_reply(reply_id)
+        if reply is None or await self.store.get_conversation(reply.conversation_id, user_id) is None:
+            raise NotFound(f"reply {reply_id}")
+        return reply
+
+    async def restart(self, reply: Reply) -> bool:
+        """Run an unfinished reply whose token log expired again from its stored context.
+        False if another gateway restarted it first (its log exists again)."""
+        if reply.finished or reply.prompt_token_ids is None or not reply.job:
+            return False
+        if not await self.log.create(reply.id):
+            return False
+        job = GenerationJob.from_dict({**reply.job, "reply_id": reply.id, "prompt_token_ids": reply.prompt_token_ids})
+        replica = await self.router.place(job.model)
+        await self.store.update_reply(reply.id, replica_id=replica.id)
+        await self.log.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)
+        return True
+
+
+def _chat(message: Message) -> ChatMessage:
+    return {"role": str(message.role), "content": message.text}
+
+
+def _new_messages(messages: list[ChatMessage], stored: list[Message]) -> list[ChatMessage]:
+    """The request's messages minus system text the conversation already has (clients that keep
+    re-sending their system prompt would otherwise repeat it every turn)."""
+    known = {m.text for m in stored if m.role == Role.SYSTEM}
+    return [m for m in messages if not (m["role"] == "system" and m["content"] in known)]
+
+
+def _derived_id(user_id: str, client_key: str) -> str:
+    digest = hashlib.sha256(f"{user_id}\0{client_key}".encode()).hexdigest()[:32]
+    return f"conv_{digest}"

@@ -1,0 +1,33 @@
+"""The gateway's ASGI app: the OpenAI-compatible API plus replies and conversations."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+
+from fairway.gateway import chat, conversations, errors, health, replies
+from fairway.gateway.context import GatewayContext
+from fairway.gateway.limits import MAX_BODY_BYTES, BodySizeLimit
+
+
+def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        for hook in context.on_startup:
+            await hook()
+        try:
+            yield
+        finally:
+            for hook in reversed(context.on_shutdown):
+                with contextlib.suppress(Exception):
+                    await hook()
+
+    app = FastAPI(title="Fairway", version="0.1.0", lifespan=lifespan)
+    app.state.gateway = context
+    errors.install(app)
+    app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    for module in (chat, replies, conversations, health):
+        app.include_router(module.router)
+    return app

@@ -1,0 +1,31 @@
+"""What the routes work with: one GatewayContext per app, on app.state.gateway."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from fastapi import Request
+
+from fairway.conversation import ConversationStore
+from fairway.conversation.service import ConversationService
+from fairway.gateway.streaming import ReplyRelay
+from fairway.relay import TokenLog
+from fairway.router import Router
+
+Hook = Callable[[], Awaitable[None]]
+
+
+@dataclass
+class GatewayContext:
+    service: ConversationService
+    relay: ReplyRelay
+    token_log: TokenLog
+    store: ConversationStore
+    router: Router
+    on_startup: list[Hook] = field(default_factory=list)  # e.g. store.init, the recorder, an embedded replica
+    on_shutdown: list[Hook] = field(default_factory=list)
+
+
+def gateway(request: Request) -> GatewayContext:
+    return request.app.state.gateway

@@ -1,0 +1,58 @@
+"""The user's stored conversations: list, read (messages with their status), delete."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+
+from fairway.conversation import Conversation, Message
+from fairway.gateway.auth import user_id
+from fairway.gateway.context import gateway
+from fairway.gateway.errors import not_found
+
+router = APIRouter()
+
+
+def _conversation(c: Conversation) -> dict[str, Any]:
+    return {"id": c.id, "object": "conversation", "title": c.title, "model": c.model, "tier": c.tier,
+            "created_at": c.created_at, "updated_at": c.updated_at}
+
+
+def _message(m: Message) -> dict[str, Any]:
+    out: dict[str, Any] = {"id": m.id, "object": "conversation.message", "role": str(m.role), "content": m.text,
+                           "status": str(m.status), "created_at": m.created_at}
+    if m.client_key:
+        out["client_key"] = m.client_key
+    if m.reply_id:
+        out["reply_id"] = m.reply_id
+        out["usage"] = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
+                        "total_tokens": m.prompt_tokens + m.completion_tokens,
+                        "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}
+    return out
+
+
+@router.get("/v1/conversations")
+async def list_conversations(
+    request: Request, limit: int = Query(20, ge=1, le=100), before: float | None = None
+) -> dict[str, Any]:
+    """Newest activity first; pass the last one's updated_at as `before` for the next page."""
+    found = await gateway(request).store.list_conversations(user_id(request), limit + 1, before)
+    return {"object": "list", "data": [_conversation(c) for c in found[:limit]], "has_more": len(found) > limit}
+
+
+@router.get("/v1/conversations/{conversation_id}")
+async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
+    store = gateway(request).store
+    conversation = await store.get_conversation(conversation_id, user_id(request))
+    if conversation is None:
+        raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")
+    messages = await store.list_messages(conversation.id)
+    return {**_conversation(conversation), "messages": [_message(m) for m in messages]}
+
+
+@router.delete("/v1/conversations/{conversation_id}")
+async def delete_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
+    if not await gateway(request).store.delete_conversation(conversation_id, user_id(request)):
+        raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")
+    return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}

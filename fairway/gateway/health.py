@@ -1,0 +1,56 @@
+"""Liveness, readiness and the model list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from fairway.gateway.context import gateway
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health() -> dict[str, str]:
+    """The process answers: nothing else is checked (that is /ready)."""
+    return {"status": "ok"}
+
+
+@router.get("/ready")
+async def ready(request: Request) -> JSONResponse:
+    """Ready when the token log and the store answer and some replica serves a model of ours."""
+    gw = gateway(request)
+    checks: dict[str, Any] = {}
+    try:
+        await gw.token_log.exists("ready-probe")
+        checks["token_log"] = "ok"
+    except Exception as exc:
+        checks["token_log"] = f"unavailable: {exc}"
+    try:
+        await gw.store.list_conversations("ready-probe", limit=1)
+        checks["store"] = "ok"
+    except Exception as exc:
+        checks["store"] = f"unavailable: {exc}"
+    try:
+        models = await gw.service.served_models()
+        checks["models"] = models or "no live replica"
+    except Exception as exc:
+        models = []
+        checks["models"] = f"unavailable: {exc}"
+    ok = checks["token_log"] == "ok" and checks["store"] == "ok" and bool(models)
+    return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    gw = gateway(request)
+    live = await gw.router.live()
+    data = []
+    for name in await gw.service.served_models():
+        replicas = [r for r in live if r.model == name]
+        data.append({"id": name, "object": "model", "created": int(min(r.started_at for r in replicas)),
+                     "owned_by": "fairway", "context_window": min(r.max_model_len for r in replicas),
+                     "replicas": len(replicas)})
+    return {"object": "list", "data": data}

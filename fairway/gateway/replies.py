@@ -1,0 +1,85 @@
+"""A reply by id: resume its stream (Last-Event-ID), stop it, see its state.
+
+Any gateway serves any reply: everything needed is in the token log and the store.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from fairway.conversation import NotFound, Reply
+from fairway.gateway.auth import user_id
+from fairway.gateway.chat import SSE_HEADERS
+from fairway.gateway.context import GatewayContext, gateway
+from fairway.gateway.errors import invalid, not_found
+from fairway.gateway.streaming import ReplyView
+from fairway.relay import ReplyNotFound
+
+router = APIRouter()
+
+
+async def _reply(gw: GatewayContext, request: Request, reply_id: str) -> Reply:
+    try:
+        return await gw.service.reply_for_user(reply_id, user_id(request))
+    except NotFound:
+        raise not_found(f"No reply {reply_id!r}.", "reply_id", "reply_not_found") from None
+
+
+def _last_event_id(request: Request) -> int:
+    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+    if not raw.strip().isdigit():
+        raise invalid(f"Last-Event-ID must be a non-negative integer event id, got {raw!r}.", "Last-Event-ID",
+                      "invalid_event_id")
+    return int(raw)
+
+
+@router.get("/v1/replies/{reply_id}/stream")
+async def stream_reply(reply_id: str, request: Request) -> StreamingResponse:
+    """SSE of the reply's events after Last-Event-ID (header, or ?after=): those already in the log
+    at once, then the live ones."""
+    gw = gateway(request)
+    reply = await _reply(gw, request, reply_id)
+    after = _last_event_id(request)
+    await gw.relay.check_after(reply, after)
+    include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
+    view = ReplyView.of(reply)
+    stream = gw.relay.sse(reply, view, after, include_usage)
+    return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **view.headers()})
+
+
+@router.post("/v1/replies/{reply_id}/stop")
+async def stop_reply(reply_id: str, request: Request) -> dict[str, Any]:
+    """Stop generating: the replica drops the sequence at its next step, the text so far is saved
+    with status stopped, and listeners get a final chunk saying so."""
+    gw = gateway(request)
+    reply = await _reply(gw, request, reply_id)
+    try:
+        pending = await gw.token_log.request_stop(reply.id)
+    except ReplyNotFound:
+        pending = False  # the log expired: the reply ended long ago
+    return {"id": reply.id, "object": "reply.stop", "stop_requested": pending,
+            "state": "STOPPING" if pending else str((await gw.store.get_reply(reply.id) or reply).state)}
+
+
+@router.get("/v1/replies/{reply_id}")
+async def get_reply(reply_id: str, request: Request) -> dict[str, Any]:
+    gw = gateway(request)
+    reply = await _reply(gw, request, reply_id)
+    try:
+        last = await gw.token_log.last_event_id(reply.id)
+    except ReplyNotFound:
+        last = reply.last_event_id
+    return {
+        "id": reply.id,
+        "object": "reply",
+        "conversation_id": reply.conversation_id,
+        "message_id": reply.message_id,
+        "state": str(reply.state),
+        "finish_reason": reply.finish_reason,
+        "last_event_id": last,
+        "replica_id": reply.replica_id,
+        "created": int(reply.created_at),
+    }

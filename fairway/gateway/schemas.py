@@ -1,0 +1,189 @@
+"""The chat completions request: parsing and validation, each mistake a 400 naming its field.
+
+Validation is strict about types (a string is not a number) and lenient about fields we do not
+know (OpenAI clients send many optional ones), except those whose meaning we cannot honour.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from fairway.gateway.errors import ApiError, invalid
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+UNSUPPORTED_ROLES = {"tool", "function"}
+
+# Accepted only at their "off" value: anything else would be silently ignored, which is worse.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []),
+    "functions": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "audio": (None,),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+
+    model: str = Field(min_length=1)
+    messages: list[ChatMessageIn]
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # what the sampler can take
+    n: int | None = Field(default=None, ge=1)
+    user: str | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    # The seed's fields (design doc 002, section 2.1).
+    conversation_id: str | None = Field(default=None, min_length=1, max_length=64)
+    message_id: str | None = Field(default=None, min_length=1, max_length=128)
+    last_received_token_index: int | None = Field(default=None, ge=0)
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, value: str | list[str] | None) -> list[str] | None:
+        stops = [value] if isinstance(value, str) else value
+        if stops is not None:
+            if len(stops) > 4:
+                raise ValueError("at most 4 stop sequences")
+            if any(not s for s in stops):
+                raise ValueError("stop sequences must be non-empty")
+        return stops
+
+
+def parse_json(body: bytes) -> Any:
+    if not body:
+        raise invalid("The request body is empty; send a JSON object.")
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise invalid(f"The request body is not valid JSON: {exc}") from None
+
+
+def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    data = parse_json(body)
+    if not isinstance(data, dict):
+        raise invalid("The request body must be a JSON object.")
+    try:
+        request = ChatCompletionRequest.model_validate(data)
+    except ValidationError as exc:
+        raise _validation_error(exc) from None
+    _check_supported(request, data)
+    return request
+
+
+def _validation_error(exc: ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    param = _param(first.get("loc", ()))
+    message = first.get("msg", "invalid value")
+    if first.get("type") == "missing":
+        return invalid(f"Missing required parameter: '{param}'.", param, "missing_required_parameter")
+    return invalid(f"Invalid value for '{param}': {message}.", param, "invalid_value")
+
+
+def _param(loc: tuple[Any, ...]) -> str:
+    """('messages', 0, 'content') -> 'messages[0].content'; union branch names are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and ("[" in part or part in ("str", "list", "function-after", "none")):
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out
+
+
+def _check_supported(request: ChatCompletionRequest, data: dict[str, Any]) -> None:
+    if request.n not in (None, 1):
+        raise invalid("Only n=1 is supported: one reply per request.", "n", "unsupported_value")
+    for name, allowed in UNSUPPORTED_FIELDS.items():
+        if data.get(name) not in allowed:
+            raise invalid(f"'{name}' is not supported by this server yet.", name, "unsupported_parameter")
+    if not request.messages:
+        raise invalid("'messages' must contain at least one message.", "messages", "empty_array")
+
+
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
+    """The messages as {"role", "content": str}, checked; the last one must be the user's."""
+    out = []
+    for i, message in enumerate(request.messages):
+        param = f"messages[{i}]"
+        if message.role in UNSUPPORTED_ROLES:
+            raise invalid(f"Role '{message.role}' is not supported yet (no tools).", f"{param}.role", "unsupported_value")
+        role = ROLES.get(message.role)
+        if role is None:
+            raise invalid(
+                f"Invalid role '{message.role}' in {param}: use system, developer, user or assistant.",
+                f"{param}.role",
+                "invalid_value",
+            )
+        out.append({"role": role, "content": _text(message.content, role, param)})
+    if out[-1]["role"] != "user":
+        raise invalid("The last message must be the user's: it is the one the reply answers.", "messages")
+    return out
+
+
+def _text(content: str | list[dict[str, Any]] | None, role: str, param: str) -> str:
+    if content is None:
+        if role == "assistant":
+            return ""
+        raise invalid(f"'{param}.content' is required for a {role} message.", f"{param}.content", "missing_required_parameter")
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        where = f"{param}.content[{j}]"
+        kind = part.get("type")
+        if kind != "text":
+            raise invalid(
+                f"Content part type {kind!r} is not supported yet: only text parts (files come later).",
+                f"{where}.type",
+                "unsupported_content_type",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"'{where}.text' must be a string.", f"{where}.text", "invalid_type")
+        texts.append(text)
+    return "\n".join(texts)
+
+
+def sampling(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The engine's SamplingParams fields the request sets (defaults are the engine's)."""
+    out: dict[str, Any] = {}
+    if request.temperature is not None:
+        out["temperature"] = request.temperature
+    if request.top_p is not None:
+        out["top_p"] = request.top_p
+    max_tokens = request.max_completion_tokens or request.max_tokens
+    if max_tokens is not None:
+        out["max_tokens"] = max_tokens
+    if request.stop:
+        out["stop"] = request.stop
+    if request.seed is not None:
+        out["seed"] = request.seed
+    if request.ignore_eos:
+        out["ignore_eos"] = True
+    return out
+

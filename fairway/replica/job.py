@@ -1,0 +1,39 @@
+"""A generation job: what a gateway asks a replica to produce for one reply.
+
+It crosses the reply bus as JSON, so it holds plain data only. The sampling fields are those of
+the engine's SamplingParams; the replica builds and validates those (a gateway imports no torch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from fairway.relay import Lane
+
+
+def replica_queue(replica_id: str) -> str:
+    """The bus queue a replica claims from: one per replica, so the router decides placement."""
+    return f"replica:{replica_id}"
+
+
+@dataclass
+class GenerationJob:
+    reply_id: str
+    model: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
+    lane: str = Lane.FREE.value
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> GenerationJob:
+        return cls(
+            reply_id=str(data["reply_id"]),
+            model=str(data["model"]),
+            prompt_token_ids=[int(t) for t in data["prompt_token_ids"]],
+            sampling=dict(data.get("sampling") or {}),
+            lane=str(data.get("lane") or Lane.FREE.value),
+        )

@@ -1,0 +1,36 @@
+"""What a replica reports about a reply, for the conversation store (it has no database itself).
+
+Reports travel on the reply bus (queue REPORTS_QUEUE); every gateway runs a recorder that claims
+them and writes the store, so a reply nobody is watching is still saved when it ends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+REPORTS_QUEUE = "reports"
+
+ReportKind = Literal["started", "finished"]
+
+
+@dataclass
+class ReplyReport:
+    kind: ReportKind
+    reply_id: str
+    replica_id: str
+    text: str = ""  # the whole reply (finished only)
+    state: str = ""  # the final ReplyState (finished only)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    last_event_id: int = 0
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ReplyReport:
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__ if k in data})

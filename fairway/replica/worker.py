@@ -1,0 +1,278 @@
+"""The replica worker: claims jobs, runs them on the engine, writes each token to the token log.
+
+Per reply it also honours Stop (from any gateway, through the token log's stop requests) and
+cancels replies nobody has listened to for idle_cancel_s. Either way the engine drops the
+sequence at its next step and frees its blocks, and the text so far is kept (state STOPPED).
+When a reply ends, the final event goes to the log (listeners see it at once) and a report goes
+to the recorders, which save it in the conversation store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Literal
+
+from fairway.engine import AsyncEngine, EngineDead, FinishReason, Priority, RequestOutput, SamplingParams
+from fairway.relay import FinalEvent, Lane, RelayError, ReplyState, TokenEvent, TokenLog
+from fairway.replica.job import GenerationJob, replica_queue
+from fairway.replica.report import REPORTS_QUEUE, ReplyReport
+from fairway.router.registry import ReplicaInfo, ReplicaRegistry
+
+log = logging.getLogger(__name__)
+
+PRIORITY_OF_LANE = {Lane.PAID: Priority.PAID, Lane.FREE: Priority.FREE, Lane.BACKGROUND: Priority.BACKGROUND}
+
+CancelCause = Literal["stop", "idle", "shutdown"]
+
+
+@dataclass
+class ReplicaSettings:
+    model: str
+    replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:8]}")
+    idle_cancel_s: float = 30.0  # nobody listening this long cancels the reply
+    idle_check_s: float = 1.0  # how often listeners are checked
+    heartbeat_s: float = 1.0  # registry announcements; the registry's ttl is a few of these
+    max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
+
+
+@dataclass
+class _Running:
+    job: GenerationJob
+    cancelled: CancelCause | None = None
+    events: int = 0  # n of the last event written
+    text: list[str] = field(default_factory=list)
+
+
+class ReplicaWorker:
+    def __init__(
+        self, engine: AsyncEngine, token_log: TokenLog, registry: ReplicaRegistry, settings: ReplicaSettings
+    ) -> None:
+        self.engine = engine
+        self.log = token_log
+        self.registry = registry
+        self.settings = settings
+        self.queue = replica_queue(settings.replica_id)
+        self._running: dict[str, _Running] = {}
+        self._capacity = asyncio.Semaphore(settings.max_inflight)
+        self._tasks: set[asyncio.Task] = set()
+        self._loops: list[asyncio.Task] = []
+
+    @property
+    def id(self) -> str:
+        return self.settings.replica_id
+
+    def info(self) -> ReplicaInfo:
+        engine = self.engine.engine
+        longest = min(engine.max_model_len - 1, engine.kv.max_admissible_tokens() - 1)
+        return ReplicaInfo(
+            id=self.id,
+            model=self.settings.model,
+            queue=self.queue,
+            max_model_len=engine.max_model_len,
+            max_prompt_tokens=longest,
+            load=len(self._running),
+            capacity=self.settings.max_inflight,
+        )
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Announce the replica and start its loops; returns at once."""
+        self.engine.start()
+        await self.registry.announce(self.info())
+        for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
+            self._loops.append(asyncio.create_task(loop(), name=f"{self.id}:{loop.__name__}"))
+
+    async def run(self) -> None:
+        """start() and serve until cancelled."""
+        await self.start()
+        try:
+            await asyncio.gather(*self._loops)
+        finally:
+            await self.stop()
+
+    async def stop(self) -> None:
+        """Leave routing, end the replies in flight (their clients get a final event), stop."""
+        with contextlib.suppress(Exception):
+            await self.registry.withdraw(self.id)
+        for loop in self._loops:
+            loop.cancel()
+        for reply_id in list(self._running):
+            self._cancel(reply_id, "shutdown")
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        for loop in self._loops:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await loop
+        self._loops.clear()
+
+    # -- loops -------------------------------------------------------------------------------
+
+    async def _claim_loop(self) -> None:
+        while True:
+            await self._capacity.acquire()  # claim only what we can run: the rest stays for others
+            try:
+                claimed = await self.log.claim(queue=self.queue, timeout=None)
+            except BaseException:
+                self._capacity.release()
+                raise
+            if claimed is None:
+                self._capacity.release()
+                continue
+            task = asyncio.create_task(self._serve_claimed(claimed.job))
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        self._capacity.release()
+
+    async def _stop_loop(self) -> None:
+        while True:
+            try:
+                async for reply_id in self.log.watch_stops():
+                    if reply_id in self._running:
+                        self._cancel(reply_id, "stop")
+            except RelayError:
+                log.warning("stop watch interrupted; retrying", exc_info=True)
+                await asyncio.sleep(1.0)
+
+    async def _idle_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.idle_check_s)
+            for reply_id in list(self._running):
+                try:
+                    idle = await self.log.listener_idle_s(reply_id)
+                except RelayError:
+                    continue
+                if idle is not None and idle >= self.settings.idle_cancel_s:
+                    log.info("reply %s: nobody listening for %.0f s, cancelling", reply_id, idle)
+                    self._cancel(reply_id, "idle")
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_s)
+            try:
+                await self.registry.announce(self.info())
+            except Exception:  # a blip must not kill the replica; the next beat retries
+                log.warning("heartbeat failed", exc_info=True)
+
+    def _cancel(self, reply_id: str, cause: CancelCause) -> None:
+        running = self._running.get(reply_id)
+        if running is not None and running.cancelled is None:
+            running.cancelled = cause
+            self.engine.abort(reply_id)  # the engine drops it at the next step and frees its blocks
+
+    # -- one reply ---------------------------------------------------------------------------
+
+    async def _serve_claimed(self, raw: dict) -> None:
+        try:
+            job = GenerationJob.from_dict(raw)
+        except (KeyError, TypeError, ValueError):
+            log.error("dropping malformed job %r", raw)
+            return
+        try:
+            await self.serve(job)
+        except Exception:
+            log.exception("reply %s failed", job.reply_id)
+
+    async def serve(self, job: GenerationJob) -> None:
+        """Generate one reply into its token log, then report how it ended."""
+        if job.reply_id in self._running:
+            log.warning("reply %s is already running here; ignoring the duplicate job", job.reply_id)
+            return
+        running = self._running[job.reply_id] = _Running(job)
+        try:
+            final = await self._generate(running)
+        finally:
+            del self._running[job.reply_id]
+        final_n = await self._finish_log(job.reply_id, final)
+        await self._report(running, final, final_n)
+
+    async def _generate(self, running: _Running) -> FinalEvent:
+        job = running.job
+        if await self.log.stop_requested(job.reply_id):  # stopped while it waited in the queue
+            return FinalEvent(0, "stop", ReplyState.STOPPED)
+        try:
+            params = SamplingParams(**job.sampling)
+        except (TypeError, ValueError) as exc:
+            return _failed(f"bad sampling parameters: {exc}")
+        await self._report(running, None, 0)
+        last: RequestOutput | None = None
+        priority = PRIORITY_OF_LANE.get(Lane(job.lane), Priority.FREE)
+        outputs = self.engine.generate(job.reply_id, job.prompt_token_ids, params, priority)
+        try:
+            # aclosing: leaving early (a token log failure) aborts the sequence in the engine now.
+            async with contextlib.aclosing(outputs):
+                async for out in outputs:
+                    last = out
+                    if out.text or (out.token_id is not None and not out.finished):
+                        # Every token is an event, even one whose text waits for the rest of a
+                        # character; the stop token at the end is not (it has no text).
+                        await self._append(running, out)
+        except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
+            return _failed(str(exc), last)
+        except RelayError as exc:
+            return _failed(f"token log: {exc}", last)
+        if last is None or last.finish_reason is None:
+            return _failed("the engine ended the reply without a finish reason", last)
+        return _final(last, running.cancelled)
+
+    async def _append(self, running: _Running, out: RequestOutput) -> None:
+        ids = [out.token_id] if out.token_id is not None else []
+        # An explicit n: a second producer of this reply (a duplicate job) fails instead of
+        # interleaving tokens into the same log.
+        event = TokenEvent(running.events + 1, out.text, ids)
+        running.events = await self.log.append(running.job.reply_id, event)
+        running.text.append(out.text)
+
+    async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
+        try:
+            return await self.log.finish(reply_id, final)
+        except RelayError:
+            log.exception("reply %s: could not write its final event", reply_id)
+            return 0
+
+    async def _report(self, running: _Running, final: FinalEvent | None, final_n: int) -> None:
+        job = running.job
+        if final is None:
+            report = ReplyReport("started", job.reply_id, self.id)
+        else:
+            report = ReplyReport(
+                "finished",
+                job.reply_id,
+                self.id,
+                text="".join(running.text),
+                state=str(final.state),
+                finish_reason=final.finish_reason,
+                prompt_tokens=final.prompt_tokens,
+                completion_tokens=final.completion_tokens,
+                cached_tokens=final.cached_tokens,
+                last_event_id=final_n,
+                error=final.error,
+            )
+        try:
+            await self.log.submit(report.to_dict(), Lane.PAID, queue=REPORTS_QUEUE)
+        except RelayError:
+            log.exception("reply %s: could not report %s", job.reply_id, report.kind)
+
+
+def _final(out: RequestOutput, cancelled: CancelCause | None) -> FinalEvent:
+    usage = (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+    if out.finish_reason == FinishReason.ABORT:  # a cancel that lost the race to the end is no cancel
+        if cancelled == "shutdown":
+            return _failed("the replica shut down", out)
+        # Stop and "nobody listening" both keep the text: finish_reason stop, state STOPPED.
+        return FinalEvent(0, "stop", ReplyState.STOPPED, *usage)
+    reason = "length" if out.finish_reason == FinishReason.LENGTH else "stop"
+    return FinalEvent(0, reason, ReplyState.FINISHED, *usage)
+
+
+def _failed(error: str, out: RequestOutput | None = None) -> FinalEvent:
+    """An error ends the reply like a stop (the text so far is kept) and says why."""
+    usage = (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens) if out else (0, 0, 0)
+    return FinalEvent(0, "abort", ReplyState.STOPPED, *usage, error=error)

@@ -1,0 +1,42 @@
+"""Placement: which live replica gets a reply. Minimal for now: the least loaded replica of the
+model (ties rotate). The registry's view is cached briefly: routing every request through a
+Redis round trip buys nothing when replicas heartbeat once a second anyway."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+from fairway.router.registry import ReplicaInfo, ReplicaRegistry
+
+
+class NoReplica(RuntimeError):
+    """No live replica serves the model (503: retry later)."""
+
+
+class Router:
+    def __init__(self, registry: ReplicaRegistry, cache_s: float = 0.5) -> None:
+        self.registry = registry
+        self._cache_s = cache_s
+        self._cached: list[ReplicaInfo] = []
+        self._cached_at = float("-inf")
+        self._turn = itertools.count()
+
+    async def live(self, refresh: bool = False) -> list[ReplicaInfo]:
+        if refresh or time.monotonic() - self._cached_at > self._cache_s:
+            self._cached = await self.registry.live()
+            self._cached_at = time.monotonic()
+        return self._cached
+
+    async def replicas_for(self, model: str) -> list[ReplicaInfo]:
+        return [r for r in await self.live() if r.model == model]
+
+    async def place(self, model: str) -> ReplicaInfo:
+        candidates = await self.replicas_for(model)
+        if not candidates:
+            candidates = [r for r in await self.live(refresh=True) if r.model == model]
+        if not candidates:
+            raise NoReplica(f"no replica is serving model {model!r} right now; retry shortly")
+        least = min(r.load for r in candidates)
+        ties = [r for r in candidates if r.load == least]
+        return ties[next(self._turn) % len(ties)]

@@ -1,0 +1,174 @@
+"""Putting the parts together, the two ways Fairway runs (one code path, different backends):
+
+* embedded (`fairway serve`): one process; the engine in its own thread, token log, bus and
+  registry in process, SQLite store. Needs no other server.
+* at scale: `fairway gateway` processes (stateless) and `fairway replica` processes (one
+  engine each) sharing Redis (token log, bus, registry) and PostgreSQL (store).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI
+
+from fairway.conversation import ConversationStore, make_store
+from fairway.conversation.recorder import ReplyRecorder
+from fairway.conversation.service import ConversationService, ServiceSettings
+from fairway.gateway import GatewayContext, create_app
+from fairway.gateway.streaming import ReplyRelay
+from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
+from fairway.relay import DEFAULT_TTL_S, TokenLog, make_token_log
+from fairway.router import ReplicaRegistry, Router, make_registry
+
+if TYPE_CHECKING:  # the engine (torch) is only imported where a replica runs
+    from fairway.engine import LLMEngine
+    from fairway.models.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StackOptions:
+    model: str | None = None  # a .gguf file or Hugging Face folder; None: the bundled model
+    dtype: str = "bfloat16"
+    device: str = "cpu"
+    redis: str | None = None  # None: in-process token log, bus and registry
+    database: str | None = None  # None: SQLite under ./.fairway/
+    namespace: str = "fairway:"  # Redis key prefix: separate deployments can share one server
+    log_ttl_s: float = DEFAULT_TTL_S  # token log retention after a reply's last event
+    idle_cancel_s: float = 30.0  # nobody listening this long cancels a reply
+    max_model_len: int | None = None  # cap the context window (default: the model's)
+    num_kv_blocks: int | None = None
+    replica_id: str | None = None
+    default_max_tokens: int = 512
+
+
+def model_name(model: str | None) -> str:
+    return BUNDLED_MODEL_NAME if model is None else Path(model).stem.lower()
+
+
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """The model's tokenizer alone (no weights, no torch): what a gateway needs to build prompts."""
+    from fairway.models.tokenizer import Tokenizer
+
+    path = Path(model) if model else bundled_model_path()
+    return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
+
+
+def build_engine(options: StackOptions) -> LLMEngine:
+    from fairway.engine import EngineConfig
+    from fairway.engine.factory import build_engine as build
+
+    config = EngineConfig(max_model_len=options.max_model_len)
+    if options.num_kv_blocks:
+        config.num_kv_blocks = options.num_kv_blocks
+    return build(options.model, options.dtype, options.device, config)
+
+
+class Background:
+    """Coroutines that run for the app's lifetime, cancelled at shutdown."""
+
+    def __init__(self) -> None:
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self, make: Callable[[], Awaitable[Any]], name: str) -> Callable[[], Awaitable[None]]:
+        async def hook() -> None:
+            self._tasks.append(asyncio.create_task(make(), name=name))  # type: ignore[arg-type]
+
+        return hook
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+
+
+def _redis_options(options: StackOptions) -> dict[str, Any]:
+    return {"prefix": options.namespace} if options.redis else {}
+
+
+def open_backends(options: StackOptions) -> tuple[TokenLog, ConversationStore, ReplicaRegistry]:
+    token_log = make_token_log(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
+    registry = make_registry(options.redis, **_redis_options(options))
+    return token_log, make_store(options.database), registry
+
+
+def gateway_context(
+    options: StackOptions,
+    token_log: TokenLog,
+    store: ConversationStore,
+    registry: ReplicaRegistry,
+    tokenizers: dict[str, Any],
+) -> GatewayContext:
+    router = Router(registry)
+    settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
+    service = ConversationService(store, token_log, router, tokenizers, settings)
+    context = GatewayContext(service, ReplyRelay(token_log, store, service), token_log, store, router)
+    background = Background()
+    recorder = ReplyRecorder(store, token_log)
+    context.on_startup += [store.init, background.start(recorder.run, "reply-recorder")]
+    context.on_shutdown += [store.close, token_log.close, registry.close, background.stop]
+    return context
+
+
+def embedded_app(options: StackOptions, engine: LLMEngine | None = None) -> FastAPI:
+    """One process: gateway, recorder and a replica on the engine (built here unless given)."""
+    from fairway.engine import AsyncEngine
+    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+
+    engine = engine or build_engine(options)
+    name = model_name(options.model)
+    token_log, store, registry = open_backends(options)
+    async_engine = AsyncEngine(engine)
+    settings = ReplicaSettings(model=name, idle_cancel_s=options.idle_cancel_s)
+    if options.replica_id:
+        settings.replica_id = options.replica_id
+    worker = ReplicaWorker(async_engine, token_log, registry, settings)
+    context = gateway_context(options, token_log, store, registry, {name: engine.tokenizer})
+    context.on_startup.append(worker.start)
+
+    async def stop_engine() -> None:
+        await worker.stop()
+        await asyncio.to_thread(async_engine.shutdown)
+
+    context.on_shutdown.append(stop_engine)  # runs first: shutdown hooks run in reverse
+    return create_app(context)
+
+
+def gateway_app(options: StackOptions) -> FastAPI:
+    """A stateless gateway process: Redis and a database shared with the other processes."""
+    token_log, store, registry = open_backends(options)
+    tokenizers = {model_name(options.model): load_tokenizer(options.model)}
+    return create_app(gateway_context(options, token_log, store, registry, tokenizers))
+
+
+async def run_replica(options: StackOptions, engine: LLMEngine | None = None) -> None:
+    """A replica process: the engine, claiming jobs from its queue until cancelled."""
+    from fairway.engine import AsyncEngine
+    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+
+    engine = engine or build_engine(options)
+    token_log = make_token_log(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
+    registry = make_registry(options.redis, **_redis_options(options))
+    settings = ReplicaSettings(model=model_name(options.model), idle_cancel_s=options.idle_cancel_s)
+    if options.replica_id:
+        settings.replica_id = options.replica_id
+    async_engine = AsyncEngine(engine)
+    worker = ReplicaWorker(async_engine, token_log, registry, settings)
+    log.info("replica %s serving %s", settings.replica_id, settings.model)
+    try:
+        await worker.run()
+    finally:
+        await asyncio.to_thread(async_engine.shutdown)
+        await token_log.close()
+        await registry.close()

@@ -1,0 +1,128 @@
+"""Helpers for the API tests: a real HTTP server on a free port, and an SSE reader."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import uvicorn
+
+MODEL = "smollm2-135m-instruct"
+API_KEY = "sk-test-user-1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ThreadServer:
+    """uvicorn serving an ASGI app on its own thread and event loop, like `fairway serve` does."""
+
+    def __init__(self, app: Any, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, name="test-uvicorn", daemon=True)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        state = getattr(getattr(app, "state", None), "gateway", None)
+        if state is not None:  # a Fairway app: remember its loop, to reach its backends from tests
+            state.on_startup.append(self._capture_loop)
+
+    async def _capture_loop(self) -> None:
+        self.loop = asyncio.get_running_loop()
+
+    def call(self, coro: Any, timeout: float = 30.0) -> Any:
+        """Run a coroutine on the server's event loop (where its backends live) and wait for it."""
+        assert self.loop is not None
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def start(self, timeout: float = 60.0) -> ThreadServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=15)
+
+
+def wait_ready(url: str, timeout: float = 90.0) -> None:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        try:
+            last = httpx.get(f"{url}/ready", timeout=2.0)
+            if last.status_code == 200:
+                return
+        except httpx.HTTPError as exc:
+            last = exc
+        time.sleep(0.25)
+    raise RuntimeError(f"{url} never became ready: {getattr(last, 'text', last)}")
+
+
+@dataclass
+class Event:
+    id: int | None
+    data: Any  # parsed JSON, or the string "[DONE]"
+
+    @property
+    def content(self) -> str:
+        if not isinstance(self.data, dict) or not self.data.get("choices"):
+            return ""
+        return self.data["choices"][0].get("delta", {}).get("content") or ""
+
+    @property
+    def finish_reason(self) -> str | None:
+        if not isinstance(self.data, dict) or not self.data.get("choices"):
+            return None
+        return self.data["choices"][0].get("finish_reason")
+
+
+def sse_events(response: httpx.Response) -> Iterator[Event]:
+    """SSE events as the spec frames them (comments skipped)."""
+    event_id: int | None = None
+    data: list[str] = []
+    for line in response.iter_lines():
+        if line == "":
+            if data:
+                raw = "\n".join(data)
+                yield Event(event_id, raw if raw == "[DONE]" else json.loads(raw))
+            event_id, data = None, []
+        elif line.startswith("id:"):
+            event_id = int(line[3:].strip())
+        elif line.startswith("data:"):
+            data.append(line[5:].lstrip())
+
+
+def chat_body(content: str, max_tokens: int = 8, stream: bool = True, **extra: Any) -> dict[str, Any]:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": stream, **extra}
+
+
+def headers(key: str = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def wait_for(predicate, timeout: float = 30.0, every: float = 0.2) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(every)

@@ -1,0 +1,431 @@
+"""The chat API end to end, as users see it: `fairway serve`'s app (bundled model on the CPU,
+in-process token log, SQLite) over real HTTP, driven with the official openai SDK and raw SSE."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from serving import API_KEY, MODEL, ThreadServer, chat_body, headers, sse_events, wait_for, wait_ready
+
+IDLE_CANCEL_S = 2.0
+WINDOW = 1024
+
+# A stable system text, as every deployment has: long enough that one turn's new tokens (the
+# reply and the next question) are a small part of the next prompt.
+SYSTEM = (
+    "You are Fairway's assistant. You answer briefly and precisely. You never invent facts; when you "
+    "do not know something you say so. When a question is ambiguous you say which readings you see "
+    "and answer the most likely one. You write plain text without markdown unless asked. "
+) * 6
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from fairway.stack import StackOptions, embedded_app
+
+    db = tmp_path_factory.mktemp("api") / "fairway.db"
+    options = StackOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, idle_cancel_s=IDLE_CANCEL_S)
+    app = embedded_app(options)
+    server = ThreadServer(app).start()
+    server.gateway = app.state.gateway
+    wait_ready(server.url)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers=headers(), timeout=120) as c:
+        yield c
+
+
+def stored_reply(http: httpx.Client, conversation_id: str, reply_id: str, timeout: float = 30.0) -> dict:
+    """The assistant message a reply saved, once it is saved."""
+
+    def find():
+        body = http.get(f"/v1/conversations/{conversation_id}").json()
+        return next((m for m in body["messages"] if m.get("reply_id") == reply_id), None)
+
+    return wait_for(find, timeout)
+
+
+# -- the basics ----------------------------------------------------------------------------
+
+
+def test_health_ready_models(http):
+    assert http.get("/health").json() == {"status": "ok"}
+    ready = http.get("/ready")
+    assert ready.status_code == 200 and ready.json()["status"] == "ready"
+    models = http.get("/v1/models").json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["context_window"] == WINDOW
+
+
+def test_sdk_streaming(client, http):
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )
+    reply_id = raw.headers["x-reply-id"]
+    chunks = list(raw.parse())
+    assert all(c.object == "chat.completion.chunk" and c.id == reply_id and c.model == MODEL for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    content = [c for c in chunks if c.choices and c.choices[0].finish_reason is None]
+    assert [c.choices[0].model_extra["checkpoint_id"] for c in content] == [f"tok_{n}" for n in range(1, len(content) + 1)]
+    final = [c for c in chunks if c.choices and c.choices[0].finish_reason][0]
+    assert final.choices[0].finish_reason in ("stop", "length")
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens >= 1 and usage.prompt_tokens > 0
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    # The reply is saved with its text, status and counts.
+    message = stored_reply(http, chunks[0].model_extra["conversation_id"], reply_id)
+    assert (message["content"], message["status"]) == (text, "complete")
+    assert message["usage"]["completion_tokens"] == usage.completion_tokens
+
+
+def test_sdk_non_streaming_with_content_parts(client):
+    completion = client.chat.completions.create(
+        model=MODEL, max_tokens=5, temperature=0,
+        messages=[{"role": "user", "content": [{"type": "text", "text": "What is 2+2?"},
+                                                 {"type": "text", "text": "Answer with a number."}]}],
+    )
+    assert completion.object == "chat.completion" and completion.id.startswith("rep_")
+    assert completion.choices[0].message.role == "assistant" and completion.choices[0].message.content
+    assert completion.choices[0].finish_reason in ("stop", "length")
+    assert completion.usage.completion_tokens <= 5 and completion.usage.prompt_tokens > 10
+    assert completion.model_extra["conversation_id"].startswith("conv_")
+
+
+def test_sse_events_are_numbered(http):
+    with http.stream("POST", "/v1/chat/completions", json=chat_body("Name a colour.", max_tokens=5)) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = list(sse_events(r))
+    assert events[-1].data == "[DONE]"
+    numbered = [e for e in events if e.id is not None]
+    assert [e.id for e in numbered] == list(range(1, len(numbered) + 1))
+    for e in numbered:
+        assert e.data["choices"][0]["checkpoint_id"] == f"tok_{e.id}"
+        assert e.data["id"] == e.data["reply_id"] == r.headers["x-reply-id"]
+    assert numbered[-1].finish_reason in ("stop", "length")
+
+
+# -- resume, stop, nobody listening ------------------------------------------------------------
+
+
+def start_stream(http: httpx.Client, prompt: str, read: int, max_tokens: int = 40, **extra) -> tuple[dict, list]:
+    """Open a stream, read `read` numbered events, then drop the connection (like Wi-Fi would)."""
+    got = []
+    with http.stream("POST", "/v1/chat/completions", json=chat_body(prompt, max_tokens=max_tokens, **extra)) as r:
+        assert r.status_code == 200
+        for event in sse_events(r):
+            got.append(event)
+            if len(got) == read:
+                break
+    return dict(r.headers), got
+
+
+def test_resume_with_last_event_id_after_a_drop(http):
+    head, first = start_stream(http, "Count from one to thirty in words.", read=3)
+    reply_id, conversation_id = head["x-reply-id"], head["x-conversation-id"]
+    assert [e.id for e in first] == [1, 2, 3]
+    # The user's message was stored before generation started.
+    stored = http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+    assert stored[0]["role"] == "user" and stored[0]["content"].startswith("Count from one")
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "3"}) as r:
+        assert r.status_code == 200
+        rest = list(sse_events(r))
+    assert rest[0].id == 4 and "role" not in rest[0].data["choices"][0]["delta"]
+    numbered = [e for e in rest if e.id is not None]
+    assert [e.id for e in numbered] == list(range(4, 4 + len(numbered)))  # no gap, no repeat
+    text = "".join(e.content for e in first + rest)
+    # The drop did not stop the reply: it ran to its end and was saved whole.
+    message = stored_reply(http, conversation_id, reply_id)
+    assert message["status"] == "complete" and message["content"] == text
+
+
+def test_resume_by_resending_the_request(http):
+    body = {"message_id": "msg-client-7"}
+    head, first = start_stream(http, "List five fruits, one per line.", read=2, **body)
+    again = chat_body("List five fruits, one per line.", max_tokens=40, last_received_token_index=2, **body)
+    with http.stream("POST", "/v1/chat/completions", json=again) as r:
+        assert r.status_code == 200 and r.headers["x-reply-id"] == head["x-reply-id"]
+        rest = list(sse_events(r))
+    assert rest[0].id == 3
+    text = "".join(e.content for e in first + rest)
+    message = stored_reply(http, head["x-conversation-id"], head["x-reply-id"])
+    assert message["content"] == text
+    # Re-sending without the index attaches to the same reply from the start: no second reply.
+    with http.stream("POST", "/v1/chat/completions", json={**again, "last_received_token_index": None}) as r:
+        replay = list(sse_events(r))
+    assert r.headers["x-reply-id"] == head["x-reply-id"]
+    assert "".join(e.content for e in replay) == text
+
+
+def test_stop_keeps_the_text_and_says_so(http):
+    with http.stream("POST", "/v1/chat/completions",
+                     json=chat_body("Write a long story about a dragon.", max_tokens=200)) as r:
+        reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
+        events = []
+        for event in sse_events(r):
+            events.append(event)
+            if len(events) == 3:
+                stop = http.post(f"/v1/replies/{reply_id}/stop")
+                assert stop.status_code == 200 and stop.json()["stop_requested"] is True
+    final = [e for e in events if e.finish_reason][0]
+    assert final.finish_reason == "stop" and final.data["stopped"] is True
+    assert final.data["choices"][0]["stopped"] is True
+    assert events[-1].data == "[DONE]"
+    text = "".join(e.content for e in events)
+    message = stored_reply(http, conversation_id, reply_id)
+    assert message["status"] == "stopped" and message["content"] == text
+    assert message["usage"]["completion_tokens"] < 100
+    # Stopping again: it already ended.
+    assert http.post(f"/v1/replies/{reply_id}/stop").json()["stop_requested"] is False
+
+
+def test_reply_nobody_listens_to_is_cancelled(http):
+    head, _ = start_stream(http, "Write a very long essay about the history of Rome.", read=1, max_tokens=300)
+    started = time.monotonic()
+    message = stored_reply(http, head["x-conversation-id"], head["x-reply-id"], timeout=IDLE_CANCEL_S + 20)
+    assert message["status"] == "stopped"
+    assert message["usage"]["completion_tokens"] < 300
+    assert time.monotonic() - started >= IDLE_CANCEL_S - 0.5
+    reply = http.get(f"/v1/replies/{head['x-reply-id']}").json()
+    assert reply["state"] == "STOPPED"
+
+
+# -- conversations and context -------------------------------------------------------------
+
+
+def test_five_turns_hit_the_prefix_cache(client):
+    """Cache-friendly context: from turn 2 on, >= 90% of each prompt is served from the prefix cache.
+    (Turn 1 is too, once another conversation has run with the same system text.)"""
+    questions = ["What is the capital of France?", "And of Germany?", "Which of the two is bigger?",
+                 "Name a river in each.", "Thanks! Summarise in one line."]
+    for attempt in ("warm the system text", "measure"):
+        conversation_id = None
+        ratios = []
+        for question in questions:
+            messages = [{"role": "user", "content": question}]
+            if conversation_id is None:
+                messages.insert(0, {"role": "system", "content": SYSTEM})
+            completion = client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                extra_body={"conversation_id": conversation_id} if conversation_id else None,
+            )
+            conversation_id = completion.model_extra["conversation_id"]
+            usage = completion.usage
+            ratios.append(usage.prompt_tokens_details.cached_tokens / usage.prompt_tokens)
+            if attempt == "measure":
+                assert completion.model_extra["context"]["dropped_turns"] == 0
+    assert all(r >= 0.9 for r in ratios), ratios
+
+
+def test_conversation_continues_from_the_store(client, http):
+    first = client.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0,
+        messages=[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "My name is Ada."}],
+    )
+    conversation_id = first.model_extra["conversation_id"]
+    second = client.chat.completions.create(
+        model=MODEL, max_tokens=6, temperature=0, messages=[{"role": "user", "content": "What is my name?"}],
+        extra_body={"conversation_id": conversation_id},
+    )
+    assert second.model_extra["conversation_id"] == conversation_id
+    # Turn 2's prompt holds turn 1: it is longer than the system text and question alone.
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+    body = http.get(f"/v1/conversations/{conversation_id}").json()
+    assert [(m["role"], m["status"]) for m in body["messages"]] == [
+        ("system", "complete"), ("user", "complete"), ("assistant", "complete"),
+        ("user", "complete"), ("assistant", "complete")]
+    assert body["messages"][2]["content"] == first.choices[0].message.content
+    listed = http.get("/v1/conversations", params={"limit": 100}).json()
+    assert conversation_id in [c["id"] for c in listed["data"]]
+    # Another user sees none of it.
+    other = http.get(f"/v1/conversations/{conversation_id}", headers=headers("sk-other"))
+    assert other.status_code == 404
+    assert http.delete(f"/v1/conversations/{conversation_id}").json()["deleted"] is True
+    assert http.get(f"/v1/conversations/{conversation_id}").status_code == 404
+    assert http.delete(f"/v1/conversations/{conversation_id}").status_code == 404
+
+
+def test_overflow_drops_the_oldest_turns_and_says_so(client):
+    long_turn = "Tell me about the sea. " * 45  # ~270 tokens a question
+    messages = [{"role": "system", "content": "Be brief."}]
+    for i in range(3):
+        messages += [{"role": "user", "content": f"{i}: {long_turn}"}, {"role": "assistant", "content": "Okay."}]
+    messages.append({"role": "user", "content": "Now, in one word: what did we talk about?"})
+    completion = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=200, temperature=0)
+    context = completion.model_extra["context"]
+    assert context["dropped_turns"] >= 1 and context["dropped_messages"] == 2 * context["dropped_turns"]
+    assert completion.usage.prompt_tokens <= WINDOW - 200
+
+
+# -- bad input -----------------------------------------------------------------------------
+
+
+def test_context_over_the_window_is_400_context_length_exceeded(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 2000}])
+    assert err.value.status_code == 400 and err.value.code == "context_length_exceeded"
+    assert err.value.param == "messages"
+
+
+def test_n_above_1_is_a_clear_400(client):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=2)
+    assert err.value.param == "n" and "n=1" in err.value.message
+
+
+def test_unknown_model_is_404_model_not_found(client):
+    with pytest.raises(openai.NotFoundError) as err:
+        client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
+    assert err.value.code == "model_not_found"
+
+
+GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        (b'{"model": "x", "messages": [', 400, None),  # malformed JSON
+        (b"[1, 2]", 400, None),
+        (b"", 400, None),
+        ({**GOOD, "messages": []}, 400, "messages"),
+        ({"model": MODEL}, 400, "messages"),
+        ({**GOOD, "model": 7}, 400, "model"),
+        ({**GOOD, "messages": "hi"}, 400, "messages"),
+        ({**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+        ({**GOOD, "messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
+        ({**GOOD, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+        ({**GOOD, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
+        ({**GOOD, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
+        ({**GOOD, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         400, "messages[0].content[0].type"),
+        ({**GOOD, "temperature": "hot"}, 400, "temperature"),
+        ({**GOOD, "temperature": 5}, 400, "temperature"),
+        ({**GOOD, "top_p": 0}, 400, "top_p"),
+        ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+        ({**GOOD, "max_tokens": 1.5}, 400, "max_tokens"),
+        ({**GOOD, "max_tokens": WINDOW}, 400, "messages"),  # nothing left for the prompt
+        ({**GOOD, "stream": "yes"}, 400, "stream"),
+        ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+        ({**GOOD, "seed": "1"}, 400, "seed"),
+        ({**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({**GOOD, "conversation_id": "conv_missing"}, 404, "conversation_id"),
+        ({**GOOD, "message_id": "never-sent", "last_received_token_index": 3}, 404, "last_received_token_index"),
+        ({**GOOD, "last_received_token_index": 3}, 400, "last_received_token_index"),
+        ({**GOOD, "last_received_token_index": -1}, 400, "last_received_token_index"),
+        ({**GOOD, "model": "nope"}, 404, "model"),
+    ],
+)
+def test_bad_chat_requests_get_openai_errors(http, body, status, param):
+    kwargs = {"content": body} if isinstance(body, bytes) else {"json": body}
+    response = http.post("/v1/chat/completions", headers={"content-type": "application/json"}, **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    assert error["type"] == "invalid_request_error"
+
+
+def test_body_over_1_mib_is_413(http):
+    big = {**GOOD, "messages": [{"role": "user", "content": "x" * (1 << 20)}]}
+    response = http.post("/v1/chat/completions", json=big)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    # Without a Content-Length (chunked), the limit holds as the bytes arrive.
+    chunks = (b"x" * 65536 for _ in range(20))
+    response = http.post("/v1/chat/completions", content=chunks, headers={"content-type": "application/json"})
+    assert response.status_code == 413
+
+
+def test_unknown_replies_conversations_and_event_ids_are_404(http, client):
+    assert http.get("/v1/replies/rep_missing/stream").status_code == 404
+    assert http.post("/v1/replies/rep_missing/stop").status_code == 404
+    assert http.get("/v1/conversations/conv_missing").status_code == 404
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, temperature=0)
+    completion = raw.parse()
+    reply_id, last = completion.id, completion.model_extra["last_event_id"]
+    past_end = http.get(f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(last + 5)})
+    assert past_end.status_code == 404 and past_end.json()["error"]["code"] == "event_id_out_of_range"
+    garbage = http.get(f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "abc"})
+    assert garbage.status_code == 400 and garbage.json()["error"]["param"] == "Last-Event-ID"
+    # Resuming at the very end gives just the end.
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(last)}) as r:
+        assert [e.data for e in sse_events(r)] == ["[DONE]"]
+    # Another user's reply does not exist for them.
+    other = http.get(f"/v1/replies/{reply_id}/stream", headers=headers("sk-other"))
+    assert other.status_code == 404
+
+
+# -- after the token log has expired -------------------------------------------------------------
+
+
+def expire_log(server, reply_id: str) -> None:
+    """What 30 minutes of retention do to a reply's log, now."""
+
+    async def drop() -> None:
+        server.gateway.token_log._logs.pop(reply_id, None)
+        assert not await server.gateway.token_log.exists(reply_id)
+
+    server.call(drop())
+
+
+def test_a_finished_reply_comes_back_from_the_store(server, client, http):
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Name three birds."}], max_tokens=8, temperature=0)
+    reply_id, last = completion.id, completion.model_extra["last_event_id"]
+    stored_reply(http, completion.model_extra["conversation_id"], reply_id)
+    expire_log(server, reply_id)
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream") as r:
+        events = list(sse_events(r))
+    assert "".join(e.content for e in events) == completion.choices[0].message.content
+    assert events[-2].id == last and events[-2].finish_reason == completion.choices[0].finish_reason
+    # From a cursor inside the reply the store cannot split tokens: the whole text, marked so.
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "2"}) as r:
+        events = list(sse_events(r))
+    assert events[0].data["snapshot"] is True
+    assert events[0].content == completion.choices[0].message.content
+
+
+def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
+    """Its log expired before it finished (say, the process restarted): the next reader runs it
+    again from the context stored with it."""
+    from fairway.conversation import Role
+    from fairway.gateway.auth import user_id
+
+    class Key:
+        headers = {"authorization": f"Bearer {API_KEY}"}
+
+    store = server.gateway.store
+    tokenizer = server.gateway.service.tokenizers[MODEL]
+    prompt = tokenizer.chat_prompt_ids([{"role": "user", "content": "Say yes."}])
+
+    async def orphan() -> tuple[str, str]:
+        conversation = await store.create_conversation(user_id(Key), "free", MODEL)
+        message = await store.add_message(conversation.id, Role.USER, "Say yes.")
+        job = {"model": MODEL, "sampling": {"max_tokens": 4, "temperature": 0}, "lane": "free"}
+        reply = await store.create_reply(conversation.id, message.id, prompt_token_ids=prompt, job=job,
+                                         state="RUNNING")
+        return conversation.id, reply.id
+
+    conversation_id, reply_id = server.call(orphan())
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream") as r:
+        assert r.status_code == 200
+        events = list(sse_events(r))
+    assert [e.id for e in events if e.id] == list(range(1, len(events)))
+    assert events[-1].data == "[DONE]" and events[-2].finish_reason in ("stop", "length")
+    message = stored_reply(http, conversation_id, reply_id)
+    assert message["status"] == "complete" and message["content"] == "".join(e.content for e in events)

@@ -1,0 +1,185 @@
+"""Resume, stop and "nobody listening" across processes: two `fairway gateway` processes and one
+`fairway replica` on one Redis and one PostgreSQL database, as deployed at scale. A client
+starts a reply on one gateway, drops, and carries on through the other."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from serving import API_KEY, MODEL, chat_body, free_port, headers, sse_events, wait_for, wait_ready
+
+REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
+PG_USER = os.environ.get("FAIRWAY_TEST_PG_USER", "postgres")
+IDLE_CANCEL_S = 2.0
+
+
+async def _pg_admin(sql: str) -> None:
+    import asyncpg
+
+    conn = await asyncpg.connect(f"postgresql://{PG_USER}@{PG_HOST}/postgres", timeout=5)
+    try:
+        await conn.execute(sql)
+    finally:
+        await conn.close()
+
+
+@pytest.fixture(scope="module")
+def database():
+    name = f"fairway_test_{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
+    except OSError as exc:
+        pytest.skip(f"PostgreSQL at {PG_HOST} not reachable: {exc}")
+    yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
+    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
+@pytest.fixture(scope="module")
+def namespace():
+    import redis
+
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(match=f"{prefix}*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+class Processes:
+    def __init__(self, logs: Path) -> None:
+        self.logs = logs
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, *args: str) -> None:
+        out = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115  closed with the process
+        proc = subprocess.Popen([sys.executable, "-m", "fairway.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+        self.procs.append((name, proc))
+
+    def tails(self) -> str:
+        return "\n".join(f"--- {name}\n{(self.logs / f'{name}.log').read_text()[-3000:]}" for name, _ in self.procs)
+
+    def stop(self) -> None:
+        for _, proc in self.procs:
+            proc.terminate()
+        for _, proc in self.procs:
+            try:
+                proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+@pytest.fixture(scope="module")
+def gateways(tmp_path_factory, database, namespace):
+    """URLs of two gateway processes sharing one replica process."""
+    procs = Processes(tmp_path_factory.mktemp("procs"))
+    shared = ["--redis", REDIS_URL, "--namespace", namespace]
+    procs.start("replica", "replica", *shared, "--idle-cancel", str(IDLE_CANCEL_S), "--max-model-len", "1024",
+                "--log-level", "warning")
+    urls = []
+    for name in ("gateway-a", "gateway-b"):
+        port = free_port()
+        procs.start(name, "gateway", *shared, "--database", database, "--port", str(port), "--log-level", "warning")
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        for url in urls:
+            wait_ready(url, timeout=120)
+    except RuntimeError:
+        procs.stop()
+        raise RuntimeError(procs.tails()) from None
+    yield urls
+    procs.stop()
+
+
+def sdk(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+def stored_message(url: str, conversation_id: str, reply_id: str, timeout: float = 30.0) -> dict:
+    def find():
+        body = httpx.get(f"{url}/v1/conversations/{conversation_id}", headers=headers(), timeout=10).json()
+        return next((m for m in body.get("messages", []) if m.get("reply_id") == reply_id), None)
+
+    return wait_for(find, timeout)
+
+
+def test_a_reply_resumes_through_the_other_gateway(gateways):
+    a, b = gateways
+    prompt = [{"role": "user", "content": "Count from one to forty in words, separated by commas."}]
+    # Gateway A, official SDK: read up to event 4, then the connection drops.
+    stream = sdk(a).chat.completions.create(model=MODEL, messages=prompt, max_tokens=40, temperature=0,
+                                            stream=True, extra_body={"message_id": "m-resume-1"})
+    seen = []
+    for chunk in stream:
+        seen.append(chunk)
+        if chunk.choices[0].model_extra["checkpoint_id"] == "tok_4":
+            break
+    stream.close()
+    reply_id = seen[0].id
+    conversation_id = seen[0].model_extra["conversation_id"]
+    text = "".join(c.choices[0].delta.content or "" for c in seen)
+    # Gateway B, Last-Event-ID 4: events 5.. at once from the log, then live; drop again at 8.
+    with httpx.stream("GET", f"{b}/v1/replies/{reply_id}/stream", headers={**headers(), "Last-Event-ID": "4"},
+                      timeout=60) as r:
+        assert r.status_code == 200
+        ids = []
+        for event in sse_events(r):
+            ids.append(event.id)
+            text += event.content
+            if event.id == 8:
+                break
+    assert ids == [5, 6, 7, 8]
+    # Gateway B again, the seed's way: the same request with last_received_token_index.
+    rest = sdk(b).chat.completions.create(
+        model=MODEL, messages=prompt, max_tokens=40, temperature=0, stream=True,
+        extra_body={"message_id": "m-resume-1", "last_received_token_index": 8},
+    )
+    chunks = list(rest)
+    assert chunks[0].id == reply_id and chunks[0].choices[0].model_extra["checkpoint_id"] == "tok_9"
+    text += "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    # Nothing lost, nothing repeated: the stored reply (PostgreSQL, read through either gateway).
+    for url in (a, b):
+        message = stored_message(url, conversation_id, reply_id)
+        assert message["status"] == "complete" and message["content"] == text
+
+
+def test_stop_through_the_other_gateway(gateways):
+    a, b = gateways
+    body = chat_body("Write a long story about a lighthouse keeper.", max_tokens=200)
+    with httpx.stream("POST", f"{a}/v1/chat/completions", json=body, headers=headers(), timeout=60) as r:
+        reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
+        events = []
+        for event in sse_events(r):
+            events.append(event)
+            if len(events) == 3:
+                stop = httpx.post(f"{b}/v1/replies/{reply_id}/stop", headers=headers(), timeout=10)
+                assert stop.json()["stop_requested"] is True
+    final = next(e for e in events if e.finish_reason)
+    assert final.finish_reason == "stop" and final.data["stopped"] is True
+    text = "".join(e.content for e in events)
+    message = stored_message(b, conversation_id, reply_id)
+    assert message["status"] == "stopped" and message["content"] == text
+
+
+def test_nobody_listening_cancels_the_reply(gateways):
+    a, b = gateways
+    body = chat_body("Write a very long essay about the history of Rome.", max_tokens=300)
+    with httpx.stream("POST", f"{a}/v1/chat/completions", json=body, headers=headers(), timeout=60) as r:
+        reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
+        next(sse_events(r))
+    started = time.monotonic()
+    message = stored_message(b, conversation_id, reply_id, timeout=IDLE_CANCEL_S + 30)
+    assert message["status"] == "stopped" and message["usage"]["completion_tokens"] < 300
+    assert time.monotonic() - started >= IDLE_CANCEL_S - 0.5
