@@ -183,3 +183,18 @@ async def test_async_engine_streams_concurrently_and_leaving_early_aborts(tiny_m
             await anext(aeng.generate("d", [], GREEDY))
     finally:
         aeng.shutdown()
+
+
+def test_decode_groups_by_length_match_one_at_a_time(tiny_model):
+    ps = prompts(24, 3, 200)  # lengths spread widely: several decode groups per step
+    alone = [engine(tiny_model, num_kv_blocks=512).generate([p], GREEDY)[0] for p in ps[:6]]
+    eng = engine(tiny_model, num_kv_blocks=512, max_num_batched_tokens=2048)
+    got = eng.generate(ps, GREEDY)
+    assert got[:6] == alone
+    for p in ps:
+        eng.add_request(f"again-{len(p)}-{p[0]}", p, GREEDY)
+    eng.step()
+    eng.step()
+    batch = eng.scheduler.schedule()
+    _, _, _, meta, _, _ = eng.runner._prepare(batch)
+    assert len(meta.decodes) > 1

@@ -166,7 +166,7 @@ class LLMEngine:
         result: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.has_unfinished():
             for out in self.step():
-                if out.token_id is not None:
+                if out.token_id is not None and out.request_id in result:
                     result[out.request_id].append(out.token_id)
         return [result[rid] for rid in ids]
 

@@ -10,7 +10,7 @@ from fairway.engine.sampler import sample
 from fairway.engine.scheduler import ScheduledBatch
 from fairway.engine.sequence import Sequence
 from fairway.models.llama import LlamaModel
-from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, PrefillSpan
+from fairway.models.paged_attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillSpan
 
 
 class ModelRunner:
@@ -46,20 +46,18 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
-        decode_tables: list[list[int]] = []
-        decode_lens: list[int] = []
         spans: list[tuple[int, int, Sequence]] = []
-        for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
+        # Decode rows first, shortest context first, so similar lengths sit next to each other.
+        pairs = sorted(zip(batch.seqs, batch.num_new_tokens, strict=True),
+                       key=lambda sn: (sn[1] != 1, sn[0].num_computed_tokens if sn[1] == 1 else 0))
+        decode_seqs = [s for s, n in pairs if n == 1]
+        for seq, n in pairs:
             start = seq.num_computed_tokens
             row = len(ids)
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            table = [b.block_id for b in seq.blocks]
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1:
-                decode_tables.append(table)
-                decode_lens.append(start + 1)
-            else:
+            slots.extend(seq.blocks[p // bs].block_id * bs + p % bs for p in range(start, start + n))
+            if n > 1:
                 spans.append((row, row + n, seq))
             if start + n == seq.num_tokens:
                 sample_rows.append(row + n - 1)
@@ -67,20 +65,24 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            num_decode=len(decode_tables),
+            decodes=[self._decode_group(decode_seqs, a, b) for a, b in _length_groups(decode_seqs)],
             prefills=[self._prefill_span(row, end, seq) for row, end, seq in spans],
         )
-        if decode_tables:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables], dtype=torch.long)
-            slots_2d = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decode_tables), width * bs)
-            masked = torch.arange(width * bs)[None, :] >= torch.tensor(decode_lens)[:, None]
-            meta.decode_slots = slots_2d.flatten().to(dev)
-            meta.decode_width = width * bs
-            meta.decode_masked = masked[None, :, None, :].to(dev)
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), slots, meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers)
+
+    def _decode_group(self, seqs: list[Sequence], a: int, b: int) -> DecodeGroup:
+        bs = self.block_size
+        group = seqs[a:b]
+        width = max(len(s.blocks) for s in group)
+        tables = torch.tensor([[blk.block_id for blk in s.blocks] + [0] * (width - len(s.blocks))
+                               for s in group], dtype=torch.long)
+        lens = torch.tensor([s.num_computed_tokens + 1 for s in group])
+        group_slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten()
+        masked = torch.arange(width * bs)[None, :] >= lens[:, None]
+        return DecodeGroup(start=a, end=b, slots=group_slots.to(self.device), width=width * bs,
+                           masked=masked[None, :, None, :].to(self.device))
 
     def _prefill_span(self, row: int, end: int, seq: Sequence) -> PrefillSpan:
         n = end - row
@@ -95,3 +97,16 @@ class ModelRunner:
             offsets = torch.arange(self.block_size)
             context_slots = (table[:, None] * self.block_size + offsets).flatten()[:ctx].to(self.device)
         return PrefillSpan(start=row, end=end, mask=mask, context_slots=context_slots)
+
+
+def _length_groups(seqs: list[Sequence], min_group: int = 8, growth: float = 1.5) -> list[tuple[int, int]]:
+    """Split length-sorted decode sequences into [a, b) groups whose longest context is at most
+    `growth` times their shortest, so padding stays small; tiny groups are not worth a separate call."""
+    groups: list[tuple[int, int]] = []
+    a = 0
+    for i in range(1, len(seqs) + 1):
+        if i == len(seqs) or (i - a >= min_group
+                              and len(seqs[i].blocks) > growth * len(seqs[a].blocks)):
+            groups.append((a, i))
+            a = i
+    return groups

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from fairway.gateway import chat, conversations, errors, health, replies
+from fairway.gateway import chat, conversations, errors, health, replies, web
 from fairway.gateway.context import GatewayContext
 from fairway.gateway.limits import MAX_BODY_BYTES, BodySizeLimit
 
@@ -28,6 +28,6 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES) ->
     app.state.gateway = context
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    for module in (chat, replies, conversations, health):
+    for module in (chat, replies, conversations, health, web):
         app.include_router(module.router)
     return app

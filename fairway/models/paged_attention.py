@@ -5,7 +5,9 @@ block * block_size + offset, and gathering a sequence's slots along dim 1 yields
 keys contiguous, ready for batched matmuls without another copy.
 
 The batch is flat: T tokens of many sequences. Sequences with exactly one new token (decode,
-or the last token of a prefill) come first and are handled together with one gather; sequences
+or the last token of a prefill) come first, sorted by context length and handled in a few
+groups of similar length (one padded gather each, so short contexts don't pay for the
+longest one); sequences
 with several new tokens (prefill chunks) follow, one attention call each. Grouped-query
 attention is done without repeating K/V: the G query heads that share a KV head are folded
 into the query-length dimension.
@@ -30,12 +32,20 @@ class PrefillSpan:
 
 
 @dataclass
+class DecodeGroup:
+    """Single-token sequences of similar context length, attended to with one padded gather."""
+
+    start: int  # rows [start, end) of the flat batch
+    end: int
+    slots: torch.Tensor  # [(end - start) * width] long: each sequence's context slots, padded with slot 0
+    width: int  # longest context in the group, in slots (a multiple of the block size)
+    masked: torch.Tensor  # [1, end - start, 1, width] bool: True = padding
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
-    num_decode: int  # tokens [0, num_decode) belong to single-token sequences
-    decode_slots: torch.Tensor | None = None  # [num_decode * width] long, padded with slot 0
-    decode_width: int = 0  # longest decode context, in slots (a multiple of the block size)
-    decode_masked: torch.Tensor | None = None  # [1, num_decode, 1, width] bool: True = padding
+    decodes: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -60,24 +70,24 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
 
     out = torch.empty_like(q)
-    if meta.num_decode:
-        out[:meta.num_decode] = _decode_attention(q[:meta.num_decode], k_cache, v_cache, meta, group, scale)
+    for dg in meta.decodes:
+        out[dg.start:dg.end] = _decode_attention(q[dg.start:dg.end], k_cache, v_cache, dg, group, scale)
     for span in meta.prefills:
         s = slice(span.start, span.end)
         out[s] = _prefill_attention(q[s], k[s], v[s], k_cache, v_cache, span, group, scale)
     return out
 
 
-def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata, group: int, scale: float) -> torch.Tensor:
+def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dg: DecodeGroup,
+                      group: int, scale: float) -> torch.Tensor:
     nd, hq, d = q.shape
     hkv = hq // group
-    keys = k_cache.index_select(1, meta.decode_slots).view(hkv, nd, meta.decode_width, d)
-    values = v_cache.index_select(1, meta.decode_slots).view(hkv, nd, meta.decode_width, d)
+    keys = k_cache.index_select(1, dg.slots).view(hkv, nd, dg.width, d)
+    values = v_cache.index_select(1, dg.slots).view(hkv, nd, dg.width, d)
     qd = q.view(nd, hkv, group, d).transpose(0, 1)  # [Hkv, nd, G, D]
     # Plain matmuls beat the fused CPU kernel here: 3 query rows per head are too few for it.
     scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale
-    probs = scores.masked_fill_(meta.decode_masked, float("-inf")).softmax(dim=-1).to(q.dtype)
+    probs = scores.masked_fill_(dg.masked, float("-inf")).softmax(dim=-1).to(q.dtype)
     return torch.matmul(probs, values).transpose(0, 1).reshape(nd, hq, d)
 
 

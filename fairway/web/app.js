@@ -1,0 +1,602 @@
+/*
+ * Fairway chat page. Plain JS, no build step: served as-is by the gateway at /web/app.js.
+ *
+ * It talks to the same API as any client (see README):
+ *   GET  /v1/models, GET /v1/conversations, GET /v1/conversations/{id}
+ *   POST /v1/chat/completions            (stream: true -> SSE, every event has `id: n`)
+ *   GET  /v1/replies/{id}/stream         (resume after `Last-Event-ID: n`)
+ *   POST /v1/replies/{id}/stop
+ *
+ * Streams are read with fetch() + ReadableStream rather than EventSource, because EventSource
+ * can neither POST nor send an Authorization header.
+ */
+'use strict';
+
+const KEY_STORAGE = 'fairway.apiKey';
+const MAX_TOKENS_STORAGE = 'fairway.maxTokens';
+
+// Reconnect policy: exponential backoff with "equal jitter" (half fixed, half random), so a
+// crowd of clients dropped by the same network blip does not come back in lockstep.
+const BACKOFF_BASE_MS = 300;
+const BACKOFF_CAP_MS = 10000;
+const MAX_ATTEMPTS = 20; // a couple of minutes at the cap; the server keeps a reply's log 30 min
+// The server sends an SSE comment every 10 s while nothing happens. A connection that stays
+// silent much longer than that is dead even if TCP has not noticed (e.g. a Wi-Fi switch).
+const SILENT_CONNECTION_MS = 30000;
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  model: null, // the model new conversations use (the first one /v1/models lists)
+  conversationId: null, // the conversation on screen; null for a new chat
+  current: null, // the ReplyStream shown on screen, while it runs
+};
+
+// -- errors ------------------------------------------------------------------------------------
+
+/** An HTTP error response, with the message from the API's {"error": {...}} body. */
+class HttpError extends Error {
+  constructor(status, message, retryAfterS) {
+    super(message);
+    this.status = status;
+    this.retryAfterS = retryAfterS;
+  }
+}
+
+/** Something reconnecting cannot fix (the reply failed on the server, a bad request...). */
+class FatalError extends Error {}
+
+function isRetryable(err) {
+  if (err instanceof FatalError) return false;
+  if (err instanceof HttpError) return err.status >= 500 || err.status === 408 || err.status === 429;
+  // Everything else is the network: fetch() rejecting, or the body's reader failing mid-stream
+  // (TypeError), or our own watchdog aborting a silent connection (AbortError).
+  return true;
+}
+
+// -- the API -----------------------------------------------------------------------------------
+
+function apiKey() {
+  return localStorage.getItem(KEY_STORAGE) || '';
+}
+
+async function api(path, { method = 'GET', body, headers = {}, signal } = {}) {
+  const init = { method, signal, headers: { Authorization: `Bearer ${apiKey()}`, ...headers } };
+  if (body !== undefined) {
+    init.headers['Content-Type'] = 'application/json';
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, init);
+  if (!response.ok) throw await httpError(response);
+  return response;
+}
+
+async function apiJson(path, options) {
+  return (await api(path, options)).json();
+}
+
+async function httpError(response) {
+  let message = `${response.status} ${response.statusText}`;
+  try {
+    const body = await response.json();
+    if (body && body.error && body.error.message) message = body.error.message;
+  } catch (_) {
+    // not JSON: keep the status line
+  }
+  if (response.status === 401) askForKey(`The server did not accept this key: ${message}`);
+  const retryAfter = Number(response.headers.get('Retry-After'));
+  return new HttpError(response.status, message, Number.isFinite(retryAfter) ? retryAfter : null);
+}
+
+/**
+ * The events of an SSE response, as {id, data} (comments skipped), framed as the SSE spec says:
+ * lines, with a blank line ending each event. onActivity runs on every chunk of bytes, so the
+ * caller can tell a live connection (keepalives included) from a dead one.
+ */
+async function* readSSE(response, onActivity) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = '';
+  let id = null;
+  let data = [];
+  try {
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) return;
+      onActivity();
+      buffer += decoder.decode(value, { stream: true });
+      let newline;
+      while ((newline = buffer.indexOf('\n')) >= 0) {
+        const line = buffer.slice(0, newline).replace(/\r$/, '');
+        buffer = buffer.slice(newline + 1);
+        if (line === '') {
+          if (data.length) yield { id, data: data.join('\n') };
+          id = null;
+          data = [];
+        } else if (line.startsWith(':')) {
+          // a comment: the server's keepalive
+        } else {
+          const colon = line.indexOf(':');
+          const field = colon < 0 ? line : line.slice(0, colon);
+          const value = colon < 0 ? '' : line.slice(colon + 1).replace(/^ /, '');
+          if (field === 'id') id = /^\d+$/.test(value) ? Number(value) : null;
+          else if (field === 'data') data.push(value);
+        }
+      }
+    }
+  } finally {
+    // Leaving early (after [DONE], or on an error) closes the connection.
+    reader.cancel().catch(() => {});
+  }
+}
+
+// -- backoff -----------------------------------------------------------------------------------
+
+function backoffDelay(attempt) {
+  const ceiling = Math.min(BACKOFF_CAP_MS, BACKOFF_BASE_MS * 2 ** (attempt - 1));
+  return ceiling / 2 + Math.random() * (ceiling / 2);
+}
+
+/** Wait ms, or less if the browser says the network is back: no point waiting longer then. */
+function sleepUnlessOnline(ms) {
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(timer);
+      window.removeEventListener('online', done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    window.addEventListener('online', done);
+  });
+}
+
+// -- one streamed reply ------------------------------------------------------------------------
+
+/**
+ * One reply, from its first event to its final one, across as many connections as it takes.
+ *
+ * Every event carries its number n (the SSE `id:`). After a drop we ask the server for the
+ * events after the last n we have, and skip any n we already have, so the text never repeats
+ * or misses a token however the connection broke.
+ */
+class ReplyStream {
+  constructor(request, view) {
+    this.request = request; // the POST body; its message_id makes re-sending it safe
+    this.view = view;
+    this.replyId = null;
+    this.lastEventId = 0;
+    this.text = '';
+    this.finished = false;
+    this.finishReason = null;
+    this.stopped = false;
+    this.failed = null;
+    this.stopWanted = false;
+    this.onDone = () => {};
+  }
+
+  async run() {
+    let attempt = 0;
+    while (!this.finished && !this.failed) {
+      const progressBefore = this.lastEventId;
+      try {
+        await this.connectOnce();
+        if (!this.finished) throw new Error('the stream ended before the reply did');
+      } catch (err) {
+        if (this.finished) break;
+        if (!isRetryable(err)) {
+          this.failed = err.message;
+          break;
+        }
+        // Events arrived on that connection, so it was good: start the backoff over.
+        if (this.lastEventId > progressBefore) attempt = 0;
+        attempt += 1;
+        if (attempt > MAX_ATTEMPTS) {
+          this.failed = `Lost the connection to the server (${err.message}).`;
+          break;
+        }
+        const delay = err.retryAfterS ? err.retryAfterS * 1000 : backoffDelay(attempt);
+        this.showStatus(`Connection lost — reconnecting in ${(delay / 1000).toFixed(1)} s (attempt ${attempt})…`);
+        await sleepUnlessOnline(delay);
+        this.showStatus('Reconnecting…');
+      }
+    }
+    this.showStatus(null);
+    this.view.finish(this.status(), this.failed);
+    this.onDone(this);
+  }
+
+  /** As the store says it: complete, stopped or flagged (plus error, which only we see). */
+  status() {
+    if (this.failed) return 'error';
+    if (this.stopped) return 'stopped';
+    return this.finishReason === 'content_filter' ? 'flagged' : 'complete';
+  }
+
+  /** One connection: resume by reply id once we know it, else (re-)send the request. */
+  async connectOnce() {
+    const controller = new AbortController();
+    let watchdog = null;
+    const alive = () => {
+      clearTimeout(watchdog);
+      watchdog = setTimeout(() => controller.abort(), SILENT_CONNECTION_MS);
+    };
+    alive();
+    try {
+      let response;
+      if (this.replyId) {
+        response = await api(`/v1/replies/${encodeURIComponent(this.replyId)}/stream`, {
+          headers: { 'Last-Event-ID': String(this.lastEventId) },
+          signal: controller.signal,
+        });
+      } else {
+        // Nothing heard yet, not even the reply id. Re-sending the same request is safe: the
+        // server finds the message by its message_id and attaches to the reply it already
+        // started for it instead of starting a second one.
+        response = await api('/v1/chat/completions', { method: 'POST', body: this.request, signal: controller.signal });
+      }
+      this.showStatus(null);
+      this.learnReplyId(response.headers.get('X-Reply-Id'));
+      this.learnConversation(response.headers.get('X-Conversation-Id'));
+      for await (const event of readSSE(response, alive)) {
+        if (event.data === '[DONE]') return;
+        this.handle(event);
+      }
+    } finally {
+      clearTimeout(watchdog);
+    }
+  }
+
+  handle(event) {
+    let chunk;
+    try {
+      chunk = JSON.parse(event.data);
+    } catch (_) {
+      console.warn('Fairway: skipped an event that is not JSON', event);
+      return;
+    }
+    if (chunk.error) throw new FatalError(chunk.error.message || 'The reply failed.');
+    this.learnReplyId(chunk.reply_id);
+    this.learnConversation(chunk.conversation_id);
+    if (event.id !== null) {
+      if (event.id <= this.lastEventId) return; // a replay of what we have: the dedupe
+      this.lastEventId = event.id;
+    }
+    const choice = chunk.choices && chunk.choices[0];
+    if (!choice) return; // the usage chunk
+    const content = (choice.delta && choice.delta.content) || '';
+    // A snapshot is the whole stored text (the reply's token log had expired): it replaces ours.
+    this.text = chunk.snapshot ? content : this.text + content;
+    this.view.update(this.text);
+    if (choice.finish_reason) {
+      this.finished = true;
+      this.finishReason = choice.finish_reason;
+      this.stopped = Boolean(chunk.stopped || choice.stopped);
+    }
+  }
+
+  learnReplyId(replyId) {
+    if (!replyId || this.replyId) return;
+    this.replyId = replyId;
+    this.view.setReplyId(replyId);
+    if (this.stopWanted) this.sendStop(); // Stop was pressed before we knew what to stop
+  }
+
+  learnConversation(conversationId) {
+    if (!conversationId || this.request.conversation_id) return;
+    // A new chat: every later turn continues this conversation.
+    this.request.conversation_id = conversationId;
+    if (state.current === this) {
+      state.conversationId = conversationId;
+      refreshConversations();
+    }
+  }
+
+  /** Ask the server to stop; the final chunk (marked stopped) then comes down the stream. */
+  stop() {
+    this.stopWanted = true;
+    if (this.replyId) this.sendStop();
+  }
+
+  async sendStop() {
+    for (let attempt = 1; attempt <= 5 && !this.finished; attempt++) {
+      try {
+        await api(`/v1/replies/${encodeURIComponent(this.replyId)}/stop`, { method: 'POST' });
+        return;
+      } catch (err) {
+        if (!isRetryable(err)) return;
+        await sleepUnlessOnline(backoffDelay(attempt));
+      }
+    }
+  }
+
+  showStatus(text) {
+    if (state.current === this) showStatus(text);
+  }
+}
+
+// -- rendering ---------------------------------------------------------------------------------
+
+const BADGES = { stopped: 'stopped', flagged: 'flagged by the content filter', error: 'error' };
+
+function messageElement(role, text, status) {
+  const el = document.createElement('div');
+  el.className = `msg ${role}`;
+  el.dataset.status = status;
+  const label = document.createElement('div');
+  label.className = 'role';
+  label.textContent = role === 'user' ? 'You' : role === 'assistant' ? 'Assistant' : role;
+  const body = document.createElement('div');
+  body.className = 'body';
+  body.textContent = text; // textContent, never innerHTML: model output is not trusted markup
+  el.append(label, body);
+  if (BADGES[status]) addBadge(el, status, BADGES[status]);
+  return el;
+}
+
+function addBadge(el, kind, text) {
+  const badge = document.createElement('span');
+  badge.className = `badge ${kind}`;
+  badge.textContent = text;
+  el.append(badge);
+}
+
+function appendMessage(el) {
+  const box = $('messages');
+  box.querySelector('.empty')?.remove();
+  const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+  box.append(el);
+  if (atBottom) box.scrollTop = box.scrollHeight;
+}
+
+/** The assistant message a ReplyStream writes into. */
+class AssistantView {
+  constructor() {
+    this.el = messageElement('assistant', '', 'streaming');
+    this.body = this.el.querySelector('.body');
+  }
+
+  update(text) {
+    const box = this.el.parentElement;
+    const atBottom = box && box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    this.body.textContent = text;
+    if (atBottom) box.scrollTop = box.scrollHeight; // follow the reply unless the user scrolled up
+  }
+
+  setReplyId(replyId) {
+    this.el.dataset.replyId = replyId;
+  }
+
+  finish(status, error) {
+    this.el.dataset.status = status;
+    if (status === 'error') addBadge(this.el, 'error', error || 'error');
+    else if (BADGES[status]) addBadge(this.el, status, BADGES[status]);
+  }
+}
+
+function showStatus(text) {
+  const el = $('status');
+  el.hidden = !text;
+  el.textContent = text || '';
+}
+
+function setStreaming(streaming) {
+  $('send').hidden = streaming;
+  $('stop').hidden = !streaming;
+}
+
+function showEmpty() {
+  const box = $('messages');
+  box.replaceChildren();
+  const empty = document.createElement('div');
+  empty.className = 'empty';
+  empty.textContent = 'Ask anything.';
+  box.append(empty);
+}
+
+// -- conversations -----------------------------------------------------------------------------
+
+async function refreshConversations() {
+  let list;
+  try {
+    list = await apiJson('/v1/conversations?limit=50');
+  } catch (err) {
+    console.warn('Fairway: could not list conversations', err);
+    return;
+  }
+  const ul = $('conversations');
+  ul.replaceChildren(
+    ...list.data.map((c) => {
+      const li = document.createElement('li');
+      li.textContent = c.title || 'Untitled';
+      li.title = c.title || '';
+      li.dataset.id = c.id;
+      if (c.id === state.conversationId) li.classList.add('active');
+      li.addEventListener('click', () => openConversation(c.id));
+      return li;
+    }),
+  );
+  const active = list.data.find((c) => c.id === state.conversationId);
+  if (active) $('conversation-title').textContent = active.title || 'Untitled';
+}
+
+/** Leave the reply on screen running in the background: a reply nobody listens to gets cancelled. */
+function detachCurrent() {
+  state.current = null;
+  setStreaming(false);
+  showStatus(null);
+}
+
+function newChat() {
+  detachCurrent();
+  state.conversationId = null;
+  $('conversation-title').textContent = 'New chat';
+  showEmpty();
+  for (const li of $('conversations').children) li.classList.remove('active');
+  $('prompt').focus();
+}
+
+async function openConversation(id) {
+  detachCurrent();
+  state.conversationId = id;
+  for (const li of $('conversations').children) li.classList.toggle('active', li.dataset.id === id);
+  let conversation;
+  try {
+    conversation = await apiJson(`/v1/conversations/${encodeURIComponent(id)}`);
+  } catch (err) {
+    showStatus(`Could not open the conversation: ${err.message}`);
+    return;
+  }
+  if (state.conversationId !== id) return; // another one was opened meanwhile
+  $('conversation-title').textContent = conversation.title || 'Untitled';
+  const box = $('messages');
+  box.replaceChildren();
+  for (const m of conversation.messages) {
+    const el = messageElement(m.role, m.content, m.status);
+    if (m.reply_id) el.dataset.replyId = m.reply_id;
+    box.append(el);
+  }
+  if (!conversation.messages.length) showEmpty();
+  box.scrollTop = box.scrollHeight;
+  // A last user message without an answer has its reply still running (or it was lost):
+  // pick it up from its first event. The server answers 404 if there is nothing to resume.
+  const last = conversation.messages[conversation.messages.length - 1];
+  if (last && last.role === 'user' && last.client_key) {
+    startReply(
+      {
+        model: conversation.model || state.model,
+        conversation_id: id,
+        message_id: last.client_key,
+        messages: [{ role: 'user', content: last.content }],
+        stream: true,
+        last_received_token_index: 0,
+      },
+      { quietIfMissing: true },
+    );
+  }
+}
+
+// -- sending -----------------------------------------------------------------------------------
+
+function maxTokens() {
+  const value = Number($('max-tokens').value);
+  return Number.isInteger(value) && value > 0 ? value : null;
+}
+
+function send(text) {
+  appendMessage(messageElement('user', text, 'complete'));
+  const request = {
+    model: state.model,
+    messages: [{ role: 'user', content: text }],
+    stream: true,
+    // Ours, not the server's: with it a re-sent request (after a drop before any event
+    // arrived) attaches to the reply already running instead of starting another.
+    message_id: `msg_${crypto.randomUUID()}`,
+  };
+  if (state.conversationId) request.conversation_id = state.conversationId;
+  const limit = maxTokens();
+  if (limit) request.max_tokens = limit;
+  startReply(request);
+}
+
+function startReply(request, { quietIfMissing = false } = {}) {
+  const view = new AssistantView();
+  appendMessage(view.el);
+  const stream = new ReplyStream(request, view);
+  state.current = stream;
+  setStreaming(true);
+  stream.onDone = () => {
+    if (quietIfMissing && stream.failed && !stream.text) view.el.remove(); // nothing was running
+    if (state.current !== stream) return; // the user moved on to another conversation
+    state.current = null;
+    setStreaming(false);
+    refreshConversations();
+  };
+  stream.run();
+}
+
+// -- the key -----------------------------------------------------------------------------------
+
+let keyWaiters = [];
+
+/** Show the key dialog; resolves once a key is saved. */
+function askForKey(error) {
+  const dialog = $('key-dialog');
+  $('key-error').hidden = !error;
+  $('key-error').textContent = error || '';
+  $('key-input').value = '';
+  if (!dialog.open) dialog.showModal();
+  return new Promise((resolve) => keyWaiters.push(resolve));
+}
+
+function setUpKeyDialog() {
+  const dialog = $('key-dialog');
+  $('key-form').addEventListener('submit', () => {
+    const key = $('key-input').value.trim();
+    if (key) localStorage.setItem(KEY_STORAGE, key);
+  });
+  dialog.addEventListener('close', () => {
+    if (!apiKey()) {
+      dialog.showModal(); // nothing works without a key
+      return;
+    }
+    const waiters = keyWaiters;
+    keyWaiters = [];
+    waiters.forEach((resolve) => resolve());
+    loadAll();
+  });
+  // Escape may close the dialog only when a key is already stored.
+  dialog.addEventListener('cancel', (event) => {
+    if (!apiKey()) event.preventDefault();
+  });
+}
+
+// -- start -------------------------------------------------------------------------------------
+
+async function loadAll() {
+  try {
+    const models = await apiJson('/v1/models');
+    state.model = models.data.length ? models.data[0].id : null;
+    $('model-name').textContent = state.model || 'no model available';
+    if (state.model && !state.current) showStatus(null);
+  } catch (err) {
+    $('model-name').textContent = `models: ${err.message}`;
+  }
+  await refreshConversations();
+}
+
+function main() {
+  setUpKeyDialog();
+  showEmpty();
+
+  const maxTokensInput = $('max-tokens');
+  maxTokensInput.value = localStorage.getItem(MAX_TOKENS_STORAGE) || '';
+  maxTokensInput.addEventListener('change', () => localStorage.setItem(MAX_TOKENS_STORAGE, maxTokensInput.value));
+
+  $('composer').addEventListener('submit', (event) => {
+    event.preventDefault();
+    const prompt = $('prompt');
+    const text = prompt.value.trim();
+    if (!text || state.current) return;
+    if (!state.model) {
+      showStatus('No model is available yet: try again in a moment.');
+      loadAll();
+      return;
+    }
+    prompt.value = '';
+    send(text);
+  });
+  $('prompt').addEventListener('keydown', (event) => {
+    if (event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
+      event.preventDefault();
+      $('composer').requestSubmit();
+    }
+  });
+  $('stop').addEventListener('click', () => state.current && state.current.stop());
+  $('new-chat').addEventListener('click', newChat);
+  $('change-key').addEventListener('click', () => askForKey());
+
+  if (apiKey()) loadAll();
+  else askForKey(); // first visit: loadAll runs once the key is saved
+}
+
+main();

@@ -1,0 +1,327 @@
+"""The chat page at `/`, driven in headless Chromium (Debian's `chromium`, through Playwright)
+against `fairway serve` with the bundled model.
+
+The browser reaches the server through a TCP proxy that the test can cut: every open
+connection is reset, as when Wi-Fi drops, and new ones are refused for a moment. The page must
+then reconnect by itself (Last-Event-ID, backoff) and finish the reply with exactly the text the
+server stored.
+"""
+
+from __future__ import annotations
+
+import os
+import selectors
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from serving import free_port, wait_for, wait_ready
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+KEY = "sk-web-page-test"
+TIMEOUT_MS = 60_000  # generous: other tests load the same 2 CPU cores
+
+
+def chromium_path() -> str:
+    path = os.environ.get("FAIRWAY_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if path:
+        return path
+    reason = "Debian's chromium is not installed (apt-get install -y chromium)"
+    if os.environ.get("CI"):
+        pytest.fail(reason)  # CI installs it: missing there is a broken setup, not a skip
+    pytest.skip(reason)
+
+
+# -- a proxy whose connections the test can drop -------------------------------------------------
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close with an RST (linger 0), as a dropped network does, not a polite FIN."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
+class CuttableProxy:
+    """TCP proxy on its own thread (one select loop, so a cut resets sockets at once)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target = ("127.0.0.1", target_port)
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        self.up = True
+        self.cuts = 0
+        self._peer: dict[socket.socket, socket.socket] = {}
+        self._cut_requested = threading.Event()
+        self._cut_done = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="cuttable-proxy", daemon=True)
+        self._thread.start()
+
+    def cut(self, down_s: float) -> None:
+        """Reset every open connection now, and refuse new ones for down_s seconds."""
+        self.up = False
+        self._cut_done.clear()
+        self._cut_requested.set()
+        assert self._cut_done.wait(5), "the proxy did not cut"
+        threading.Timer(down_s, self._restore).start()
+
+    def _restore(self) -> None:
+        self.up = True
+
+    def close(self) -> None:
+        self._stopped = True
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        sel = selectors.DefaultSelector()
+        sel.register(self.listener, selectors.EVENT_READ)
+        try:
+            while not self._stopped:
+                if self._cut_requested.is_set():
+                    for sock in list(self._peer):
+                        sel.unregister(sock)
+                        _reset(sock)
+                    self._peer.clear()
+                    self.cuts += 1
+                    self._cut_requested.clear()
+                    self._cut_done.set()
+                for key, _ in sel.select(timeout=0.05):
+                    sock = key.fileobj
+                    if sock is self.listener:
+                        self._accept(sel)
+                    elif sock in self._peer:
+                        self._forward(sel, sock)
+        finally:
+            for sock in list(self._peer):
+                _reset(sock)
+            self.listener.close()
+
+    def _accept(self, sel: selectors.BaseSelector) -> None:
+        client, _ = self.listener.accept()
+        if not self.up:
+            _reset(client)  # the network is down: connection reset
+            return
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+        except OSError:
+            _reset(client)
+            return
+        self._peer[client], self._peer[upstream] = upstream, client
+        sel.register(client, selectors.EVENT_READ)
+        sel.register(upstream, selectors.EVENT_READ)
+
+    def _forward(self, sel: selectors.BaseSelector, sock: socket.socket) -> None:
+        other = self._peer[sock]
+        try:
+            data = sock.recv(65536)
+            if data:
+                other.sendall(data)
+                return
+        except OSError:
+            pass
+        for s in (sock, other):  # one side closed: close the pair
+            sel.unregister(s)
+            self._peer.pop(s, None)
+            s.close()
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`fairway serve` itself, as `make serve` runs it, on a free port."""
+    work = tmp_path_factory.mktemp("web")
+    port = free_port()
+    log = open(work / "serve.log", "wb")  # closed below, after the server stops
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fairway.cli", "serve", "--port", str(port), "--log-level", "warning",
+         "--database", f"sqlite:///{work / 'fairway.db'}"],
+        cwd=work, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, timeout=180)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+@pytest.fixture
+def proxy(server):
+    proxy = CuttableProxy(int(server.rsplit(":", 1)[1]))
+    yield proxy
+    proxy.close()
+
+
+@pytest.fixture
+def browser_context(tmp_path):
+    sync_api = pytest.importorskip("playwright.sync_api")
+    executable = chromium_path()
+    with sync_api.sync_playwright() as p:
+        # A persistent context on a fresh folder: the page's localStorage lives there, as in a
+        # real profile, and a page reload keeps it.
+        context = p.chromium.launch_persistent_context(
+            str(tmp_path / "profile"), executable_path=executable, headless=True, args=CHROMIUM_ARGS,
+            viewport={"width": 1100, "height": 720},
+        )
+        context.set_default_timeout(TIMEOUT_MS)
+        try:
+            yield context
+        finally:
+            context.close()
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+# Records every text the newest assistant message and the status line show, in order: the test
+# checks each step against the final text (the reply only ever grows, never repeats).
+RECORDER = """() => {
+  window.__replyTexts = [];
+  window.__statusTexts = [];
+  new MutationObserver(() => {
+    const bodies = document.querySelectorAll('#messages .msg.assistant .body');
+    const last = bodies[bodies.length - 1];
+    const text = last ? last.textContent : null;
+    const seen = window.__replyTexts;
+    if (text !== null && text !== seen[seen.length - 1]) seen.push(text);
+    const status = document.getElementById('status').textContent;
+    if (status && status !== window.__statusTexts[window.__statusTexts.length - 1]) window.__statusTexts.push(status);
+  }).observe(document.body, {subtree: true, childList: true, characterData: true});
+}"""
+
+
+def stored_message(server: str, conversation_id: str, reply_id: str) -> dict:
+    def find():
+        body = httpx.get(f"{server}/v1/conversations/{conversation_id}", headers={"Authorization": f"Bearer {KEY}"},
+                         timeout=30).json()
+        return next((m for m in body["messages"] if m.get("reply_id") == reply_id), None)
+
+    return wait_for(find, timeout=60)
+
+
+def send(page, text: str, max_tokens: int) -> None:
+    page.fill("#max-tokens", str(max_tokens))
+    page.dispatch_event("#max-tokens", "change")
+    page.fill("#prompt", text)
+    page.keyboard.press("Enter")
+
+
+def wait_for_text(page, min_chars: int) -> str:
+    body = page.locator("#messages .msg.assistant .body").last
+    deadline = time.monotonic() + TIMEOUT_MS / 1000
+    while time.monotonic() < deadline:
+        text = body.text_content() or ""
+        if len(text) >= min_chars:
+            return text
+        time.sleep(0.02)
+    raise AssertionError(f"the reply never reached {min_chars} characters")
+
+
+# -- the test --------------------------------------------------------------------------------------
+
+
+def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp_path):
+    page = browser_context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    streams: list[tuple[str, str | None]] = []  # (url, Last-Event-ID) of every reply resume
+    page.on("request", lambda r: streams.append((r.url, r.headers.get("last-event-id")))
+            if "/v1/replies/" in r.url and r.url.endswith("/stream") else None)
+
+    # First visit: the page asks for a key before anything else.
+    page.goto(proxy.url + "/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#key-dialog", state="hidden")
+    page.wait_for_function("document.getElementById('model-name').textContent.length > 0")
+    assert page.evaluate("localStorage.getItem('fairway.apiKey')") == KEY
+    page.evaluate(RECORDER)
+
+    # 1. A reply streams in token by token; the connection drops mid-reply and comes back.
+    send(page, "Write a long story about a dragon who learns to bake bread.", max_tokens=120)
+    page.wait_for_selector("#messages .msg.assistant[data-reply-id]")
+    text_at_cut = wait_for_text(page, 40)
+    proxy.cut(down_s=1.5)
+    page.wait_for_selector("#messages .msg.assistant[data-status=complete]")
+
+    assistant = page.locator("#messages .msg.assistant").last
+    reply_id = assistant.get_attribute("data-reply-id")
+    conversation_id = page.locator("#conversations li.active").get_attribute("data-id")
+    shown = assistant.locator(".body").text_content()
+    stored = stored_message(server, conversation_id, reply_id)
+    assert stored["status"] == "complete"
+    assert shown == stored["content"], "the page's reply differs from the stored one"
+    assert len(shown) > len(text_at_cut) and shown.startswith(text_at_cut)
+    # Token by token: many intermediate states, each a prefix of the next (nothing repeated).
+    states = page.evaluate("window.__replyTexts")
+    assert len(states) >= 10, states
+    for before, after in zip(states, states[1:], strict=False):
+        assert after.startswith(before), (before, after)
+    # It really reconnected: through the resume endpoint, after the last event it had, while
+    # telling the user so.
+    resumes = [(url, last) for url, last in streams if f"/v1/replies/{reply_id}/stream" in url]
+    assert resumes and all(last and int(last) > 0 for _, last in resumes), streams
+    assert any("reconnecting" in s.lower() for s in page.evaluate("window.__statusTexts"))
+    assert page.locator("#status").is_hidden()
+
+    # 2. Stop a long reply: the text so far stays, marked stopped, as the server stored it.
+    send(page, "Now tell me a much longer story about a lighthouse keeper and the sea.", max_tokens=400)
+    page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
+    wait_for_text(page, 30)
+    page.click("#stop")
+    page.wait_for_selector("#messages .msg.assistant[data-status=stopped] .badge.stopped")
+    stopped = page.locator("#messages .msg.assistant").last
+    stored = stored_message(server, conversation_id, stopped.get_attribute("data-reply-id"))
+    assert stored["status"] == "stopped"
+    assert stopped.locator(".body").text_content() == stored["content"]
+    assert stored["usage"]["completion_tokens"] < 400
+    assert page.locator("#send").is_visible() and page.locator("#stop").is_hidden()
+    screenshot = Path(os.environ.get("FAIRWAY_WEB_SCREENSHOT", tmp_path / "chat-page.png"))
+    page.screenshot(path=str(screenshot))
+
+    # 3. A reload remembers the key; the conversation comes back from the API, stop included.
+    page.reload()
+    page.wait_for_selector(f"#conversations li[data-id='{conversation_id}']")
+    assert page.locator("#key-dialog").get_attribute("open") is None
+    page.click(f"#conversations li[data-id='{conversation_id}']")
+    page.wait_for_selector("#messages .msg.assistant >> nth=1")
+    roles = page.locator("#messages .msg").evaluate_all("els => els.map(e => e.classList[1])")
+    assert roles == ["user", "assistant", "user", "assistant"]
+    last = page.locator("#messages .msg").last
+    assert last.get_attribute("data-status") == "stopped" and last.locator(".badge.stopped").is_visible()
+    assert last.locator(".body").text_content() == stored["content"]
+
+    # The page's dedupe on its own: a replayed event (an n it already has) adds nothing.
+    text = page.evaluate("""() => {
+      const view = {update() {}, setReplyId() {}, finish() {}};
+      const stream = new ReplyStream({}, view);
+      const event = (n, content) => ({id: n, data: JSON.stringify({choices: [{delta: {content}}]})});
+      for (const e of [event(1, 'one '), event(2, 'two '), event(1, 'one '), event(2, 'two '), event(3, 'three')]) {
+        stream.handle(e);
+      }
+      return stream.text;
+    }""")
+    assert text == "one two three"
+    assert not errors, errors
