@@ -4,6 +4,8 @@ migrations next to this file, on both."""
 
 from __future__ import annotations
 
+import asyncio
+import weakref
 from collections.abc import Mapping, Sequence
 from enum import Enum
 from pathlib import Path
@@ -41,6 +43,15 @@ def alembic_config() -> Config:
     cfg = Config()
     cfg.set_main_option("script_location", str(MIGRATIONS))
     return cfg
+
+
+_MIGRATION_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Lock] = (
+    weakref.WeakKeyDictionary())
+
+
+def _migration_lock() -> asyncio.Lock:
+    loop = asyncio.get_running_loop()
+    return _MIGRATION_LOCKS.setdefault(loop, asyncio.Lock())
 
 
 def _upgrade_to_head(connection: Connection) -> None:
@@ -93,7 +104,9 @@ class SqlConversationStore(ConversationStore):
             sa.event.listen(self._engine.sync_engine, "connect", _sqlite_pragmas)
 
     async def init(self) -> None:
-        async with self._engine.begin() as conn:
+        # Alembic keeps the running migration in a module-global context, so two upgrades in one
+        # process must not interleave (the database lock below only orders separate processes).
+        async with _migration_lock(), self._engine.begin() as conn:
             if self._dialect == "postgresql":
                 # Replicas and gateways start together: one migrates, the others wait and
                 # then find the schema at head.
