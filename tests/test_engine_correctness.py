@@ -20,8 +20,6 @@ QUESTIONS = [
     "Name a famous physicist and one of their discoveries.",
     "Summarise the plot of Romeo and Juliet. " * 40,  # ~400 tokens: prefilled in chunks
 ]
-SYSTEM = ("You are Fairway's test assistant. You answer briefly, precisely and politely, and you never "
-          "invent facts. When a question is ambiguous you say so. ") * 3
 
 
 @pytest.fixture(scope="module")
@@ -29,12 +27,6 @@ def prompts(real_tokenizer):
     out = [real_tokenizer.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
     assert len({len(p) for p in out}) > 5  # genuinely different lengths
     return out
-
-
-@pytest.fixture(scope="module")
-def shared_prefix_prompts(real_tokenizer):
-    return [real_tokenizer.chat_prompt_ids([{"role": "system", "content": SYSTEM},
-                                            {"role": "user", "content": q}]) for q in QUESTIONS]
 
 
 def hf_greedy(hf_model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
@@ -51,8 +43,8 @@ def hf_greedy(hf_model, prompt: list[int], n: int = NEW_TOKENS) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference(hf_model, prompts, shared_prefix_prompts):
-    return {tuple(p): hf_greedy(hf_model, p) for p in prompts + shared_prefix_prompts}
+def reference(hf_model, prompts):
+    return {tuple(p): hf_greedy(hf_model, p) for p in prompts}
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -77,16 +69,17 @@ def test_all_together_in_one_batch(real_model_fp32, prompts, reference):
     assert eng.stats().kv_blocks_used == 0  # everything freed
 
 
-def test_with_prefix_cache_hits(real_model_fp32, shared_prefix_prompts, reference):
+def test_with_prefix_cache_hits(real_model_fp32, prompts, reference):
     eng = engine(real_model_fp32)
-    first = eng.generate(shared_prefix_prompts[:1], GREEDY)
-    rest = eng.generate(shared_prefix_prompts[1:], GREEDY)
-    stats = eng.stats()
-    # Every later prompt reuses the shared system text's blocks.
-    assert stats.prefix_cache_hits >= 9 * 96
-    assert first + rest == [reference[tuple(p)] for p in shared_prefix_prompts]
-    again = eng.generate(shared_prefix_prompts, GREEDY)  # whole prompts cached now
-    assert again == [reference[tuple(p)] for p in shared_prefix_prompts]
+    # The chat template's system text fills the first block of every prompt: later prompts reuse it.
+    first = eng.generate(prompts[:1], GREEDY)
+    rest = eng.generate(prompts[1:], GREEDY)
+    assert eng.stats().prefix_cache_hits >= 9 * 16
+    assert first + rest == [reference[tuple(p)] for p in prompts]
+    hits = eng.stats().prefix_cache_hits
+    again = eng.generate(prompts, GREEDY)  # now every prompt is cached but for its last block
+    assert eng.stats().prefix_cache_hits - hits >= sum(len(p) - 16 for p in prompts)
+    assert again == [reference[tuple(p)] for p in prompts]
 
 
 def test_after_forced_preemption(real_model_fp32, prompts, reference):
