@@ -13,6 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sqlalchemy.exc import IntegrityError
+
 from fairway.conversation.context import ChatMessage, ChatTokenizer, Context, ContextBuilder, ContextTooLong
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NotFound
@@ -107,8 +109,8 @@ class ConversationService:
         self.check_model(req.model)
         if req.resume_only:
             return await self._resume(req)
-        conversation, stored = await self._conversation(req)
-        if req.client_key:
+        conversation, stored = await self._find_conversation(req)
+        if conversation is not None and req.client_key:
             turn = await self._existing_turn(conversation, req.client_key)
             if turn is not None:
                 return turn
@@ -120,6 +122,8 @@ class ConversationService:
         longest = min(r.max_prompt_tokens for r in replicas)
         if context.num_tokens > longest:
             raise ContextTooLong(context.num_tokens, longest, window, max_tokens)
+        # Only now, with a request that can run, does a new conversation get stored.
+        conversation = conversation or await self._create_conversation(req)
         try:
             message = await self._store_messages(conversation, new, req.client_key)
         except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
@@ -137,30 +141,34 @@ class ConversationService:
         reply = await self._submit(conversation, message, job)
         return Turn(conversation, message, reply, context, max_tokens)
 
-    async def _conversation(self, req: TurnRequest) -> tuple[Conversation, list[Message]]:
-        if req.conversation_id:
-            conversation = await self.store.get_conversation(req.conversation_id, req.user_id)
-            if conversation is None:
-                raise NotFound(f"conversation {req.conversation_id}")
-            return conversation, await self.store.list_messages(conversation.id)
-        # No conversation named: a new one. With a client key its id is derived from the key, so
-        # re-sending the same request finds the same conversation, and with it the running reply.
-        conv_id = _derived_id(req.user_id, req.client_key) if req.client_key else None
-        if conv_id is not None:
-            existing = await self.store.get_conversation(conv_id, req.user_id)
-            if existing is not None:
-                return existing, await self.store.list_messages(existing.id)
-        title = next((m["content"] for m in req.messages if m["role"] == "user"), "")[:80]
-        conversation = await self.store.create_conversation(
-            req.user_id, self.settings.default_tier, req.model, title=title, id=conv_id
-        )
-        return conversation, []
-
-    async def _resume(self, req: TurnRequest) -> Turn:
+    async def _find_conversation(self, req: TurnRequest) -> tuple[Conversation | None, list[Message]]:
+        """The named conversation (NotFound if it is not the user's), or, with no name, the one a
+        client key started earlier; None for a new conversation."""
         conv_id = req.conversation_id or (_derived_id(req.user_id, req.client_key) if req.client_key else None)
         conversation = await self.store.get_conversation(conv_id, req.user_id) if conv_id else None
-        if conversation is None and req.conversation_id:
-            raise NotFound(f"conversation {req.conversation_id}")
+        if conversation is None:
+            if req.conversation_id:
+                raise NotFound(f"conversation {req.conversation_id}")
+            return None, []
+        return conversation, await self.store.list_messages(conversation.id)
+
+    async def _create_conversation(self, req: TurnRequest) -> Conversation:
+        # With a client key the id is derived from it, so re-sending the same request (no
+        # conversation_id yet) finds this conversation, and with it the running reply.
+        conv_id = _derived_id(req.user_id, req.client_key) if req.client_key else None
+        title = next((m["content"] for m in req.messages if m["role"] == "user"), "")[:80]
+        try:
+            return await self.store.create_conversation(
+                req.user_id, self.settings.default_tier, req.model, title=title, id=conv_id
+            )
+        except IntegrityError:  # the same request raced in twice: both use the one conversation
+            existing = await self.store.get_conversation(conv_id, req.user_id) if conv_id else None
+            if existing is None:
+                raise
+            return existing
+
+    async def _resume(self, req: TurnRequest) -> Turn:
+        conversation, _ = await self._find_conversation(req)
         turn = await self._existing_turn(conversation, req.client_key) if conversation and req.client_key else None
         if turn is None:
             raise NothingToResume(f"no reply to message {req.client_key!r} to resume")

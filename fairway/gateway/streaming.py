@@ -26,6 +26,7 @@ from fairway.gateway.errors import ApiError, not_found
 from fairway.relay import (
     EventIdOutOfRange,
     FinalEvent,
+    RelayError,
     ReplyNotFound,
     ReplyState,
     TokenEvent,
@@ -106,6 +107,8 @@ class ReplyRelay:
 
     async def check_after(self, reply: Reply, after: int) -> None:
         """404 for a cursor past the end of the reply (no such event will ever exist)."""
+        if after == 0:
+            return  # the start always exists
         try:
             if await self.log.exists(reply.id):
                 await self.log.read(reply.id, after)  # raises EventIdOutOfRange past a finished end
@@ -174,34 +177,53 @@ class ReplyRelay:
     # -- SSE ---------------------------------------------------------------------------------
 
     async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool) -> AsyncIterator[bytes]:
+        """SSE frames. Events that arrive together go out in one write: under load that is what
+        keeps a gateway's cost per event low."""
         text: list[str] = []
-        first = True
-        async for event in _with_keepalive(self.events(reply, after), KEEPALIVE_S):
-            if event is None:
-                yield KEEPALIVE
-                continue
-            extra = view.first_extra if first and after == 0 else {}
-            role = first and after == 0
-            first = False
-            if isinstance(event, FinalEvent):
-                await self._save(reply.id, "".join(text) if after == 0 else None, event)
-                if event.error:
-                    yield frame(error_body(event), event.n)
-                else:
-                    yield frame(self._final_chunk(view, event, role, extra), event.n)
-                    if include_usage:
-                        yield frame({**self._chunk_base(view), "choices": [], "usage": usage(event)})
-                break
-            snapshot = isinstance(event, Snapshot)
-            token = event.event if isinstance(event, Snapshot) else event
-            text.append(token.text)
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            delta["content"] = token.text
-            chunk = self._chunk(view, delta, token.n, extra)
-            if snapshot:
-                chunk["snapshot"] = True
-            yield frame(chunk, token.n)
+        fresh = after == 0  # a stream from the start: its first chunk carries the role
+        fast = FastChunks(view)
+        async with EventPump(self.events(reply, after), KEEPALIVE_S) as pump:
+            try:
+                async for batch in pump.batches():
+                    out: list[bytes] = []
+                    for event in batch:
+                        if event is None:
+                            out.append(KEEPALIVE)
+                        elif isinstance(event, FinalEvent):
+                            await self._save(reply.id, "".join(text) if after == 0 else None, event)
+                            out += self._final_frames(view, event, fresh, include_usage)
+                            yield b"".join(out)
+                            yield DONE
+                            return
+                        else:
+                            token = event.event if isinstance(event, Snapshot) else event
+                            text.append(token.text)
+                            if fresh or isinstance(event, Snapshot):
+                                out.append(self._first_or_snapshot(view, event, fresh))
+                                fresh = False
+                            else:
+                                out.append(fast.token(token.n, token.text))
+                    yield b"".join(out)
+            except RelayError as exc:  # e.g. the log expired mid-stream: say so, end cleanly
+                yield frame({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                       "code": "relay_error"}})
         yield DONE
+
+    def _first_or_snapshot(self, view: ReplyView, event: TokenEvent | Snapshot, fresh: bool) -> bytes:
+        token = event.event if isinstance(event, Snapshot) else event
+        delta: dict[str, Any] = {"role": "assistant", "content": token.text} if fresh else {"content": token.text}
+        chunk = self._chunk(view, delta, token.n, view.first_extra if fresh else {})
+        if isinstance(event, Snapshot):
+            chunk["snapshot"] = True
+        return frame(chunk, token.n)
+
+    def _final_frames(self, view: ReplyView, final: FinalEvent, fresh: bool, include_usage: bool) -> list[bytes]:
+        if final.error:
+            return [frame(error_body(final), final.n)]
+        frames = [frame(self._final_chunk(view, final, fresh, view.first_extra if fresh else {}), final.n)]
+        if include_usage:
+            frames.append(frame({**self._chunk_base(view), "choices": [], "usage": usage(final)}))
+        return frames
 
     def _chunk_base(self, view: ReplyView) -> dict[str, Any]:
         return {
@@ -279,44 +301,104 @@ class ReplyRelay:
             log.warning("could not save reply %s at its end", reply_id, exc_info=True)
 
 
-async def _with_keepalive(events: AsyncIterator[Any], every_s: float) -> AsyncIterator[Any]:
-    """The events, with None whenever every_s passes without one."""
-    pending: asyncio.Future | None = None
-    try:
+class FastChunks:
+    """The plain token chunk, the one sent thousands of times a second, by string formatting: the
+    parts that never change for a reply are serialized once."""
+
+    def __init__(self, view: ReplyView) -> None:
+        base = {
+            "id": view.reply_id,
+            "object": "chat.completion.chunk",
+            "created": view.created,
+            "model": view.model,
+            "system_fingerprint": None,
+            "reply_id": view.reply_id,
+            "conversation_id": view.conversation_id,
+        }
+        self._head = json.dumps(base, separators=(",", ":"), ensure_ascii=False)[:-1] + \
+            ',"choices":[{"index":0,"delta":{"content":'
+
+    def token(self, n: int, text: str) -> bytes:
+        content = json.dumps(text, ensure_ascii=False)
+        return (f'id: {n}\ndata: {self._head}{content}}},"finish_reason":null,"logprobs":null,'
+                f'"checkpoint_id":"tok_{n}"}}]}}\n\n').encode()
+
+
+_END = object()
+
+
+class _Failed:
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+
+class EventPump:
+    """Reads an event source in a task of its own into a queue.
+
+    * The writer takes everything that has arrived at once (batches()), one write for many events.
+    * A timer puts None (a keepalive) in the queue when nothing came for keepalive_s.
+    * Leaving cancels the reader task, which then runs the source's cleanup (for Redis: recording
+      that this listener left) to the end. Inside a client disconnect the request's own cancel
+      scope would cancel every await again and cut that cleanup short.
+    """
+
+    def __init__(self, source: AsyncIterator[Any], keepalive_s: float) -> None:
+        self._source = source
+        self._keepalive_s = keepalive_s
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._task: asyncio.Task | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._quiet = True  # nothing delivered since the last timer tick
+
+    async def __aenter__(self) -> EventPump:
+        self._task = asyncio.get_running_loop().create_task(self._read())
+        _pumps.add(self._task)
+        self._task.add_done_callback(_pumps.discard)
+        self._arm()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._task is not None:
+            self._task.cancel()  # not awaited, on purpose (see the class docstring)
+
+    async def _read(self) -> None:
+        try:
+            async for event in self._source:
+                self._queue.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # handed to the writer, which decides what the client sees
+            self._queue.put_nowait(_Failed(exc))
+            return
+        self._queue.put_nowait(_END)
+
+    def _arm(self) -> None:
+        self._timer = asyncio.get_running_loop().call_later(self._keepalive_s, self._tick)
+
+    def _tick(self) -> None:
+        if self._quiet and self._queue.empty():
+            self._queue.put_nowait(None)
+        self._quiet = True
+        self._arm()
+
+    async def batches(self) -> AsyncIterator[list[Any]]:
         while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(events))
-            done, _ = await asyncio.wait({pending}, timeout=every_s)
-            if not done:
-                yield None
-                continue
-            try:
-                event = pending.result()
-            except StopAsyncIteration:
-                return
-            finally:
-                pending = None
-            yield event
-    finally:
-        _close_later(pending, events)
+            batch = [await self._queue.get()]
+            while not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            self._quiet = False
+            for i, item in enumerate(batch):
+                if item is _END:
+                    if i:
+                        yield batch[:i]
+                    return
+                if isinstance(item, _Failed):
+                    if i:
+                        yield batch[:i]
+                    raise item.error
+            yield batch
 
 
-_closing: set[asyncio.Task] = set()
-
-
-def _close_later(pending: asyncio.Future | None, events: AsyncIterator[Any]) -> None:
-    """Close the event source in a task of its own. Here, inside a client disconnect, the
-    surrounding cancel scope would cancel every await again, cutting short the source's own
-    cleanup (e.g. the Redis log recording that its listener left), which must run to the end."""
-
-    async def close() -> None:
-        if pending is not None:
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        with contextlib.suppress(Exception):
-            await events.aclose()  # type: ignore[attr-defined]
-
-    task = asyncio.get_running_loop().create_task(close())
-    _closing.add(task)
-    task.add_done_callback(_closing.discard)
+_pumps: set[asyncio.Task] = set()  # strong references: a running reader must not be collected

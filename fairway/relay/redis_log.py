@@ -11,7 +11,8 @@ scripts below stay single-slot):
   {prefix}bus:{<queue>}:<lane>    List per lane; BLMPOP pops paid, free, background in order
 
 Explicit stream ids make n the id: a replay "after n" is an exact range, and Redis itself rejects
-a second event n, so a duplicate can never be stored. Every key carries a TTL refreshed by the
+a second event n, so a duplicate can never be stored. Live events reach all of a process's
+subscribers through one shared blocking XREAD (_Tail), not one per subscriber. Every key carries a TTL refreshed by the
 writes that matter, so retention needs no sweeper.
 """
 
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import aclosing, contextmanager, suppress
+from dataclasses import dataclass, field
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -137,6 +139,132 @@ def _events(entries: list[tuple[str, dict[str, str]]]) -> list[Event]:
     return [event_from_fields(fields) for _, fields in entries if fields.get("k") != "open"]
 
 
+@dataclass(eq=False)
+class _Subscriber:
+    key: str
+    cursor: int  # n of the last event handed to it
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # lists of events, or an exception
+
+
+class _Tail:
+    """Live events for every subscriber in this process: one blocking XREAD over all their streams
+    on a connection of its own, instead of one XREAD per subscriber per event. Under load one call
+    brings the events of many replies at once, so a gateway's Redis cost per event stays small.
+
+    A new subscriber interrupts the blocked XREAD (CLIENT UNBLOCK) so its stream is read from the
+    next call on. Multi-key XREAD needs one node: on Redis Cluster this would be one tail per node.
+    """
+
+    def __init__(self, make_client: Callable[[], aioredis.Redis], control: aioredis.Redis, block_ms: int) -> None:
+        self._make_client = make_client
+        self._control = control  # another connection, to send CLIENT UNBLOCK to this one
+        self._block_ms = block_ms
+        self._subscribers: dict[str, set[_Subscriber]] = {}
+        self._task: asyncio.Task | None = None
+        self._client_id: int | None = None
+        self._generation = 0  # bumped by every new subscriber
+        self._reading = -1  # the generation whose key set the XREAD in flight was built from
+        self._blocked = False
+
+    async def add(self, key: str, cursor: int) -> _Subscriber:
+        sub = _Subscriber(key, cursor)
+        self._subscribers.setdefault(key, set()).add(sub)
+        self._generation += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._run(), name="redis-token-log-tail")
+        else:
+            await self._wake(self._generation)
+        return sub
+
+    def remove(self, sub: _Subscriber) -> None:
+        subs = self._subscribers.get(sub.key)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subscribers[sub.key]
+
+    async def _wake(self, generation: int) -> None:
+        """Make sure the next XREAD includes the new stream: unblock the current one unless it was
+        already built with it. A few quick retries cover an XREAD still on its way to Redis."""
+        for _ in range(100):
+            if self._reading >= generation or self._client_id is None:
+                return
+            if self._blocked:
+                with _guard():
+                    if await self._control.client_unblock(self._client_id):
+                        return
+            await asyncio.sleep(0.001)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with suppress(asyncio.CancelledError, Exception):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        client = self._make_client()
+        try:
+            self._client_id = int(await client.client_id())
+            while self._subscribers:
+                await self._read_once(client)
+        except (RedisConnectionError, RedisTimeoutError) as exc:
+            self._fail_all(RelayUnavailable(f"Redis unreachable: {exc}"))
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # never leave subscribers waiting on a dead tail
+            self._fail_all(exc)
+        finally:
+            self._client_id = None
+            self._blocked = False
+            with suppress(Exception):
+                await client.aclose()
+
+    async def _read_once(self, client: aioredis.Redis) -> None:
+        self._reading = self._generation
+        cursors = {key: min(s.cursor for s in subs) for key, subs in self._subscribers.items()}
+        # "{n}-1" sorts after event n (id n-0) and, for n = 0, after the header entry 0-1.
+        streams = {key: f"{n}-1" for key, n in cursors.items()}
+        self._blocked = True
+        try:
+            result = await client.xread(streams, block=self._block_ms, count=512)
+        finally:
+            self._blocked = False
+        if not result:
+            await self._drop_expired(client, list(cursors))
+            return
+        for key, entries in result:
+            events = _events(entries)
+            for sub in list(self._subscribers.get(key, ())):
+                fresh = [e for e in events if e.n > sub.cursor]
+                # A subscriber that joined while this XREAD was in flight may be behind the cursor
+                # it was sent with: it gets nothing now, and the next XREAD starts from its cursor.
+                if fresh and fresh[0].n == sub.cursor + 1:
+                    sub.cursor = fresh[-1].n
+                    sub.inbox.put_nowait(fresh)
+
+    async def _drop_expired(self, client: aioredis.Redis, keys: list[str]) -> None:
+        """A quiet round: tell the subscribers of logs that expired meanwhile."""
+        async with client.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.exists(key)
+            exists = await pipe.execute()
+        for key, found in zip(keys, exists, strict=True):
+            if not found:
+                for sub in self._subscribers.pop(key, ()):
+                    sub.inbox.put_nowait(ReplyNotFound(_reply_id_of(key)))
+
+    def _fail_all(self, error: Exception) -> None:
+        for subs in self._subscribers.values():
+            for sub in subs:
+                sub.inbox.put_nowait(error)
+        self._subscribers.clear()
+
+
+def _reply_id_of(key: str) -> str:
+    return key[key.index("{") + 1 : key.rindex("}")]
+
+
 class RedisTokenLog(TokenLog):
     def __init__(
         self,
@@ -165,6 +293,17 @@ class RedisTokenLog(TokenLog):
             # A couple of quick retries ride out a blip; beyond that callers get RelayUnavailable.
             retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2),
         )
+        def tail_client() -> aioredis.Redis:
+            # One connection, no retries: an XREAD that CLIENT UNBLOCK targets must stay on it.
+            return aioredis.from_url(
+                url,
+                decode_responses=True,
+                socket_connect_timeout=connect_timeout_s,
+                socket_timeout=block_s + 5.0,
+                single_connection_client=True,
+            )
+
+        self._tail_reader = _Tail(tail_client, self._r, self._block_ms)
         self._create = self._r.register_script(_CREATE)
         self._append = self._r.register_script(_APPEND)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
@@ -193,6 +332,7 @@ class RedisTokenLog(TokenLog):
             await self._r.ping()
 
     async def close(self) -> None:
+        await self._tail_reader.close()
         await self._r.aclose()
 
     # -- the log -----------------------------------------------------------------------------
@@ -269,20 +409,18 @@ class RedisTokenLog(TokenLog):
                 await self._beat(reply_id, token, leaving=True)
 
     async def _tail(self, reply_id: str, cursor: int) -> AsyncIterator[Event]:
-        """Live events after n = cursor. The stream id cursor makes the replay->live seam exact."""
-        key = self._key(reply_id)
-        while True:
-            with _guard():
-                # "{cursor}-1" sorts after event cursor (id cursor-0) and, for 0, after the header.
-                result = await self._r.xread({key: f"{cursor}-1"}, block=self._block_ms, count=512)
-            if result:
-                for event in _events(result[0][1]):
-                    cursor = event.n
+        """Live events after n = cursor, from the shared tail. The stream id cursor makes the
+        replay->live seam exact."""
+        sub = await self._tail_reader.add(self._key(reply_id), cursor)
+        try:
+            while True:
+                batch = await sub.inbox.get()
+                if isinstance(batch, Exception):
+                    raise batch
+                for event in batch:
                     yield event
-            else:
-                with _guard():
-                    if not await self._r.exists(key):
-                        raise ReplyNotFound(reply_id)  # expired while nothing happened
+        finally:
+            self._tail_reader.remove(sub)
 
     async def _beat(self, reply_id: str, token: str, leaving: bool = False) -> None:
         keys = [self._key(reply_id, "listeners"), self._key(reply_id, "listened")]
