@@ -132,7 +132,7 @@ class AsyncEngine:
                 continue
             try:
                 self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority)
-            except ValueError as exc:
+            except Exception as exc:  # one bad request fails alone; the loop serves everyone else
                 self._deliver_to(item.request_id, exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:

@@ -63,6 +63,12 @@ class LLMEngine:
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this engine can ever run: the context window and the KV cache both
+        need room for it plus at least one generated token."""
+        return min(self.max_model_len, self.kv.max_admissible_tokens()) - 1
+
     def check_prompt(self, num_tokens: int) -> None:
         """Reject a prompt that could never run, so it fails now instead of waiting forever."""
         if num_tokens == 0:

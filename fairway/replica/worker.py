@@ -67,13 +67,12 @@ class ReplicaWorker:
 
     def info(self) -> ReplicaInfo:
         engine = self.engine.engine
-        longest = min(engine.max_model_len - 1, engine.kv.max_admissible_tokens() - 1)
         return ReplicaInfo(
             id=self.id,
             model=self.settings.model,
             queue=self.queue,
             max_model_len=engine.max_model_len,
-            max_prompt_tokens=longest,
+            max_prompt_tokens=engine.max_prompt_tokens,
             load=len(self._running),
             capacity=self.settings.max_inflight,
         )
