@@ -1,4 +1,4 @@
-"""`fairway serve | gateway | replica | generate | chat`: the command line."""
+"""`fairway serve | gateway | replica | keys | generate | chat`: the command line."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import uuid
+from pathlib import Path
 
 from fairway.models.bundled import ModelFileError
 
@@ -75,6 +76,47 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _pairs(values: list[str] | None, flag: str) -> dict[str, int]:
+    out = {}
+    for value in values or []:
+        name, sep, number = value.partition("=")
+        if not sep or not number.strip().isdigit():
+            raise ValueError(f"{flag} takes TIER=NUMBER, got {value!r}")
+        out[name.strip()] = int(number)
+    return out
+
+
+def _limits_config(args: argparse.Namespace):
+    from fairway.limits import LimitsConfig, TierLimits
+    from fairway.limits.config import default_tiers
+
+    tiers = default_tiers()
+    tpm, rpm = _pairs(getattr(args, "tpm", None), "--tpm"), _pairs(getattr(args, "rpm", None), "--rpm")
+    for name in set(tpm) | set(rpm):
+        if name not in tiers:
+            raise ValueError(f"unknown tier {name!r} in --tpm/--rpm: use one of {', '.join(tiers)}")
+        base = tiers[name]
+        tiers[name] = TierLimits(tpm.get(name, base.tokens_per_minute), rpm.get(name, base.requests_per_minute))
+    config = LimitsConfig(tiers=tiers)
+    for name in ("ip_requests_per_minute", "max_in_flight", "max_waiting", "admission_timeout_s"):
+        value = getattr(args, name, None)
+        if value is not None:
+            setattr(config, name, value)
+    return config
+
+
+def _pricing(args: argparse.Namespace):
+    from fairway.usage.pricing import Price, Pricing
+
+    base = Pricing().default
+    prompt = getattr(args, "prompt_price_per_1k", None)
+    completion = getattr(args, "completion_price_per_1k", None)
+    cached = getattr(args, "cached_price_per_1k", None)
+    return Pricing(Price(base.prompt_per_1k if prompt is None else prompt,
+                         base.completion_per_1k if completion is None else completion,
+                         base.cached_prompt_per_1k if cached is None else cached))
+
+
 def _stack_options(args: argparse.Namespace):
     from fairway.stack import StackOptions
 
@@ -90,6 +132,8 @@ def _stack_options(args: argparse.Namespace):
         max_model_len=getattr(args, "max_model_len", None),
         replica_id=getattr(args, "replica_id", None),
         default_max_tokens=getattr(args, "default_max_tokens", 512),
+        limits=_limits_config(args),
+        pricing=_pricing(args),
     )
 
 
@@ -100,13 +144,43 @@ def _serve_app(app, args: argparse.Namespace) -> int:
     return 0
 
 
+DEV_USER = "dev"
+DEV_KEY_FILE = Path(".fairway") / "dev-key"
+
+
+def _dev_key() -> str:
+    """FAIRWAY_DEV_KEY, else the key kept in ./.fairway/dev-key (made on first use), so the chat
+    page's stored key keeps working across restarts."""
+    from fairway.gateway.keys import check_format, generate_key
+
+    key = os.environ.get("FAIRWAY_DEV_KEY", "").strip()
+    if key:
+        check_format(key)
+        return key
+    if DEV_KEY_FILE.is_file():
+        key = DEV_KEY_FILE.read_text().strip()
+        with contextlib.suppress(ValueError):
+            check_format(key)
+            return key
+    key = generate_key()
+    DEV_KEY_FILE.parent.mkdir(parents=True, exist_ok=True)
+    DEV_KEY_FILE.touch(mode=0o600)
+    DEV_KEY_FILE.write_text(key + "\n")
+    return key
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from fairway.stack import embedded_app
 
     options = _stack_options(args)
+    key = _dev_key()
+    options.api_keys.append((key, DEV_USER, "paid"))
     print(f"Fairway: loading {options.model or 'the bundled model'} ...", file=sys.stderr)
     app = embedded_app(options)
-    print(f"Fairway: OpenAI-compatible API on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    url = f"http://{args.host}:{args.port}"
+    print(f"Fairway: chat page on {url}/ , OpenAI-compatible API on {url}/v1", file=sys.stderr)
+    print(f"Fairway: development key (user {DEV_USER!r}, tier paid; more with `fairway keys create`):", file=sys.stderr)
+    print(key, file=sys.stderr, flush=True)
     return _serve_app(app, args)
 
 
@@ -121,6 +195,13 @@ def cmd_replica(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        import fairway.usage.metrics  # noqa: F401  (registers the metrics)
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+
     async def main() -> None:
         # SIGTERM (the supervisor, Kubernetes) ends it like Ctrl-C: replies in flight get their
         # final event and the replica leaves routing at once instead of timing out.
@@ -134,6 +215,68 @@ def cmd_replica(args: argparse.Namespace) -> int:
 
     asyncio.run(main())
     return 0
+
+
+def _database_url(args: argparse.Namespace) -> str | None:
+    return args.database or os.environ.get("FAIRWAY_DATABASE_URL")
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    from fairway.conversation import make_store
+    from fairway.gateway import keys
+
+    async def run() -> int:
+        store = make_store(_database_url(args))
+        await store.init()
+        try:
+            if args.keys_command == "create":
+                record, key = await keys.create_key(store, args.user, args.tier, args.name or "")
+                print(f"Created {record.id} for user {record.user_id!r} (tier {record.tier}). "
+                      "The key is shown this once:")
+                print(key, flush=True)
+            elif args.keys_command == "revoke":
+                record = await keys.revoke(store, args.key)
+                if record is None:
+                    print(f"fairway: no such key {args.key if args.key.startswith('key_') else keys.redact(args.key)}",
+                          file=sys.stderr)
+                    return 1
+                print(f"Revoked {record.id} (user {record.user_id!r})")
+            else:
+                rows = await store.list_api_keys(args.user)
+                print(f"{'id':<37} {'user':<20} {'tier':<10} {'key':<16} {'created':<20} revoked")
+                for r in rows:
+                    created = _time(r.created_at)
+                    revoked = _time(r.revoked_at) if r.revoked_at else "-"
+                    print(f"{r.id:<37} {r.user_id:<20} {r.tier:<10} {r.prefix:<16} {created:<20} {revoked}")
+            return 0
+        finally:
+            await store.close()
+
+    return asyncio.run(run())
+
+
+def _time(ts: float) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
+
+
+def _limits_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("limits and pricing")
+    g.add_argument("--tpm", action="append", metavar="TIER=N", help="tokens per minute per user per model for a tier "
+                   "(repeatable; defaults: free=40000 paid=400000 business=2000000 background=1000000)")
+    g.add_argument("--rpm", action="append", metavar="TIER=N", help="requests per minute per user for a tier")
+    g.add_argument("--ip-rpm", dest="ip_requests_per_minute", type=int, default=None,
+                   help="requests per minute per client IP (default 1200)")
+    g.add_argument("--max-in-flight", type=int, default=None, help="chat requests this gateway serves at once (256)")
+    g.add_argument("--max-waiting", type=int, default=None, help="requests waiting for a slot before 503 (1024)")
+    g.add_argument("--admission-timeout", dest="admission_timeout_s", type=float, default=None,
+                   help="seconds a request waits for a slot before 503 (5)")
+    g.add_argument("--prompt-price-per-1k", type=float, default=None, help="usage cost per 1k prompt tokens "
+                   "(default 0.00015; completion 0.0006)")
+    g.add_argument("--completion-price-per-1k", type=float, default=None, help="... per 1k completion tokens")
+    g.add_argument("--cached-price-per-1k", type=float, default=None, help="... per 1k cached prompt tokens "
+                   "(default: half the prompt price)")
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:
@@ -181,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL"),
                    help="conversation store URL (default: SQLite in ./.fairway/)")
     s.add_argument("--default-max-tokens", type=int, default=512)
+    _limits_args(s)
     s.set_defaults(func=cmd_serve)
 
     gw = sub.add_parser("gateway", help="a stateless API gateway sharing Redis and a database with replicas")
@@ -192,6 +336,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("FAIRWAY_DATABASE_URL"), help="postgresql://user@host/db (or sqlite://)")
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--default-max-tokens", type=int, default=512)
+    _limits_args(gw)
     gw.set_defaults(func=cmd_gateway)
 
     r = sub.add_parser("replica", help="an engine process: claims replies from Redis, writes their tokens back")
@@ -202,7 +347,25 @@ def build_parser() -> argparse.ArgumentParser:
                    default=os.environ.get("FAIRWAY_REDIS_URL"), help="redis://host:port/db")
     r.add_argument("--replica-id", default=None)
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
+    r.add_argument("--metrics-host", default="127.0.0.1")
     r.set_defaults(func=cmd_replica)
+
+    k = sub.add_parser("keys", help="API keys: create, revoke, list (in the conversation store's database)")
+    ksub = k.add_subparsers(dest="keys_command", required=True)
+    database_help = "database URL (default: $FAIRWAY_DATABASE_URL, else SQLite in ./.fairway/)"
+    kc = ksub.add_parser("create", help="a new key for a user; prints the key as its last line")
+    kc.add_argument("--user", required=True)
+    kc.add_argument("--tier", default="free", choices=["paid", "free", "business", "background"])
+    kc.add_argument("--name", default="", help="a note to tell keys apart")
+    kc.add_argument("--database", default=None, help=database_help)
+    kr = ksub.add_parser("revoke", help="revoke a key, given the key itself or its id (key_...)")
+    kr.add_argument("key", metavar="KEY_OR_ID")
+    kr.add_argument("--database", default=None, help=database_help)
+    kl = ksub.add_parser("list", help="the keys (ids, users, tiers; never the keys themselves)")
+    kl.add_argument("--user", default=None)
+    kl.add_argument("--database", default=None, help=database_help)
+    k.set_defaults(func=cmd_keys)
     return parser
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,10 +23,14 @@ from fairway.conversation import ConversationStore, make_store
 from fairway.conversation.recorder import ReplyRecorder
 from fairway.conversation.service import ConversationService, ServiceSettings
 from fairway.gateway import GatewayContext, create_app
+from fairway.gateway.keys import KeyChecker, ensure_key
 from fairway.gateway.streaming import ReplyRelay
+from fairway.limits import LimitsConfig, make_limits
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, TokenLog, make_token_log
 from fairway.router import ReplicaRegistry, Router, make_registry
+from fairway.usage.accounting import Accounting
+from fairway.usage.pricing import Pricing
 
 if TYPE_CHECKING:  # the engine (torch) is only imported where a replica runs
     from fairway.engine import LLMEngine
@@ -48,6 +53,12 @@ class StackOptions:
     num_kv_blocks: int | None = None
     replica_id: str | None = None
     default_max_tokens: int = 512
+    limits: LimitsConfig | None = None  # quotas per tier, admission bounds (default: LimitsConfig())
+    pricing: Pricing = field(default_factory=Pricing)  # for the usage records' cost
+    # Keys stored at startup if missing, as (key, user, tier): the development key of `fairway
+    # serve`, test keys. Other keys come from `fairway keys create`.
+    api_keys: list[tuple[str, str, str]] = field(default_factory=list)
+    auth_cache_s: float = 5.0  # a valid key is re-checked in the store this often (revocation delay)
 
 
 def model_name(model: str | None) -> str:
@@ -113,11 +124,20 @@ def gateway_context(
     router = Router(registry)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
     service = ConversationService(store, token_log, router, tokenizers, settings)
-    context = GatewayContext(service, ReplyRelay(token_log, store, service), token_log, store, router)
+    config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
+    limits = make_limits(options.redis, config)
+    keys = KeyChecker(store, options.auth_cache_s)
+    context = GatewayContext(service, ReplyRelay(token_log, store, service), token_log, store, router, limits, keys)
     background = Background()
     recorder = ReplyRecorder(store, token_log)
-    context.on_startup += [store.init, background.start(recorder.run, "reply-recorder")]
-    context.on_shutdown += [store.close, token_log.close, registry.close, background.stop]
+    recorder.on_finished.append(Accounting(store, limits, options.pricing).on_finished)
+
+    async def store_keys() -> None:
+        for key, user, tier in options.api_keys:
+            await ensure_key(store, key, user, tier, name="startup")
+
+    context.on_startup += [store.init, limits.ping, store_keys, background.start(recorder.run, "reply-recorder")]
+    context.on_shutdown += [store.close, token_log.close, registry.close, limits.close, background.stop]
     return context
 
 

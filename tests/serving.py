@@ -16,6 +16,10 @@ import uvicorn
 
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-user-1"
+OTHER_KEY = "sk-test-user-2"
+USER, OTHER_USER = "test-user-1", "test-user-2"
+# What the embedded test servers store at startup (StackOptions.api_keys): (key, user, tier).
+TEST_KEYS = [(API_KEY, USER, "paid"), (OTHER_KEY, OTHER_USER, "paid")]
 
 
 def free_port() -> int:
@@ -126,3 +130,33 @@ def wait_for(predicate, timeout: float = 30.0, every: float = 0.2) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(every)
+
+
+# -- the token-quota herd: many requests that each reserve exactly the same number of tokens -----
+
+HERD_MAX_TOKENS = 4
+
+
+def herd_prompt(i: int) -> str:
+    return f"Request number {i:02d}: say hi."
+
+
+def herd_reservation(window: int = 1024) -> int:
+    """What each herd request reserves: its prompt (built as the gateway builds it) + max_tokens."""
+    from fairway.conversation.context import ContextBuilder
+    from fairway.stack import load_tokenizer
+
+    builder = ContextBuilder(load_tokenizer(None), window)
+    sizes = {builder.build([], [], [{"role": "user", "content": herd_prompt(i)}], HERD_MAX_TOKENS).num_tokens
+             for i in range(20)}
+    assert len(sizes) == 1, sizes  # every herd request costs the same
+    return sizes.pop() + HERD_MAX_TOKENS
+
+
+def herd_limit() -> int:
+    """A tokens-per-minute limit that 5 herd requests fit and a 6th does not."""
+    return 5 * herd_reservation() + herd_reservation() // 2
+
+
+RATE_LIMIT_HEADERS = {"x-ratelimit-limit-requests", "x-ratelimit-remaining-requests", "x-ratelimit-reset-requests",
+                      "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"}

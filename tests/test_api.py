@@ -8,7 +8,19 @@ import time
 import httpx
 import openai
 import pytest
-from serving import API_KEY, MODEL, ThreadServer, chat_body, headers, sse_events, wait_for, wait_ready
+from serving import (
+    API_KEY,
+    MODEL,
+    OTHER_KEY,
+    TEST_KEYS,
+    USER,
+    ThreadServer,
+    chat_body,
+    headers,
+    sse_events,
+    wait_for,
+    wait_ready,
+)
 
 IDLE_CANCEL_S = 2.0
 WINDOW = 1024
@@ -27,7 +39,8 @@ def server(tmp_path_factory):
     from fairway.stack import StackOptions, embedded_app
 
     db = tmp_path_factory.mktemp("api") / "fairway.db"
-    options = StackOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, idle_cancel_s=IDLE_CANCEL_S)
+    options = StackOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, idle_cancel_s=IDLE_CANCEL_S,
+                           api_keys=list(TEST_KEYS))
     app = embedded_app(options)
     server = ThreadServer(app).start()
     server.gateway = app.state.gateway
@@ -252,7 +265,7 @@ def test_conversation_continues_from_the_store(client, http):
     listed = http.get("/v1/conversations", params={"limit": 100}).json()
     assert conversation_id in [c["id"] for c in listed["data"]]
     # Another user sees none of it.
-    other = http.get(f"/v1/conversations/{conversation_id}", headers=headers("sk-other"))
+    other = http.get(f"/v1/conversations/{conversation_id}", headers=headers(OTHER_KEY))
     assert other.status_code == 404
     assert http.delete(f"/v1/conversations/{conversation_id}").json()["deleted"] is True
     assert http.get(f"/v1/conversations/{conversation_id}").status_code == 404
@@ -366,7 +379,7 @@ def test_unknown_replies_conversations_and_event_ids_are_404(http, client):
     with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(last)}) as r:
         assert [e.data for e in sse_events(r)] == ["[DONE]"]
     # Another user's reply does not exist for them.
-    other = http.get(f"/v1/replies/{reply_id}/stream", headers=headers("sk-other"))
+    other = http.get(f"/v1/replies/{reply_id}/stream", headers=headers(OTHER_KEY))
     assert other.status_code == 404
 
 
@@ -404,17 +417,13 @@ def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
     """Its log expired before it finished (say, the process restarted): the next reader runs it
     again from the context stored with it."""
     from fairway.conversation import Role
-    from fairway.gateway.auth import user_id
-
-    class Key:
-        headers = {"authorization": f"Bearer {API_KEY}"}
 
     store = server.gateway.store
     tokenizer = server.gateway.service.tokenizers[MODEL]
     prompt = tokenizer.chat_prompt_ids([{"role": "user", "content": "Say yes."}])
 
     async def orphan() -> tuple[str, str]:
-        conversation = await store.create_conversation(user_id(Key), "free", MODEL)
+        conversation = await store.create_conversation(USER, "paid", MODEL)
         message = await store.add_message(conversation.id, Role.USER, "Say yes.")
         job = {"model": MODEL, "sampling": {"max_tokens": 4, "temperature": 0}, "lane": "free"}
         reply = await store.create_reply(conversation.id, message.id, prompt_token_ids=prompt, job=job,

@@ -1,6 +1,7 @@
 """Resume, stop and "nobody listening" across processes: two `fairway gateway` processes and one
 `fairway replica` on one Redis and one PostgreSQL database, as deployed at scale. A client
-starts a reply on one gateway, drops, and carries on through the other."""
+starts a reply on one gateway, drops, and carries on through the other. The edge's shared
+limits too: token quotas and idempotency keys hold across the two gateways (Redis)."""
 
 from __future__ import annotations
 
@@ -15,12 +16,34 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from serving import API_KEY, MODEL, chat_body, free_port, headers, sse_events, wait_for, wait_ready
+from serving import (
+    HERD_MAX_TOKENS,
+    MODEL,
+    RATE_LIMIT_HEADERS,
+    chat_body,
+    free_port,
+    herd_prompt,
+    sse_events,
+    wait_for,
+    wait_ready,
+)
+from serving import herd_limit as tight_limit
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
 PG_USER = os.environ.get("FAIRWAY_TEST_PG_USER", "postgres")
 IDLE_CANCEL_S = 2.0
+KEYS: dict[str, str] = {}  # user -> key, made with `fairway keys create` against the test database
+
+
+def headers(user: str = "resume-user") -> dict[str, str]:
+    return {"Authorization": f"Bearer {KEYS[user]}"}
+
+
+def create_key(database: str, user: str, tier: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", tier,
+                          "--database", database], check=True, capture_output=True, text=True, timeout=60)
+    return out.stdout.strip().splitlines()[-1]
 
 
 async def _pg_admin(sql: str) -> None:
@@ -81,16 +104,24 @@ class Processes:
 
 
 @pytest.fixture(scope="module")
-def gateways(tmp_path_factory, database, namespace):
-    """URLs of two gateway processes sharing one replica process."""
+def herd_limit() -> int:
+    return tight_limit()
+
+
+@pytest.fixture(scope="module")
+def gateways(tmp_path_factory, database, namespace, herd_limit):
+    """URLs of two gateway processes sharing one replica process (and their users' keys)."""
     procs = Processes(tmp_path_factory.mktemp("procs"))
     shared = ["--redis", REDIS_URL, "--namespace", namespace]
     procs.start("replica", "replica", *shared, "--idle-cancel", str(IDLE_CANCEL_S), "--max-model-len", "1024",
                 "--log-level", "warning")
+    KEYS["resume-user"] = create_key(database, "resume-user", "paid")
+    KEYS["herd-user"] = create_key(database, "herd-user", "free")
     urls = []
     for name in ("gateway-a", "gateway-b"):
         port = free_port()
-        procs.start(name, "gateway", *shared, "--database", database, "--port", str(port), "--log-level", "warning")
+        procs.start(name, "gateway", *shared, "--database", database, "--port", str(port), "--log-level", "warning",
+                    "--tpm", f"free={herd_limit}")
         urls.append(f"http://127.0.0.1:{port}")
     try:
         for url in urls:
@@ -103,7 +134,7 @@ def gateways(tmp_path_factory, database, namespace):
 
 
 def sdk(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=KEYS["resume-user"], max_retries=0, timeout=120)
 
 
 def stored_message(url: str, conversation_id: str, reply_id: str, timeout: float = 30.0) -> dict:
@@ -183,3 +214,68 @@ def test_nobody_listening_cancels_the_reply(gateways):
     message = stored_message(b, conversation_id, reply_id, timeout=IDLE_CANCEL_S + 30)
     assert message["status"] == "stopped" and message["usage"]["completion_tokens"] < 300
     assert time.monotonic() - started >= IDLE_CANCEL_S - 0.5
+
+
+# -- the edge across gateways: the limits live in Redis -----------------------------------------
+
+
+async def _post_all(requests: list[tuple[str, dict, dict]]) -> list[httpx.Response]:
+    """Send every (url, body, headers) at once; each response read whole."""
+    async with httpx.AsyncClient(timeout=120) as client:
+        return await asyncio.gather(*(client.post(f"{url}/v1/chat/completions", json=body, headers=h)
+                                      for url, body, h in requests))
+
+
+def test_token_quota_never_overshoots_across_two_gateways(gateways, herd_limit):
+    """20 concurrent requests, 10 through each gateway, against a TPM that fits 5 of them."""
+    a, b = gateways
+    bodies = [chat_body(herd_prompt(i), max_tokens=HERD_MAX_TOKENS, stream=False, ignore_eos=True)
+              for i in range(20)]
+    responses = asyncio.run(_post_all([((a, b)[i % 2], body, headers("herd-user")) for i, body in enumerate(bodies)]))
+    admitted = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(admitted) + len(refused) == 20, [r.text for r in responses if r.status_code not in (200, 429)]
+    reserved = sum(int(r.headers["x-context-tokens"]) + HERD_MAX_TOKENS for r in admitted)
+    assert reserved <= herd_limit  # never overshoots...
+    assert len(admitted) == 5  # ...and wastes nothing: exactly the 5 that fit
+    for r in refused:
+        error = r.json()["error"]
+        assert (error["type"], error["code"]) == ("tokens", "rate_limit_exceeded")
+        assert f"Limit {herd_limit}" in error["message"] and "Requested" in error["message"]
+        assert int(r.headers["retry-after"]) >= 1
+    for r in responses:
+        assert r.headers["x-ratelimit-limit-tokens"] == str(herd_limit)
+        assert RATE_LIMIT_HEADERS <= set(r.headers)
+    # Each admitted reply is accounted once, whichever gateway recorded it.
+    reply = admitted[0].json()["id"]
+
+    def usage_recorded():
+        body = httpx.get(f"{b}/v1/replies/{reply}", headers=headers("herd-user"), timeout=10).json()
+        return body.get("usage")
+
+    usage = wait_for(usage_recorded)
+    assert usage["completion_tokens"] == HERD_MAX_TOKENS and usage["tier"] == "free"
+
+
+def test_idempotent_duplicates_across_gateways_share_one_reply(gateways):
+    a, b = gateways
+    key = {**headers(), "X-Idempotency-Key": f"dup-{uuid.uuid4().hex}"}
+    body = chat_body("Name three rivers.", max_tokens=8)
+
+    async def stream_all() -> list[tuple[str, list]]:
+        async with httpx.AsyncClient(timeout=120) as client:
+            async def one(url: str) -> tuple[str, list]:
+                async with client.stream("POST", f"{url}/v1/chat/completions", json=body, headers=key) as r:
+                    assert r.status_code == 200, await r.aread()
+                    lines = [line async for line in r.aiter_lines() if line.startswith(("id:", "data:"))]
+                return r.headers["x-reply-id"], lines
+
+            return await asyncio.gather(*(one((a, b)[i % 2]) for i in range(6)))
+
+    results = asyncio.run(stream_all())
+    assert len({reply for reply, _ in results}) == 1
+    for _, lines in results:
+        assert lines == results[0][1], (lines, results[0][1])
+    # The same key with another body is a conflict.
+    other = httpx.post(f"{a}/v1/chat/completions", json={**body, "max_tokens": 9}, headers=key, timeout=30)
+    assert other.status_code == 409 and other.json()["error"]["code"] == "idempotency_key_reused"

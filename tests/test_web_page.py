@@ -152,7 +152,7 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "fairway.cli", "serve", "--port", str(port), "--log-level", "warning",
          "--database", f"sqlite:///{work / 'fairway.db'}"],
-        cwd=work, stdout=log, stderr=subprocess.STDOUT,
+        cwd=work, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FAIRWAY_DEV_KEY": KEY},
     )
     url = f"http://127.0.0.1:{port}"
     try:

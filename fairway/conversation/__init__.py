@@ -6,14 +6,16 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from .entities import Conversation, Message, MessageStatus, Reply, ReplyState, Role
+from .entities import ApiKey, Conversation, Message, MessageStatus, Reply, ReplyState, Role, UsageRecord
 from .sql_store import SqlConversationStore
-from .store import ConversationStore, DuplicateClientKey, NotFound, ReplyFinished, StoreError
+from .store import ConversationStore, DuplicateClientKey, DuplicateKey, NotFound, ReplyFinished, StoreError
 
 __all__ = [
+    "ApiKey",
     "Conversation",
     "ConversationStore",
     "DuplicateClientKey",
+    "DuplicateKey",
     "Message",
     "MessageStatus",
     "NotFound",
@@ -23,6 +25,7 @@ __all__ = [
     "Role",
     "SqlConversationStore",
     "StoreError",
+    "UsageRecord",
     "database_url",
     "make_store",
 ]

@@ -137,3 +137,42 @@ class Reply:
     @property
     def finished(self) -> bool:
         return self.state.terminal
+
+
+@dataclass
+class ApiKey:
+    """A bearer key, stored as its sha256 only (keys are high-entropy random strings, so a fast
+    hash is enough: nothing to brute-force). `prefix` is the first characters, for lists."""
+
+    id: str
+    user_id: str
+    tier: str  # paid / free / business / background: picks the quotas and the lane
+    key_hash: str
+    prefix: str = ""
+    name: str = ""
+    created_at: float = 0.0
+    revoked_at: float | None = None
+
+    @property
+    def revoked(self) -> bool:
+        return self.revoked_at is not None
+
+
+@dataclass
+class UsageRecord:
+    """What one reply used and cost: one record per reply (reply_id is unique)."""
+
+    id: str
+    reply_id: str
+    user_id: str
+    model: str
+    tier: str
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # submission to first token
+    duration_s: float = 0.0  # submission to the final event
+    finish_reason: str = ""
+    cost: float = 0.0
+    created_at: float = 0.0
+    day: str = ""  # UTC date, YYYY-MM-DD: what usage is totalled by

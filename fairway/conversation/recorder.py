@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from fairway.conversation.entities import Message, MessageStatus, ReplyState
 from fairway.conversation.store import ConversationStore, NotFound, ReplyFinished
@@ -62,6 +63,9 @@ class ReplyRecorder:
     def __init__(self, store: ConversationStore, bus: ReplyBus) -> None:
         self.store = store
         self.bus = bus
+        # Run after a finished report is saved (usage records, quota settlement): each report is
+        # claimed by one gateway's recorder, so each runs once per report.
+        self.on_finished: list[Callable[[ReplyReport], Awaitable[None]]] = []
 
     async def run(self) -> None:
         while True:
@@ -95,3 +99,8 @@ class ReplyRecorder:
             report.error,
         )
         await save_final(self.store, report.reply_id, report.text, final)
+        for hook in self.on_finished:
+            try:
+                await hook(report)
+            except Exception:  # one failing hook must not keep the others from running
+                log.exception("reply %s: a finished-report hook failed", report.reply_id)

@@ -73,3 +73,40 @@ replies = sa.Table(
         sqlite_where=sa.text("finished_at IS NULL"),
     ),
 )
+
+api_keys = sa.Table(
+    "api_keys",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(128), nullable=False),
+    sa.Column("tier", sa.String(32), nullable=False),
+    sa.Column("key_hash", sa.String(64), nullable=False),
+    sa.Column("prefix", sa.String(16), nullable=False),
+    sa.Column("name", sa.Text, nullable=False),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("revoked_at", sa.Double, nullable=True),
+    sa.UniqueConstraint("key_hash", name="uq_api_keys_hash"),
+    sa.Index("ix_api_keys_user", "user_id"),
+)
+
+usage_records = sa.Table(
+    "usage_records",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("reply_id", sa.String(64), nullable=False),
+    sa.Column("user_id", sa.String(128), nullable=False),
+    sa.Column("model", sa.String(128), nullable=False),
+    sa.Column("tier", sa.String(32), nullable=False),
+    sa.Column("prompt_tokens", sa.Integer, nullable=False),
+    sa.Column("cached_tokens", sa.Integer, nullable=False),
+    sa.Column("completion_tokens", sa.Integer, nullable=False),
+    sa.Column("ttft_s", sa.Double, nullable=True),
+    sa.Column("duration_s", sa.Double, nullable=False),
+    sa.Column("finish_reason", sa.String(32), nullable=False),
+    sa.Column("cost", sa.Double, nullable=False),
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("day", sa.String(10), nullable=False),
+    # One record per reply, whoever records it and however often its report arrives.
+    sa.UniqueConstraint("reply_id", name="uq_usage_records_reply"),
+    sa.Index("ix_usage_records_user_day", "user_id", "day"),
+)

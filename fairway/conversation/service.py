@@ -9,7 +9,8 @@ it instead of starting a second one. The gateway only speaks HTTP around this.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +39,7 @@ class UnknownModel(LookupError):
 @dataclass
 class ServiceSettings:
     default_max_tokens: int = 512  # when the request sets none
-    default_tier: str = "free"  # until the edge issue brings keys with tiers
+    default_tier: str = "free"  # for requests that name no tier
 
 
 @dataclass
@@ -52,6 +53,26 @@ class TurnRequest:
     conversation_id: str | None = None
     client_key: str | None = None  # the client's message id (or idempotency key)
     resume_only: bool = False  # attach to the message's running reply; never start one
+    tier: str | None = None  # the user's tier (from their key): the conversation's lane
+    # Called once the context is built, before anything is stored, with (prompt tokens,
+    # max_tokens): the gateway reserves tokens here (and may refuse by raising).
+    admit: Callable[[int, int], Awaitable[Admitted]] | None = None
+
+
+class Admitted:
+    """What admit() returns: `meta` is stored with the reply's job (settled when it ends);
+    release() undoes the admission when no reply gets started after all."""
+
+    def __init__(self, meta: dict[str, Any] | None = None,
+                 release: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.meta = meta or {}
+        self._release = release
+        self.released = False
+
+    async def release(self) -> None:
+        if not self.released and self._release is not None:
+            self.released = True
+            await self._release()
 
 
 @dataclass
@@ -122,23 +143,32 @@ class ConversationService:
         longest = min(r.max_prompt_tokens for r in replicas)
         if context.num_tokens > longest:
             raise ContextTooLong(context.num_tokens, longest, window, max_tokens)
-        # Only now, with a request that can run, does a new conversation get stored.
-        conversation = conversation or await self._create_conversation(req)
+        admitted = await req.admit(context.num_tokens, max_tokens) if req.admit else Admitted()
         try:
-            message = await self._store_messages(conversation, new, req.client_key)
-        except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
-            turn = await self._existing_turn(conversation, dup.existing.client_key or "")
-            if turn is not None:
-                return turn
+            # Only now, with a request that can run, does a new conversation get stored.
+            conversation = conversation or await self._create_conversation(req)
+            try:
+                message = await self._store_messages(conversation, new, req.client_key)
+            except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
+                turn = await self._existing_turn(conversation, dup.existing.client_key or "")
+                if turn is not None:
+                    await admitted.release()
+                    return turn
+                raise
+            job = GenerationJob(
+                reply_id="",
+                model=req.model,
+                prompt_token_ids=context.prompt_token_ids,
+                sampling={**req.sampling, "max_tokens": max_tokens},
+                lane=LANE_OF_TIER.get(conversation.tier, Lane.FREE).value,
+                tier=conversation.tier,
+            )
+            info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
+                    "dropped_messages": context.dropped_messages, "max_tokens": max_tokens}
+            reply = await self._submit(conversation, message, job, admitted.meta, info)
+        except BaseException:
+            await admitted.release()
             raise
-        job = GenerationJob(
-            reply_id="",
-            model=req.model,
-            prompt_token_ids=context.prompt_token_ids,
-            sampling={**req.sampling, "max_tokens": max_tokens},
-            lane=LANE_OF_TIER.get(conversation.tier, Lane.FREE).value,
-        )
-        reply = await self._submit(conversation, message, job)
         return Turn(conversation, message, reply, context, max_tokens)
 
     async def _find_conversation(self, req: TurnRequest) -> tuple[Conversation | None, list[Message]]:
@@ -159,7 +189,7 @@ class ConversationService:
         title = next((m["content"] for m in req.messages if m["role"] == "user"), "")[:80]
         try:
             return await self.store.create_conversation(
-                req.user_id, self.settings.default_tier, req.model, title=title, id=conv_id
+                req.user_id, req.tier or self.settings.default_tier, req.model, title=title, id=conv_id
             )
         except IntegrityError:  # the same request raced in twice: both use the one conversation
             existing = await self.store.get_conversation(conv_id, req.user_id) if conv_id else None
@@ -216,15 +246,22 @@ class ConversationService:
         assert message is not None  # the gateway guarantees at least one (user) message
         return message
 
-    async def _submit(self, conversation: Conversation, message: Message, job: GenerationJob) -> Reply:
+    async def _submit(self, conversation: Conversation, message: Message, job: GenerationJob,
+                      meta: dict[str, Any] | None = None, context: dict[str, Any] | None = None) -> Reply:
         replica = await self.router.place(job.model)
+        stored = {k: v for k, v in job.to_dict().items() if k not in ("reply_id", "prompt_token_ids", "submitted_at")}
+        if context:
+            stored["context"] = context  # what the response says about the context, to every duplicate too
+        if meta:
+            stored["meta"] = meta  # the gateway's, for when the reply ends (the replica never sees it)
         reply = await self.store.create_reply(
             conversation.id,
             message.id,
             prompt_token_ids=job.prompt_token_ids,
             replica_id=replica.id,
-            job={k: v for k, v in job.to_dict().items() if k not in ("reply_id", "prompt_token_ids")},
+            job=stored,
         )
+        job.submitted_at = time.time()
         job.reply_id = reply.id
         await self.log.create(reply.id)  # before the job: listeners may attach before token 1
         await self.log.submit(job.to_dict(), job.lane, queue=replica.queue)
@@ -247,6 +284,7 @@ class ConversationService:
         if not await self.log.create(reply.id):
             return False
         job = GenerationJob.from_dict({**reply.job, "reply_id": reply.id, "prompt_token_ids": reply.prompt_token_ids})
+        job.submitted_at = time.time()
         replica = await self.router.place(job.model)
         await self.store.update_reply(reply.id, replica_id=replica.id)
         await self.log.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)

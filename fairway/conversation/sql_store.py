@@ -21,17 +21,26 @@ from sqlalchemy.pool import StaticPool
 
 from .entities import (
     STATE_FOR_STATUS,
+    ApiKey,
     Conversation,
     Message,
     MessageStatus,
     Reply,
     ReplyState,
     Role,
+    UsageRecord,
     new_id,
     now,
 )
-from .schema import conversations, messages, replies
-from .store import REPLY_UPDATABLE, ConversationStore, DuplicateClientKey, NotFound, ReplyFinished
+from .schema import api_keys, conversations, messages, replies, usage_records
+from .store import (
+    REPLY_UPDATABLE,
+    ConversationStore,
+    DuplicateClientKey,
+    DuplicateKey,
+    NotFound,
+    ReplyFinished,
+)
 
 MIGRATIONS = Path(__file__).parent / "migrations"
 # Any fixed number: PostgreSQL advisory locks are keyed by a bigint.
@@ -375,3 +384,76 @@ class SqlConversationStore(ConversationStore):
         async with self._engine.connect() as conn:
             rows = (await conn.execute(query)).mappings().all()
         return [_reply(r) for r in rows]
+
+    # API keys
+
+    async def add_api_key(self, key: ApiKey) -> ApiKey:
+        try:
+            async with self._engine.begin() as conn:
+                await conn.execute(sa.insert(api_keys).values(_values(key)))
+        except IntegrityError as e:
+            raise DuplicateKey(f"key {key.prefix}... is already stored") from e
+        return key
+
+    async def get_api_key(self, key_hash: str) -> ApiKey | None:
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(sa.select(api_keys).where(api_keys.c.key_hash == key_hash))).mappings().first()
+        return ApiKey(**row) if row else None
+
+    async def revoke_api_key(self, id_or_hash: str) -> ApiKey | None:
+        which = sa.or_(api_keys.c.id == id_or_hash, api_keys.c.key_hash == id_or_hash)
+        async with self._engine.begin() as conn:
+            await conn.execute(
+                sa.update(api_keys).where(which, api_keys.c.revoked_at.is_(None)).values(revoked_at=now())
+            )
+            row = (await conn.execute(sa.select(api_keys).where(which))).mappings().first()
+        return ApiKey(**row) if row else None
+
+    async def list_api_keys(self, user_id: str | None = None) -> list[ApiKey]:
+        query = sa.select(api_keys).order_by(api_keys.c.created_at, api_keys.c.id)
+        if user_id is not None:
+            query = query.where(api_keys.c.user_id == user_id)
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [ApiKey(**r) for r in rows]
+
+    # usage
+
+    async def add_usage(self, record: UsageRecord) -> bool:
+        try:
+            async with self._engine.begin() as conn:
+                await conn.execute(sa.insert(usage_records).values(_values(record)))
+        except IntegrityError:
+            return False  # the reply's record is already there (unique reply_id)
+        return True
+
+    async def get_usage(self, reply_id: str) -> UsageRecord | None:
+        query = sa.select(usage_records).where(usage_records.c.reply_id == reply_id)
+        async with self._engine.connect() as conn:
+            row = (await conn.execute(query)).mappings().first()
+        return UsageRecord(**row) if row else None
+
+    async def usage_totals(self, user_id: str, first_day: str, last_day: str) -> list[dict[str, Any]]:
+        u = usage_records.c
+        query = (
+            sa.select(
+                u.day,
+                u.model,
+                sa.func.count().label("requests"),
+                sa.func.sum(u.prompt_tokens).label("prompt_tokens"),
+                sa.func.sum(u.cached_tokens).label("cached_tokens"),
+                sa.func.sum(u.completion_tokens).label("completion_tokens"),
+                sa.func.sum(u.cost).label("cost"),
+            )
+            .where(u.user_id == user_id, u.day >= first_day, u.day <= last_day)
+            .group_by(u.day, u.model)
+            .order_by(u.day, u.model)
+        )
+        async with self._engine.connect() as conn:
+            rows = (await conn.execute(query)).mappings().all()
+        return [
+            {"day": r["day"], "model": r["model"], "requests": int(r["requests"]),
+             "prompt_tokens": int(r["prompt_tokens"] or 0), "cached_tokens": int(r["cached_tokens"] or 0),
+             "completion_tokens": int(r["completion_tokens"] or 0), "cost": float(r["cost"] or 0.0)}
+            for r in rows
+        ]

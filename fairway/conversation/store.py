@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any
 
-from .entities import Conversation, Message, MessageStatus, Reply, ReplyState, Role
+from .entities import ApiKey, Conversation, Message, MessageStatus, Reply, ReplyState, Role, UsageRecord
 
 
 class StoreError(Exception):
@@ -34,6 +34,10 @@ class ReplyFinished(StoreError):
 
 class NotFound(StoreError):
     pass
+
+
+class DuplicateKey(StoreError):
+    """An API key with this hash is already stored."""
 
 
 # Fields update_reply may change; ids, the answered message and created_at are fixed.
@@ -159,3 +163,37 @@ class ConversationStore(ABC):
     async def list_unfinished_replies(self) -> list[Reply]:
         """Replies not in a final state, oldest first, with their stored context: what a
         restarted relay or router must resume."""
+
+    # API keys (the gateway's users). Keys are never stored, only their sha256.
+
+    @abstractmethod
+    async def add_api_key(self, key: ApiKey) -> ApiKey:
+        """Store a new key; raises DuplicateKey if its hash is already stored."""
+
+    @abstractmethod
+    async def get_api_key(self, key_hash: str) -> ApiKey | None:
+        """The key with this hash, revoked or not (the caller checks)."""
+
+    @abstractmethod
+    async def revoke_api_key(self, id_or_hash: str) -> ApiKey | None:
+        """Mark the key (by id or hash) revoked now; None if no such key. Revoking twice keeps
+        the first time."""
+
+    @abstractmethod
+    async def list_api_keys(self, user_id: str | None = None) -> list[ApiKey]:
+        """Oldest first; all users' unless user_id is given."""
+
+    # usage
+
+    @abstractmethod
+    async def add_usage(self, record: UsageRecord) -> bool:
+        """Store the reply's usage record; False (and nothing changes) if the reply already has
+        one, so a report delivered twice is counted once."""
+
+    @abstractmethod
+    async def get_usage(self, reply_id: str) -> UsageRecord | None: ...
+
+    @abstractmethod
+    async def usage_totals(self, user_id: str, first_day: str, last_day: str) -> list[dict[str, Any]]:
+        """The user's totals per (day, model) for days first_day..last_day (YYYY-MM-DD, UTC, both
+        included), oldest day first: requests, prompt/cached/completion tokens, cost."""

@@ -7,12 +7,14 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from fairway.gateway import chat, conversations, errors, health, replies, web
+from fairway.gateway import chat, conversations, errors, health, replies, usage, web
 from fairway.gateway.context import GatewayContext
+from fairway.gateway.edge import MAX_HEADER_BYTES, EdgeMiddleware
 from fairway.gateway.limits import MAX_BODY_BYTES, BodySizeLimit
 
 
-def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES) -> FastAPI:
+def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
+               max_header_bytes: int = MAX_HEADER_BYTES) -> FastAPI:
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         for hook in context.on_startup:
@@ -28,6 +30,7 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES) ->
     app.state.gateway = context
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
-    for module in (chat, replies, conversations, health, web):
+    app.add_middleware(EdgeMiddleware, max_header_bytes=max_header_bytes)  # outermost: sees every response
+    for module in (chat, replies, conversations, health, usage, web):
         app.include_router(module.router)
     return app

@@ -1,19 +1,66 @@
-"""Who is asking. Until the edge issue brings real keys (with tiers and quotas), any bearer key
-is accepted and names its user: conversations are private to the key that made them."""
+"""Who is asking: the bearer key, checked against the stored (hashed) keys.
+
+A missing key, one in the wrong format, an unknown or a revoked one all get 401 in OpenAI's shape
+(code invalid_api_key). Everything a user owns is looked up with their user id, so another user's
+conversation, reply or usage is simply not found (404): existence does not leak.
+"""
 
 from __future__ import annotations
 
-import hashlib
+import logging
 
 from fastapi import Request
 
-ANONYMOUS = "anonymous"
+from fairway.gateway.context import gateway
+from fairway.gateway.errors import ApiError
+from fairway.gateway.keys import InvalidKey, Principal
+from fairway.limits import LimitsError
+
+log = logging.getLogger(__name__)
+
+NO_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
+          "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+
+
+def unauthorized(message: str) -> ApiError:
+    # OpenAI answers bad keys with type invalid_request_error, code invalid_api_key.
+    return ApiError(401, message, code="invalid_api_key", type="invalid_request_error",
+                    headers={"WWW-Authenticate": 'Bearer realm="fairway"'})
+
+
+async def authenticate(request: Request) -> Principal:
+    """The request's Principal (cached on request.state), or a 401."""
+    principal = getattr(request.state, "principal", None)
+    if principal is not None:
+        return principal
+    header = request.headers.get("authorization")
+    if not header or not header.strip():
+        raise unauthorized(NO_KEY)
+    scheme, _, key = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not key.strip():
+        raise unauthorized("Incorrect API key format: use 'Authorization: Bearer YOUR_KEY'.")
+    try:
+        principal = await gateway(request).keys.check(key.strip())
+    except InvalidKey as exc:
+        raise unauthorized(exc.message) from None
+    request.state.principal = principal
+    return principal
+
+
+async def authenticated(request: Request) -> Principal:
+    """The dependency of every /v1 route but chat completions (which sets its own headers from
+    the limits it applies): the Principal, and the x-ratelimit-* headers from the current state."""
+    principal = await authenticate(request)
+    gw = gateway(request)
+    try:
+        headers = await gw.limits.headers(principal.user_id, gw.default_model, principal.tier)
+    except LimitsError:  # a read-only request need not fail because the limits store blinked
+        log.warning("rate-limit headers unavailable", exc_info=True)
+    else:
+        request.state.ratelimit_headers = headers
+    return principal
 
 
 def user_id(request: Request) -> str:
-    header = request.headers.get("authorization", "")
-    scheme, _, key = header.partition(" ")
-    if scheme.lower() != "bearer" or not key.strip():
-        return ANONYMOUS
-    # A hash, so the store never holds the key itself.
-    return "key_" + hashlib.sha256(key.strip().encode()).hexdigest()[:24]
+    """The authenticated user (routes run after `authenticated`)."""
+    return request.state.principal.user_id

@@ -3,63 +3,291 @@
 Beyond OpenAI's fields it takes the seed's: conversation_id (continue a stored conversation:
 send only the new message), message_id / X-Idempotency-Key (a resend attaches to the reply
 already running for that message) and last_received_token_index (resume a stream after it).
+
+The edge, in order: the key (401), the body (400), the request rate per user and per IP (429),
+the gateway's admission queue (503 + Retry-After after a bounded wait), the idempotency key
+(a duplicate attaches to the first request's reply; another body under the same key is 409),
+single-flight for identical cacheable requests (one generation, many streams), and, once the
+context is built and its size known, the token reservation (prompt + max_tokens, 429 over
+the user's TPM). The reservation is settled when the reply ends (usage/accounting.py).
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from fairway.conversation import NotFound
+from fairway.conversation import NotFound, Reply
 from fairway.conversation.context import ContextTooLong
-from fairway.conversation.service import NothingToResume, Turn, TurnRequest, UnknownModel
-from fairway.gateway.auth import user_id
-from fairway.gateway.context import gateway
+from fairway.conversation.service import Admitted, NothingToResume, Turn, TurnRequest, UnknownModel
+from fairway.gateway.auth import authenticate
+from fairway.gateway.context import GatewayContext, gateway
+from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
 from fairway.gateway.errors import ApiError, invalid, not_found, unavailable
-from fairway.gateway.schemas import chat_messages, parse_chat_request, sampling
+from fairway.gateway.keys import Principal
+from fairway.gateway.quotas import check_max_tokens, denied_error, guarded, overloaded_error
+from fairway.gateway.schemas import ChatCompletionRequest, chat_messages, max_tokens_of, parse_chat, sampling
 from fairway.gateway.streaming import ReplyView
-from fairway.relay import RelayUnavailable
+from fairway.limits import (
+    Claimed,
+    Denied,
+    Overloaded,
+    Reservation,
+    WindowState,
+    body_fingerprint,
+    check_key,
+    flight_fingerprint,
+    is_cacheable,
+    rate_limit_headers,
+)
+from fairway.relay import FinalEvent, RelayUnavailable
 from fairway.router import NoReplica
+from fairway.usage import metrics
+from fairway.usage.accounting import reservation_meta
 
 router = APIRouter()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of events
+# Body fields that do not change what is generated: a resend may differ in them.
+NOT_FINGERPRINTED = ("stream", "stream_options", "last_received_token_index")
+CLAIM_ATTEMPTS = 3
+
+
+class Edge:
+    """One chat request's way through the limits."""
+
+    def __init__(self, request: Request, gw: GatewayContext, principal: Principal, data: dict[str, Any],
+                 body: ChatCompletionRequest) -> None:
+        self.request = request
+        self.gw = gw
+        self.limits = gw.limits
+        self.principal = principal
+        self.user = principal.user_id
+        self.data = data
+        self.body = body
+        self.requests_state: WindowState | None = None
+        self.reservation: Reservation | None = None
+        self.key: str | None = None  # the idempotency key this request claimed
+        self.flight: str | None = None  # the single-flight fingerprint, when cacheable
+
+    # -- limits ----------------------------------------------------------------------------------
+
+    async def hit_request_rate(self) -> None:
+        allowed = await guarded(self.limits.requests.hit(self.user, self.principal.tier, client_ip(self.request)))
+        if isinstance(allowed, Denied):
+            tokens = await guarded(self.limits.tokens.state(self.user, self.body.model, self.principal.tier))
+            headers = rate_limit_headers(allowed.state if allowed.scope == "user" else
+                                         await guarded(self.limits.requests.state(self.user, self.principal.tier)),
+                                         tokens)
+            set_ratelimit_headers(self.request, headers)
+            raise denied_error(allowed, headers)
+        self.requests_state = allowed.state
+
+    async def admit_slot(self) -> None:
+        try:
+            slot = await self.limits.admission.acquire()
+        except Overloaded as exc:
+            raise overloaded_error(exc) from None
+        add_cleanup(self.request, slot.release)  # when the response (stream included) is over
+
+    async def admit_tokens(self, prompt_tokens: int, max_tokens: int) -> Admitted:
+        """Called by the service once the context is built: reserve prompt + max_tokens."""
+        tier = self.principal.tier
+        got = await guarded(self.limits.tokens.reserve(self.user, self.body.model, tier, prompt_tokens + max_tokens))
+        if isinstance(got, Denied):
+            assert self.requests_state is not None
+            headers = rate_limit_headers(self.requests_state, got.state)
+            set_ratelimit_headers(self.request, headers)
+            raise denied_error(got, headers)
+        self.reservation = got
+        meta: dict[str, Any] = {"user": self.user, "tier": tier, "quota": reservation_meta(got)}
+        if self.key:
+            meta["idempotency_key"] = self.key
+        if self.flight:
+            meta["flight"] = self.flight
+        return Admitted(meta, lambda: guarded(self.limits.tokens.release(got)))
+
+    async def ratelimit_headers(self) -> dict[str, str]:
+        assert self.requests_state is not None
+        tokens = (self.reservation.state if self.reservation is not None else
+                  await guarded(self.limits.tokens.state(self.user, self.body.model, self.principal.tier)))
+        return rate_limit_headers(self.requests_state, tokens)
+
+    # -- idempotency -----------------------------------------------------------------------------
+
+    async def claim(self, key: str) -> Reply | None:
+        """Own the key (None), or the reply of the request that owns it."""
+        idem = self.limits.idempotency
+        fingerprint = body_fingerprint({k: v for k, v in self.data.items() if k not in NOT_FINGERPRINTED})
+        wait_s = self.limits.config.admission_timeout_s + 5.0
+        for _ in range(CLAIM_ATTEMPTS):
+            got = await guarded(idem.claim(self.user, key, fingerprint))
+            if isinstance(got, Claimed):
+                self.key = key
+                return None
+            if got.conflict:
+                raise ApiError(409, "This idempotency key was already used with a different request body. Use a "
+                                    "new key for a new request.", param="X-Idempotency-Key",
+                               code="idempotency_key_reused")
+            existing = got
+            if existing.reply_id is None:
+                existing = await guarded(idem.wait_for_reply(self.user, key, fingerprint, timeout=wait_s))
+                if existing is None:
+                    continue  # the first request gave up before starting a reply: claim it ourselves
+            if existing.reply_id is None:
+                break
+            reply = await self.gw.store.get_reply(existing.reply_id)
+            if reply is not None:
+                return reply
+            await guarded(idem.release(self.user, key))  # its conversation was deleted: start afresh
+        raise ApiError(409, "A request with this idempotency key is still being started; retry shortly.",
+                       param="X-Idempotency-Key", code="idempotency_key_in_use", headers={"Retry-After": "1"})
+
+    async def on_final(self, reply_id: str, final: FinalEvent) -> None:
+        """At the final event, before [DONE]: stop sharing the reply, mark the key complete. (The
+        accounting hook does both too, for replies nobody watched to the end.)"""
+        if self.flight:
+            await self.limits.flights.finish(self.flight, reply_id)
+        if self.key:
+            await self.limits.idempotency.complete(self.user, self.key)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
-    body = parse_chat_request(await request.body())
+    principal = await authenticate(request)
     gw = gateway(request)
+    data, body = parse_chat(await request.body())
+    edge = Edge(request, gw, principal, data, body)
+    check_max_tokens(max_tokens_of(body), gw.limits.tokens.limit(principal.tier, body.model), body.model)
+    key = body.message_id or request.headers.get("x-idempotency-key") or None
+    if key is not None:
+        try:
+            check_key(key)
+        except ValueError as exc:
+            raise invalid(f"Invalid X-Idempotency-Key: {exc}.", "X-Idempotency-Key", "invalid_idempotency_key") from None
     turn_request = TurnRequest(
-        user_id=user_id(request),
+        user_id=principal.user_id,
         model=body.model,
         messages=chat_messages(body),
         sampling=sampling(body),
         conversation_id=body.conversation_id,
-        client_key=body.message_id or request.headers.get("x-idempotency-key") or None,
+        client_key=_client_key(key),
         resume_only=body.last_received_token_index is not None,
+        tier=principal.tier,
+        admit=edge.admit_tokens,
     )
     after = body.last_received_token_index or 0
     if turn_request.resume_only and not turn_request.client_key:
         raise invalid("last_received_token_index needs the message_id (or X-Idempotency-Key) of the message "
                       "whose reply to resume.", "last_received_token_index")
-    turn = await _start(gw.service, turn_request)
-    view = ReplyView.of(turn.reply, body.model)
-    view.first_extra = _context_info(turn)
-    headers = {**view.headers(), **_context_headers(turn)}
+    await edge.hit_request_rate()
+    await edge.admit_slot()
+
+    extra_headers: dict[str, str] = {}
+    turn: Turn | None = None
+    reply: Reply | None = None
+    if key and not turn_request.resume_only:
+        reply = await edge.claim(key)
+        if reply is not None:
+            extra_headers["X-Idempotent-Replayed"] = "true"
+            after = _last_event_id(request)  # a duplicate attaches from where its client got to
+        else:
+            turn = await _start_claimed(gw, edge, turn_request)
+    elif not turn_request.resume_only and not body.conversation_id and is_cacheable(body.temperature, body.n):
+        edge.flight = flight_fingerprint(principal.user_id, body.model, turn_request.messages,
+                                         **{k: v for k, v in turn_request.sampling.items() if k != "temperature"})
+        turn, reply = await _start_shared(gw, edge, turn_request)
+        if reply is not None:
+            extra_headers["X-Shared-Generation"] = "true"
+    else:
+        turn = await _start(gw.service, turn_request)
+    if turn is not None:
+        reply = turn.reply
+    assert reply is not None
+    set_ratelimit_headers(request, await edge.ratelimit_headers())
+
+    view = ReplyView.of(reply, body.model)
+    headers = {**view.headers(), **extra_headers}
+    stored = (reply.job or {}).get("context")
+    if stored:  # said by the request that built it and by every duplicate: identical streams
+        # In a fixed order: PostgreSQL's JSONB does not keep the order it was given.
+        context = {k: stored[k] for k in ("prompt_tokens", "dropped_turns", "dropped_messages", "max_tokens")}
+        view.first_extra = {"context": context}
+        headers.update({"X-Context-Tokens": str(context["prompt_tokens"]),
+                        "X-Context-Dropped-Turns": str(context["dropped_turns"])})
+
+    async def on_final(final: FinalEvent) -> None:
+        await edge.on_final(reply.id, final)
+
     if not body.stream:
-        return JSONResponse(await gw.relay.complete(turn.reply, view), headers=headers)
-    await gw.relay.check_after(turn.reply, after)
+        return JSONResponse(await gw.relay.complete(reply, view, on_final), headers=headers)
+    await gw.relay.check_after(reply, after)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = gw.relay.sse(turn.reply, view, after, include_usage)
+    stream = gw.relay.sse(reply, view, after, include_usage, on_final)
+    streams = metrics.ACTIVE_STREAMS.labels(body.model)
+    streams.inc()
+    add_cleanup(request, streams.dec)
     return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+
+
+async def _start_claimed(gw: GatewayContext, edge: Edge, turn_request: TurnRequest) -> Turn:
+    """Start the reply of a request that owns its idempotency key, and record it under the key
+    (duplicates attach to it from then on); a failure frees the key for a retry."""
+    assert edge.key is not None
+    try:
+        turn = await _start(gw.service, turn_request)
+    except BaseException:
+        await guarded(gw.limits.idempotency.release(edge.user, edge.key))
+        raise
+    await guarded(gw.limits.idempotency.attach(edge.user, edge.key, turn.reply.id))
+    return turn
+
+
+async def _start_shared(gw: GatewayContext, edge: Edge, turn_request: TurnRequest) -> tuple[Turn | None, Reply | None]:
+    """Identical cacheable requests in flight share one generation: (our turn, None) when this
+    request leads, (None, the leader's reply) when it follows."""
+    assert edge.flight is not None
+    started: list[Turn] = []
+
+    async def start() -> str:
+        turn = await _start(gw.service, turn_request)
+        started.append(turn)
+        return turn.reply.id
+
+    flight = await guarded(gw.limits.flights.run(edge.flight, start))
+    if started:
+        return started[-1], None
+    reply = await gw.store.get_reply(flight.reply_id)
+    if reply is None:  # deleted meanwhile: run our own
+        edge.flight = None
+        return await _start(gw.service, turn_request), None
+    edge.flight = None  # a follower neither finishes the flight nor holds a reservation
+    return None, reply
+
+
+def _client_key(key: str | None) -> str | None:
+    """The key as the message's client_key (a column of 128): longer keys by their hash."""
+    if key is None or len(key) <= 128:
+        return key
+    return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
+
+
+def _last_event_id(request: Request) -> int:
+    raw = request.headers.get("last-event-id")
+    if raw is None or not raw.strip():
+        return 0
+    if not raw.strip().isdigit():
+        raise invalid(f"Last-Event-ID must be a non-negative integer event id, got {raw!r}.", "Last-Event-ID",
+                      "invalid_event_id")
+    return int(raw)
 
 
 async def _start(service, turn_request: TurnRequest) -> Turn:
     try:
-        return await service.start_turn(turn_request)
+        return await guarded(service.start_turn(turn_request))
     except UnknownModel as exc:
         raise ApiError(404, str(exc), param="model", code="model_not_found") from None
     except NothingToResume as exc:
@@ -75,21 +303,3 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
     except RelayUnavailable as exc:
         raise unavailable(f"The token log is unavailable: {exc}", "relay_unavailable") from None
 
-
-def _context_info(turn: Turn) -> dict[str, Any]:
-    """Said in the response (first chunk, or the JSON body) when the context was built now."""
-    if turn.context is None:
-        return {}
-    return {"context": {
-        "prompt_tokens": turn.context.num_tokens,
-        "dropped_turns": turn.context.dropped_turns,
-        "dropped_messages": turn.context.dropped_messages,
-        "max_tokens": turn.max_tokens,
-    }}
-
-
-def _context_headers(turn: Turn) -> dict[str, str]:
-    if turn.context is None:
-        return {}
-    return {"X-Context-Tokens": str(turn.context.num_tokens),
-            "X-Context-Dropped-Turns": str(turn.context.dropped_turns)}

@@ -9,7 +9,9 @@ from fastapi import Request
 
 from fairway.conversation import ConversationStore
 from fairway.conversation.service import ConversationService
+from fairway.gateway.keys import KeyChecker
 from fairway.gateway.streaming import ReplyRelay
+from fairway.limits import Limits
 from fairway.relay import TokenLog
 from fairway.router import Router
 
@@ -23,9 +25,17 @@ class GatewayContext:
     token_log: TokenLog
     store: ConversationStore
     router: Router
+    limits: Limits
+    keys: KeyChecker
     on_startup: list[Hook] = field(default_factory=list)  # e.g. store.init, the recorder, an embedded replica
     on_shutdown: list[Hook] = field(default_factory=list)
+
+    @property
+    def default_model(self) -> str:
+        """The model the x-ratelimit-*-tokens headers describe on routes that name none."""
+        return next(iter(self.service.tokenizers), "")
 
 
 def gateway(request: Request) -> GatewayContext:
     return request.app.state.gateway
+

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 
 from fairway.conversation import Conversation, Message
-from fairway.gateway.auth import user_id
+from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.context import gateway
 from fairway.gateway.errors import not_found
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(authenticated)])
 
 
 def _conversation(c: Conversation) -> dict[str, Any]:

@@ -22,6 +22,7 @@ _TYPES = {
     409: "invalid_request_error",
     413: "invalid_request_error",
     415: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     503: "server_error",
 }
@@ -29,9 +30,11 @@ _TYPES = {
 
 class ApiError(Exception):
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None
+        self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
+        self.headers = headers or {}
         self.status = status
         self.message = message
         self.param = param
@@ -42,7 +45,7 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from fairway.gateway.auth import authenticated
 from fairway.gateway.context import gateway
 
 router = APIRouter()
@@ -43,7 +44,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
 
-@router.get("/v1/models")
+@router.get("/v1/models", dependencies=[Depends(authenticated)])
 async def models(request: Request) -> dict[str, Any]:
     gw = gateway(request)
     live = await gw.router.live()

@@ -7,18 +7,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
 from fairway.conversation import NotFound, Reply
-from fairway.gateway.auth import user_id
+from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.chat import SSE_HEADERS
 from fairway.gateway.context import GatewayContext, gateway
 from fairway.gateway.errors import invalid, not_found
 from fairway.gateway.streaming import ReplyView
 from fairway.relay import ReplyNotFound
 
-router = APIRouter()
+router = APIRouter(dependencies=[Depends(authenticated)])
 
 
 async def _reply(gw: GatewayContext, request: Request, reply_id: str) -> Reply:
@@ -72,6 +72,7 @@ async def get_reply(reply_id: str, request: Request) -> dict[str, Any]:
         last = await gw.token_log.last_event_id(reply.id)
     except ReplyNotFound:
         last = reply.last_event_id
+    record = await gw.store.get_usage(reply.id)
     return {
         "id": reply.id,
         "object": "reply",
@@ -82,4 +83,10 @@ async def get_reply(reply_id: str, request: Request) -> dict[str, Any]:
         "last_event_id": last,
         "replica_id": reply.replica_id,
         "created": int(reply.created_at),
+        "usage": None if record is None else {
+            "model": record.model, "tier": record.tier, "prompt_tokens": record.prompt_tokens,
+            "cached_tokens": record.cached_tokens, "completion_tokens": record.completion_tokens,
+            "ttft_s": record.ttft_s, "duration_s": record.duration_s, "finish_reason": record.finish_reason,
+            "cost": record.cost,
+        },
     }

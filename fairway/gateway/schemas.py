@@ -82,6 +82,11 @@ def parse_json(body: bytes) -> Any:
 
 
 def parse_chat_request(body: bytes) -> ChatCompletionRequest:
+    return parse_chat(body)[1]
+
+
+def parse_chat(body: bytes) -> tuple[dict[str, Any], ChatCompletionRequest]:
+    """The body as parsed JSON (for idempotency fingerprints) and as a validated request."""
     data = parse_json(body)
     if not isinstance(data, dict):
         raise invalid("The request body must be a JSON object.")
@@ -90,7 +95,11 @@ def parse_chat_request(body: bytes) -> ChatCompletionRequest:
     except ValidationError as exc:
         raise _validation_error(exc) from None
     _check_supported(request, data)
-    return request
+    return data, request
+
+
+def max_tokens_of(request: ChatCompletionRequest) -> int | None:
+    return request.max_completion_tokens or request.max_tokens
 
 
 def _validation_error(exc: ValidationError) -> ApiError:
@@ -176,7 +185,7 @@ def sampling(request: ChatCompletionRequest) -> dict[str, Any]:
         out["temperature"] = request.temperature
     if request.top_p is not None:
         out["top_p"] = request.top_p
-    max_tokens = request.max_completion_tokens or request.max_tokens
+    max_tokens = max_tokens_of(request)
     if max_tokens is not None:
         out["max_tokens"] = max_tokens
     if request.stop:

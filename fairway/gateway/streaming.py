@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +97,18 @@ def error_body(final: FinalEvent) -> dict[str, Any]:
                       "code": "generation_failed"}}
 
 
+OnFinal = Callable[[FinalEvent], Awaitable[None]]
+
+
+async def _run(on_final: OnFinal | None, final: FinalEvent) -> None:
+    if on_final is None:
+        return
+    try:
+        await on_final(final)
+    except Exception:  # the stream must still end cleanly
+        log.warning("an on-final hook failed", exc_info=True)
+
+
 class ReplyRelay:
     def __init__(self, token_log: TokenLog, store: ConversationStore, service: ConversationService) -> None:
         self.log = token_log
@@ -176,9 +188,10 @@ class ReplyRelay:
 
     # -- SSE ---------------------------------------------------------------------------------
 
-    async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool) -> AsyncIterator[bytes]:
+    async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool,
+                  on_final: OnFinal | None = None) -> AsyncIterator[bytes]:
         """SSE frames. Events that arrive together go out in one write: under load that is what
-        keeps a gateway's cost per event low."""
+        keeps a gateway's cost per event low. on_final runs at the final event, before [DONE]."""
         text: list[str] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         fast = FastChunks(view)
@@ -191,6 +204,7 @@ class ReplyRelay:
                             out.append(KEEPALIVE)
                         elif isinstance(event, FinalEvent):
                             await self._save(reply.id, "".join(text) if after == 0 else None, event)
+                            await _run(on_final, event)
                             out += self._final_frames(view, event, fresh, include_usage)
                             yield b"".join(out)
                             yield DONE
@@ -251,7 +265,7 @@ class ReplyRelay:
 
     # -- one JSON response -------------------------------------------------------------------
 
-    async def complete(self, reply: Reply, view: ReplyView) -> dict[str, Any]:
+    async def complete(self, reply: Reply, view: ReplyView, on_final: OnFinal | None = None) -> dict[str, Any]:
         """Wait for the whole reply (the request counts as a listener meanwhile)."""
         text: list[str] = []
         final: FinalEvent | None = None
@@ -264,6 +278,7 @@ class ReplyRelay:
         if final is None:
             raise ApiError(503, "The reply ended without a final event.", code="generation_failed")
         await self._save(reply.id, "".join(text), final)
+        await _run(on_final, final)
         if final.error:
             raise ApiError(503, f"The reply failed: {final.error}", code="generation_failed")
         choice: dict[str, Any] = {

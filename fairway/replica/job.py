@@ -24,6 +24,8 @@ class GenerationJob:
     prompt_token_ids: list[int]
     sampling: dict[str, Any] = field(default_factory=dict)  # SamplingParams keyword arguments
     lane: str = Lane.FREE.value
+    tier: str = ""  # the user's tier (metrics labels); the lane is what schedules
+    submitted_at: float = 0.0  # wall clock (epoch s) when the gateway submitted it: TTFT counts from here
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -36,4 +38,6 @@ class GenerationJob:
             prompt_token_ids=[int(t) for t in data["prompt_token_ids"]],
             sampling=dict(data.get("sampling") or {}),
             lane=str(data.get("lane") or Lane.FREE.value),
+            tier=str(data.get("tier") or ""),
+            submitted_at=float(data.get("submitted_at") or 0.0),
         )

@@ -27,6 +27,8 @@ class ReplyReport:
     cached_tokens: int = 0
     last_event_id: int = 0
     error: str | None = None
+    ttft_s: float | None = None  # submission to first token (finished only; None if no token came)
+    duration_s: float = 0.0  # submission to the end
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Literal
@@ -21,6 +22,7 @@ from fairway.relay import FinalEvent, Lane, RelayError, ReplyState, TokenEvent, 
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.report import REPORTS_QUEUE, ReplyReport
 from fairway.router.registry import ReplicaInfo, ReplicaRegistry
+from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +47,9 @@ class _Running:
     cancelled: CancelCause | None = None
     events: int = 0  # n of the last event written
     text: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)  # wall clock: the job's submission, else its claim
+    first_token_at: float | None = None
+    last_token_at: float | None = None  # monotonic, for inter-token latency
 
 
 class ReplicaWorker:
@@ -82,6 +87,7 @@ class ReplicaWorker:
     async def start(self) -> None:
         """Announce the replica and start its loops; returns at once."""
         self.engine.start()
+        metrics.ENGINES.track(self.id, self.settings.model, self.engine)
         await self.registry.announce(self.info())
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
             self._loops.append(asyncio.create_task(loop(), name=f"{self.id}:{loop.__name__}"))
@@ -98,6 +104,7 @@ class ReplicaWorker:
         """Leave routing, end the replies in flight (their clients get a final event), stop."""
         with contextlib.suppress(Exception):
             await self.registry.withdraw(self.id)
+        metrics.ENGINES.untrack(self.id)
         for loop in self._loops:
             loop.cancel()
         for reply_id in list(self._running):
@@ -185,6 +192,8 @@ class ReplicaWorker:
             log.warning("reply %s is already running here; ignoring the duplicate job", job.reply_id)
             return
         running = self._running[job.reply_id] = _Running(job)
+        if job.submitted_at:
+            running.started = min(job.submitted_at, running.started)
         try:
             final = await self._generate(running)
         finally:
@@ -222,6 +231,13 @@ class ReplicaWorker:
         return _final(last, running.cancelled)
 
     async def _append(self, running: _Running, out: RequestOutput) -> None:
+        clock = time.monotonic()
+        job = running.job
+        if running.first_token_at is None:
+            running.first_token_at = time.time()
+        elif running.last_token_at is not None:
+            metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier).observe(clock - running.last_token_at)
+        running.last_token_at = clock
         ids = [out.token_id] if out.token_id is not None else []
         # An explicit n: a second producer of this reply (a duplicate job) fails instead of
         # interleaving tokens into the same log.
@@ -241,6 +257,10 @@ class ReplicaWorker:
         if final is None:
             report = ReplyReport("started", job.reply_id, self.id)
         else:
+            ended = time.time()
+            ttft = None if running.first_token_at is None else max(0.0, running.first_token_at - running.started)
+            duration = max(0.0, ended - running.started)
+            metrics.observe_reply(job.model, job.tier, ttft, duration, final.prompt_tokens, final.completion_tokens)
             report = ReplyReport(
                 "finished",
                 job.reply_id,
@@ -253,6 +273,8 @@ class ReplicaWorker:
                 cached_tokens=final.cached_tokens,
                 last_event_id=final_n,
                 error=final.error,
+                ttft_s=ttft,
+                duration_s=duration,
             )
         try:
             await self.log.submit(report.to_dict(), Lane.PAID, queue=REPORTS_QUEUE)

@@ -1,0 +1,95 @@
+"""The outermost middleware: refuses oversized headers, puts the x-ratelimit-* headers on every
+response a route prepared them for, and runs per-request cleanups once the response is over.
+
+Cleanups (releasing an admission slot, the active-stream gauge) run when the ASGI call returns:
+after the last byte of a stream, after a client disconnect, after an error, even when a
+streaming body never started. A finally inside the body generator would miss that last case.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from fairway.gateway.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 16 * 1024  # all request headers together (nginx's default large buffer is 8 KiB x 4)
+MAX_HEADER_VALUE_BYTES = 8 * 1024  # any one header
+
+Cleanup = Callable[[], Awaitable[None] | None]
+
+
+def set_ratelimit_headers(request: Request, headers: dict[str, str]) -> None:
+    request.state.ratelimit_headers = headers
+
+
+def add_cleanup(request: Request, cleanup: Cleanup) -> None:
+    cleanups = getattr(request.state, "cleanups", None)
+    if cleanups is None:
+        cleanups = request.state.cleanups = []
+    cleanups.append(cleanup)
+
+
+def client_ip(request: Request) -> str:
+    """The peer address. Behind a proxy, run uvicorn with --proxy-headers (and
+    --forwarded-allow-ips) so this is the client's, from X-Forwarded-For."""
+    return request.client.host if request.client else "unknown"
+
+
+class EdgeMiddleware:
+    def __init__(self, app: ASGIApp, max_header_bytes: int = MAX_HEADER_BYTES,
+                 max_header_value_bytes: int = MAX_HEADER_VALUE_BYTES) -> None:
+        self.app = app
+        self.max_header_bytes = max_header_bytes
+        self.max_header_value_bytes = max_header_value_bytes
+
+    def _check_headers(self, scope: Scope) -> ApiError | None:
+        total = 0
+        for name, value in scope.get("headers") or []:
+            total += len(name) + len(value) + 4
+            if len(value) > self.max_header_value_bytes:
+                return ApiError(431, f"Request header {name.decode('latin-1')!r} is {len(value)} bytes; at most "
+                                     f"{self.max_header_value_bytes} are allowed.", code="request_header_too_large")
+        if total > self.max_header_bytes:
+            return ApiError(431, f"Request headers are {total} bytes in all; at most {self.max_header_bytes} are "
+                                 "allowed.", code="request_header_too_large")
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        error = self._check_headers(scope)
+        if error is not None:
+            await error.response()(scope, receive, send)
+            return
+        state: dict[str, Any] = scope.setdefault("state", {})
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                extra = state.get("ratelimit_headers")
+                if extra:
+                    present = {name.lower() for name, _ in message.get("headers", [])}
+                    message["headers"] = list(message.get("headers", [])) + [
+                        (k.encode("latin-1"), v.encode("latin-1")) for k, v in extra.items()
+                        if k.encode("latin-1") not in present
+                    ]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            for cleanup in reversed(state.get("cleanups") or []):
+                try:
+                    result = cleanup()
+                    if inspect.isawaitable(result):
+                        await result
+                except Exception:
+                    log.exception("request cleanup failed")

@@ -1,0 +1,72 @@
+"""GET /v1/usage: the caller's usage, totalled per model per day (UTC); and GET /metrics.
+
+`from` and `to` are dates (YYYY-MM-DD) or Unix seconds, both days included; the default is the
+last 30 days. Only the caller's own usage: asking for another user's (`user=`) is a 404, as for
+anything else of theirs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from fastapi import APIRouter, Depends, Query, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+from fairway.gateway.auth import authenticated, user_id
+from fairway.gateway.context import gateway
+from fairway.gateway.errors import invalid, not_found
+
+router = APIRouter()
+
+DEFAULT_DAYS = 30
+MAX_DAYS = 366
+
+
+def _day(raw: str | None, param: str) -> dt.date | None:
+    if raw is None or not raw.strip():
+        return None
+    raw = raw.strip()
+    try:
+        if raw.replace(".", "", 1).isdigit():
+            return dt.datetime.fromtimestamp(float(raw), dt.UTC).date()
+        return dt.date.fromisoformat(raw)
+    except (ValueError, OverflowError, OSError):
+        raise invalid(f"'{param}' must be a date (YYYY-MM-DD) or Unix seconds, got {raw!r}.", param,
+                      "invalid_value") from None
+
+
+@router.get("/v1/usage", dependencies=[Depends(authenticated)])
+async def usage(
+    request: Request,
+    start: str | None = Query(None, alias="from"),
+    end: str | None = Query(None, alias="to"),
+    user: str | None = None,
+) -> dict[str, Any]:
+    me = user_id(request)
+    if user is not None and user != me:
+        raise not_found(f"No usage for user {user!r}.", "user", "user_not_found")
+    last = _day(end, "to") or dt.datetime.now(dt.UTC).date()
+    first = _day(start, "from") or last - dt.timedelta(days=DEFAULT_DAYS - 1)
+    if first > last:
+        raise invalid("'from' is after 'to'.", "from", "invalid_value")
+    if (last - first).days >= MAX_DAYS:
+        raise invalid(f"At most {MAX_DAYS} days at a time.", "from", "invalid_value")
+    rows = await gateway(request).store.usage_totals(me, first.isoformat(), last.isoformat())
+    data = [{"object": "usage.daily", "date": r["day"], "model": r["model"], "requests": r["requests"],
+             "prompt_tokens": r["prompt_tokens"], "cached_tokens": r["cached_tokens"],
+             "completion_tokens": r["completion_tokens"],
+             "total_tokens": r["prompt_tokens"] + r["completion_tokens"], "cost": round(r["cost"], 8)}
+            for r in rows]
+    totals = {k: sum(d[k] for d in data) for k in ("requests", "prompt_tokens", "cached_tokens",
+                                                    "completion_tokens", "total_tokens")}
+    totals["cost"] = round(sum(d["cost"] for d in data), 8)
+    return {"object": "list", "user": me, "from": first.isoformat(), "to": last.isoformat(), "data": data,
+            "totals": totals}
+
+
+@router.get("/metrics", include_in_schema=False)
+async def prometheus_metrics() -> Response:
+    """Prometheus text format. Open like /health: it says how busy the service is, nothing of
+    anyone's data (block it at the proxy if that is too much)."""
+    return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)

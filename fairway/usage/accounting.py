@@ -1,0 +1,96 @@
+"""At a reply's end: its usage record, and the token reservation it made settled.
+
+Runs as a hook of the ReplyRecorder, which claims each replica report in exactly one gateway, so
+every reply is accounted once however many gateways there are. The usage record goes in first:
+its unique reply_id makes a report delivered twice (a restarted reply) a no-op for the quota too.
+
+What the gateway knew at admission travels with the reply, in the stored job's "meta": the user,
+the tier, the reservation (window key, bucket, tokens), the idempotency key and the single-flight
+fingerprint.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from fairway.conversation import ConversationStore, UsageRecord
+from fairway.conversation.entities import new_id, now
+from fairway.limits import Limits, LimitsError, Reservation, WindowState
+from fairway.replica.report import ReplyReport
+from fairway.usage.pricing import Pricing
+
+log = logging.getLogger(__name__)
+
+
+def utc_day(ts: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(ts))
+
+
+def reservation_meta(reservation: Reservation) -> dict[str, Any]:
+    return {"key": reservation.key, "bucket": reservation.bucket, "tokens": reservation.tokens}
+
+
+def reservation_from_meta(user: str, model: str, tier: str, quota: dict[str, Any]) -> Reservation:
+    return Reservation(user, model, tier, int(quota["tokens"]), WindowState(0, 0, 0.0), int(quota["bucket"]),
+                       str(quota["key"]))
+
+
+class Accounting:
+    def __init__(self, store: ConversationStore, limits: Limits, pricing: Pricing) -> None:
+        self.store = store
+        self.limits = limits
+        self.pricing = pricing
+
+    async def on_finished(self, report: ReplyReport) -> None:
+        reply = await self.store.get_reply(report.reply_id)
+        if reply is None or not reply.job:
+            return
+        meta: dict[str, Any] = reply.job.get("meta") or {}
+        user = meta.get("user")
+        if not user:
+            return  # not submitted through the edge (a test, or a reply from before keys)
+        model = str(reply.job.get("model", ""))
+        tier = str(meta.get("tier") or "")
+        failed = report.error is not None or report.state == "SHED"
+        ts = now()
+        record = UsageRecord(
+            id=new_id("usage"),
+            reply_id=reply.id,
+            user_id=user,
+            model=model,
+            tier=tier,
+            prompt_tokens=report.prompt_tokens,
+            cached_tokens=report.cached_tokens,
+            completion_tokens=report.completion_tokens,
+            ttft_s=report.ttft_s,
+            duration_s=report.duration_s,
+            finish_reason="error" if report.error else (report.finish_reason or report.state.lower()),
+            # A failed or shed reply is not billed (and its reservation is released below).
+            cost=0.0 if failed else self.pricing.cost(model, report.prompt_tokens, report.cached_tokens,
+                                                      report.completion_tokens),
+            created_at=ts,
+            day=utc_day(ts),
+        )
+        if not await self.store.add_usage(record):
+            return  # accounted already
+        try:
+            await self._close(meta, user, model, tier, report, failed)
+        except LimitsError:
+            # The reservation ages out of its window within a minute: over-counted, never under.
+            log.warning("reply %s: could not settle its limits", reply.id, exc_info=True)
+
+    async def _close(self, meta: dict[str, Any], user: str, model: str, tier: str, report: ReplyReport,
+                     failed: bool) -> None:
+        quota = meta.get("quota")
+        if quota:
+            reservation = reservation_from_meta(user, model, tier, quota)
+            if failed:
+                await self.limits.tokens.release(reservation)
+            else:
+                await self.limits.tokens.settle(reservation, report.prompt_tokens + report.completion_tokens)
+        if meta.get("idempotency_key"):
+            await self.limits.idempotency.complete(user, meta["idempotency_key"])
+        if meta.get("flight"):
+            await self.limits.flights.finish(meta["flight"], report.reply_id)

@@ -1,0 +1,99 @@
+"""Prometheus metrics, named the way vLLM names its own (`fairway:` instead of `vllm:`).
+
+Where each is measured:
+* replica (where the tokens happen): time to first token, inter-token latency, end-to-end
+  latency, prompt and generation tokens (labels model, tier), and the engine's own counters,
+  read from each engine's last EngineStats when scraped (labels model, replica);
+* gateway: active SSE streams (label model) and requests refused by a limit (label type).
+
+The embedded server (`fairway serve`) has both in one process: its /metrics shows everything. At
+scale each gateway serves its own /metrics, and each replica process serves its own when started
+with --metrics-port (prometheus-client's HTTP server); Prometheus scrapes them all and sums.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+# vLLM's buckets, trimmed: CPU replicas are slower, GPU ones faster; both fit.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+               480.0, 960.0)
+
+TIME_TO_FIRST_TOKEN = Histogram("fairway:time_to_first_token_seconds",
+                                "Time from submission to the first token, per reply.", ["model", "tier"],
+                                buckets=TTFT_BUCKETS)
+INTER_TOKEN_LATENCY = Histogram("fairway:inter_token_latency_seconds", "Time between consecutive tokens.",
+                                ["model", "tier"], buckets=ITL_BUCKETS)
+E2E_REQUEST_LATENCY = Histogram("fairway:e2e_request_latency_seconds",
+                                "Time from submission to the final event, per reply.", ["model", "tier"],
+                                buckets=E2E_BUCKETS)
+PROMPT_TOKENS = Counter("fairway:prompt_tokens", "Prompt tokens of finished replies.", ["model", "tier"])
+GENERATION_TOKENS = Counter("fairway:generation_tokens", "Generated tokens.", ["model", "tier"])
+ACTIVE_STREAMS = Gauge("fairway:active_streams", "SSE streams this gateway is sending now.", ["model"])
+RATE_LIMITED = Counter("fairway:rate_limited", "Requests refused by a limit: tokens (TPM), requests (RPM), "
+                       "admission (the gateway's queue was full or timed out).", ["type"])
+
+
+class EngineCollector(Collector):
+    """The engines' counters, read at scrape time from AsyncEngine.last_stats (set after every
+    engine step), so the engine loop pays nothing for being observed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: dict[str, tuple[str, Any]] = {}  # replica id -> (model, AsyncEngine)
+
+    def track(self, replica_id: str, model: str, engine: Any) -> None:
+        with self._lock:
+            self._engines[replica_id] = (model, engine)
+
+    def untrack(self, replica_id: str) -> None:
+        with self._lock:
+            self._engines.pop(replica_id, None)
+
+    def collect(self) -> Iterator[Any]:
+        labels = ["model", "replica"]
+        kv = GaugeMetricFamily("fairway:kv_cache_usage_perc", "KV cache blocks in use (1 = 100%).", labels=labels)
+        running = GaugeMetricFamily("fairway:num_requests_running", "Sequences in the running batch.", labels=labels)
+        waiting = GaugeMetricFamily("fairway:num_requests_waiting", "Sequences waiting to be scheduled.",
+                                    labels=labels)
+        queries = CounterMetricFamily("fairway:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      labels=labels)
+        hits = CounterMetricFamily("fairway:prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                                   labels=labels)
+        preemptions = CounterMetricFamily("fairway:num_preemptions", "Sequences preempted (recomputed later).",
+                                          labels=labels)
+        with self._lock:
+            engines = list(self._engines.items())
+        for replica_id, (model, engine) in engines:
+            stats = engine.last_stats
+            values = [model, replica_id]
+            kv.add_metric(values, stats.kv_usage)
+            running.add_metric(values, stats.num_running)
+            waiting.add_metric(values, stats.num_waiting)
+            queries.add_metric(values, stats.prefix_cache_queries)
+            hits.add_metric(values, stats.prefix_cache_hits)
+            preemptions.add_metric(values, stats.num_preemptions)
+        yield from (kv, running, waiting, queries, hits, preemptions)
+
+
+ENGINES = EngineCollector()
+REGISTRY.register(ENGINES)
+
+
+def observe_reply(model: str, tier: str, ttft_s: float | None, e2e_s: float, prompt_tokens: int,
+                  generation_tokens: int) -> None:
+    """At a reply's end, with the counts its usage record gets."""
+    if ttft_s is not None:
+        TIME_TO_FIRST_TOKEN.labels(model, tier).observe(ttft_s)
+    E2E_REQUEST_LATENCY.labels(model, tier).observe(e2e_s)
+    PROMPT_TOKENS.labels(model, tier).inc(prompt_tokens)
+    GENERATION_TOKENS.labels(model, tier).inc(generation_tokens)
