@@ -8,6 +8,7 @@ it instead of starting a second one. The gateway only speaks HTTP around this.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -167,7 +168,8 @@ class ConversationService:
                     "dropped_messages": context.dropped_messages, "max_tokens": max_tokens}
             reply = await self._submit(conversation, message, job, admitted.meta, info)
         except BaseException:
-            await admitted.release()
+            with contextlib.suppress(Exception):  # the original error is the one to report
+                await admitted.release()
             raise
         return Turn(conversation, message, reply, context, max_tokens)
 

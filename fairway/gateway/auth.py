@@ -14,7 +14,6 @@ from fastapi import Request
 from fairway.gateway.context import gateway
 from fairway.gateway.errors import ApiError
 from fairway.gateway.keys import InvalidKey, Principal
-from fairway.limits import LimitsError
 
 log = logging.getLogger(__name__)
 
@@ -43,22 +42,18 @@ async def authenticate(request: Request) -> Principal:
         principal = await gateway(request).keys.check(key.strip())
     except InvalidKey as exc:
         raise unauthorized(exc.message) from None
+    except Exception as exc:  # the key store is down: not the client's fault, and not a 500
+        log.warning("cannot check API keys", exc_info=True)
+        raise ApiError(503, "API keys cannot be checked right now; retry shortly.", code="auth_unavailable",
+                       headers={"Retry-After": "1"}) from exc
     request.state.principal = principal
     return principal
 
 
 async def authenticated(request: Request) -> Principal:
-    """The dependency of every /v1 route but chat completions (which sets its own headers from
-    the limits it applies): the Principal, and the x-ratelimit-* headers from the current state."""
-    principal = await authenticate(request)
-    gw = gateway(request)
-    try:
-        headers = await gw.limits.headers(principal.user_id, gw.default_model, principal.tier)
-    except LimitsError:  # a read-only request need not fail because the limits store blinked
-        log.warning("rate-limit headers unavailable", exc_info=True)
-    else:
-        request.state.ratelimit_headers = headers
-    return principal
+    """The dependency of every /v1 route but chat completions (which calls authenticate itself).
+    The edge middleware adds the x-ratelimit-* headers to the response."""
+    return await authenticate(request)
 
 
 def user_id(request: Request) -> str:

@@ -14,6 +14,7 @@ the user's TPM). The reservation is settled when the reply ends (usage/accountin
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from typing import Any
 
@@ -160,6 +161,7 @@ async def chat_completions(request: Request) -> Any:
     principal = await authenticate(request)
     gw = gateway(request)
     data, body = parse_chat(await request.body())
+    request.state.ratelimit_model = body.model
     edge = Edge(request, gw, principal, data, body)
     check_max_tokens(max_tokens_of(body), gw.limits.tokens.limit(principal.tier, body.model), body.model)
     key = body.message_id or request.headers.get("x-idempotency-key") or None
@@ -240,7 +242,8 @@ async def _start_claimed(gw: GatewayContext, edge: Edge, turn_request: TurnReque
     try:
         turn = await _start(gw.service, turn_request)
     except BaseException:
-        await guarded(gw.limits.idempotency.release(edge.user, edge.key))
+        with contextlib.suppress(Exception):  # (if this fails too, the key expires with its TTL)
+            await gw.limits.idempotency.release(edge.user, edge.key)
         raise
     await guarded(gw.limits.idempotency.attach(edge.user, edge.key, turn.reply.id))
     return turn

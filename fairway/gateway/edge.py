@@ -1,5 +1,7 @@
 """The outermost middleware: refuses oversized headers, puts the x-ratelimit-* headers on every
-response a route prepared them for, and runs per-request cleanups once the response is over.
+response to an authenticated request (those a route prepared from the limits it applied, else
+the current state, read as the response starts), and runs per-request cleanups once the response
+is over.
 
 Cleanups (releasing an admission slot, the active-stream gauge) run when the ASGI call returns:
 after the last byte of a stream, after a client disconnect, after an error, even when a
@@ -43,6 +45,19 @@ def client_ip(request: Request) -> str:
     return request.client.host if request.client else "unknown"
 
 
+async def _current_headers(scope: Scope, state: dict[str, Any]) -> dict[str, str] | None:
+    """The x-ratelimit-* headers of an authenticated request whose route set none (most routes,
+    and errors before the limits were applied): read from the limits now."""
+    principal = state["principal"]
+    try:
+        gw = scope["app"].state.gateway
+        model = state.get("ratelimit_model") or gw.default_model
+        return await gw.limits.headers(principal.user_id, model, principal.tier)
+    except Exception:  # a response must not fail for want of its rate-limit headers
+        log.warning("rate-limit headers unavailable", exc_info=True)
+        return None
+
+
 class EdgeMiddleware:
     def __init__(self, app: ASGIApp, max_header_bytes: int = MAX_HEADER_BYTES,
                  max_header_value_bytes: int = MAX_HEADER_VALUE_BYTES) -> None:
@@ -75,6 +90,8 @@ class EdgeMiddleware:
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":
                 extra = state.get("ratelimit_headers")
+                if extra is None and state.get("principal") is not None:
+                    extra = await _current_headers(scope, state)
                 if extra:
                     present = {name.lower() for name, _ in message.get("headers", [])}
                     message["headers"] = list(message.get("headers", [])) + [

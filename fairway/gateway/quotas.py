@@ -26,7 +26,7 @@ def denied_error(denied: Denied, headers: dict[str, str]) -> ApiError:
     """429 for a limit that frees up with time. A request that alone exceeds the limit can never
     run, so retrying is pointless: that is a 400 (no Retry-After)."""
     metrics.RATE_LIMITED.labels(denied.type).inc()
-    if denied.too_large:
+    if denied.type == "tokens" and denied.too_large:
         return ApiError(400, denied.message(), param="max_tokens", code="request_too_large",
                         type="invalid_request_error", headers=headers)
     return ApiError(429, denied.message(), code="rate_limit_exceeded", type=denied.type,

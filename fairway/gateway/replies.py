@@ -14,9 +14,11 @@ from fairway.conversation import NotFound, Reply
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.chat import SSE_HEADERS
 from fairway.gateway.context import GatewayContext, gateway
+from fairway.gateway.edge import add_cleanup
 from fairway.gateway.errors import invalid, not_found
 from fairway.gateway.streaming import ReplyView
 from fairway.relay import ReplyNotFound
+from fairway.usage import metrics
 
 router = APIRouter(dependencies=[Depends(authenticated)])
 
@@ -47,6 +49,9 @@ async def stream_reply(reply_id: str, request: Request) -> StreamingResponse:
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
     view = ReplyView.of(reply)
     stream = gw.relay.sse(reply, view, after, include_usage)
+    streams = metrics.ACTIVE_STREAMS.labels(view.model)
+    streams.inc()
+    add_cleanup(request, streams.dec)
     return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **view.headers()})
 
 

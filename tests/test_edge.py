@@ -1,0 +1,337 @@
+"""The edge on the embedded server (in-process limits, SQLite): keys, token quotas, request rates,
+idempotency, the thundering herd, usage and metrics, bad input. The same rules across two
+gateways sharing Redis are in test_resume.py."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import subprocess
+import sys
+import uuid
+
+import httpx
+import pytest
+from serving import (
+    API_KEY,
+    HERD_MAX_TOKENS,
+    MODEL,
+    OTHER_KEY,
+    RATE_LIMIT_HEADERS,
+    TEST_KEYS,
+    ThreadServer,
+    chat_body,
+    herd_limit,
+    herd_prompt,
+    sse_events,
+    wait_for,
+    wait_ready,
+)
+
+HERD_KEY = "sk-test-herd-user"  # free tier, with a TPM that fits 5 herd requests
+RPM_KEY = "sk-test-rpm-user"  # background tier, 3 requests a minute
+RPM = 3
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from fairway.limits import LimitsConfig, TierLimits
+    from fairway.limits.config import default_tiers
+    from fairway.stack import StackOptions, embedded_app
+
+    db = tmp_path_factory.mktemp("edge") / "fairway.db"
+    tiers = {**default_tiers(), "free": TierLimits(herd_limit(), 1000), "background": TierLimits(100_000, RPM)}
+    options = StackOptions(database=f"sqlite:///{db}", max_model_len=1024, limits=LimitsConfig(tiers=tiers),
+                           api_keys=[*TEST_KEYS, (HERD_KEY, "herd-user", "free"), (RPM_KEY, "rpm-user", "background")],
+                           auth_cache_s=0.2)
+    app = embedded_app(options)
+    server = ThreadServer(app).start()
+    server.gateway = app.state.gateway
+    server.database = f"sqlite:///{db}"
+    wait_ready(server.url)
+    yield server
+    server.stop()
+
+
+def auth(key: str = API_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+@pytest.fixture
+def http(server):
+    with httpx.Client(base_url=server.url, headers=auth(), timeout=120) as c:
+        yield c
+
+
+def post_all(server, requests: list[tuple[dict, dict]]) -> list[httpx.Response]:
+    """Send every (body, headers) at once; each response read whole."""
+
+    async def run() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(client.post("/v1/chat/completions", json=b, headers=h)
+                                          for b, h in requests))
+
+    return asyncio.run(run())
+
+
+def stream_all(server, requests: list[tuple[dict, dict]]) -> list[tuple[httpx.Headers, list[str]]]:
+    """Stream every (body, headers) at once: the response headers and the raw SSE lines of each."""
+
+    async def one(client: httpx.AsyncClient, body: dict, headers: dict) -> tuple[httpx.Headers, list[str]]:
+        async with client.stream("POST", "/v1/chat/completions", json=body, headers=headers) as r:
+            assert r.status_code == 200, await r.aread()
+            return r.headers, [line async for line in r.aiter_lines() if line.startswith(("id:", "data:"))]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, b, h) for b, h in requests))
+
+    return asyncio.run(run())
+
+
+def fairway_cli(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "fairway.cli", *args], check=True, capture_output=True, text=True,
+                         timeout=60)
+    return out.stdout
+
+
+# -- keys --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Basic dXNlcjpwdw==", "Bearer not-a-key",
+                                           "Bearer sk-short", "Bearer sk-" + "x" * 300, "Bearer sk-unknown-key-123"])
+def test_missing_or_bad_keys_are_401(server, authorization):
+    headers = {} if authorization is None else {"Authorization": authorization}
+    for method, path in (("GET", "/v1/models"), ("GET", "/v1/conversations"), ("POST", "/v1/chat/completions"),
+                         ("GET", "/v1/usage"), ("GET", "/v1/replies/rep_x")):
+        r = httpx.request(method, server.url + path, headers=headers, json=chat_body("hi"), timeout=30)
+        assert r.status_code == 401, (path, r.text)
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"].startswith("Bearer")
+
+
+def test_the_page_health_and_metrics_need_no_key(server):
+    for path in ("/", "/web/app.js", "/health", "/ready", "/metrics"):
+        assert httpx.get(server.url + path, timeout=30).status_code == 200, path
+
+
+def test_keys_cli_create_list_revoke(server):
+    out = fairway_cli("keys", "create", "--user", "cli-user", "--tier", "business", "--database", server.database)
+    key = out.strip().splitlines()[-1]
+    assert key.startswith("sk-fw-") and len(key) > 40
+    assert httpx.get(f"{server.url}/v1/models", headers=auth(key), timeout=30).status_code == 200
+    listed = fairway_cli("keys", "list", "--user", "cli-user", "--database", server.database)
+    assert "cli-user" in listed and "business" in listed and key not in listed  # never the key itself
+    revoked = fairway_cli("keys", "revoke", key, "--database", server.database)
+    assert "Revoked key_" in revoked
+    wait_for(lambda: httpx.get(f"{server.url}/v1/models", headers=auth(key), timeout=30).status_code == 401,
+             timeout=10)
+
+
+def test_rate_limit_headers_on_every_response(http):
+    for response in (http.get("/v1/models"), http.get("/v1/conversations"), http.get("/v1/usage"),
+                     http.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=1, stream=False)),
+                     http.post("/v1/chat/completions", json={"model": MODEL}),  # a 400
+                     http.get("/v1/replies/rep_missing")):
+        assert RATE_LIMIT_HEADERS <= set(response.headers), (response.request.url, response.headers)
+    assert int(response.headers["x-ratelimit-limit-requests"]) == 600  # paid tier
+
+
+# -- token quotas and request rates ------------------------------------------------------------
+
+
+def test_concurrent_requests_never_overshoot_the_token_quota(server, http):
+    """20 concurrent requests against a TPM that fits 5: exactly 5 run, the rest get 429."""
+    limit = herd_limit()
+    bodies = [chat_body(herd_prompt(i), max_tokens=HERD_MAX_TOKENS, stream=False, ignore_eos=True) for i in range(20)]
+    responses = post_all(server, [(b, auth(HERD_KEY)) for b in bodies])
+    admitted = [r for r in responses if r.status_code == 200]
+    refused = [r for r in responses if r.status_code == 429]
+    assert len(admitted) + len(refused) == 20, [r.text for r in responses]
+    assert sum(int(r.headers["x-context-tokens"]) + HERD_MAX_TOKENS for r in admitted) <= limit
+    assert len(admitted) == 5
+    for r in refused:
+        error = r.json()["error"]
+        assert (error["type"], error["code"], error["param"]) == ("tokens", "rate_limit_exceeded", None)
+        assert f"Limit {limit}, Used " in error["message"] and "Requested " in error["message"]
+        assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-tokens"]
+    # Each reply ends with its reservation settled (to the same count: ignore_eos) and one usage record.
+    for r in admitted:
+        reply = r.json()["id"]
+        usage = wait_for(lambda reply=reply: httpx.get(f"{server.url}/v1/replies/{reply}", headers=auth(HERD_KEY),
+                                                       timeout=10).json()["usage"])
+        assert (usage["tier"], usage["completion_tokens"], usage["finish_reason"]) == ("free", HERD_MAX_TOKENS, "length")
+        assert usage["ttft_s"] > 0 and usage["duration_s"] >= usage["ttft_s"] and usage["cost"] > 0
+    state = server.call(server.gateway.limits.tokens.state("herd-user", MODEL, "free"))
+    assert state.used == sum(int(r.headers["x-context-tokens"]) + HERD_MAX_TOKENS for r in admitted) <= limit
+
+
+def test_request_rate_per_user(server):
+    responses = [httpx.post(f"{server.url}/v1/chat/completions", headers=auth(RPM_KEY), timeout=60,
+                            json=chat_body(f"Say {i}.", max_tokens=1, stream=False)) for i in range(RPM + 1)]
+    assert [r.status_code for r in responses] == [200] * RPM + [429]
+    error = responses[-1].json()["error"]
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded")
+    assert f"Limit {RPM}, Used {RPM}, Requested 1" in error["message"]
+    assert responses[-1].headers["x-ratelimit-remaining-requests"] == "0"
+    assert int(responses[-1].headers["retry-after"]) >= 1
+
+
+def test_request_rate_per_client_ip(server):
+    config = server.gateway.limits.config
+    saved = config.ip_requests_per_minute
+    config.ip_requests_per_minute = 1  # all test clients are 127.0.0.1: the second request is over
+    try:
+        for _ in range(2):
+            response = httpx.post(f"{server.url}/v1/chat/completions", headers=auth(OTHER_KEY), timeout=30,
+                                  json=chat_body("Hi", max_tokens=1, stream=False))
+    finally:
+        config.ip_requests_per_minute = saved
+    assert response.status_code == 429
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded") and "127.0.0.1" in error["message"]
+    assert RATE_LIMIT_HEADERS <= set(response.headers)
+
+
+# -- idempotency -----------------------------------------------------------------------------------
+
+
+def test_ten_concurrent_duplicates_make_one_generation(server, http):
+    key = f"idem-{uuid.uuid4().hex}"
+    body = chat_body("Name three colours.", max_tokens=8)
+    headers = {**auth(), "X-Idempotency-Key": key}
+    results = stream_all(server, [(body, headers)] * 10)
+    reply_ids = {h["x-reply-id"] for h, _ in results}
+    assert len(reply_ids) == 1
+    for _, lines in results:
+        assert lines == results[0][1]  # ten identical streams, [DONE] included
+    assert results[0][1][-1] == "data: [DONE]"
+    assert sum(h.get("x-idempotent-replayed") == "true" for h, _ in results) == 9
+    conversation = http.get(f"/v1/conversations/{results[0][0]['x-conversation-id']}").json()
+    assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]  # one generation
+    reply_id = reply_ids.pop()
+    # After it finished: the finished reply, without generating again, from where the client got to.
+    with http.stream("POST", "/v1/chat/completions", json=body, headers={**headers, "Last-Event-ID": "2"}) as r:
+        assert r.headers["x-reply-id"] == reply_id and r.headers["x-idempotent-replayed"] == "true"
+        rest = list(sse_events(r))
+    assert rest[0].id == 3
+    assert len(http.get(f"/v1/conversations/{results[0][0]['x-conversation-id']}").json()["messages"]) == 2
+    # The same key with a different body: 409.
+    conflict = http.post("/v1/chat/completions", json={**body, "max_tokens": 9}, headers=headers)
+    assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "idempotency_key_reused"
+    # Another user's same key is theirs alone.
+    other = http.post("/v1/chat/completions", json={**body, "stream": False},
+                      headers={**auth(OTHER_KEY), "X-Idempotency-Key": key})
+    assert other.status_code == 200 and other.json()["id"] != reply_id
+
+
+# -- thundering herd ---------------------------------------------------------------------------
+
+
+def test_identical_cacheable_requests_share_one_generation(server):
+    body = chat_body(f"Spell the word {uuid.uuid4().hex[:6]}.", max_tokens=6)
+    results = stream_all(server, [(body, auth())] * 5)
+    assert len({h["x-reply-id"] for h, _ in results}) == 1
+    assert sum(h.get("x-shared-generation") == "true" for h, _ in results) == 4
+    for _, lines in results:
+        assert lines == results[0][1]
+    # Sampled (temperature > 0) requests are never shared.
+    sampled = post_all(server, [({**body, "temperature": 0.7, "stream": False}, auth())] * 2)
+    assert sampled[0].json()["id"] != sampled[1].json()["id"]
+
+
+def test_admission_queue_waits_then_refuses_with_retry_after(server, http):
+    from fairway.limits import Admission
+
+    limits = server.gateway.limits
+    saved = limits.admission
+    limits.admission = Admission(max_in_flight=1, max_waiting=1, timeout_s=0.3)
+    try:
+        long = chat_body("Count to five hundred.", max_tokens=300, ignore_eos=True)
+        with http.stream("POST", "/v1/chat/completions", json=long) as r:
+            assert r.status_code == 200
+            events = sse_events(r)  # (dropping the iterator would close the connection)
+            next(events)  # the one slot is taken while this stream is open
+            refused = http.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=1, stream=False))
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+            assert int(refused.headers["retry-after"]) >= 1 and RATE_LIMIT_HEADERS <= set(refused.headers)
+            http.post(f"/v1/replies/{r.headers['x-reply-id']}/stop")
+        # The slot comes back when the stream is over (here: the client left).
+        wait_for(lambda: limits.admission.in_flight == 0, timeout=30)
+        ok = http.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=1, stream=False))
+        assert ok.status_code == 200
+    finally:
+        limits.admission = saved
+
+
+# -- usage and metrics ----------------------------------------------------------------------------
+
+
+def test_usage_per_model_per_day(server, http):
+    completion = http.post("/v1/chat/completions", json=chat_body("Say ok.", max_tokens=3, stream=False)).json()
+    wait_for(lambda: http.get(f"/v1/replies/{completion['id']}").json()["usage"])
+    today = dt.datetime.now(dt.UTC).date().isoformat()
+    usage = http.get("/v1/usage", params={"from": today, "to": today}).json()
+    row = next(d for d in usage["data"] if d["model"] == MODEL and d["date"] == today)
+    assert row["requests"] >= 1 and row["completion_tokens"] >= 1 and row["prompt_tokens"] > 0
+    assert row["total_tokens"] == row["prompt_tokens"] + row["completion_tokens"] and row["cost"] > 0
+    assert usage["totals"]["requests"] == sum(d["requests"] for d in usage["data"])
+    # Unix seconds work too; an empty range is empty.
+    assert http.get("/v1/usage", params={"from": "0", "to": "86399"}).json()["data"] == []
+    # Another user's usage does not exist for us; theirs holds none of ours.
+    assert http.get("/v1/usage", params={"user": "test-user-2"}).status_code == 404
+    theirs = http.get("/v1/usage", headers=auth(OTHER_KEY)).json()
+    assert theirs["user"] == "test-user-2" and usage["user"] == "test-user-1"
+    assert http.get(f"/v1/replies/{completion['id']}", headers=auth(OTHER_KEY)).status_code == 404
+    assert http.get("/v1/usage", params={"from": "yesterday"}).status_code == 400
+
+
+def test_metrics_in_prometheus_text(server, http):
+    http.post("/v1/chat/completions", json=chat_body("Say yes.", max_tokens=3, stream=False))
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    for name in ("fairway:time_to_first_token_seconds_bucket", "fairway:inter_token_latency_seconds_bucket",
+                 "fairway:e2e_request_latency_seconds_count", "fairway:prompt_tokens_total",
+                 "fairway:generation_tokens_total", "fairway:kv_cache_usage_perc",
+                 "fairway:prefix_cache_queries_total", "fairway:prefix_cache_hits_total",
+                 "fairway:num_preemptions_total", "fairway:num_requests_running", "fairway:num_requests_waiting",
+                 "fairway:active_streams", "fairway:rate_limited_total"):
+        assert name in text, name
+    assert f'fairway:prompt_tokens_total{{model="{MODEL}",tier="paid"}}' in text
+    assert 'fairway:rate_limited_total{type="tokens"}' in text  # from the quota test (same process)
+
+
+# -- bad input ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("extra", "headers", "status", "code", "param"),
+    [
+        ({"max_tokens": -5}, {}, 400, "invalid_value", "max_tokens"),
+        ({"max_tokens": 10**12}, {}, 400, "max_tokens_exceeds_quota", "max_tokens"),
+        ({}, {"X-Idempotency-Key": "k" * 256}, 400, "invalid_idempotency_key", "X-Idempotency-Key"),
+        ({}, {"X-Big": "x" * 20_000}, 431, "request_header_too_large", None),
+        ({}, {f"X-Many-{i}": "y" * 1000 for i in range(20)}, 431, "request_header_too_large", None),
+    ],
+)
+def test_bad_edge_input_is_a_clear_4xx(http, extra, headers, status, code, param):
+    response = http.post("/v1/chat/completions", json={**chat_body("hi", stream=False), **extra}, headers=headers)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == (code, param) and error["message"]
+    assert error["type"] == "invalid_request_error"
+
+
+def test_a_request_larger_than_the_quota_is_400_not_429(server):
+    """Within the quota alone, max_tokens may still not fit with the prompt: waiting never helps."""
+    body = chat_body(herd_prompt(0), max_tokens=herd_limit() - 5, stream=False)
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=auth(HERD_KEY), timeout=30)
+    assert response.status_code == 400 and "retry-after" not in response.headers
+    error = response.json()["error"]
+    assert error["code"] == "request_too_large" and "Request too large" in error["message"]
+
+
+def test_idempotency_key_at_the_limit_is_fine(http):
+    response = http.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=1, stream=False),
+                         headers={"X-Idempotency-Key": "k" * 255})
+    assert response.status_code == 200
