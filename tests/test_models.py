@@ -67,3 +67,16 @@ def test_cli_generate_prints_only_the_generated_text():
     bad = subprocess.run([sys.executable, "-m", "fairway.cli", "generate", "--prompt", "x",
                           "--model", "/no/such/model.gguf"], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "/no/such/model.gguf" in bad.stderr
+
+
+def test_packed_linear_matches_plain_linear():
+    from fairway.models.packed_linear import PackedLinear, packing_supported
+
+    if not packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("this CPU has no oneDNN bf16 support")
+    weight = torch.randn(300, 576).to(torch.bfloat16)
+    packed = PackedLinear(weight)
+    for rows in (1, 3, 64, 700):
+        x = torch.randn(rows, 576).to(torch.bfloat16)
+        torch.testing.assert_close(packed(x).float(), torch.nn.functional.linear(x, weight).float(),
+                                   atol=0.1, rtol=0.02)

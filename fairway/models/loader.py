@@ -13,6 +13,7 @@ from fairway.models.bundled import ModelFileError
 from fairway.models.cache import cache_dir
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
+from fairway.models.packed_linear import pack_linears, packing_supported
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -28,8 +29,9 @@ _GGUF_LAYER_NAMES = {
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> LlamaModel:
-    """A .gguf file or a folder with config.json + *.safetensors."""
+               device: str | torch.device = "cpu", pack: bool = True) -> LlamaModel:
+    """A .gguf file or a folder with config.json + *.safetensors. On CPU in bf16 the linear
+    layers are pre-packed for oneDNN (pack=False keeps plain nn.Linear, e.g. to compare)."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"model file {path} does not exist: pass a .gguf file or a Hugging Face folder")
@@ -44,7 +46,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
     model.load_hf_state_dict(state)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    if pack and packing_supported(dtype, torch.device(device)):
+        pack_linears(model)
+    return model
 
 
 def gguf_config(reader) -> LlamaConfig:  # reader: gguf.GGUFReader
