@@ -383,7 +383,7 @@ def main() -> None:
     log(f"loading engine (bf16, cpu, {cfg.num_kv_blocks} KV blocks, {cfg.max_num_batched_tokens} tokens/step)")
     eng = build_engine(None, "bfloat16", "cpu", cfg)
     vocab = eng.model.cfg.vocab_size
-    params = sum(p.numel() for p in eng.model.parameters())  # tied embedding counted once
+    params = eng.model.num_parameters()  # tied embedding counted once
     wl = make_workload(n, prompt_range, output_range, vocab)
     log(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.output_tokens} output tokens")
 

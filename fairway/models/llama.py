@@ -114,6 +114,14 @@ class LlamaModel(nn.Module):
             x = layer(x, cos, sin, kv.k[i], kv.v[i], meta)
         return self.norm(x)
 
+    def num_parameters(self) -> int:
+        """Weights counted from the shape (packed linears hold theirs as buffers), tied embedding once."""
+        c = self.cfg
+        per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                     + 3 * c.hidden_size * c.intermediate_size + 2 * c.hidden_size)
+        head = 0 if c.tie_word_embeddings else c.vocab_size * c.hidden_size
+        return c.num_layers * per_layer + c.vocab_size * c.hidden_size + c.hidden_size + head
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
