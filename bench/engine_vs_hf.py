@@ -169,6 +169,8 @@ def run_engine(eng: LLMEngine, wl: Workload, batch: int) -> dict:
     at_batch = [(b.step_seconds - a.step_seconds, b.forward_seconds - a.forward_seconds)
                 for running, decode, a, b in samples if running == batch and decode]
     batch_step = sum(s for s, _ in at_batch)
+    decode_only = [(running, b.step_seconds - a.step_seconds) for running, decode, a, b in samples if decode]
+    decode_s = sum(t for _, t in decode_only)
     batch_fwd = sum(f for _, f in at_batch)
     return {
         "wall_seconds": wall,
@@ -184,6 +186,10 @@ def run_engine(eng: LLMEngine, wl: Workload, batch: int) -> dict:
         "overhead_whole_run": {"step_seconds": step_s, "forward_seconds": fwd_s,
                                "share_outside_forward": 1 - fwd_s / step_s if step_s else None,
                                "outside_step_seconds": wall - step_s},
+        "step_time_split": {  # where the wall time went: steps carrying prompt tokens vs decode only
+            "prefill_steps": len(samples) - len(decode_only), "prefill_step_seconds": step_s - decode_s,
+            "decode_only_steps": len(decode_only), "decode_only_step_seconds": decode_s,
+            "decode_only_mean_batch": statistics.fmean(r for r, _ in decode_only) if decode_only else None},
         "overhead_decode_at_batch": {
             "batch": batch, "steps": len(at_batch), "step_seconds": batch_step, "forward_seconds": batch_fwd,
             "share_outside_forward": 1 - batch_fwd / batch_step if at_batch else None,
