@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from redis_keys import delete_prefixed
 
 from fairway.limits import (
     Admission,
@@ -73,13 +74,7 @@ class Gateways:
 
     async def cleanup(self) -> None:
         if self.kind == "redis":
-            import redis.asyncio as aioredis
-
-            client = aioredis.from_url(REDIS_URL)
-            keys = [key async for key in client.scan_iter(match=f"{self.prefix}*")]
-            if keys:
-                await client.delete(*keys)
-            await client.aclose()
+            await delete_prefixed(REDIS_URL, self.prefix)
         for limits in self._opened:
             await limits.close()
 

@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import Any
 
 import pytest
+from redis_keys import delete_prefixed
 
 from fairway.relay import (
     EventIdOutOfRange,
@@ -54,13 +55,7 @@ class Backend:
 
     async def cleanup(self) -> None:
         if self.kind == "redis":
-            import redis.asyncio as aioredis
-
-            client = aioredis.from_url(REDIS_URL)
-            keys = [key async for key in client.scan_iter(match=f"{self.prefix}*")]
-            if keys:
-                await client.delete(*keys)
-            await client.aclose()
+            await delete_prefixed(REDIS_URL, self.prefix)
         for log in self._logs:
             await log.close()
 
