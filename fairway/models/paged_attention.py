@@ -102,5 +102,6 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     else:
         keys = k_cache.index_select(1, span.context_slots)
         values = v_cache.index_select(1, span.context_slots)
-    o = F.scaled_dot_product_attention(qf, keys, values, attn_mask=span.mask, scale=scale)
+    # 4-D inputs: PyTorch's fused CPU kernel takes only those; 3-D ones fall back to the slow math path.
+    o = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=span.mask, scale=scale)
     return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
