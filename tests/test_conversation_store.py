@@ -8,7 +8,6 @@ tests never see each other's rows and none pays for a CREATE DATABASE.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
@@ -18,6 +17,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from pg_admin import PG_HOST, PG_USER, pg_admin
 
 from fairway.conversation import (
     ConversationStore,
@@ -33,18 +33,9 @@ from fairway.conversation import (
 from fairway.conversation.schema import metadata
 from fairway.conversation.sql_store import SqlConversationStore, alembic_config
 
-PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
-PG_USER = os.environ.get("FAIRWAY_TEST_PG_USER", "postgres")
-
 StoreFactory = Callable[[], SqlConversationStore]
 
 
-async def _pg_admin(sql: str) -> None:
-    conn = await asyncpg.connect(f"postgresql://{PG_USER}@{PG_HOST}/postgres", timeout=5)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(scope="session")
@@ -52,12 +43,12 @@ def pg_database() -> Iterator[str | None]:
     """The session's PostgreSQL database URL, or None when no server answers."""
     name = f"fairway_test_{uuid.uuid4().hex[:12]}"
     try:
-        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
+        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     except (OSError, asyncpg.PostgresError):
         yield None
         return
     yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
-    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from pg_admin import PG_HOST, PG_USER, pg_admin
 from serving import (
     HERD_MAX_TOKENS,
     MODEL,
@@ -30,8 +31,7 @@ from serving import (
 from serving import herd_limit as tight_limit
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
-PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
-PG_USER = os.environ.get("FAIRWAY_TEST_PG_USER", "postgres")
+
 IDLE_CANCEL_S = 2.0
 KEYS: dict[str, str] = {}  # user -> key, made with `fairway keys create` against the test database
 
@@ -46,25 +46,17 @@ def create_key(database: str, user: str, tier: str) -> str:
     return out.stdout.strip().splitlines()[-1]
 
 
-async def _pg_admin(sql: str) -> None:
-    import asyncpg
-
-    conn = await asyncpg.connect(f"postgresql://{PG_USER}@{PG_HOST}/postgres", timeout=5)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
 
 
 @pytest.fixture(scope="module")
 def database():
     name = f"fairway_test_{uuid.uuid4().hex[:12]}"
     try:
-        asyncio.run(_pg_admin(f'CREATE DATABASE "{name}"'))
+        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     except OSError as exc:
         pytest.skip(f"PostgreSQL at {PG_HOST} not reachable: {exc}")
     yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
-    asyncio.run(_pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
 
 @pytest.fixture(scope="module")
