@@ -38,6 +38,7 @@ from fairway.engine.factory import build_engine  # noqa: E402
 from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.engine.sampling_params import SamplingParams  # noqa: E402
 from fairway.models.bundled import bundled_model_path  # noqa: E402
+from fairway.models.precision import compute_dtype  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 FIRST_ORDINARY_ID = 17  # ids below this are SmolLM2's special tokens
@@ -262,9 +263,13 @@ def ttft_cached_vs_cold(eng: LLMEngine, vocab: int, prefix_len: int, suffix_len:
 # --- transformers -------------------------------------------------------------------------------
 
 def load_hf():
+    """The same bf16-rounded weights, multiplied in the same dtype as Fairway's on this CPU
+    (float32 where bf16 matmuls are emulated: fairway/models/precision.py), so the two compare
+    as engines, not as precisions."""
     from transformers import AutoModelForCausalLM
     p = bundled_model_path()
-    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.bfloat16)
+    return model.to(compute_dtype(torch.bfloat16, "cpu")).eval()
 
 
 @torch.inference_mode()
@@ -453,7 +458,8 @@ def main() -> None:
         "mode": "quick" if args.quick else "full",
         "machine": machine_info() | {"loadavg_start": load_start, "loadavg_end": loadavg(),
                                     "other_processes_cpu_share": contention},
-        "model": {"name": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "device": "cpu", "params": params},
+        "model": {"name": "SmolLM2-135M-Instruct", "dtype": "bfloat16", "device": "cpu", "params": params,
+                  "compute_dtype": str(compute_dtype(torch.bfloat16, "cpu")).removeprefix("torch.")},
         "engine_config": {"num_kv_blocks": cfg.num_kv_blocks, "block_size": cfg.block_size,
                           "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
                           "enable_prefix_caching": cfg.enable_prefix_caching},

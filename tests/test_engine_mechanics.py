@@ -185,7 +185,12 @@ async def test_async_engine_streams_concurrently_and_leaving_early_aborts(tiny_m
         aeng.shutdown()
 
 
-def test_decode_groups_by_length_match_one_at_a_time(tiny_model):
+@pytest.mark.parametrize("kv_dtype", [None, torch.bfloat16], ids=["kv-as-weights", "kv-bf16"])
+@pytest.mark.parametrize("native", [True, False], ids=["native-kernel", "portable-groups"])
+def test_decode_groups_by_length_match_one_at_a_time(tiny_model, monkeypatch, native, kv_dtype):
+    if not native:
+        monkeypatch.setenv("FAIRWAY_NATIVE_KERNELS", "0")
+    monkeypatch.setattr(tiny_model, "kv_cache_dtype", kv_dtype)  # float32 compute over a bf16 cache
     ps = prompts(24, 3, 200)  # lengths spread widely: several decode groups per step
     alone = [engine(tiny_model, num_kv_blocks=512).generate([p], GREEDY)[0] for p in ps[:6]]
     eng = engine(tiny_model, num_kv_blocks=512, max_num_batched_tokens=2048)
@@ -197,4 +202,9 @@ def test_decode_groups_by_length_match_one_at_a_time(tiny_model):
     eng.step()
     batch = eng.scheduler.schedule()
     _, _, _, meta, _, _ = eng.runner._prepare(batch)
-    assert len(meta.decodes) > 1
+    assert eng.runner.kv.k.dtype == (kv_dtype or torch.float32)
+    if native:  # every decode row goes to the kernel in one call
+        assert meta.decode_tables is not None and not meta.decodes
+        assert meta.decode_tables.context_lens.shape[0] == sum(n == 1 for n in batch.num_new_tokens)
+    else:
+        assert meta.decode_tables is None and len(meta.decodes) > 1

@@ -69,14 +69,28 @@ def test_cli_generate_prints_only_the_generated_text():
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and "/no/such/model.gguf" in bad.stderr
 
 
-def test_packed_linear_matches_plain_linear():
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_packed_linear_matches_plain_linear(dtype, tol):
     from fairway.models.packed_linear import PackedLinear, packing_supported
 
-    if not packing_supported(torch.bfloat16, torch.device("cpu")):
-        pytest.skip("this CPU has no oneDNN bf16 support")
-    weight = torch.randn(300, 576).to(torch.bfloat16)
+    if not packing_supported(dtype, torch.device("cpu")):
+        pytest.skip(f"this CPU has no oneDNN {dtype} support")
+    weight = torch.randn(300, 576).to(dtype)
     packed = PackedLinear(weight)
     for rows in (1, 3, 64, 700):
-        x = torch.randn(rows, 576).to(torch.bfloat16)
+        x = torch.randn(rows, 576).to(dtype)
         torch.testing.assert_close(packed(x).float(), torch.nn.functional.linear(x, weight).float(),
-                                   atol=0.1, rtol=0.02)
+                                   atol=tol, rtol=tol / 5)
+
+
+def test_bf16_weights_compute_in_the_dtype_this_cpu_multiplies_fast(model_path):
+    from fairway.models.precision import compute_dtype, cpu_half_matmul_supported
+
+    model = load_model(model_path, torch.bfloat16, pack=False)
+    weight = model.layers[0].mlp.down_proj.weight
+    if cpu_half_matmul_supported(torch.bfloat16):
+        assert weight.dtype == torch.bfloat16
+    else:  # held in float32, but every value is the bf16-rounded weight
+        assert compute_dtype(torch.bfloat16, "cpu") == weight.dtype == torch.float32
+        assert torch.equal(weight, weight.to(torch.bfloat16).float())
+    assert compute_dtype(torch.bfloat16, "cuda") == torch.bfloat16

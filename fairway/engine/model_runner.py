@@ -9,8 +9,15 @@ import torch
 from fairway.engine.sampler import sample
 from fairway.engine.scheduler import ScheduledBatch
 from fairway.engine.sequence import Sequence
+from fairway.models.cpu_kernels import DecodeKernels, decode_kernels
 from fairway.models.llama import LlamaModel
-from fairway.models.paged_attention import AttentionMetadata, DecodeGroup, PagedKVCache, PrefillSpan
+from fairway.models.paged_attention import (
+    AttentionMetadata,
+    DecodeGroup,
+    DecodeTables,
+    PagedKVCache,
+    PrefillSpan,
+)
 
 
 class ModelRunner:
@@ -19,10 +26,13 @@ class ModelRunner:
         cfg = model.cfg
         param = next(model.parameters())
         self.device = param.device
+        kv_dtype = model.kv_cache_dtype or param.dtype
         self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                               param.dtype, self.device)
+                               kv_dtype, self.device)
         self.block_size = block_size
         self.group = cfg.num_heads // cfg.num_kv_heads
+        self.decode_kernels = _native_decode(param.dtype, kv_dtype, self.device, self.group, cfg.head_dim,
+                                             block_size)
         self.forward_seconds = 0.0  # time inside the model forward and sampling, for the overhead figure
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
@@ -65,12 +75,22 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            decodes=[self._decode_group(decode_seqs, a, b) for a, b in _length_groups(decode_seqs)],
             prefills=[self._prefill_span(row, end, seq) for row, end, seq in spans],
         )
+        if self.decode_kernels is not None:
+            meta.decode_tables = self._decode_tables(decode_seqs) if decode_seqs else None
+        else:
+            meta.decodes = [self._decode_group(decode_seqs, a, b) for a, b in _length_groups(decode_seqs)]
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), slots, meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers)
+
+    def _decode_tables(self, seqs: list[Sequence]) -> DecodeTables:
+        width = max(len(s.blocks) for s in seqs)
+        tables = torch.tensor([[blk.block_id for blk in s.blocks] + [0] * (width - len(s.blocks))
+                               for s in seqs], dtype=torch.int32)
+        lens = torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.int32)
+        return DecodeTables(self.decode_kernels, tables, lens, self.block_size)
 
     def _decode_group(self, seqs: list[Sequence], a: int, b: int) -> DecodeGroup:
         bs = self.block_size
@@ -97,6 +117,15 @@ class ModelRunner:
             offsets = torch.arange(self.block_size)
             context_slots = (table[:, None] * self.block_size + offsets).flatten()[:ctx].to(self.device)
         return PrefillSpan(start=row, end=end, mask=mask, context_slots=context_slots)
+
+
+def _native_decode(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device, group: int,
+                   head_dim: int, block_size: int) -> DecodeKernels | None:
+    """The native decode kernel where it applies (CPU, a supported shape), else None (portable path)."""
+    if device.type != "cpu":
+        return None
+    kernels = decode_kernels()
+    return kernels if kernels is not None and kernels.supports(dtype, kv_dtype, group, head_dim, block_size) else None
 
 
 def _length_groups(seqs: list[Sequence], min_group: int = 8, growth: float = 1.5) -> list[tuple[int, int]]:

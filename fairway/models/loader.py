@@ -14,6 +14,7 @@ from fairway.models.cache import cache_dir
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
 from fairway.models.packed_linear import pack_linears, packing_supported
+from fairway.models.precision import compute_dtype
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -30,8 +31,9 @@ _GGUF_LAYER_NAMES = {
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", pack: bool = True) -> LlamaModel:
-    """A .gguf file or a folder with config.json + *.safetensors. On CPU in bf16 the linear
-    layers are pre-packed for oneDNN (pack=False keeps plain nn.Linear, e.g. to compare)."""
+    """A .gguf file or a folder with config.json + *.safetensors, its weights rounded to `dtype`.
+    On a CPU without native half-precision matmuls they are then held in float32 (precision.py).
+    On CPU the linear layers are pre-packed for oneDNN (pack=False keeps plain nn.Linear)."""
     path = Path(path)
     if not path.exists():
         raise ModelFileError(f"model file {path} does not exist: pass a .gguf file or a Hugging Face folder")
@@ -47,8 +49,12 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
     model.load_hf_state_dict(state)
     model = model.to(dtype).eval()
-    if pack and packing_supported(dtype, torch.device(device)):
-        pack_linears(model)
+    held = compute_dtype(dtype, device)
+    if held != dtype:
+        model = model.to(held)  # exact: every bf16/fp16 value is a float32 value
+        model.kv_cache_dtype = dtype
+    if pack and packing_supported(held, torch.device(device)):
+        pack_linears(model, bf16_copy=dtype == torch.bfloat16 and held == torch.float32)
     return model
 
 

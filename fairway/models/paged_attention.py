@@ -5,12 +5,13 @@ block * block_size + offset, and gathering a sequence's slots along dim 1 yields
 keys contiguous, ready for batched matmuls without another copy.
 
 The batch is flat: T tokens of many sequences. Sequences with exactly one new token (decode,
-or the last token of a prefill) come first, sorted by context length and handled in a few
-groups of similar length (one padded gather each, so short contexts don't pay for the
-longest one); sequences
-with several new tokens (prefill chunks) follow, one attention call each. Grouped-query
-attention is done without repeating K/V: the G query heads that share a KV head are folded
-into the query-length dimension.
+or the last token of a prefill) come first, sorted by context length. On the CPU they go to the
+native kernel (fairway/models/cpu_kernels.py), which reads each context in place through its
+block table. Elsewhere (CUDA, or no C compiler) they are handled in a few groups of similar
+length, one padded gather each, so short contexts don't pay for the longest one. Sequences with
+several new tokens (prefill chunks) follow, one attention call each. Grouped-query attention is
+done without repeating K/V: the G query heads that share a KV head are folded into the
+query-length dimension.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from fairway.models.cpu_kernels import DecodeKernels
 
 
 @dataclass
@@ -43,9 +46,20 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeTables:
+    """All single-token sequences (rows [0, n) of the flat batch), for the native kernel."""
+
+    kernels: DecodeKernels
+    block_tables: torch.Tensor  # [n, max_blocks] int32, padded with block 0
+    context_lens: torch.Tensor  # [n] int32: tokens each row attends to, its new one included
+    block_size: int
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
-    decodes: list[DecodeGroup] = field(default_factory=list)
+    decodes: list[DecodeGroup] = field(default_factory=list)  # portable path
+    decode_tables: DecodeTables | None = None  # native path (instead of decodes)
     prefills: list[PrefillSpan] = field(default_factory=list)
 
 
@@ -66,10 +80,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D]. Returns [T, Hq, D]."""
     kv_heads = k_cache.shape[0]
     group = q.shape[1] // kv_heads
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1))
+    # The cache may be narrower than the compute dtype (bf16 cache, float32 compute): round on write.
+    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
     out = torch.empty_like(q)
+    if (dt := meta.decode_tables) is not None:
+        n = dt.context_lens.shape[0]
+        out[:n] = dt.kernels.decode_attention(q[:n], k_cache, v_cache, dt.block_tables, dt.context_lens,
+                                              dt.block_size, scale)
     for dg in meta.decodes:
         out[dg.start:dg.end] = _decode_attention(q[dg.start:dg.end], k_cache, v_cache, dg, group, scale)
     for span in meta.prefills:
@@ -82,8 +101,8 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                       group: int, scale: float) -> torch.Tensor:
     nd, hq, d = q.shape
     hkv = hq // group
-    keys = k_cache.index_select(1, dg.slots).view(hkv, nd, dg.width, d)
-    values = v_cache.index_select(1, dg.slots).view(hkv, nd, dg.width, d)
+    keys = k_cache.index_select(1, dg.slots).view(hkv, nd, dg.width, d).to(q.dtype)
+    values = v_cache.index_select(1, dg.slots).view(hkv, nd, dg.width, d).to(q.dtype)
     qd = q.view(nd, hkv, group, d).transpose(0, 1)  # [Hkv, nd, G, D]
     # Plain matmuls beat the fused CPU kernel here: 3 query rows per head are too few for it.
     scores = torch.matmul(qd, keys.transpose(-1, -2)).float() * scale
@@ -100,8 +119,8 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     if span.context_slots is None:
         keys, values = k.transpose(0, 1), v.transpose(0, 1)
     else:
-        keys = k_cache.index_select(1, span.context_slots)
-        values = v_cache.index_select(1, span.context_slots)
+        keys = k_cache.index_select(1, span.context_slots).to(q.dtype)
+        values = v_cache.index_select(1, span.context_slots).to(q.dtype)
     # 4-D inputs: PyTorch's fused CPU kernel takes only those; 3-D ones fall back to the slow math path.
     o = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=span.mask, scale=scale)
     return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)

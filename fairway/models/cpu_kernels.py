@@ -1,0 +1,184 @@
+"""Native CPU kernels: built from fairway/models/csrc/ with the system C compiler on first use.
+
+Two things portable PyTorch does badly on a CPU:
+  * decode attention over a paged cache (paged_decode.c): PyTorch must first gather every
+    context into a padded copy (which cost ~36% of a batch-64 decode step);
+  * a matmul of a few rows with bf16 weights on a CPU without bf16 instructions
+    (skinny_linear.c): PyTorch's emulation runs at a fraction of the memory bandwidth that
+    bounds it.
+The build takes a few seconds and is cached per source, compiler and CPU under the Fairway cache
+directory; a machine without a compiler, or FAIRWAY_NATIVE_KERNELS=0, keeps the portable
+PyTorch paths (same results, slower). PyTorch ships libgomp under the same soname,
+so the loader reuses the copy already in the process: one OpenMP thread pool, not two.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+from fairway.models.cache import cache_dir
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "skinny_linear.c", "rms_norm.c")]
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# The C side's fixed limits.
+MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
+SKINNY_MAX_ROWS = 8
+
+
+def native_enabled() -> bool:
+    return os.environ.get("FAIRWAY_NATIVE_KERNELS", "1") != "0"
+
+
+def _cpu_signature() -> str:
+    """The compiled code is -march=native: tie the cache entry to this CPU's model and flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(lines)))
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), " ".join(_FLAGS), version,
+                                    _cpu_signature(), torch.__version__]).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"fairway_kernels-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        out = Path(tmp) / target.name
+        cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"]
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        os.replace(out, target)  # atomic: concurrent builders each produce the same file
+    return target
+
+
+class DecodeKernels:
+    """ctypes binding of paged_decode.c. Supported (query, cache) dtypes: (bf16, bf16),
+    (float32, float32), and (float32, bf16) for float32 compute over a bf16 cache."""
+
+    PAIRS = {(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32), (torch.float32, torch.bfloat16)}
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.paged_decode_attention
+        fn.argtypes = ([ctypes.c_void_p] * 6 + [ctypes.c_int] * 4
+                       + [ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_float] + [ctypes.c_int] * 3)
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def supports(self, q_dtype: torch.dtype, kv_dtype: torch.dtype, group: int, head_dim: int,
+                 block_size: int) -> bool:
+        return ((q_dtype, kv_dtype) in self.PAIRS and group <= MAX_GROUP and head_dim <= MAX_HEAD_DIM
+                and head_dim % 8 == 0 and block_size <= MAX_BLOCK)
+
+    def decode_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                         scale: float) -> torch.Tensor:
+        """q: [n, Hq, D]; caches: [Hkv, slots, D]; block_tables: int32 [n, max_blocks];
+        context_lens: int32 [n]. Returns [n, Hq, D] in q's dtype."""
+        n, hq, d = q.shape
+        hkv, slots, _ = k_cache.shape
+        q = q.contiguous()
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == v_cache.dtype
+        assert block_tables.dtype == torch.int32 and context_lens.dtype == torch.int32
+        out = torch.empty_like(q)
+        rc = self._fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+                      context_lens.data_ptr(), out.data_ptr(), n, hkv, hq // hkv, d, slots, block_size,
+                      block_tables.shape[1], scale, q.dtype == torch.bfloat16, k_cache.dtype == torch.bfloat16,
+                      torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"paged decode kernel: unsupported shape or dtypes ({q.dtype}, {k_cache.dtype})")
+        return out
+
+
+class SkinnyLinear:
+    """ctypes binding of skinny_linear.c: y = x @ w.T for up to SKINNY_MAX_ROWS rows of float32 x
+    and bf16 w."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.linear_bf16_weights
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def supports(self, rows: int, in_features: int) -> bool:
+        return 1 <= rows <= SKINNY_MAX_ROWS and in_features % 8 == 0
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        m, k = x.shape
+        assert x.dtype == torch.float32 and x.is_contiguous() and weight.dtype == torch.bfloat16
+        assert weight.is_contiguous() and weight.shape[1] == k
+        y = torch.empty(m, weight.shape[0], dtype=torch.float32)
+        if self._fn(x.data_ptr(), weight.data_ptr(), y.data_ptr(), m, weight.shape[0], k,
+                    torch.get_num_threads()) != 0:
+            raise RuntimeError(f"skinny linear kernel: unsupported shape {tuple(x.shape)} x {tuple(weight.shape)}")
+        return y
+
+
+class RmsNorm:
+    """ctypes binding of rms_norm.c (float32)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.rms_norm_f32
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x: [rows, dim] float32, contiguous; weight: [dim] float32."""
+        assert x.dtype == weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
+        out = torch.empty_like(x)
+        if self._fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
+                    torch.get_num_threads()) != 0:
+            raise RuntimeError(f"rms_norm kernel: unsupported shape {tuple(x.shape)}")
+        return out
+
+
+def rms_norm() -> RmsNorm | None:
+    lib = _library() if native_enabled() else None
+    return RmsNorm(lib) if lib is not None else None
+
+
+def decode_kernels() -> DecodeKernels | None:
+    """The decode attention kernel, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built here."""
+    lib = _library() if native_enabled() else None
+    return DecodeKernels(lib) if lib is not None else None
+
+
+def skinny_linear() -> SkinnyLinear | None:
+    """The few-row bf16-weight matmul, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built."""
+    lib = _library() if native_enabled() else None
+    return SkinnyLinear(lib) if lib is not None else None
+
+
+@cache
+def _library() -> ctypes.CDLL | None:
+    cc = _compiler()
+    if cc is None:
+        log.warning("no C compiler found: the portable PyTorch paths are used")
+        return None
+    try:
+        return ctypes.CDLL(str(_build(cc)))
+    except (OSError, subprocess.CalledProcessError) as exc:
+        detail = getattr(exc, "stderr", "") or str(exc)
+        log.warning("native kernels not built (%s): using the portable PyTorch paths", detail[:500])
+        return None

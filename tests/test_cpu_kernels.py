@@ -1,0 +1,125 @@
+"""The native paged decode kernel against a float64 reference, and its fallback when it can't be built."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from fairway.models import cpu_kernels
+
+kernels = cpu_kernels.decode_kernels()
+needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler: the portable path is used")
+
+
+def scattered_case(dtype, head_dim, group, lens, kv_heads=3, block_size=16, seed=0, kv_dtype=None):
+    """Caches with each sequence's blocks spread at random over the pool, as after churn."""
+    kv_dtype = kv_dtype or dtype
+    gen = torch.Generator().manual_seed(seed)
+    widths = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(widths) + 7
+    k = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
+    v = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=gen).to(kv_dtype)
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(len(lens), max(widths), dtype=torch.int32)
+    used = 0
+    for i, w in enumerate(widths):
+        tables[i, :w] = order[used:used + w].int()
+        used += w
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype)
+    return q, k, v, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+def reference(q, k, v, tables, lens, block_size, scale):
+    n, hq, d = q.shape
+    hkv = k.shape[0]
+    out = torch.empty(n, hq, d, dtype=torch.float64)
+    for i, length in enumerate(lens.tolist()):
+        slots = (tables[i].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:length]
+        keys, values = k[:, slots].double(), v[:, slots].double()  # [Hkv, L, D]
+        qi = q[i].double().view(hkv, hq // hkv, d)
+        probs = (qi @ keys.transpose(1, 2) * scale).softmax(-1)
+        out[i] = (probs @ values).reshape(hq, d)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype,kv_dtype,tol", [(torch.float32, torch.float32, 1e-5),
+                                                (torch.bfloat16, torch.bfloat16, 2e-2),
+                                                (torch.float32, torch.bfloat16, 1e-5)])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # the two unrolled sizes and the generic loop
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_matches_reference_on_scattered_blocks(dtype, kv_dtype, tol, head_dim, group):
+    lens = [1, 2, 15, 16, 17, 33, 250, 511]  # block boundaries, a single token, long contexts
+    q, k, v, tables, lengths = scattered_case(dtype, head_dim, group, lens, kv_dtype=kv_dtype)
+    scale = head_dim ** -0.5
+    got = kernels.decode_attention(q, k, v, tables, lengths, 16, scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    torch.testing.assert_close(got.double(), reference(q, k, v, tables, lengths, 16, scale), atol=tol, rtol=tol)
+
+
+@needs_kernel
+def test_same_result_with_one_thread_and_several():
+    q, k, v, tables, lengths = scattered_case(torch.bfloat16, 64, 3, [300, 5, 77, 128, 40, 1])
+    many = kernels.decode_attention(q, k, v, tables, lengths, 16, 0.125)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = kernels.decode_attention(q, k, v, tables, lengths, 16, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each row is computed by one thread in a fixed order
+
+
+@needs_kernel
+def test_shapes_beyond_the_kernel_are_not_claimed():
+    bf16, f32 = torch.bfloat16, torch.float32
+    assert kernels.supports(bf16, bf16, 3, 64, 16) and kernels.supports(f32, bf16, 3, 64, 16)
+    assert not kernels.supports(torch.float16, torch.float16, 3, 64, 16)  # the portable path handles these
+    assert not kernels.supports(bf16, f32, 3, 64, 16)
+    assert not kernels.supports(f32, f32, 3, 60, 16)  # head_dim not a multiple of 8
+    assert not kernels.supports(f32, f32, 32, 64, 16)
+
+
+def test_no_compiler_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("FAIRWAY_CACHE_DIR", str(tmp_path))
+    with caplog.at_level(logging.WARNING):
+        assert cpu_kernels._library.__wrapped__() is None
+    assert "portable PyTorch paths" in caplog.text
+
+
+def test_disabled_by_environment(monkeypatch):
+    monkeypatch.setenv("FAIRWAY_NATIVE_KERNELS", "0")
+    assert cpu_kernels.decode_kernels() is None and cpu_kernels.skinny_linear() is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("out_features,in_features", [(576, 1536), (963, 576), (7, 64)])  # ragged tails too
+def test_skinny_linear_matches_float64(rows, out_features, in_features):
+    skinny = cpu_kernels.skinny_linear()
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen)
+    got = skinny(x, weight)
+    want = x.double() @ weight.double().T
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+
+
+@needs_kernel
+def test_skinny_linear_claims_only_what_it_computes():
+    skinny = cpu_kernels.skinny_linear()
+    assert skinny.supports(1, 576) and skinny.supports(cpu_kernels.SKINNY_MAX_ROWS, 64)
+    assert not skinny.supports(cpu_kernels.SKINNY_MAX_ROWS + 1, 576) and not skinny.supports(1, 60)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])  # 64+ rows split across threads
+def test_rms_norm_matches_pytorch(rows):
+    norm = cpu_kernels.rms_norm()
+    gen = torch.Generator().manual_seed(rows)
+    x, weight = torch.randn(rows, 576, generator=gen) * 3, torch.randn(576, generator=gen)
+    want = torch.nn.functional.rms_norm(x.double(), (576,), weight.double(), 1e-5)
+    torch.testing.assert_close(norm(x, weight, 1e-5).double(), want, atol=1e-5, rtol=1e-5)
