@@ -77,9 +77,26 @@ def raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children (gateway) inherit it
 
 
-def spawn(args: list[str], log: Path) -> subprocess.Popen:
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
     out = open(log, "wb")  # noqa: SIM115  lives as long as the process
-    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+                            env=os.environ | (env or {}))
+
+
+# The load is this benchmark's own client: limits high enough that no request is throttled.
+NO_LIMITS = ["--max-in-flight", "4000", "--max-waiting", "4000", "--ip-rpm", "10000000",
+             "--rpm", "business=10000000", "--tpm", "business=1000000000",
+             "--rpm", "paid=10000000", "--tpm", "paid=1000000000"]
+
+
+def create_key(database: str) -> str:
+    """A business-tier key in the gateway's store (`fairway keys create` prints it last)."""
+    run = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", "bench", "--tier",
+                          "business", "--database", database], capture_output=True, text=True, cwd=ROOT, check=True)
+    return run.stdout.strip().splitlines()[-1]
+
+
+API_KEY = {"value": ""}  # set once the gateway's store has a key
 
 
 async def wait_ready(url: str, timeout: float = 180.0) -> None:
@@ -105,7 +122,7 @@ async def stream_chat(port: int, body: dict[str, Any], on_event) -> int:
     payload = json.dumps(body).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
     writer.write(
-        (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer bench\r\n"
+        (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {API_KEY['value']}\r\n"
          f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
         + payload
     )
@@ -148,7 +165,8 @@ class SyntheticEngine:
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
-        self.engine = SimpleNamespace(max_model_len=1 << 20, kv=SimpleNamespace(max_admissible_tokens=lambda: 1 << 20))
+        self.engine = SimpleNamespace(max_model_len=1 << 20, max_prompt_tokens=1 << 20,
+                                      kv=SimpleNamespace(max_admissible_tokens=lambda: 1 << 20))
         self._aborted: set[str] = set()
 
     def start(self) -> None:
@@ -240,10 +258,11 @@ async def bench_relay(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
     namespace = f"bench:{uuid.uuid4().hex[:8]}:"
     port = free_port()
     database = args.database or f"sqlite:///{workdir}/relay.db"
+    API_KEY["value"] = create_key(database)
     procs = [spawn(["bench/relay.py", "synthetic-replica", "--redis", args.redis, "--namespace", namespace],
                    workdir / f"producer{i}.log") for i in range(args.producers)]
     gateway = spawn(["-m", "fairway.cli", "gateway", "--redis", args.redis, "--namespace", namespace, "--database",
-                     database, "--port", str(port), "--log-level", "warning"], workdir / "gateway.log")
+                     database, "--port", str(port), "--log-level", "warning", *NO_LIMITS], workdir / "gateway.log")
     procs.append(gateway)
     levels = [10, 25] if args.quick else [50, 100, 200, 400, 800, 1200, 1600, 2000, 2500, 3000]
     levels = [n for n in levels if n <= args.max_streams]
@@ -328,8 +347,11 @@ async def model_level(port: int, concurrency: int, tokens: int) -> dict[str, Any
 
 async def bench_model(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     port = free_port()
+    from fairway.gateway.keys import generate_key
+
+    API_KEY["value"] = generate_key()  # `fairway serve` takes its development key from the environment
     server = spawn(["-m", "fairway.cli", "serve", "--port", str(port), "--database", f"sqlite:///{workdir}/serve.db",
-                    "--log-level", "warning"], workdir / "serve.log")
+                    "--log-level", "warning", *NO_LIMITS], workdir / "serve.log", env={"FAIRWAY_DEV_KEY": API_KEY["value"]})
     levels = [1, 4] if args.quick else [1, 16, 64]
     tokens = 16 if args.quick else 128
     results = []
