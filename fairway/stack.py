@@ -74,13 +74,16 @@ def load_tokenizer(model: str | None) -> Tokenizer:
 
 
 def build_engine(options: StackOptions) -> LLMEngine:
+    """The engine for an AsyncEngine, loaded in a passing thread (factory.in_passing_thread) since
+    its steps will run in the AsyncEngine's own thread."""
     from fairway.engine import EngineConfig
     from fairway.engine.factory import build_engine as build
+    from fairway.engine.factory import in_passing_thread
 
     config = EngineConfig(max_model_len=options.max_model_len)
     if options.num_kv_blocks:
         config.num_kv_blocks = options.num_kv_blocks
-    return build(options.model, options.dtype, options.device, config)
+    return in_passing_thread(lambda: build(options.model, options.dtype, options.device, config))
 
 
 class Background:

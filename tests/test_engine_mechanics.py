@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -16,7 +17,9 @@ from fairway.engine import (
     RequestRejected,
     SamplingParams,
 )
+from fairway.engine.factory import build_engine
 from fairway.engine.stop_checker import StopChecker
+from fairway.models.bundled import ModelFileError
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import random_model
 
@@ -208,3 +211,31 @@ def test_decode_groups_by_length_match_one_at_a_time(tiny_model, monkeypatch, na
         assert meta.decode_tables.context_lens.shape[0] == sum(n == 1 for n in batch.num_new_tokens)
     else:
         assert meta.decode_tables is None and len(meta.decodes) > 1
+
+
+def test_sampler_draws_in_proportion_and_never_a_filtered_token():
+    from fairway.engine.sampler import _draw
+
+    probs = torch.tensor([[0.5, 0.0, 0.3, 0.2, 0.0]])
+    gen = torch.Generator().manual_seed(0)
+    draws = torch.cat([_draw(probs, [gen]) for _ in range(20000)])
+    freq = torch.bincount(draws, minlength=5).double() / len(draws)
+    assert freq[1] == 0 and freq[4] == 0  # zero probability is never drawn, even at the edges
+    torch.testing.assert_close(freq, probs[0].double(), atol=0.015, rtol=0)
+
+
+def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
+    from fairway.engine.sampler import _draw
+
+    probs = torch.rand(3, 1000).softmax(dim=-1)
+    alone = _draw(probs[1:2], [torch.Generator().manual_seed(42)])
+    batched = _draw(probs, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(42), None])
+    assert batched[1] == alone[0]
+
+
+def test_in_passing_thread_returns_and_raises_like_a_call():
+    from fairway.engine.factory import in_passing_thread
+
+    assert in_passing_thread(lambda: threading.current_thread().name) == "fairway-load"
+    with pytest.raises(ModelFileError):
+        in_passing_thread(lambda: build_engine("/no/such/model.gguf"))

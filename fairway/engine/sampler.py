@@ -9,14 +9,11 @@ from fairway.engine.sequence import Sequence
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [S, V] float32, one row per sequence that samples this step."""
-    if all(s.params.greedy for s in seqs):
-        return logits.argmax(dim=-1).tolist()
     out = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    idx = torch.tensor(rows)
-    probs = _filtered_probs(logits[idx], [seqs[i] for i in rows])
-    for j, i in enumerate(rows):
-        out[i] = _draw(probs[j], seqs[i].generator)
+    if rows:
+        idx = torch.tensor(rows)
+        out[idx] = _draw(_filtered_probs(logits[idx], [seqs[i] for i in rows]), [seqs[i].generator for i in rows])
     return out.tolist()
 
 
@@ -40,7 +37,12 @@ def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return logits.softmax(dim=-1)
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p, and seeds per request cleanly.
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
+def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row by inverse CDF: a single uniform per row from that request's own generator
+    (so a seed reproduces its reply whatever else is in the batch) against one batched cumulative
+    sum. Drawing a noise value per vocabulary entry per row instead cost ~1.5 ms a row (49k draws).
+    The sum runs in float64 so tokens of tiny probability keep their share."""
+    cdf = probs.double().cumsum(dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]) * cdf[:, -1]
+    # right=True: the first entry whose cumulative mass exceeds u, never a zero-probability token.
+    return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
