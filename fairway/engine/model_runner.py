@@ -86,19 +86,13 @@ class ModelRunner:
                 torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers)
 
     def _decode_tables(self, seqs: list[Sequence]) -> DecodeTables:
-        width = max(len(s.blocks) for s in seqs)
-        tables = torch.tensor([[blk.block_id for blk in s.blocks] + [0] * (width - len(s.blocks))
-                               for s in seqs], dtype=torch.int32)
-        lens = torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=torch.int32)
+        tables, lens = _padded_block_tables(seqs, torch.int32)
         return DecodeTables(self.decode_kernels, tables, lens, self.block_size)
 
     def _decode_group(self, seqs: list[Sequence], a: int, b: int) -> DecodeGroup:
         bs = self.block_size
-        group = seqs[a:b]
-        width = max(len(s.blocks) for s in group)
-        tables = torch.tensor([[blk.block_id for blk in s.blocks] + [0] * (width - len(s.blocks))
-                               for s in group], dtype=torch.long)
-        lens = torch.tensor([s.num_computed_tokens + 1 for s in group])
+        tables, lens = _padded_block_tables(seqs[a:b], torch.long)
+        width = tables.shape[1]
         group_slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten()
         masked = torch.arange(width * bs)[None, :] >= lens[:, None]
         return DecodeGroup(start=a, end=b, slots=group_slots.to(self.device), width=width * bs,
@@ -117,6 +111,15 @@ class ModelRunner:
             offsets = torch.arange(self.block_size)
             context_slots = (table[:, None] * self.block_size + offsets).flatten()[:ctx].to(self.device)
         return PrefillSpan(start=row, end=end, mask=mask, context_slots=context_slots)
+
+
+def _padded_block_tables(seqs: list[Sequence], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode sequences' block tables padded with block 0 to the longest, and each one's context
+    length (the new token included)."""
+    width = max(len(s.blocks) for s in seqs)
+    tables = torch.tensor([[blk.block_id for blk in s.blocks] + [0] * (width - len(s.blocks)) for s in seqs],
+                          dtype=dtype)
+    return tables, torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=dtype)
 
 
 def _native_decode(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device, group: int,

@@ -1,11 +1,12 @@
 """Native CPU kernels: built from fairway/models/csrc/ with the system C compiler on first use.
 
-Two things portable PyTorch does badly on a CPU:
+Three things portable PyTorch does badly on a CPU:
   * decode attention over a paged cache (paged_decode.c): PyTorch must first gather every
     context into a padded copy (which cost ~36% of a batch-64 decode step);
   * a matmul of a few rows with bf16 weights on a CPU without bf16 instructions
     (skinny_linear.c): PyTorch's emulation runs at a fraction of the memory bandwidth that
-    bounds it.
+    bounds it;
+  * RMSNorm of a few rows (rms_norm.c), where PyTorch's per-op overhead dwarfs the arithmetic.
 The build takes a few seconds and is cached per source, compiler and CPU under the Fairway cache
 directory; a machine without a compiler, or FAIRWAY_NATIVE_KERNELS=0, keeps the portable
 PyTorch paths (same results, slower). PyTorch ships libgomp under the same soname,
@@ -24,6 +25,7 @@ import subprocess
 import tempfile
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -153,21 +155,29 @@ class RmsNorm:
         return out
 
 
-def rms_norm() -> RmsNorm | None:
-    lib = _library() if native_enabled() else None
-    return RmsNorm(lib) if lib is not None else None
+Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, RmsNorm)
 
 
 def decode_kernels() -> DecodeKernels | None:
     """The decode attention kernel, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built here."""
-    lib = _library() if native_enabled() else None
-    return DecodeKernels(lib) if lib is not None else None
+    return _bound(DecodeKernels) if native_enabled() else None
 
 
 def skinny_linear() -> SkinnyLinear | None:
     """The few-row bf16-weight matmul, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built."""
-    lib = _library() if native_enabled() else None
-    return SkinnyLinear(lib) if lib is not None else None
+    return _bound(SkinnyLinear) if native_enabled() else None
+
+
+def rms_norm() -> RmsNorm | None:
+    """The float32 RMSNorm, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built."""
+    return _bound(RmsNorm) if native_enabled() else None
+
+
+@cache
+def _bound(kind: type[Binding]) -> Binding | None:
+    """One binding per kernel for the process (every norm and linear layer shares it)."""
+    lib = _library()
+    return kind(lib) if lib is not None else None
 
 
 @cache
