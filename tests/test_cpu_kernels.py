@@ -1,4 +1,4 @@
-"""The native paged decode kernel against a float64 reference, and its fallback when it can't be built."""
+"""The native CPU kernels against PyTorch references, and their fallback when they can't be built."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from fairway.models import cpu_kernels
+from fairway.models.llama import RMSNorm, RotaryEmbedding, apply_rotary, random_model
+from fairway.models.paged_attention import write_kv
 
 kernels = cpu_kernels.decode_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler: the portable path is used")
@@ -115,11 +117,111 @@ def test_skinny_linear_claims_only_what_it_computes():
     assert not skinny.supports(cpu_kernels.SKINNY_MAX_ROWS + 1, 576) and not skinny.supports(1, 60)
 
 
+# -- a decoder layer's small ops (layer_ops.c) against the op-by-op PyTorch path ---------------------
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def portable(module):
+    """The same module on the op-by-op PyTorch path."""
+    module.native = None
+    return module
+
+
+def assert_same_rounding(got, want):
+    """float32: equal to float rounding; bf16: the same rounding step by step, so equal but for the
+    odd element where a float32 intermediate (a sum, an exp) differs in its last bit and a rounding
+    goes the other way (two roundings in a row: up to two bf16 ulps)."""
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), want.float(), atol=0, rtol=2 ** -6)
+    assert (got != want).float().mean().item() < 0.01
+
+
 @needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 3, 64, 300])  # 64+ rows split across threads
-def test_rms_norm_matches_pytorch(rows):
-    norm = cpu_kernels.rms_norm()
+def test_rms_norm_with_and_without_residual(dtype, rows):
     gen = torch.Generator().manual_seed(rows)
-    x, weight = torch.randn(rows, 576, generator=gen) * 3, torch.randn(576, generator=gen)
-    want = torch.nn.functional.rms_norm(x.double(), (576,), weight.double(), 1e-5)
-    torch.testing.assert_close(norm(x, weight, 1e-5).double(), want, atol=1e-5, rtol=1e-5)
+    x, res = (torch.randn(rows, 576, generator=gen) * 3).to(dtype), torch.randn(rows, 576, generator=gen).to(dtype)
+    fused, ref = RMSNorm(576, 1e-5), portable(RMSNorm(576, 1e-5))
+    with torch.no_grad():
+        fused.weight.copy_(torch.randn(576, generator=gen))
+        ref.weight.copy_(fused.weight)
+    fused, ref = fused.to(dtype), ref.to(dtype)
+    got, want = fused(x), ref(x)
+    assert_same_rounding(got[0], want[0])
+    assert got[1] is x
+    got, want = fused(x, res), ref(x, res)
+    assert torch.equal(got[1], want[1])  # the residual stream is one rounded add either way
+    assert_same_rounding(got[0], want[0])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 70])
+def test_silu_mul_matches_pytorch(dtype, rows):
+    gate_up = (torch.randn(rows, 2 * 96, generator=torch.Generator().manual_seed(rows)) * 4).to(dtype)
+    ops = cpu_kernels.layer_ops()
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_same_rounding(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("dtype", "cache_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                                    (torch.float32, torch.bfloat16)])
+@pytest.mark.parametrize("tokens", [1, 6, 80])
+def test_rope_store_rotates_and_writes_the_cache(dtype, cache_dtype, tokens):
+    hq, hkv, d, slots = 9, 3, 64, 256
+    gen = torch.Generator().manual_seed(tokens)
+    rotary = RotaryEmbedding(d, 512, 10000.0)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype)
+    positions = torch.randint(0, 512, (tokens,), generator=gen)
+    where = torch.randperm(slots, generator=gen)[:tokens]
+    k_cache, v_cache = torch.zeros(hkv, slots, d, dtype=cache_dtype), torch.zeros(hkv, slots, d, dtype=cache_dtype)
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+
+    rope = rotary.batch(positions, dtype, native=False)
+    heads = qkv.view(tokens, hq + 2 * hkv, d)
+    want_qk = apply_rotary(heads[:, :hq + hkv], rope.cos, rope.sin)
+    write_kv(want_qk[:, hq:], heads[:, hq + hkv:], want_k, want_v, where)
+
+    got = qkv.clone()
+    cpu_kernels.layer_ops().rope_store(got, hq, hkv, rotary.cos, rotary.sin, positions, where, k_cache, v_cache)
+    got_heads = got.view(tokens, hq + 2 * hkv, d)
+    assert_same_rounding(got_heads[:, :hq + hkv], want_qk)
+    assert torch.equal(got_heads[:, hq + hkv:], heads[:, hq + hkv:])  # V untouched
+    assert_same_rounding(k_cache, want_k)
+    assert torch.equal(v_cache, want_v)
+
+
+@needs_kernel
+def test_rope_store_refuses_a_slot_outside_the_cache():
+    cache = torch.zeros(1, 16, 8)
+    with pytest.raises(RuntimeError, match="slot"):
+        cpu_kernels.layer_ops().rope_store(torch.zeros(1, 3 * 8), 1, 1, torch.zeros(4, 8), torch.zeros(4, 8),
+                                           torch.tensor([0]), torch.tensor([16]), cache, cache.clone())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_gives_the_same_logits_with_and_without_the_fused_ops(dtype):
+    """A whole (tiny, random) model through the paged cache: fused layer ops against op by op."""
+    from fairway.engine.llm_engine import EngineConfig, LLMEngine
+    from fairway.engine.sampling_params import SamplingParams
+    from fairway.models.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+    outputs = []
+    for native in (True, False):
+        model = random_model(cfg, seed=3, dtype=dtype)
+        if not native:
+            for module in model.modules():
+                if hasattr(module, "native"):
+                    portable(module)
+        engine = LLMEngine(model, EngineConfig(num_kv_blocks=64))
+        prompts = [list(range(1, 40)), list(range(50, 60))]
+        outputs.append(engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+    assert outputs[0] == outputs[1]

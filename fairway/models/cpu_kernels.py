@@ -6,7 +6,8 @@ Three things portable PyTorch does badly on a CPU:
   * a matmul of a few rows with bf16 weights on a CPU without bf16 instructions
     (skinny_linear.c): PyTorch's emulation runs at a fraction of the memory bandwidth that
     bounds it;
-  * RMSNorm of a few rows (rms_norm.c), where PyTorch's per-op overhead dwarfs the arithmetic.
+  * the small ops of a decoder layer on a few rows (layer_ops.c: residual add + RMSNorm, SiLU
+    gating, RoPE + the KV cache write), where PyTorch's per-op overhead dwarfs the arithmetic.
 The build takes a few seconds and is cached per source, compiler and CPU under the Fairway cache
 directory; a machine without a compiler, or FAIRWAY_NATIVE_KERNELS=0, keeps the portable
 PyTorch paths (same results, slower). PyTorch ships libgomp under the same soname,
@@ -33,7 +34,7 @@ from fairway.models.cache import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "skinny_linear.c", "rms_norm.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The C side's fixed limits.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
@@ -136,26 +137,75 @@ class SkinnyLinear:
         return y
 
 
-class RmsNorm:
-    """ctypes binding of rms_norm.c (float32)."""
+class LayerOps:
+    """ctypes binding of layer_ops.c: float32 or bf16 tensors on the CPU, contiguous."""
+
+    DTYPES = (torch.float32, torch.bfloat16)
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        fn = lib.rms_norm_f32
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_float, ctypes.c_int]
-        fn.restype = ctypes.c_int
-        self._fn = fn
+        norm = lib.rms_norm
+        norm.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 2 + [ctypes.c_float] + [ctypes.c_int] * 2
+        silu = lib.silu_mul
+        silu.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
+        rope = lib.rope_store
+        rope.argtypes = ([ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+                         + [ctypes.c_void_p] * 6 + [ctypes.c_int64] + [ctypes.c_int] * 4)
+        for fn in (norm, silu, rope):
+            fn.restype = ctypes.c_int
+        self._norm, self._silu, self._rope = norm, silu, rope
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x: [rows, dim] float32, contiguous; weight: [dim] float32."""
-        assert x.dtype == weight.dtype == torch.float32 and x.is_contiguous() and weight.is_contiguous()
+    def supports(self, x: torch.Tensor) -> bool:
+        return x.device.type == "cpu" and x.dtype in self.DTYPES and x.dim() == 2
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm(x), or with a residual RMSNorm(x + residual). Returns (normed, the sum or x)."""
+        _check(x, weight, *(() if residual is None else (residual,)))
         out = torch.empty_like(x)
-        if self._fn(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], eps,
-                    torch.get_num_threads()) != 0:
+        total = x if residual is None else torch.empty_like(x)
+        rc = self._norm(x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(),
+                        out.data_ptr(), total.data_ptr(), x.shape[0], x.shape[1], eps,
+                        x.dtype == torch.bfloat16, torch.get_num_threads())
+        if rc != 0:
             raise RuntimeError(f"rms_norm kernel: unsupported shape {tuple(x.shape)}")
+        return out, total
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up for gate_up = [gate | up] along the last dim."""
+        _check(gate_up)
+        rows, width = gate_up.shape
+        out = torch.empty(rows, width // 2, dtype=gate_up.dtype)
+        if self._silu(gate_up.data_ptr(), out.data_ptr(), rows, width // 2, gate_up.dtype == torch.bfloat16,
+                      torch.get_num_threads()) != 0:
+            raise RuntimeError(f"silu_mul kernel: unsupported shape {tuple(gate_up.shape)}")
         return out
 
+    def rope_store(self, qkv: torch.Tensor, heads_q: int, heads_kv: int, cos: torch.Tensor, sin: torch.Tensor,
+                   positions: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+                   v_cache: torch.Tensor) -> None:
+        """Rotate the Q and K heads of qkv [T, (Hq + 2 Hkv) * D] in place and write K and V at
+        `slots` of the caches [Hkv, slots, D]. cos/sin: [positions, D] tables, float32 or bf16."""
+        _check(qkv)
+        assert cos.dtype == sin.dtype and cos.dtype in self.DTYPES and cos.is_contiguous() and sin.is_contiguous()
+        assert positions.dtype == slots.dtype == torch.int64 and k_cache.dtype == v_cache.dtype
+        assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype in self.DTYPES
+        head_dim = k_cache.shape[2]
+        assert qkv.shape[1] == (heads_q + 2 * heads_kv) * head_dim and cos.shape[1] == head_dim
+        rc = self._rope(qkv.data_ptr(), qkv.shape[0], heads_q, heads_kv, head_dim, cos.data_ptr(), sin.data_ptr(),
+                        positions.data_ptr(), slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                        k_cache.shape[1], qkv.dtype == torch.bfloat16, cos.dtype == torch.bfloat16,
+                        k_cache.dtype == torch.bfloat16, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"rope_store kernel: bad shape or slot (rc {rc})")
 
-Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, RmsNorm)
+
+def _check(*tensors: torch.Tensor) -> None:
+    first = tensors[0]
+    for t in tensors:
+        assert t.device.type == "cpu" and t.dtype == first.dtype and t.dtype in LayerOps.DTYPES and t.is_contiguous()
+
+
+Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, LayerOps)
 
 
 def decode_kernels() -> DecodeKernels | None:
@@ -168,9 +218,9 @@ def skinny_linear() -> SkinnyLinear | None:
     return _bound(SkinnyLinear) if native_enabled() else None
 
 
-def rms_norm() -> RmsNorm | None:
-    """The float32 RMSNorm, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built."""
-    return _bound(RmsNorm) if native_enabled() else None
+def layer_ops() -> LayerOps | None:
+    """A decoder layer's small ops, or None when FAIRWAY_NATIVE_KERNELS=0 or they can't be built."""
+    return _bound(LayerOps) if native_enabled() else None
 
 
 @cache

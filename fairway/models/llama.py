@@ -6,33 +6,42 @@ each at load time, because on CPU the number of kernel launches per layer matter
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from fairway.models.config import LlamaConfig
-from fairway.models.cpu_kernels import rms_norm
-from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, paged_attention
+from fairway.models.cpu_kernels import layer_ops
+from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm with the residual add folded in (as vLLM does): given a residual, it normalises
+    x + residual and hands the sum back as the next residual, one native call on the CPU."""
+
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
-        self.native = rms_norm()  # float32 on CPU: one call instead of six ops (decode is op-bound)
+        self.native = layer_ops()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and x.device.type == "cpu" and self.native is not None and x.dim() == 2:
-            return self.native(x.contiguous(), self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (RMSNorm(x [+ residual]), x [+ residual])."""
+        if self.native is not None and self.native.supports(x):
+            return self.native.rms_norm(x.contiguous(), self.weight, self.eps,
+                                        None if residual is None else residual.contiguous())
+        if residual is not None:
+            x = x + residual
         # Normalise in float32 as the reference implementation does, then cast back.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * xf.to(x.dtype), x
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables for every position, gathered once per step for the batch's positions."""
+    """cos/sin tables for every position (float32, or the model's dtype once it is cast)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
@@ -42,8 +51,22 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+    def batch(self, positions: torch.Tensor, dtype: torch.dtype, native: bool) -> RopeBatch:
+        if native:  # the kernel reads the tables by position itself
+            return RopeBatch(positions, self.cos, self.sin, native=True)
+        return RopeBatch(positions, self.cos[positions].to(dtype)[:, None, :],
+                         self.sin[positions].to(dtype)[:, None, :], native=False)
+
+
+@dataclass
+class RopeBatch:
+    """One step's rotary inputs: the native kernel takes the whole tables and the positions; the
+    portable path takes cos/sin already gathered per token ([T, 1, D])."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    native: bool
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -59,15 +82,24 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, cfg.q_size + 2 * cfg.kv_size, bias=False)
         self.o_proj = nn.Linear(cfg.q_size, cfg.hidden_size, bias=False)
         self.scale = cfg.head_dim ** -0.5
+        self.native = layer_ops()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeBatch, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
         c = self.cfg
         qkv = self.qkv_proj(x)
-        # Q and K sit side by side: rotate them in one go (each op costs microseconds at decode).
-        qk = apply_rotary(qkv[:, :c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-        q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-        v = qkv[:, c.q_size + c.kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
+        if rope.native:  # rotate in place and write the cache in one call
+            self.native.rope_store(qkv, c.num_heads, c.num_kv_heads, rope.cos, rope.sin, rope.positions,
+                                   meta.slot_mapping, k_cache, v_cache)
+            heads = qkv.view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+            q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+        else:
+            # Q and K sit side by side: rotate them in one go (each op costs microseconds at decode).
+            qk = apply_rotary(qkv[:, :c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim),
+                              rope.cos, rope.sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+            v = qkv[:, c.q_size + c.kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
+            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(-1, c.q_size))
 
@@ -77,9 +109,13 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.native = layer_ops()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.native is not None and self.native.supports(gate_up):
+            return self.down_proj(self.native.silu_mul(gate_up.contiguous()))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -91,10 +127,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeBatch, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output, not yet added to the residual stream (the next norm adds
+        it). Returns this layer's output and the residual stream."""
+        h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, rope, k_cache, v_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -111,16 +151,19 @@ class LlamaModel(nn.Module):
         # The KV cache's dtype when it differs from the weights' (bf16 weights held in float32 on a
         # CPU without bf16 matmuls keep a bf16 cache: half the bytes for decode attention to read).
         self.kv_cache_dtype: torch.dtype | None = None
+        self.native = layer_ops()
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        native = self.native is not None and self.native.supports(x) and kv.k.dtype in self.native.DTYPES
+        rope = self.rotary.batch(positions, x.dtype, native)
+        residual = None
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, kv.k[i], kv.v[i], meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv.k[i], kv.v[i], meta)
+        return self.norm(x, residual)[0]
 
     def num_parameters(self) -> int:
         """Weights counted from the shape (packed linears hold theirs as buffers), tied embedding once."""

@@ -75,15 +75,21 @@ class PagedKVCache:
         self.num_blocks = num_blocks
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store the step's K and V ([T, Hkv, D]) at their slots (portable path; the native one is
+    fused with RoPE in layer_ops.c). The cache may be narrower than the compute dtype (bf16 cache,
+    float32 compute): round on write."""
+    k_cache.index_copy_(1, slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(1, slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q: [T, Hq, D]; k, v: [T, Hkv, D]; caches: [Hkv, slots, D]. Returns [T, Hq, D]."""
+    """q: [T, Hq, D]; k, v: [T, Hkv, D], already written to the caches [Hkv, slots, D].
+    Returns [T, Hq, D]."""
     kv_heads = k_cache.shape[0]
     group = q.shape[1] // kv_heads
-    # The cache may be narrower than the compute dtype (bf16 cache, float32 compute): round on write.
-    k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
-
     out = torch.empty_like(q)
     if (dt := meta.decode_tables) is not None:
         n = dt.context_lens.shape[0]

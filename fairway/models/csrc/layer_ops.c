@@ -1,0 +1,126 @@
+/* The small per-layer operations of a Llama decoder layer, each one call instead of several ops:
+ *
+ *   rms_norm      out = RMSNorm(x) or, given a residual, s = x + residual; out = RMSNorm(s)
+ *   silu_mul      out = silu(gate) * up, from the fused gate|up projection
+ *   rope_store    rotate Q and K in place (RoPE) and write K and V into the paged cache
+ *
+ * At decode each of these sees a handful of rows, where PyTorch spends ~5-15 us of dispatch per
+ * op on this class of CPU for a few thousand FLOPs, and a layer had ~25 such ops: about a third
+ * of a decode step. Each works on float32 or bfloat16 tensors and reproduces PyTorch's rounding
+ * step by step (a bf16 op computes in float32 and rounds its result to bf16), so the fused path
+ * gives the tokens the op-by-op path gives. Rows are independent: large inputs (prefill) split
+ * across threads.
+ *
+ * Built with the other kernels by fairway/models/cpu_kernels.py.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+/* Round to nearest even, as PyTorch does; NaN stays NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t u; } v = {.f = f};
+    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
+    v.u += 0x7fffu + ((v.u >> 16) & 1u);
+    return (uint16_t)(v.u >> 16);
+}
+
+/* The value a bf16 op would store: rounded when the tensor is bf16, unchanged for float32. */
+static inline float round_to(float f, int bf16) { return bf16 ? bf16_to_f32(f32_to_bf16(f)) : f; }
+
+static inline float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float f, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else
+        ((float *)p)[i] = f;
+}
+
+#define PARALLEL_ROWS 64 /* below this many rows one thread is faster than waking the others */
+
+int rms_norm(const void *x, const void *residual, const void *weight, void *out, void *residual_out,
+             int rows, int dim, float eps, int bf16, int num_threads) {
+    if (rows < 0 || dim < 1 || dim > 16384) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++) {
+        const int64_t base = (int64_t)r * dim;
+        float s[16384];
+        float ss = 0.f;
+        for (int i = 0; i < dim; i++) {
+            float v = load(x, base + i, bf16);
+            if (residual) {
+                v = round_to(v + load(residual, base + i, bf16), bf16);
+                store(residual_out, base + i, v, bf16);
+            }
+            s[i] = v;
+            ss += v * v;
+        }
+        const float inv = 1.f / sqrtf(ss / (float)dim + eps);
+        for (int i = 0; i < dim; i++)
+            store(out, base + i, load(weight, i, bf16) * round_to(s[i] * inv, bf16), bf16);
+    }
+    return 0;
+}
+
+int silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int num_threads) {
+    if (rows < 0 || inter < 1) return -1;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int r = 0; r < rows; r++) {
+        const int64_t in = (int64_t)r * 2 * inter, o = (int64_t)r * inter;
+        for (int i = 0; i < inter; i++) {
+            const float g = load(gate_up, in + i, bf16);
+            const float silu = round_to(g / (1.f + expf(-g)), bf16);
+            store(out, o + i, silu * load(gate_up, in + inter + i, bf16), bf16);
+        }
+    }
+    return 0;
+}
+
+/* qkv: [tokens, (heads_q + 2 * heads_kv) * head_dim], rows laid out Q | K | V, in the compute
+ * dtype. cos/sin: [max_positions, head_dim] (the halves repeat, as Hugging Face builds them), float32
+ * or bf16 (a model cast to bf16 casts its tables too); rounded to the compute dtype as the op-by-op
+ * path rounds them. Caches: [heads_kv, cache_slots, head_dim] in the cache dtype (float32 compute may keep a
+ * bf16 cache: K and V are rounded on the way in). */
+int rope_store(void *qkv, int tokens, int heads_q, int heads_kv, int head_dim, const void *cos_table,
+               const void *sin_table, const int64_t *positions, const int64_t *slots, void *k_cache,
+               void *v_cache, int64_t cache_slots, int bf16, int table_bf16, int cache_bf16, int num_threads) {
+    if (tokens < 0 || head_dim < 2 || head_dim % 2) return -1;
+    const int half = head_dim / 2, rotated = heads_q + heads_kv;
+    const int64_t width = (int64_t)(heads_q + 2 * heads_kv) * head_dim;
+    for (int t = 0; t < tokens; t++)
+        if (slots[t] < 0 || slots[t] >= cache_slots) return -2;
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
+    for (int t = 0; t < tokens; t++) {
+        const int64_t row = (int64_t)t * width;
+        const int64_t p = positions[t] * head_dim;
+        for (int h = 0; h < rotated; h++) {
+            const int64_t at = row + (int64_t)h * head_dim;
+            for (int i = 0; i < half; i++) {
+                /* x * cos + rotate_half(x) * sin, each product and the sum rounded like the ops */
+                const float ci = round_to(load(cos_table, p + i, table_bf16), bf16);
+                const float si = round_to(load(sin_table, p + i, table_bf16), bf16);
+                const float x1 = load(qkv, at + i, bf16), x2 = load(qkv, at + half + i, bf16);
+                store(qkv, at + i, round_to(x1 * ci, bf16) - round_to(x2 * si, bf16), bf16);
+                store(qkv, at + half + i, round_to(x2 * ci, bf16) + round_to(x1 * si, bf16), bf16);
+            }
+        }
+        for (int h = 0; h < heads_kv; h++) {
+            const int64_t k_at = row + (int64_t)(heads_q + h) * head_dim;
+            const int64_t v_at = k_at + (int64_t)heads_kv * head_dim;
+            const int64_t dst = ((int64_t)h * cache_slots + slots[t]) * head_dim;
+            for (int i = 0; i < head_dim; i++) {
+                store(k_cache, dst + i, load(qkv, k_at + i, bf16), cache_bf16);
+                store(v_cache, dst + i, load(qkv, v_at + i, bf16), cache_bf16);
+            }
+        }
+    }
+    return 0;
+}
