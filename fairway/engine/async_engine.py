@@ -136,11 +136,24 @@ class AsyncEngine:
                 self._deliver_to(item.request_id, exc)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            self._deliver_to(out.request_id, out)
+        """One hand-over per event loop per step, not one per output: each call_soon_threadsafe
+        wakes the loop through its self-pipe (a syscall and a loop turn apiece)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        with self._lock:
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _deliver_to(self, request_id: str, item: RequestOutput | BaseException) -> None:
         with self._lock:
             stream = self._streams.get(request_id)
         if stream is not None:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)
