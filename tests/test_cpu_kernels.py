@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +229,130 @@ def test_model_gives_the_same_logits_with_and_without_the_fused_ops(dtype):
         prompts = [list(range(1, 40)), list(range(50, 60))]
         outputs.append(engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
     assert outputs[0] == outputs[1]
+
+
+# --- the AVX512-BF16 matmul (bf16_linear.c) ---
+
+bf16_kernel = cpu_kernels.bf16_linear()
+needs_bf16_kernel = pytest.mark.skipif(bf16_kernel is None, reason="no AVX512-BF16 here: bf16 layers use oneDNN")
+
+
+def bf16_case(rows, out_features, in_features, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen).to(torch.bfloat16)
+    x = torch.randn(rows, in_features, generator=gen).to(torch.bfloat16)
+    return x, weight
+
+
+def assert_bf16_linear_close(got, x, weight):
+    """Within the bf16 rounding of the float32 product (half an ulp, 2^-9, plus the summation order)."""
+    want = torch.nn.functional.linear(x.float(), weight.float())
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want, rtol=2 ** -8, atol=1e-4)
+
+
+@needs_bf16_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 13, 16, 17, 31, 32, 70])  # every tile policy, ragged chunks
+@pytest.mark.parametrize("out_features,in_features", [(576, 1536), (963, 576), (7, 64), (40, 2), (3000, 10)])
+def test_bf16_linear_matches_float32(rows, out_features, in_features):
+    x, weight = bf16_case(rows, out_features, in_features, seed=rows)
+    assert_bf16_linear_close(bf16_kernel(x, bf16_kernel.pack(weight), out_features), x, weight)
+
+
+@needs_bf16_kernel
+def test_bf16_linear_every_tile_shape():
+    x, weight = bf16_case(37, 100, 64)  # 7 panels, the last 4 columns wide: ragged widths and chunks
+    panels = bf16_kernel.pack(weight)
+    for nv in range(1, 5):
+        for mr in range(1, 17):
+            if mr * nv > 28:  # past the registers: refused, not spilled
+                with pytest.raises(RuntimeError):
+                    bf16_kernel(x, panels, 100, tile=(nv, mr, False))
+                continue
+            for prefetch in (False, True):
+                assert_bf16_linear_close(bf16_kernel(x, panels, 100, tile=(nv, mr, prefetch)), x, weight)
+
+
+@needs_bf16_kernel
+def test_bf16_linear_takes_any_layout_of_x():
+    x, weight = bf16_case(6, 50, 64)
+    panels = bf16_kernel.pack(weight)
+    wide = torch.cat([x, x], dim=1)[:, ::2]  # strided
+    shifted = torch.cat([torch.zeros(1, dtype=torch.bfloat16), x.flatten()])[1:].view(6, 64)  # 2-byte aligned
+    assert shifted.data_ptr() % 4 == 2
+    for view in (wide, shifted, x.t().contiguous().t()):
+        assert_bf16_linear_close(bf16_kernel(view, panels, 50), view, weight)
+    batched = x.view(2, 3, 64)
+    assert bf16_kernel(batched, panels, 50).shape == (2, 3, 50)
+    assert torch.equal(bf16_kernel(batched, panels, 50).view(6, 50), bf16_kernel(x, panels, 50))
+    assert bf16_kernel(x[:0], panels, 50).shape == (0, 50)
+
+
+@needs_bf16_kernel
+def test_bf16_linear_same_result_with_one_thread_and_several():
+    x, weight = bf16_case(20, 3000, 576)
+    panels = bf16_kernel.pack(weight)
+    many = bf16_kernel(x, panels, 3000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = bf16_kernel(x, panels, 3000)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each column is summed by one thread in a fixed order
+
+
+@needs_bf16_kernel
+def test_packed_linear_uses_the_kernel_for_bf16_and_onednn_otherwise():
+    from fairway.models.packed_linear import PackedLinear
+
+    x, weight = bf16_case(5, 96, 64)
+    layer = PackedLinear(weight)
+    assert layer.native is bf16_kernel and not hasattr(layer, "packed")  # no second copy of the weight
+    assert_bf16_linear_close(layer(x), x, weight)
+    odd = PackedLinear(weight[:, :63])  # k-pairs only: an odd width stays with oneDNN
+    assert odd.native is None
+    torch.testing.assert_close(odd(x[:, :63]).float(), torch.nn.functional.linear(x[:, :63].float(),
+                               weight[:, :63].float()), rtol=2 ** -7, atol=1e-3)
+    assert PackedLinear(weight.float()).native is None
+
+
+def test_packed_linear_falls_back_to_onednn_without_the_kernel(monkeypatch):
+    from fairway.models import packed_linear
+
+    if not packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN bf16 on this CPU: bf16 weights are held in float32")
+    monkeypatch.setattr(packed_linear, "bf16_linear", lambda: None)  # as on a CPU without AVX512-BF16
+    x, weight = bf16_case(3, 96, 64)
+    layer = packed_linear.PackedLinear(weight)
+    assert layer.native is None and hasattr(layer, "packed")
+    torch.testing.assert_close(layer(x).float(), torch.nn.functional.linear(x.float(), weight.float()),
+                               rtol=2 ** -7, atol=1e-3)
+
+
+def test_bf16_kernel_present_exactly_where_the_compiler_targets_avx512_bf16(monkeypatch):
+    if cpu_kernels._library() is None:
+        pytest.skip("no C compiler")
+    macros = subprocess.run([cpu_kernels._compiler(), "-march=native", "-dM", "-E", "-x", "c", "/dev/null"],
+                            capture_output=True, text=True).stdout
+    assert (cpu_kernels.bf16_linear() is not None) == ("__AVX512BF16__" in macros)
+    if cpu_kernels.bf16_linear() is not None:
+        assert "avx512_bf16" in cpu_kernels._cpu_signature().split()
+    monkeypatch.setenv("FAIRWAY_NATIVE_KERNELS", "0")
+    assert cpu_kernels.bf16_linear() is None
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or cpu_kernels._compiler() is None,
+                    reason="needs an x86 C compiler")
+def test_bf16_linear_without_avx512_bf16_builds_to_a_stub(tmp_path):
+    """What a CPU without the instructions compiles (-march=native there): a kernel that declines."""
+    out = tmp_path / "stub.so"
+    src = Path(cpu_kernels.__file__).parent / "csrc" / "bf16_linear.c"
+    subprocess.run([cpu_kernels._compiler(), "-O2", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+                    str(src), "-o", str(out)], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(out))
+    binding = cpu_kernels.Bf16Linear(lib)
+    assert not binding.available and not binding.supports(576)
+    x, weight = bf16_case(2, 16, 64)
+    with pytest.raises(RuntimeError):
+        binding(x, binding.pack(weight), 16)

@@ -18,7 +18,9 @@ from fairway.engine import (
     SamplingParams,
 )
 from fairway.engine.factory import build_engine
+from fairway.engine.sequence import Sequence
 from fairway.engine.stop_checker import StopChecker
+from fairway.models import cpu_kernels
 from fairway.models.bundled import ModelFileError
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import random_model
@@ -231,6 +233,52 @@ def test_a_seeded_row_draws_the_same_token_whatever_shares_its_batch():
     alone = _draw(probs[1:2], [torch.Generator().manual_seed(42)])
     batched = _draw(probs, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(42), None])
     assert batched[1] == alone[0]
+
+
+native_sampler = cpu_kernels.temperature_sampler()
+needs_native_sampler = pytest.mark.skipif(native_sampler is None, reason="no C compiler: PyTorch sampling only")
+
+
+@needs_native_sampler
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_native_sampler_draws_in_proportion_and_never_a_zero_probability_token(temperature):
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.2, 0.0])
+    logits = probs.log().repeat(20000, 1)  # zero probability: -inf
+    gen = torch.Generator().manual_seed(0)
+    uniforms = torch.rand(20000, generator=gen, dtype=torch.float64)
+    draws = native_sampler(logits, torch.full((20000,), temperature), uniforms)
+    freq = torch.bincount(draws, minlength=5).double() / len(draws)
+    want = (probs.log() / temperature).softmax(dim=-1).double()
+    assert freq[1] == 0 and freq[4] == 0
+    torch.testing.assert_close(freq, want, atol=0.015, rtol=0)
+
+
+@needs_native_sampler
+def test_native_sampler_agrees_with_the_pytorch_draw_and_survives_bad_rows():
+    logits = torch.randn(6, 49152, generator=torch.Generator().manual_seed(1)) * 3
+    uniforms = torch.rand(6, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    native = native_sampler(logits, torch.full((6,), 0.7), uniforms)
+    # The same uniforms against PyTorch's softmax and float64 cumulative sum pick the same tokens
+    # (a uniform within rounding of a boundary could pick the neighbour; these seeds don't).
+    cdf = (logits / 0.7).softmax(-1).double().cumsum(-1)
+    pytorch = torch.searchsorted(cdf, (uniforms * cdf[:, -1])[:, None], right=True).squeeze(1)
+    assert native.tolist() == pytorch.tolist()
+    nan_row = torch.full((1, 8), float("nan"))
+    assert 0 <= native_sampler(nan_row, torch.ones(1), torch.tensor([0.5], dtype=torch.float64)).item() < 8
+    with pytest.raises(RuntimeError, match="temperature"):
+        native_sampler(logits[:1], torch.zeros(1), uniforms[:1])
+
+
+def test_sample_routes_each_row_to_its_kind_and_keeps_the_order():
+    from fairway.engine.sampler import sample
+
+    logits = torch.full((4, 10), -30.0)
+    for row, token in enumerate([3, 7, 1, 9]):
+        logits[row, token] = 30.0  # each row certain of its token, whatever the sampler
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.8),
+              SamplingParams(temperature=0.8, top_p=0.5), SamplingParams(temperature=1.2, top_k=3)]
+    seqs = [Sequence(f"r{i}", [1], p) for i, p in enumerate(params)]
+    assert sample(logits, seqs) == [3, 7, 1, 9]
 
 
 def test_in_passing_thread_returns_and_raises_like_a_call():

@@ -1,20 +1,57 @@
-"""Turns the last-position logits of each sequence into its next token."""
+"""Turns the last-position logits of each sequence into its next token.
+
+Three kinds of row: greedy (argmax), temperature only (the native one-pass sampler on the CPU,
+where it is built), and filtered by top-k or top-p (PyTorch: a sort). Every sampled row draws one
+uniform from its request's own generator, so a seed reproduces a reply whatever shares its batch.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from fairway.engine.sequence import Sequence
+from fairway.models.cpu_kernels import temperature_sampler
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [S, V] float32, one row per sequence that samples this step."""
-    out = logits.argmax(dim=-1)
-    rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    if rows:
-        idx = torch.tensor(rows)
-        out[idx] = _draw(_filtered_probs(logits[idx], [seqs[i] for i in rows]), [seqs[i].generator for i in rows])
-    return out.tolist()
+    out = [0] * len(seqs)
+    greedy, plain, filtered = _kinds(seqs, logits.shape[-1], logits.device.type == "cpu")
+    for rows, pick in ((greedy, _argmax), (plain, _sample_native), (filtered, _sample_filtered)):
+        if rows:
+            tokens = pick(logits[torch.tensor(rows)], [seqs[i] for i in rows])
+            for i, token in zip(rows, tokens.tolist(), strict=True):
+                out[i] = token
+    return out
+
+
+def _kinds(seqs: list[Sequence], vocab: int, cpu: bool) -> tuple[list[int], list[int], list[int]]:
+    greedy: list[int] = []
+    plain: list[int] = []
+    filtered: list[int] = []
+    native = cpu and temperature_sampler() is not None
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.greedy:
+            greedy.append(i)
+        elif native and p.top_p >= 1 and not 0 < p.top_k < vocab:
+            plain.append(i)
+        else:
+            filtered.append(i)
+    return greedy, plain, filtered
+
+
+def _argmax(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
+def _sample_native(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
+    return temperature_sampler()(logits.contiguous(), temps, _uniforms([s.generator for s in seqs]))
+
+
+def _sample_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    return _draw(_filtered_probs(logits, seqs), [s.generator for s in seqs])
 
 
 def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -43,6 +80,11 @@ def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torc
     sum. Drawing a noise value per vocabulary entry per row instead cost ~1.5 ms a row (49k draws).
     The sum runs in float64 so tokens of tiny probability keep their share."""
     cdf = probs.double().cumsum(dim=-1)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]) * cdf[:, -1]
+    u = _uniforms(generators) * cdf[:, -1]
     # right=True: the first entry whose cumulative mass exceeds u, never a zero-probability token.
     return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One float64 uniform in [0, 1) per row, each from its own generator (None: the global one)."""
+    return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])

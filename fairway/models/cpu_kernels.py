@@ -1,13 +1,21 @@
 """Native CPU kernels: built from fairway/models/csrc/ with the system C compiler on first use.
 
-Three things portable PyTorch does badly on a CPU:
+Five things portable PyTorch does badly on a CPU:
   * decode attention over a paged cache (paged_decode.c): PyTorch must first gather every
     context into a padded copy (which cost ~36% of a batch-64 decode step);
+  * bf16 matmuls on a CPU with AVX512-BF16 (bf16_linear.c, VDPBF16PS on weights packed at load):
+    oneDNN's bf16 GEMM is far from both bounds at decode sizes. The 121 linears of a SmolLM2-135M
+    decode step (269 MB of weights; 2 Zen 4 cores, 28-34 GB/s from DRAM): 1 row 14-17 -> 8.7-10 ms
+    (DRAM floor 7.9-9.6 ms), 16 rows 19-20 -> 12.6-13.5 ms (floor ~10.5 ms: the dot products at
+    the ~420 GFLOP/s the kernel reaches from cache take as long as the DRAM read), 64 rows 52 ->
+    43 ms, 512 rows 359-390 -> 342-364 ms. Without AVX512-BF16 it compiles to a stub that says so,
+    and the bf16 layers keep oneDNN;
   * a matmul of a few rows with bf16 weights on a CPU without bf16 instructions
     (skinny_linear.c): PyTorch's emulation runs at a fraction of the memory bandwidth that
     bounds it;
   * the small ops of a decoder layer on a few rows (layer_ops.c: residual add + RMSNorm, SiLU
-    gating, RoPE + the KV cache write), where PyTorch's per-op overhead dwarfs the arithmetic.
+    gating, RoPE + the KV cache write), where PyTorch's per-op overhead dwarfs the arithmetic;
+  * temperature sampling over a large vocabulary (sample.c): one pass per row instead of ~8 ops.
 The build takes a few seconds and is cached per source, compiler and CPU under the Fairway cache
 directory; a machine without a compiler, or FAIRWAY_NATIVE_KERNELS=0, keeps the portable
 PyTorch paths (same results, slower). PyTorch ships libgomp under the same soname,
@@ -34,7 +42,8 @@ from fairway.models.cache import cache_dir
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c")]
+_SOURCES = [Path(__file__).parent / "csrc" / name
+            for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "sample.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The C side's fixed limits.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
@@ -137,6 +146,68 @@ class SkinnyLinear:
         return y
 
 
+class Bf16Linear:
+    """ctypes binding of bf16_linear.c: y = x @ w.T in bf16 on AVX512-BF16, with w packed once by
+    pack() into panels of PANEL output columns, each [k/2][PANEL][2] (the VDPBF16PS operand)."""
+
+    PANEL = 16
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.bf16_linear
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self.available = bool(lib.bf16_linear_available())
+
+    def supports(self, in_features: int) -> bool:
+        return self.available and in_features >= 2 and in_features % 2 == 0
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """[n, k] bf16 -> [ceil(n/16), k/2, 16, 2]: column j's k-pair q at [j // 16, q, j % 16]."""
+        n, k = weight.shape
+        panels = -(-n // self.PANEL)
+        padded = weight.detach().to(torch.bfloat16)
+        if n % self.PANEL:  # the last panel's missing columns are zeros
+            padded = torch.cat([padded, padded.new_zeros(panels * self.PANEL - n, k)])
+        return padded.reshape(panels, self.PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+    @staticmethod
+    def tile_for(rows: int) -> tuple[int, int, bool]:
+        """(panels, rows, prefetch) of a tile for this many rows, measured on the model's 121 linears
+        (2 Zen 4 cores). Up to 3 rows the weights are only streamed: one panel a tile, which the
+        hardware prefetcher follows best. From 4 rows the arithmetic counts and the next panels are
+        prefetched while the current ones are multiplied (8 rows 10.8 -> 9.3 ms). Up to 14 rows
+        fit one 2-panel tile (14 rows 12.0 ms in 4x4 tiles, 10.6 in one 2x14); past that 4x4 tiles
+        led (16 rows 12.7 vs 12.9-13.4 ms for 2x8, 3x8, 4x6; 24 rows 19.5 vs 20-21.4)."""
+        if rows <= 3:
+            return 1, 16, False
+        if rows <= 14:
+            return 2, 14, True
+        return 4, 4, True
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 tile: tuple[int, int, bool] | None = None) -> torch.Tensor:
+        """x: [..., k] bf16; panels: pack()'s output for a [out_features, k] weight. Returns
+        [..., out_features] bf16. `tile` overrides tile_for() (the tests reach every tile so).
+        Lean on purpose: it runs 121 times a decode step, where each microsecond here is 0.1 ms."""
+        if x.dim() != 2:
+            flat = self(x.reshape(-1, x.shape[-1]), panels, out_features, tile)
+            return flat.view(*x.shape[:-1], out_features)
+        rows, k = x.shape
+        if x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or panels.shape[1] * 2 != k:
+            raise ValueError(f"bf16 linear: x {tuple(x.shape)} {x.dtype} for panels {tuple(panels.shape)}")
+        if not x.is_contiguous() or x.data_ptr() % 4:  # the kernel reads x as aligned 32-bit pairs
+            x = x.clone(memory_format=torch.contiguous_format)
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        if rows == 0:
+            return y
+        nv, mr, prefetch = tile or self.tile_for(rows)
+        if self._fn(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out_features, k, nv, mr, prefetch,
+                    torch.get_num_threads()) != 0:
+            raise RuntimeError(f"bf16 linear kernel: unsupported shape {tuple(x.shape)} or tile {nv}x{mr}")
+        return y
+
+
 class LayerOps:
     """ctypes binding of layer_ops.c: float32 or bf16 tensors on the CPU, contiguous."""
 
@@ -199,13 +270,35 @@ class LayerOps:
             raise RuntimeError(f"rope_store kernel: bad shape or slot (rc {rc})")
 
 
+class TemperatureSampler:
+    """ctypes binding of sample.c: one token per row of float32 logits, by inverse CDF against the
+    row's own uniform draw."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.sample_temperature
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+        fn.restype = ctypes.c_int
+        self._fn = fn
+
+    def __call__(self, logits: torch.Tensor, temperatures: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+        """logits: [rows, vocab] float32; temperatures: [rows] float32 > 0; uniforms: [rows] float64."""
+        assert logits.dtype == torch.float32 and logits.is_contiguous() and logits.device.type == "cpu"
+        assert temperatures.dtype == torch.float32 and uniforms.dtype == torch.float64
+        rows, vocab = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        if self._fn(logits.data_ptr(), rows, vocab, temperatures.data_ptr(), uniforms.data_ptr(), out.data_ptr(),
+                    torch.get_num_threads()) != 0:
+            raise RuntimeError("sample kernel: a temperature <= 0, or out of memory")
+        return out
+
+
 def _check(*tensors: torch.Tensor) -> None:
     first = tensors[0]
     for t in tensors:
         assert t.device.type == "cpu" and t.dtype == first.dtype and t.dtype in LayerOps.DTYPES and t.is_contiguous()
 
 
-Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, LayerOps)
+Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, Bf16Linear, LayerOps, TemperatureSampler)
 
 
 def decode_kernels() -> DecodeKernels | None:
@@ -216,6 +309,18 @@ def decode_kernels() -> DecodeKernels | None:
 def skinny_linear() -> SkinnyLinear | None:
     """The few-row bf16-weight matmul, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built."""
     return _bound(SkinnyLinear) if native_enabled() else None
+
+
+def bf16_linear() -> Bf16Linear | None:
+    """The AVX512-BF16 matmul, or None when FAIRWAY_NATIVE_KERNELS=0, it can't be built, or this CPU
+    lacks AVX512-BF16 (the bf16 layers then use oneDNN)."""
+    kernel = _bound(Bf16Linear) if native_enabled() else None
+    return kernel if kernel is not None and kernel.available else None
+
+
+def temperature_sampler() -> TemperatureSampler | None:
+    """The temperature sampler, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built."""
+    return _bound(TemperatureSampler) if native_enabled() else None
 
 
 def layer_ops() -> LayerOps | None:
