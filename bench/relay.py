@@ -3,9 +3,19 @@ real model feels like through `fairway serve`.
 
 Part 1, relay (Redis backend, real HTTP): synthetic replica processes stand in for the model and
 emit tokens at a fixed rate (30 tokens/s per reply), each token's text being the moment it was
-produced. N concurrent chat streams go through ONE `fairway gateway` process; the client notes
-when each event arrives. Reported per N: the p50/p99 delay from token produced to event received,
-and the gateway's CPU-seconds per 1,000 events. The answer is the largest N whose p99 <= 50 ms.
+produced. They step like a real engine: every 1/30 s one token for each of their replies, which
+the replica worker appends in one pipelined round trip. N concurrent chat streams go through ONE
+`fairway gateway` process; the client notes when each event arrives. Reported per N: the p50/p99
+delay from token produced to event received (receive time minus the time in the token's text),
+and the gateway's CPU-seconds per 1,000 events, two ways:
+
+* all in: the gateway's CPU over the whole level, so each request's setup (auth, limits, store,
+  context, job) and end (saving the reply, recording the replica's reports) is amortized over its
+  tokens_per_stream events;
+* steady: only while every stream is running, once all are set up: relaying events alone.
+
+Each comes with the streams one gateway core would carry at that cost, 1000 / (30 * cpu_s_per_1000).
+The answer on this machine is the largest N whose p99 <= 50 ms.
 
 Part 2, model: `fairway serve` (bundled model, bf16, CPU) with 1, 16 and 64 concurrent chats of
 128 tokens (distinct prompts, ignore_eos): TTFT p50/p99, inter-token latency p50/p99, aggregate
@@ -16,8 +26,9 @@ tokens/s.
     .venv/bin/python bench/relay.py --quick          # smoke run: small N, short streams
 
 Everything runs on this machine: client, gateway, synthetic replicas (and Redis) share its cores,
-so the relay figure is a floor for a gateway with a machine to itself. Results go to
-bench/results/relay.json (relay_quick.json for --quick).
+so the largest N is a floor for a gateway with a machine to itself; the streams per gateway core
+are the figure to compare with the target. Results go to bench/results/relay.json
+(relay_quick.json for --quick); a run of one part keeps the other part's last results there.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -117,43 +129,89 @@ async def wait_ready(url: str, timeout: float = 180.0) -> None:
 # -- a raw SSE client: cheap enough that thousands of streams fit next to the gateway -----------
 
 
-async def stream_chat(port: int, body: dict[str, Any], on_event) -> int:
+class SseClient(asyncio.Protocol):
+    """One streaming chat over its own connection, parsed as bytes arrive: no reader task, no
+    await per line. on_event(data_bytes, received_at) per SSE data line, received_at being the
+    arrival of the bytes that completed its event."""
+
+    def __init__(self, request: bytes, on_event: Callable[[bytes, float], None], done: asyncio.Future[int]) -> None:
+        self.request = request
+        self.on_event = on_event
+        self.done = done
+        self.status = 0
+        self.chunked: bool | None = None  # None until the headers are in
+        self.raw = b""  # bytes as received, not yet de-chunked
+        self.body = b""  # de-chunked bytes not yet split into events
+        self.chunk_left = -1  # bytes of the current chunk plus its CRLF still to come; -1: a size line is next
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        received = time.time()
+        self.raw += data
+        if self.chunked is None and not self._headers():
+            return
+        if self.chunked:
+            self._dechunk()
+        else:
+            self.body, self.raw = self.body + self.raw, b""
+        while (end := self.body.find(b"\n\n")) >= 0:
+            event, self.body = self.body[:end], self.body[end + 2:]
+            for line in event.split(b"\n"):
+                if line.startswith(b"data: "):
+                    self.on_event(line[6:], received)
+
+    def _headers(self) -> bool:
+        end = self.raw.find(b"\r\n\r\n")
+        if end < 0:
+            return False
+        lines = self.raw[:end].split(b"\r\n")
+        self.raw = self.raw[end + 4:]
+        self.status = int(lines[0].split()[1])
+        self.chunked = any(line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower()
+                           for line in lines[1:])
+        return True
+
+    def _dechunk(self) -> None:
+        while True:
+            if self.chunk_left < 0:
+                eol = self.raw.find(b"\r\n")
+                if eol < 0:
+                    return
+                size = int(self.raw[:eol].split(b";")[0] or b"0", 16)
+                self.raw = self.raw[eol + 2:]
+                if size == 0:  # the last chunk: the response is complete
+                    assert self.transport is not None
+                    self.transport.close()
+                    return
+                self.chunk_left = size + 2
+            if len(self.raw) < self.chunk_left:
+                return
+            self.body += self.raw[: self.chunk_left - 2]
+            self.raw = self.raw[self.chunk_left:]
+            self.chunk_left = -1
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(self.status)
+
+
+async def stream_chat(port: int, body: dict[str, Any], on_event: Callable[[bytes, float], None]) -> int:
     """POST a streaming chat; on_event(data_bytes, received_at) per SSE data line. Returns status."""
     payload = json.dumps(body).encode()
-    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=1 << 20)
-    writer.write(
-        (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nAuthorization: Bearer {API_KEY['value']}\r\n"
-         f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
-        + payload
-    )
-    await writer.drain()
+    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+               f"Authorization: Bearer {API_KEY['value']}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[int] = loop.create_future()
+    transport, _ = await loop.create_connection(lambda: SseClient(request, on_event, done), "127.0.0.1", port)
     try:
-        status = int((await reader.readline()).split()[1])
-        chunked = False
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            if line.lower().startswith(b"transfer-encoding:") and b"chunked" in line.lower():
-                chunked = True
-        buffer = b""
-        while True:
-            if chunked:
-                size = int((await reader.readline()).strip() or b"0", 16)
-                if size == 0:
-                    break
-                data = (await reader.readexactly(size + 2))[:-2]
-            else:
-                data = await reader.read(1 << 16)
-                if not data:
-                    break
-            now = time.time()
-            buffer += data
-            while b"\n\n" in buffer:
-                event, buffer = buffer.split(b"\n\n", 1)
-                for line in event.split(b"\n"):
-                    if line.startswith(b"data: "):
-                        on_event(line[6:], now)
-        return status
+        return await done
     finally:
-        writer.close()
+        transport.close()
 
 
 # -- part 1: the relay ----------------------------------------------------------------------------
@@ -161,13 +219,19 @@ async def stream_chat(port: int, body: dict[str, Any], on_event) -> int:
 
 class SyntheticEngine:
     """Stands in for AsyncEngine in a ReplicaWorker: max_tokens tokens at a fixed rate, each token's
-    text the wall time it was produced. No model, so the relay is all that is measured."""
+    text the wall time it was produced. No model, so the relay is all that is measured.
+
+    It steps like the real engine: every 1/rate s one token for every running reply, all at once,
+    so the worker appends a step's tokens in one round trip (and the gateway gets them as the
+    burst a real replica sends). An overloaded step clock falls behind rather than catching up."""
 
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self.engine = SimpleNamespace(max_model_len=1 << 20, max_prompt_tokens=1 << 20,
                                       kv=SimpleNamespace(max_admissible_tokens=lambda: 1 << 20))
         self._aborted: set[str] = set()
+        self._waiting: list[asyncio.Future[None]] = []  # replies waiting for the next step
+        self._clock: asyncio.Task | None = None
 
     def start(self) -> None:
         pass
@@ -178,13 +242,29 @@ class SyntheticEngine:
     def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
 
+    async def _run_clock(self) -> None:
+        loop = asyncio.get_running_loop()
+        tick = loop.time()
+        while True:
+            tick = max(tick + 1 / self.rate, loop.time())
+            await asyncio.sleep(tick - loop.time())
+            waiting, self._waiting = self._waiting, []
+            for step in waiting:
+                if not step.done():
+                    step.set_result(None)
+
+    async def _next_step(self) -> None:
+        if self._clock is None:
+            self._clock = asyncio.create_task(self._run_clock())
+        step = asyncio.get_running_loop().create_future()
+        self._waiting.append(step)
+        await step
+
     async def generate(self, request_id, prompt_token_ids, params, priority=0):
         from fairway.engine import FinishReason, RequestOutput
 
-        loop = asyncio.get_running_loop()
-        start = loop.time()
         for i in range(params.max_tokens):
-            await asyncio.sleep(max(0.0, start + (i + 1) / self.rate - loop.time()))
+            await self._next_step()
             if request_id in self._aborted:
                 self._aborted.discard(request_id)
                 yield RequestOutput(request_id, None, "", FinishReason.ABORT, len(prompt_token_ids), 0, i)
@@ -205,39 +285,67 @@ async def synthetic_replica(redis: str, namespace: str, rate: float) -> None:
     await ReplicaWorker(SyntheticEngine(rate), token_log, registry, settings).run()  # type: ignore[arg-type]
 
 
+def streams_per_core(cpu_s_per_1000_events: float | None) -> int | None:
+    """Streams of RATE tokens/s that one core of gateway CPU relays at this cost per event."""
+    return int(1000 / (RATE * cpu_s_per_1000_events)) if cpu_s_per_1000_events else None
+
+
 async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[str, Any]:
     delays: list[float] = []
     events = 0
-    first_event_at: list[float] = []
+    per_stream = [0] * n  # content events each stream has received
 
-    def on_event(data: bytes, received: float) -> None:
-        nonlocal events
-        marker = data.find(b'"content":"')
-        if marker < 0:
-            return
-        start = marker + 11
-        text = data[start : data.find(b'"', start)].strip()
-        if not text:
-            return
-        events += 1
-        if not first_event_at:
-            first_event_at.append(received)
-        delays.append(received - float(text))
+    def on_event_of(i: int) -> Callable[[bytes, float], None]:
+        def on_event(data: bytes, received: float) -> None:
+            nonlocal events
+            marker = data.find(b'"content":"')
+            if marker < 0:
+                return
+            start = marker + 11
+            text = data[start : data.find(b'"', start)].strip()
+            if not text:
+                return
+            events += 1
+            per_stream[i] += 1
+            delays.append(received - float(text))
+
+        return on_event
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "relay benchmark"}], "max_tokens": tokens,
             "stream": True}
 
     async def one(i: int) -> int:
         await asyncio.sleep(i / n)  # spread the starts over a second, as real arrivals are
-        return await stream_chat(port, body, on_event)
+        # A stream that never ends (a lost final event) counts as an error instead of hanging the run.
+        return await asyncio.wait_for(stream_chat(port, body, on_event_of(i)), tokens / RATE + 60.0)
+
+    async def steady() -> tuple[float, int] | None:
+        """Gateway CPU and events while every stream is running: from 1 s after the last stream
+        got its first event (all requests are set up) until the first stream is 1 s from its end.
+        This is the cost of relaying events alone (heartbeats included), as far as the gateway's
+        background work for the requests (recording their replicas' reports) has caught up."""
+        while min(per_stream) == 0:
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(1.0)
+        cpu, seen, since = cpu_seconds(gateway_pid), events, time.monotonic()
+        while max(per_stream) < tokens - RATE:
+            await asyncio.sleep(0.05)
+        if time.monotonic() - since < 2.0:
+            return None  # too short to say
+        return cpu_seconds(gateway_pid) - cpu, events - seen
 
     cpu_before = cpu_seconds(gateway_pid)
     started = time.monotonic()
+    window = asyncio.ensure_future(steady())
     statuses = await asyncio.gather(*(one(i) for i in range(n)), return_exceptions=True)
     wall = time.monotonic() - started
     cpu = cpu_seconds(gateway_pid) - cpu_before
+    window.cancel()  # (done by now, unless a stream failed before its first event)
+    steady_cpu, steady_events = (window.result() if window.done() and not window.cancelled() else None) or (0.0, 0)
     errors = sum(1 for s in statuses if s != 200)
     p99 = percentile(delays, 0.99) * 1000
+    per_1000 = round(cpu / events * 1000, 4) if events else None
+    steady_per_1000 = round(steady_cpu / steady_events * 1000, 4) if steady_events else None
     return {
         "streams": n,
         "tokens_per_stream": tokens,
@@ -248,7 +356,13 @@ async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[
         "delay_p99_ms": round(p99, 2),
         "delay_max_ms": round(max(delays, default=float("nan")) * 1000, 2),
         "gateway_cpu_s": round(cpu, 2),
-        "gateway_cpu_s_per_1000_events": round(cpu / events * 1000, 3) if events else None,
+        # Everything: the requests' setup (auth, limits, store, context, job) and end amortized
+        # over their tokens_per_stream events, plus relaying the events.
+        "gateway_cpu_s_per_1000_events": per_1000,
+        "implied_streams_per_gateway_core": streams_per_core(per_1000),
+        # Relaying alone, measured while all streams were running (see steady()).
+        "steady_gateway_cpu_s_per_1000_events": steady_per_1000,
+        "steady_implied_streams_per_gateway_core": streams_per_core(steady_per_1000),
         "wall_s": round(wall, 1),
         "ok": errors == 0 and events == n * tokens and p99 <= P99_TARGET_MS,
     }
@@ -274,9 +388,12 @@ async def bench_relay(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         for n in levels:
             level = await relay_level(port, gateway.pid, n, tokens)
             results.append(level)
-            print(f"  relay  N={n:5d}  p50 {level['delay_p50_ms']:8.1f} ms  p99 {level['delay_p99_ms']:8.1f} ms  "
-                  f"events {level['events']}/{level['events_expected']}  errors {level['errors']}  "
-                  f"gateway {level['gateway_cpu_s_per_1000_events']} CPU-s/1000 events", flush=True)
+            print(f"  relay  N={n:5d}  p50 {level['delay_p50_ms']:7.1f} ms  p99 {level['delay_p99_ms']:7.1f} ms  "
+                  f"events {level['events']}/{level['events_expected']}  errors {level['errors']}  gateway "
+                  f"{level['gateway_cpu_s_per_1000_events']} CPU-s/1000 events "
+                  f"(~{level['implied_streams_per_gateway_core']} streams/core), steady "
+                  f"{level['steady_gateway_cpu_s_per_1000_events']} "
+                  f"(~{level['steady_implied_streams_per_gateway_core']} streams/core)", flush=True)
             if not level["ok"]:
                 break
     finally:
@@ -285,9 +402,15 @@ async def bench_relay(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
         for p in procs:
             p.wait(timeout=20)
         await _clean_redis(args.redis, namespace)
-    passing = [r["streams"] for r in results if r["ok"]]
+    passing = [r for r in results if r["ok"]]
+    best = max(passing, key=lambda r: r["streams"], default=None)
     return {"rate_tokens_per_s": RATE, "p99_target_ms": P99_TARGET_MS, "producers": args.producers,
-            "largest_streams_within_target": max(passing, default=0), "levels": results}
+            "largest_streams_within_target": best["streams"] if best else 0,
+            # At the largest passing N (the most load, so fixed costs weigh least): what one gateway
+            # core would carry if it had a core to itself, all in / relaying alone.
+            "implied_streams_per_gateway_core": best["implied_streams_per_gateway_core"] if best else None,
+            "steady_implied_streams_per_gateway_core": best["steady_implied_streams_per_gateway_core"] if best else None,
+            "levels": results}
 
 
 async def _clean_redis(url: str, namespace: str) -> None:
@@ -392,11 +515,30 @@ async def main(args: argparse.Namespace) -> None:
             report["model"] = await bench_model(args, workdir)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / ("relay_quick.json" if args.quick else "relay.json")
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.write_text(json.dumps(keep_other_part(report, out), indent=2) + "\n")
     print(f"results: {out}")
-    if "relay" in report:
-        print(f"largest N with p99 <= {P99_TARGET_MS:.0f} ms: {report['relay']['largest_streams_within_target']}"
-              f" (target {TARGETS['relay_streams_per_gateway']})")
+    if args.part in ("relay", "both"):
+        relay = report["relay"]
+        print(f"largest N with p99 <= {P99_TARGET_MS:.0f} ms on this machine: {relay['largest_streams_within_target']}"
+              f" (target {TARGETS['relay_streams_per_gateway']}); implied streams per gateway core: "
+              f"{relay['implied_streams_per_gateway_core']} all in, {relay['steady_implied_streams_per_gateway_core']} "
+              "relaying alone")
+
+
+def keep_other_part(report: dict[str, Any], out: Path) -> dict[str, Any]:
+    """The report plus the part this run skipped, as the last run that did it left it in `out`:
+    `--part relay` must not erase the model figures (and vice versa). Each part carries its own date."""
+    for part in ("relay", "model"):
+        if part in report:
+            report[part] = {"date": report["date"], **report[part]}
+    try:
+        previous = json.loads(out.read_text())
+    except (OSError, ValueError):
+        return report
+    for part in ("relay", "model"):
+        if part not in report and isinstance(previous.get(part), dict):
+            report[part] = {"date": previous.get("date"), **previous[part]}  # older files: the file's date
+    return report
 
 
 def parse_args() -> argparse.Namespace:
@@ -417,8 +559,10 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
+    import uvloop  # the client and the synthetic replicas are this benchmark's own load: keep it cheap
+
     arguments = parse_args()
     if arguments.command == "synthetic-replica":
-        asyncio.run(synthetic_replica(arguments.redis, arguments.namespace, arguments.rate))
+        uvloop.run(synthetic_replica(arguments.redis, arguments.namespace, arguments.rate))
     else:
-        asyncio.run(main(arguments))
+        uvloop.run(main(arguments))

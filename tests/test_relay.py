@@ -187,6 +187,20 @@ async def test_append_creates_missing_log_and_enforces_numbering(backend: Backen
     assert [e.n for e in await log.read(r)] == [1, 2]
 
 
+async def test_append_many_appends_each_and_puts_errors_in_place(backend: Backend) -> None:
+    log, a, b = backend.open(), rid(), rid()
+    await log.append(a, TokenEvent(1, "a1"))
+    results = await log.append_many([(a, TokenEvent(2, "a2")), (b, TokenEvent(0, "b1")), (a, TokenEvent(2, "dup"))])
+    assert results[:2] == [2, 1] and isinstance(results[2], EventOutOfOrder)  # one reply's error spares the rest
+    await log.finish(b, final())
+    results = await log.append_many([(b, TokenEvent(0, "late")), (a, TokenEvent(0, "a3"))])
+    assert isinstance(results[0], ReplyFinished) and results[1] == 3
+    assert [e.text for e in await log.read(a)] == ["a1", "a2", "a3"]
+    assert [e.n for e in await log.read(b)] == [1, 2]  # "late" never got in
+    with pytest.raises(TypeError):
+        await log.append_many([(a, final())])  # type: ignore[list-item]
+
+
 async def test_unknown_reply_and_bad_cursor_errors(backend: Backend) -> None:
     log, r = backend.open(), rid()
     assert not await log.exists(r)
@@ -245,6 +259,45 @@ async def test_subscribe_at_random_points_gets_no_gap_and_no_duplicate(backend: 
         events = await asyncio.wait_for(task, 10)
         assert [e.n for e in events] == list(range(after + 1, total + 2)), f"subscriber after {after}"
         assert all(e.text == f"<{e.n}>" for e in events[:-1])
+
+
+def quick(backend: Backend) -> dict[str, float]:
+    """Options for a backend that checks idleness and expiry several times a second."""
+    return {"poll_s": 0.05} if backend.kind == "memory" else {"block_s": 0.2}
+
+
+async def test_subscribe_batches_and_keepalives(backend: Backend) -> None:
+    gateway, replica, r = backend.open(**quick(backend)), backend.open(), rid()
+    await replica.create(r)
+    batches: list[list[Any]] = []
+
+    async def listen() -> None:
+        async with aclosing(gateway.subscribe_batches(r, 0, idle_s=0.3)) as stream:
+            async for batch in stream:
+                batches.append(batch)
+                if batch and isinstance(batch[-1], FinalEvent):
+                    return
+
+    task = asyncio.create_task(listen())
+    await asyncio.sleep(0.1)
+    await replica.append_many([(r, TokenEvent(1, "a", [1])), (r, TokenEvent(2, "b", [2]))])
+    await asyncio.sleep(1.0)  # quiet: the listener gets empty batches to send keepalives on
+    await replica.finish(r, final())
+    await asyncio.wait_for(task, 5)
+    assert [e.n for batch in batches for e in batch] == [1, 2, 3]
+    assert [] in batches[batches.index(next(b for b in batches if b)) :]
+
+
+async def test_a_log_that_expires_under_a_subscriber_ends_it_with_not_found(backend: Backend) -> None:
+    log, r = backend.open(ttl_s=0.5, **quick(backend)), rid()
+    await log.create(r)
+    await log.append(r, TokenEvent(0, "x"))
+    seen: list[int] = []
+    with pytest.raises(ReplyNotFound):
+        async with aclosing(log.subscribe(r)) as events:
+            async for event in events:
+                seen.append(event.n)
+    assert seen == [1]
 
 
 async def test_expiry_after_ttl_counts_from_last_event(backend: Backend) -> None:
@@ -308,6 +361,7 @@ async def test_listener_tracking_across_instances(backend: Backend) -> None:
     await asyncio.wait_for(got.wait(), 5)
     assert await replica.listener_count(r) == 1
     assert await replica.listener_idle_s(r) == 0.0
+    assert await replica.listener_idle_many([r, rid()]) == [0.0, None]
     before = time.time()
     task.cancel()  # the client went away
     with pytest.raises(asyncio.CancelledError):
@@ -422,6 +476,44 @@ async def test_redis_listener_of_a_dead_gateway_ages_out(redis_backend: Backend)
     with pytest.raises(asyncio.CancelledError):
         await task
     await events.aclose()
+
+
+async def test_redis_live_gap_is_filled_from_the_log(redis_backend: Backend) -> None:
+    """An event that is logged but never heard live (its message lost) still reaches the subscriber."""
+    import redis.asyncio as aioredis
+
+    gateway, replica, r = redis_backend.open(), redis_backend.open(), rid()
+    await replica.create(r)
+    listener = asyncio.create_task(collect(gateway, r))
+    await asyncio.sleep(0.1)
+    await produce(replica, r, 2)
+    raw = aioredis.from_url(REDIS_URL, decode_responses=True)
+    await raw.xadd(f"{redis_backend.prefix}reply:{{{r}}}", {"k": "t", "n": "3", "text": "t3 ", "ids": "3"}, id="3-0")
+    await raw.aclose()
+    await produce(replica, r, 2, start=4)
+    await replica.finish(r, final())
+    events = await asyncio.wait_for(listener, 5)
+    assert [e.n for e in events] == [1, 2, 3, 4, 5, 6] and events[2].text == "t3 "
+
+
+async def test_replica_appends_of_one_step_share_a_round_trip() -> None:
+    from fairway.replica.worker import _Appender
+
+    log = InProcessTokenLog()
+    calls: list[int] = []
+    append_many = log.append_many
+
+    async def counting(items: Any) -> list[int | Exception]:
+        calls.append(len(items))
+        return await append_many(items)
+
+    log.append_many = counting  # type: ignore[method-assign]
+    appender = _Appender(log)
+    await log.append("dup", TokenEvent(1, "first"))
+    results = await asyncio.gather(*(appender.append(f"r{i}", TokenEvent(1, "x")) for i in range(5)),
+                                   appender.append("dup", TokenEvent(1, "again")), return_exceptions=True)
+    assert calls[-1] == 6  # one engine step, one call
+    assert results[:5] == [1] * 5 and isinstance(results[5], EventOutOfOrder)
 
 
 async def test_redis_unreachable_raises_relay_unavailable() -> None:

@@ -19,7 +19,7 @@ import hashlib
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 
 from fairway.conversation import NotFound, Reply
 from fairway.conversation.context import ContextTooLong
@@ -31,7 +31,7 @@ from fairway.gateway.errors import ApiError, invalid, not_found, unavailable
 from fairway.gateway.keys import Principal
 from fairway.gateway.quotas import check_max_tokens, denied_error, guarded, overloaded_error
 from fairway.gateway.schemas import ChatCompletionRequest, chat_messages, max_tokens_of, parse_chat, sampling
-from fairway.gateway.streaming import ReplyView
+from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.limits import (
     Claimed,
     Denied,
@@ -232,7 +232,7 @@ async def chat_completions(request: Request) -> Any:
     streams = metrics.ACTIVE_STREAMS.labels(body.model)
     streams.inc()
     add_cleanup(request, streams.dec)
-    return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **headers})
+    return EventStream(stream, headers={**SSE_HEADERS, **headers})
 
 
 async def _start_claimed(gw: GatewayContext, edge: Edge, turn_request: TurnRequest) -> Turn:

@@ -3,6 +3,8 @@ response to an authenticated request (those a route prepared from the limits it 
 the current state, read as the response starts), and runs per-request cleanups once the response
 is over.
 
+It also keeps its send in the request's state (BODY_SEND) for streamed body chunks.
+
 Cleanups (releasing an admission slot, the active-stream gauge) run when the ASGI call returns:
 after the last byte of a stream, after a client disconnect, after an error, even when a
 streaming body never started. A finally inside the body generator would miss that last case.
@@ -26,6 +28,11 @@ MAX_HEADER_BYTES = 16 * 1024  # all request headers together (nginx's default la
 MAX_HEADER_VALUE_BYTES = 8 * 1024  # any one header
 
 Cleanup = Callable[[], Awaitable[None] | None]
+
+# The send this middleware was given, kept in the request's state: a stream's body chunks may go
+# straight to it (streaming.EventStream), since every send wrapper between it and the route (this
+# middleware's, the body limit's, Starlette's exception handlers') acts on the response start only.
+BODY_SEND = "body_send"
 
 
 def set_ratelimit_headers(request: Request, headers: dict[str, str]) -> None:
@@ -86,6 +93,7 @@ class EdgeMiddleware:
             await error.response()(scope, receive, send)
             return
         state: dict[str, Any] = scope.setdefault("state", {})
+        state[BODY_SEND] = send
 
         async def send_with_headers(message: Message) -> None:
             if message["type"] == "http.response.start":

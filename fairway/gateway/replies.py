@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import StreamingResponse
 
 from fairway.conversation import NotFound, Reply
 from fairway.gateway.auth import authenticated, user_id
@@ -16,7 +15,7 @@ from fairway.gateway.chat import SSE_HEADERS
 from fairway.gateway.context import GatewayContext, gateway
 from fairway.gateway.edge import add_cleanup
 from fairway.gateway.errors import invalid, not_found
-from fairway.gateway.streaming import ReplyView
+from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.relay import ReplyNotFound
 from fairway.usage import metrics
 
@@ -39,7 +38,7 @@ def _last_event_id(request: Request) -> int:
 
 
 @router.get("/v1/replies/{reply_id}/stream")
-async def stream_reply(reply_id: str, request: Request) -> StreamingResponse:
+async def stream_reply(reply_id: str, request: Request) -> EventStream:
     """SSE of the reply's events after Last-Event-ID (header, or ?after=): those already in the log
     at once, then the live ones."""
     gw = gateway(request)
@@ -52,7 +51,7 @@ async def stream_reply(reply_id: str, request: Request) -> StreamingResponse:
     streams = metrics.ACTIVE_STREAMS.labels(view.model)
     streams.inc()
     add_cleanup(request, streams.dec)
-    return StreamingResponse(stream, media_type="text/event-stream", headers={**SSE_HEADERS, **view.headers()})
+    return EventStream(stream, headers={**SSE_HEADERS, **view.headers()})
 
 
 @router.post("/v1/replies/{reply_id}/stop")

@@ -19,9 +19,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
 from fairway.conversation import ConversationStore, Reply
 from fairway.conversation.recorder import save_final, save_from_log
 from fairway.conversation.service import ConversationService
+from fairway.gateway.edge import BODY_SEND
 from fairway.gateway.errors import ApiError, not_found
 from fairway.relay import (
     EventIdOutOfRange,
@@ -39,6 +43,7 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 10.0  # an SSE comment this often while nothing happens, so proxies keep the line
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
+_json_string = json.JSONEncoder(ensure_ascii=False).encode  # one encoder, not one per token
 
 
 @dataclass
@@ -66,6 +71,9 @@ class Snapshot:
     """The whole stored text of a reply whose log expired: the client replaces what it has."""
 
     event: TokenEvent
+
+
+Item = TokenEvent | FinalEvent | Snapshot
 
 
 def frame(data: dict[str, Any], event_id: int | None = None) -> bytes:
@@ -139,88 +147,92 @@ class ReplyRelay:
 
     # -- events ------------------------------------------------------------------------------
 
-    async def events(self, reply: Reply, after: int) -> AsyncIterator[TokenEvent | FinalEvent | Snapshot]:
-        """The reply's events after `after`: from its token log, or, once the log has expired,
-        from the store (finished) or from a restart on its stored context (unfinished)."""
+    async def event_batches(self, reply: Reply, after: int, idle_s: float | None = None) -> AsyncIterator[list[Item]]:
+        """The reply's events after `after`, in the batches they arrive in: from its token log, or,
+        once the log has expired, from the store (finished) or from a restart on its stored context
+        (unfinished). With idle_s, an empty batch whenever that long passed without events."""
         try:
-            async with contextlib.aclosing(self.log.subscribe(reply.id, after)) as events:
-                async for event in events:
-                    yield event
+            async with contextlib.aclosing(self.log.subscribe_batches(reply.id, after, idle_s)) as batches:
+                async for batch in batches:
+                    yield batch
             return
         except ReplyNotFound:
             pass
         current = await self.store.get_reply(reply.id) or reply
         if current.finished:
-            async for event in self._from_store(current, after):
-                yield event
+            yield await self._from_store(current, after)
             return
         try:
             await self.service.restart(current)  # or another gateway just did: either way the log is back
         except NoReplica as exc:
-            yield FinalEvent(after + 1, "abort", ReplyState.STOPPED, error=f"cannot continue the reply: {exc}")
+            yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED, error=f"cannot continue the reply: {exc}")]
             return
         if not await self.log.exists(reply.id):
-            yield FinalEvent(after + 1, "abort", ReplyState.STOPPED,
-                             error="the reply's token log expired and it has no stored context to continue from")
+            yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED,
+                              error="the reply's token log expired and it has no stored context to continue from")]
             return
-        async with contextlib.aclosing(self.log.subscribe(reply.id, 0)) as events:
-            async for event in events:
-                yield event
+        async with contextlib.aclosing(self.log.subscribe_batches(reply.id, 0, idle_s)) as batches:
+            async for batch in batches:
+                yield batch
 
-    async def _from_store(self, reply: Reply, after: int) -> AsyncIterator[TokenEvent | FinalEvent | Snapshot]:
+    async def _from_store(self, reply: Reply, after: int) -> list[Item]:
         message = next((m for m in await self.store.list_messages(reply.conversation_id) if m.reply_id == reply.id), None)
         last = max(reply.last_event_id, 2)
         if after >= last:
-            return
+            return []
         text = message.text if message else ""
         token = TokenEvent(last - 1, text)
-        yield token if after == 0 else Snapshot(token)
         state = ReplyState(str(reply.state)) if reply.state.terminal else ReplyState.FINISHED
         reason = reply.finish_reason if reply.finish_reason in ("stop", "length", "content_filter") else "stop"
-        yield FinalEvent(
-            last,
-            reason,  # type: ignore[arg-type]
-            state,
-            message.prompt_tokens if message else 0,
-            message.cached_tokens if message else 0,
-            message.completion_tokens if message else 0,
-        )
+        return [
+            token if after == 0 else Snapshot(token),
+            FinalEvent(
+                last,
+                reason,  # type: ignore[arg-type]
+                state,
+                message.prompt_tokens if message else 0,
+                message.cached_tokens if message else 0,
+                message.completion_tokens if message else 0,
+            ),
+        ]
 
     # -- SSE ---------------------------------------------------------------------------------
 
     async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool,
                   on_final: OnFinal | None = None) -> AsyncIterator[bytes]:
         """SSE frames. Events that arrive together go out in one write: under load that is what
-        keeps a gateway's cost per event low. on_final runs at the final event, before [DONE]."""
+        keeps a gateway's cost per event low. Read in the response's own task, straight from the
+        token log's batches: no task or queue in between. A keepalive comment goes out after
+        KEEPALIVE_S without events. on_final runs at the final event, before [DONE]."""
         text: list[str] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         fast = FastChunks(view)
-        async with EventPump(self.events(reply, after), KEEPALIVE_S) as pump:
-            try:
-                async for batch in pump.batches():
+        try:
+            async with contextlib.aclosing(self.event_batches(reply, after, KEEPALIVE_S)) as batches:
+                async for batch in batches:
+                    if not batch:
+                        yield KEEPALIVE
+                        continue
                     out: list[bytes] = []
                     for event in batch:
-                        if event is None:
-                            out.append(KEEPALIVE)
-                        elif isinstance(event, FinalEvent):
+                        if isinstance(event, FinalEvent):
                             await self._save(reply.id, "".join(text) if after == 0 else None, event)
                             await _run(on_final, event)
                             out += self._final_frames(view, event, fresh, include_usage)
                             yield b"".join(out)
                             yield DONE
                             return
+                        token = event.event if isinstance(event, Snapshot) else event
+                        text.append(token.text)
+                        if fresh or isinstance(event, Snapshot):
+                            out.append(self._first_or_snapshot(view, event, fresh))
+                            fresh = False
                         else:
-                            token = event.event if isinstance(event, Snapshot) else event
-                            text.append(token.text)
-                            if fresh or isinstance(event, Snapshot):
-                                out.append(self._first_or_snapshot(view, event, fresh))
-                                fresh = False
-                            else:
-                                out.append(fast.token(token.n, token.text))
+                            out.append(fast.token(token.n, token.text))
                     yield b"".join(out)
-            except RelayError as exc:  # e.g. the log expired mid-stream: say so, end cleanly
-                yield frame({"error": {"message": str(exc), "type": "server_error", "param": None,
-                                       "code": "relay_error"}})
+        except RelayError as exc:  # e.g. the log expired mid-stream: say so, end cleanly
+            yield frame({"error": {"message": str(exc), "type": "server_error", "param": None,
+                                   "code": "relay_error"}})
         yield DONE
 
     def _first_or_snapshot(self, view: ReplyView, event: TokenEvent | Snapshot, fresh: bool) -> bytes:
@@ -269,12 +281,16 @@ class ReplyRelay:
         """Wait for the whole reply (the request counts as a listener meanwhile)."""
         text: list[str] = []
         final: FinalEvent | None = None
-        async for event in self.events(reply, 0):
-            if isinstance(event, FinalEvent):
-                final = event
-                break
-            token = event.event if isinstance(event, Snapshot) else event
-            text.append(token.text)
+        async with contextlib.aclosing(self.event_batches(reply, 0)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    if isinstance(event, FinalEvent):
+                        final = event
+                        break
+                    token = event.event if isinstance(event, Snapshot) else event
+                    text.append(token.text)
+                if final is not None:
+                    break
         if final is None:
             raise ApiError(503, "The reply ended without a final event.", code="generation_failed")
         await self._save(reply.id, "".join(text), final)
@@ -316,6 +332,58 @@ class ReplyRelay:
             log.warning("could not save reply %s at its end", reply_id, exc_info=True)
 
 
+class EventStream(Response):
+    """The SSE response, lean on the path every event takes.
+
+    Starlette's StreamingResponse writes from a task of its own in an anyio task group and, on a
+    client disconnect, cancels it through a cancel scope, which cancels every later await of the
+    body's cleanup too. Here the request's own task writes the body; a disconnect cancels it once,
+    plain asyncio, so the body's cleanup (recording that a listener left) can await. Body chunks go
+    to the send EdgeMiddleware kept (BODY_SEND), past the app's own send wrappers, which act on the
+    response start only; the start and the end go the whole way.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]) -> None:
+        self.body_iterator = body
+        self.status_code = 200
+        self.background = None
+        self.init_headers(headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body_send = scope.get("state", {}).get(BODY_SEND, send)
+        task = asyncio.current_task()
+        assert task is not None
+        streaming, gone = True, False
+
+        async def watch() -> None:
+            nonlocal gone
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            if streaming:  # (receive also says "disconnect" once the response is complete)
+                gone = True
+                task.cancel()
+
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async with contextlib.aclosing(self.body_iterator) as body:
+                async for chunk in body:
+                    await body_send({"type": "http.response.body", "body": chunk, "more_body": True})
+            streaming = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not gone:
+                raise
+            task.uncancel()  # the client left: that ends the response, not the request's task
+        finally:
+            streaming = False
+            watcher.cancel()
+        if self.background is not None:
+            await self.background()
+
+
 class FastChunks:
     """The plain token chunk, the one sent thousands of times a second, by string formatting: the
     parts that never change for a reply are serialized once."""
@@ -334,86 +402,6 @@ class FastChunks:
             ',"choices":[{"index":0,"delta":{"content":'
 
     def token(self, n: int, text: str) -> bytes:
-        content = json.dumps(text, ensure_ascii=False)
+        content = _json_string(text)
         return (f'id: {n}\ndata: {self._head}{content}}},"finish_reason":null,"logprobs":null,'
                 f'"checkpoint_id":"tok_{n}"}}]}}\n\n').encode()
-
-
-_END = object()
-
-
-class _Failed:
-    def __init__(self, error: BaseException) -> None:
-        self.error = error
-
-
-class EventPump:
-    """Reads an event source in a task of its own into a queue.
-
-    * The writer takes everything that has arrived at once (batches()), one write for many events.
-    * A timer puts None (a keepalive) in the queue when nothing came for keepalive_s.
-    * Leaving cancels the reader task, which then runs the source's cleanup (for Redis: recording
-      that this listener left) to the end. Inside a client disconnect the request's own cancel
-      scope would cancel every await again and cut that cleanup short.
-    """
-
-    def __init__(self, source: AsyncIterator[Any], keepalive_s: float) -> None:
-        self._source = source
-        self._keepalive_s = keepalive_s
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._task: asyncio.Task | None = None
-        self._timer: asyncio.TimerHandle | None = None
-        self._quiet = True  # nothing delivered since the last timer tick
-
-    async def __aenter__(self) -> EventPump:
-        self._task = asyncio.get_running_loop().create_task(self._read())
-        _pumps.add(self._task)
-        self._task.add_done_callback(_pumps.discard)
-        self._arm()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._task is not None:
-            self._task.cancel()  # not awaited, on purpose (see the class docstring)
-
-    async def _read(self) -> None:
-        try:
-            async for event in self._source:
-                self._queue.put_nowait(event)
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:  # handed to the writer, which decides what the client sees
-            self._queue.put_nowait(_Failed(exc))
-            return
-        self._queue.put_nowait(_END)
-
-    def _arm(self) -> None:
-        self._timer = asyncio.get_running_loop().call_later(self._keepalive_s, self._tick)
-
-    def _tick(self) -> None:
-        if self._quiet and self._queue.empty():
-            self._queue.put_nowait(None)
-        self._quiet = True
-        self._arm()
-
-    async def batches(self) -> AsyncIterator[list[Any]]:
-        while True:
-            batch = [await self._queue.get()]
-            while not self._queue.empty():
-                batch.append(self._queue.get_nowait())
-            self._quiet = False
-            for i, item in enumerate(batch):
-                if item is _END:
-                    if i:
-                        yield batch[:i]
-                    return
-                if isinstance(item, _Failed):
-                    if i:
-                        yield batch[:i]
-                    raise item.error
-            yield batch
-
-
-_pumps: set[asyncio.Task] = set()  # strong references: a running reader must not be collected

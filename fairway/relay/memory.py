@@ -11,12 +11,12 @@ import asyncio
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
-from fairway.relay.errors import EventOutOfOrder, ReplyFinished, ReplyNotFound
+from fairway.relay.errors import EventOutOfOrder, RelayError, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, with_n
 from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, check_after
 
@@ -99,10 +99,17 @@ class InProcessTokenLog(TokenLog):
         self._logs[reply_id] = self._open()
         return True
 
-    async def append(self, reply_id: str, event: TokenEvent) -> int:
-        if not isinstance(event, TokenEvent):
-            raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
-        return self._add(reply_id, event)
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
+        for _, event in items:
+            if not isinstance(event, TokenEvent):
+                raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+        results: list[int | Exception] = []
+        for reply_id, event in items:
+            try:
+                results.append(self._add(reply_id, event))
+            except RelayError as exc:
+                results.append(exc)
+        return results
 
     async def finish(self, reply_id: str, final: FinalEvent) -> int:
         if not isinstance(final, FinalEvent):
@@ -128,25 +135,31 @@ class InProcessTokenLog(TokenLog):
         check_after(reply_id, after, log.last_n, log.finished)
         return log.events[after:]
 
-    async def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
+    async def subscribe_batches(
+        self, reply_id: str, after: int = 0, idle_s: float | None = None
+    ) -> AsyncIterator[list[Event]]:
         log = self._require(reply_id)
         check_after(reply_id, after, log.last_n, log.finished)
         counted = log  # the object we counted on, even if the id's log expires and is recreated
         counted.listeners += 1
+        loop = asyncio.get_running_loop()
         try:
-            cursor = after
+            cursor, quiet_since = after, loop.time()
             while True:
                 batch = log.events[cursor:]
-                for event in batch:
-                    yield event
-                    cursor = event.n
-                    if isinstance(event, FinalEvent):
+                if batch:
+                    yield batch
+                    cursor, quiet_since = batch[-1].n, loop.time()
+                    if isinstance(batch[-1], FinalEvent):
                         return
-                if not batch:
-                    if log.finished:
-                        return  # the cursor is at the terminal event already: nothing will follow
-                    await self._wait(log.changed)
-                    log = self._require(reply_id)  # expired while we waited -> ReplyNotFound
+                    continue
+                if log.finished:
+                    return  # the cursor is at the terminal event already: nothing will follow
+                await self._wait(log.changed)
+                log = self._require(reply_id)  # expired while we waited -> ReplyNotFound
+                if idle_s is not None and loop.time() - quiet_since >= idle_s and not log.events[cursor:]:
+                    yield []
+                    quiet_since = loop.time()
         finally:
             counted.listeners -= 1
             counted.listened_at = time.time()

@@ -4,6 +4,7 @@ Layout (the {reply id} hash tag keeps a reply's keys in one Redis Cluster slot, 
 scripts below stay single-slot):
 
   {prefix}reply:{<id>}            Stream: header 0-1 from create(), event n at stream id n-0
+  {prefix}reply:{<id>}:live       shard channel: each event as it is appended (SPUBLISH)
   {prefix}reply:{<id>}:listeners  ZSET listener token -> heartbeat deadline (server time)
   {prefix}reply:{<id>}:listened   when a listener was last seen (server time)
   {prefix}reply:{<id>}:stop       stop flag
@@ -12,29 +13,34 @@ scripts below stay single-slot):
 
 Explicit stream ids make n the id: a replay "after n" is an exact range, and Redis itself rejects
 a second event n, so a duplicate can never be stored. Live events reach all of a process's
-subscribers through one shared blocking XREAD (_Tail), not one per subscriber. Every key carries a TTL refreshed by the
-writes that matter, so retention needs no sweeper.
+subscribers through one sharded Pub/Sub connection (redis_live.LiveEvents), the append script
+publishing each event in the same atomic step that logs it. Per-process batching keeps the
+round trips per event small: append_many() sends one engine step's events for all of a replica's
+replies in one pipeline, and the heartbeats of all of a gateway's listeners go in one pipeline
+per tick (_Heartbeats). Every key carries a TTL refreshed by the writes that matter, so retention
+needs no sweeper.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import aclosing, contextmanager, suppress
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Iterator, Sequence
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
+from fairway.relay.redis_live import LiveEvents, live_payload
 from fairway.relay.token_log import DEFAULT_TTL_S, LISTENER_STALE_S, TokenLog, check_after
 
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
@@ -52,27 +58,27 @@ return 1
 """
 )
 
-# KEYS: stream, listened. ARGV: n (0 = next), ttl_ms, kind, field/value pairs...
-# Atomic check-and-append: the numbering rule holds even with two producers racing (failover).
-_APPEND = (
-    _NOW
-    + """
+# KEYS: stream, listened, live channel. ARGV: n (0 = next), ttl_ms, live payload, kind,
+# field/value pairs... Atomic check-append-publish: the numbering rule holds even with two
+# producers racing (failover), and an event is published exactly when it is logged.
+_APPEND = """
 local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
 local last = 0
 if #top > 0 then
   last = tonumber(string.match(top[1][1], '^(%d+)-'))
   if top[1][2][2] == 'f' then return redis.error_reply('FAIRWAY_FINISHED ' .. last) end
 else
+  """ + _NOW + """
   redis.call('SET', KEYS[2], string.format('%.6f', now), 'PX', ARGV[2], 'NX')
 end
 local n = tonumber(ARGV[1])
 if n == 0 then n = last + 1 end
 if n ~= last + 1 then return redis.error_reply('FAIRWAY_ORDER ' .. last) end
-redis.call('XADD', KEYS[1], n .. '-0', 'k', ARGV[3], 'n', n, unpack(ARGV, 4))
+redis.call('XADD', KEYS[1], n .. '-0', 'k', ARGV[4], 'n', n, unpack(ARGV, 5))
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+redis.call('SPUBLISH', KEYS[3], n .. ' ' .. ARGV[3])
 return n
 """
-)
 
 # KEYS: listeners, listened. ARGV: token, ttl_ms, leaving ('1'/'0'), stale_s.
 # The score is the deadline for the next heartbeat, set by the listener's own process, so how
@@ -131,6 +137,12 @@ def _script_error(exc: ResponseError, reply_id: str, n: int) -> Exception:
     return exc
 
 
+def _raise_if_error(result: Any) -> Any:
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 def _n_of(entry_id: str) -> int:
     return int(entry_id.split("-", 1)[0])
 
@@ -139,61 +151,42 @@ def _events(entries: list[tuple[str, dict[str, str]]]) -> list[Event]:
     return [event_from_fields(fields) for _, fields in entries if fields.get("k") != "open"]
 
 
-@dataclass(eq=False)
-class _Subscriber:
-    key: str
-    cursor: int  # n of the last event handed to it
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # lists of events, or an exception
+class _Heartbeats:
+    """This process's listeners, as Redis counts them. Each joins and leaves with a call of its
+    own, so it is counted before its first event and uncounted as soon as it leaves; in between all
+    of them are refreshed together, one pipelined round trip per heartbeat_s, instead of a timer
+    and a round trip per listener."""
 
-
-class _Tail:
-    """Live events for every subscriber in this process: one blocking XREAD over all their streams
-    on a connection of its own, instead of one XREAD per subscriber per event. Under load one call
-    brings the events of many replies at once, so a gateway's Redis cost per event stays small.
-
-    A new subscriber interrupts the blocked XREAD (CLIENT UNBLOCK) so its stream is read from the
-    next call on. Multi-key XREAD needs one node: on Redis Cluster this would be one tail per node.
-    """
-
-    def __init__(self, make_client: Callable[[], aioredis.Redis], control: aioredis.Redis, block_ms: int) -> None:
-        self._make_client = make_client
-        self._control = control  # another connection, to send CLIENT UNBLOCK to this one
-        self._block_ms = block_ms
-        self._subscribers: dict[str, set[_Subscriber]] = {}
+    def __init__(self, log: RedisTokenLog, heartbeat_s: float) -> None:
+        self._log = log
+        self._heartbeat_s = heartbeat_s
+        self._listening: dict[str, str] = {}  # token -> reply id
         self._task: asyncio.Task | None = None
-        self._client_id: int | None = None
-        self._generation = 0  # bumped by every new subscriber
-        self._reading = -1  # the generation whose key set the XREAD in flight was built from
-        self._blocked = False
 
-    async def add(self, key: str, cursor: int) -> _Subscriber:
-        sub = _Subscriber(key, cursor)
-        self._subscribers.setdefault(key, set()).add(sub)
-        self._generation += 1
+    async def join(self, reply_id: str, token: str) -> None:
+        await self._log._beat([(reply_id, token)])
+        self._listening[token] = reply_id
         if self._task is None or self._task.done():
-            self._task = asyncio.create_task(self._run(), name="redis-token-log-tail")
-        else:
-            await self._wake(self._generation)
-        return sub
+            self._task = asyncio.create_task(self._run(), name="redis-token-log-heartbeats")
 
-    def remove(self, sub: _Subscriber) -> None:
-        subs = self._subscribers.get(sub.key)
-        if subs is not None:
-            subs.discard(sub)
-            if not subs:
-                del self._subscribers[sub.key]
+    async def leave(self, reply_id: str, token: str) -> None:
+        """Best effort (a stale heartbeat ages out anyway), in a task of its own: a caller that is
+        cancelled again meanwhile (a request's cancel scope at a client disconnect) cannot cut it short."""
+        self._listening.pop(token, None)
+        leaving = asyncio.ensure_future(self._leave(reply_id, token))
+        _leaving.add(leaving)
+        leaving.add_done_callback(_leaving.discard)
+        await asyncio.shield(leaving)
 
-    async def _wake(self, generation: int) -> None:
-        """Make sure the next XREAD includes the new stream: unblock the current one unless it was
-        already built with it. A few quick retries cover an XREAD still on its way to Redis."""
-        for _ in range(100):
-            if self._reading >= generation or self._client_id is None:
-                return
-            if self._blocked:
-                with _guard():
-                    if await self._control.client_unblock(self._client_id):
-                        return
-            await asyncio.sleep(0.001)
+    async def _leave(self, reply_id: str, token: str) -> None:
+        with suppress(Exception):
+            await self._log._beat([(reply_id, token)], leaving=True)
+
+    async def _run(self) -> None:
+        while self._listening:
+            await asyncio.sleep(self._heartbeat_s)
+            with suppress(RelayUnavailable):  # keep trying; the stream read reports the outage
+                await self._log._beat([(reply_id, token) for token, reply_id in self._listening.items()])
 
     async def close(self) -> None:
         if self._task is not None:
@@ -202,68 +195,8 @@ class _Tail:
                 await self._task
             self._task = None
 
-    async def _run(self) -> None:
-        client = self._make_client()
-        try:
-            self._client_id = int(await client.client_id())
-            while self._subscribers:
-                await self._read_once(client)
-        except (RedisConnectionError, RedisTimeoutError) as exc:
-            self._fail_all(RelayUnavailable(f"Redis unreachable: {exc}"))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # never leave subscribers waiting on a dead tail
-            self._fail_all(exc)
-        finally:
-            self._client_id = None
-            self._blocked = False
-            with suppress(Exception):
-                await client.aclose()
 
-    async def _read_once(self, client: aioredis.Redis) -> None:
-        self._reading = self._generation
-        cursors = {key: min(s.cursor for s in subs) for key, subs in self._subscribers.items()}
-        # "{n}-1" sorts after event n (id n-0) and, for n = 0, after the header entry 0-1.
-        streams = {key: f"{n}-1" for key, n in cursors.items()}
-        self._blocked = True
-        try:
-            result = await client.xread(streams, block=self._block_ms, count=512)
-        finally:
-            self._blocked = False
-        if not result:
-            await self._drop_expired(client, list(cursors))
-            return
-        for key, entries in result:
-            events = _events(entries)
-            for sub in list(self._subscribers.get(key, ())):
-                fresh = [e for e in events if e.n > sub.cursor]
-                # A subscriber that joined while this XREAD was in flight may be behind the cursor
-                # it was sent with: it gets nothing now, and the next XREAD starts from its cursor.
-                if fresh and fresh[0].n == sub.cursor + 1:
-                    sub.cursor = fresh[-1].n
-                    sub.inbox.put_nowait(fresh)
-
-    async def _drop_expired(self, client: aioredis.Redis, keys: list[str]) -> None:
-        """A quiet round: tell the subscribers of logs that expired meanwhile."""
-        async with client.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.exists(key)
-            exists = await pipe.execute()
-        for key, found in zip(keys, exists, strict=True):
-            if not found:
-                for sub in self._subscribers.pop(key, ()):
-                    sub.inbox.put_nowait(ReplyNotFound(_reply_id_of(key)))
-
-    def _fail_all(self, error: Exception) -> None:
-        for subs in self._subscribers.values():
-            for sub in subs:
-                sub.inbox.put_nowait(error)
-        self._subscribers.clear()
-
-
-def _reply_id_of(key: str) -> str:
-    return key[key.index("{") + 1 : key.rindex("}")]
-
+_leaving: set[asyncio.Task] = set()  # strong references: a leave in flight must not be collected
 
 class RedisTokenLog(TokenLog):
     def __init__(
@@ -277,15 +210,22 @@ class RedisTokenLog(TokenLog):
         listener_stale_s: float = LISTENER_STALE_S,
         connect_timeout_s: float = 2.0,
         control_maxlen: int = 100_000,
+        max_connections: int = 64,
     ) -> None:
         self.ttl_s = ttl_s
         self._prefix = prefix
-        self._block_ms = max(1, int(block_s * 1000))  # one XREAD/BLMPOP wait; loops re-check state
-        self._heartbeat_s = heartbeat_s
+        # One blocking XREAD/BLMPOP wait (loops re-check state), and how often live subscribers are
+        # checked for idleness (keepalives) and expired logs.
+        self._block_ms = max(1, int(block_s * 1000))
         self._stale_s = listener_stale_s
         self._control_maxlen = control_maxlen
-        self._r = aioredis.from_url(
+        # redis-py's default pool fails a command outright ("Too many connections") once 100 are in
+        # use, which a replica appending for hundreds of replies reaches in a burst. A blocking
+        # pool makes the burst queue for a connection instead, for at most one socket timeout.
+        pool = aioredis.BlockingConnectionPool.from_url(
             url,
+            max_connections=max_connections,
+            timeout=block_s + 5.0,
             decode_responses=True,
             socket_connect_timeout=connect_timeout_s,
             # Must outlive the longest blocking command, or blocked reads would look like outages.
@@ -293,17 +233,9 @@ class RedisTokenLog(TokenLog):
             # A couple of quick retries ride out a blip; beyond that callers get RelayUnavailable.
             retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2),
         )
-        def tail_client() -> aioredis.Redis:
-            # One connection, no retries: an XREAD that CLIENT UNBLOCK targets must stay on it.
-            return aioredis.from_url(
-                url,
-                decode_responses=True,
-                socket_connect_timeout=connect_timeout_s,
-                socket_timeout=block_s + 5.0,
-                single_connection_client=True,
-            )
-
-        self._tail_reader = _Tail(tail_client, self._r, self._block_ms)
+        self._r = aioredis.Redis.from_pool(pool)  # from_pool: aclose() closes the pool too
+        self._live = LiveEvents(pool, block_s, self._exist)
+        self._heartbeats = _Heartbeats(self, heartbeat_s)
         self._create = self._r.register_script(_CREATE)
         self._append = self._r.register_script(_APPEND)
         self._heartbeat = self._r.register_script(_HEARTBEAT)
@@ -332,8 +264,38 @@ class RedisTokenLog(TokenLog):
             await self._r.ping()
 
     async def close(self) -> None:
-        await self._tail_reader.close()
+        await self._heartbeats.close()
+        await self._live.close()
         await self._r.aclose()
+
+    async def _scripts(self, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        """Run script once per (keys, args), all in one pipelined round trip; a call that failed
+        has its error in its place. Reloads the script if Redis lost it (a restart, SCRIPT FLUSH):
+        such calls did not run, so running them again is safe."""
+        if not calls:
+            return []
+        results = await self._evalsha(script, calls)
+        lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+        if lost:
+            with _guard():
+                await self._r.script_load(script.script)
+            for i, result in zip(lost, await self._evalsha(script, [calls[i] for i in lost]), strict=True):
+                results[i] = result
+        return results
+
+    async def _evalsha(self, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        with _guard():
+            async with self._r.pipeline(transaction=False) as pipe:
+                for keys, args in calls:
+                    pipe.evalsha(script.sha, len(keys), *keys, *args)
+                return await pipe.execute(raise_on_error=False)
+
+    async def _exist(self, keys: list[str]) -> list[bool]:
+        with _guard():
+            async with self._r.pipeline(transaction=False) as pipe:
+                for key in keys:
+                    pipe.exists(key)
+                return [bool(found) for found in await pipe.execute()]
 
     # -- the log -----------------------------------------------------------------------------
 
@@ -342,27 +304,30 @@ class RedisTokenLog(TokenLog):
             keys = [self._key(reply_id), self._key(reply_id, "listened")]
             return bool(await self._create(keys=keys, args=[self._ttl_ms]))
 
-    async def append(self, reply_id: str, event: TokenEvent) -> int:
-        if not isinstance(event, TokenEvent):
-            raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
-        return await self._add(reply_id, event)
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
+        for _, event in items:
+            if not isinstance(event, TokenEvent):
+                raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+        return await self._add(items)
 
     async def finish(self, reply_id: str, final: FinalEvent) -> int:
         if not isinstance(final, FinalEvent):
             raise TypeError("finish() takes a FinalEvent")
-        return await self._add(reply_id, final)
+        return _raise_if_error((await self._add([(reply_id, final)]))[0])
 
-    async def _add(self, reply_id: str, event: Event) -> int:
-        fields = event.to_fields()
-        kind = fields.pop("k")
-        fields.pop("n")  # the script writes the n it assigned or validated
-        flat = [item for pair in fields.items() for item in pair]
-        keys = [self._key(reply_id), self._key(reply_id, "listened")]
-        with _guard():
-            try:
-                return int(await self._append(keys=keys, args=[event.n, self._ttl_ms, kind, *flat]))
-            except ResponseError as exc:
-                raise _script_error(exc, reply_id, event.n) from exc
+    async def _add(self, items: Sequence[tuple[str, Event]]) -> list[int | Exception]:
+        calls = []
+        for reply_id, event in items:
+            fields = event.to_fields()
+            payload = live_payload(event)
+            kind = fields.pop("k")
+            fields.pop("n")  # the script writes the n it assigned or validated
+            flat = [item for pair in fields.items() for item in pair]
+            keys = [self._key(reply_id), self._key(reply_id, "listened"), self._key(reply_id, "live")]
+            calls.append((keys, [event.n, self._ttl_ms, payload, kind, *flat]))
+        results = await self._scripts(self._append, calls)
+        return [_script_error(result, reply_id, event.n) if isinstance(result, ResponseError) else int(result)
+                for (reply_id, event), result in zip(items, results, strict=True)]
 
     async def _snapshot(self, reply_id: str, after: int) -> tuple[list[Event], bool]:
         """Validated events after `after` and whether the log has ended, read atomically
@@ -384,56 +349,46 @@ class RedisTokenLog(TokenLog):
         events, _ = await self._snapshot(reply_id, after)
         return events
 
-    async def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
-        replay, finished = await self._snapshot(reply_id, after)
-        if finished and not replay:
-            return  # the cursor is at the terminal event already: nothing will follow
-        token = uuid.uuid4().hex
-        await self._beat(reply_id, token)  # counted before the first event is handed out
-        beating = asyncio.create_task(self._keep_beating(reply_id, token))
+    async def subscribe_batches(
+        self, reply_id: str, after: int = 0, idle_s: float | None = None
+    ) -> AsyncIterator[list[Event]]:
+        # Subscribed before the log is read: every event is in the replay or heard live (or both).
+        sub = await self._live.add(self._key(reply_id), self._key(reply_id, "live"), idle_s)
         try:
-            cursor = after
-            for event in replay:
-                yield event
-                cursor = event.n
-                if isinstance(event, FinalEvent):
-                    return
-            async with aclosing(self._tail(reply_id, cursor)) as live:
-                async for event in live:
-                    yield event
-                    if isinstance(event, FinalEvent):
-                        return
+            replay, finished = await self._snapshot(reply_id, after)
+            if finished and not replay:
+                return  # the cursor is at the terminal event already: nothing will follow
+            token = uuid.uuid4().hex
+            await self._heartbeats.join(reply_id, token)  # counted before the first event is handed out
+            try:
+                cursor, batch = after, replay
+                while True:
+                    fresh = batch
+                    if batch and (batch[0].n != cursor + 1 or batch[-1].n != cursor + len(batch)):
+                        fresh = [event for event in batch if event.n > cursor]  # the replay may hold the first live ones
+                        if fresh and fresh[-1].n - cursor != len(fresh):
+                            fresh = await self.read(reply_id, cursor)  # a gap (a lost message): the log has it all
+                    if fresh:
+                        yield fresh
+                        cursor = fresh[-1].n
+                        if isinstance(fresh[-1], FinalEvent):
+                            return
+                    batch = await sub.next_batch()
+                    if not batch:
+                        yield []  # idle_s without events
+            finally:
+                await self._heartbeats.leave(reply_id, token)
         finally:
-            beating.cancel()
-            with suppress(Exception):  # best effort: a stale heartbeat ages out anyway
-                await self._beat(reply_id, token, leaving=True)
+            self._live.remove(sub)
 
-    async def _tail(self, reply_id: str, cursor: int) -> AsyncIterator[Event]:
-        """Live events after n = cursor, from the shared tail. The stream id cursor makes the
-        replay->live seam exact."""
-        sub = await self._tail_reader.add(self._key(reply_id), cursor)
-        try:
-            while True:
-                batch = await sub.inbox.get()
-                if isinstance(batch, Exception):
-                    raise batch
-                for event in batch:
-                    yield event
-        finally:
-            self._tail_reader.remove(sub)
-
-    async def _beat(self, reply_id: str, token: str, leaving: bool = False) -> None:
-        keys = [self._key(reply_id, "listeners"), self._key(reply_id, "listened")]
-        with _guard():
-            await self._heartbeat(
-                keys=keys, args=[token, self._ttl_ms, "1" if leaving else "0", self._stale_s]
-            )
-
-    async def _keep_beating(self, reply_id: str, token: str) -> None:
-        while True:
-            await asyncio.sleep(self._heartbeat_s)
-            with suppress(RelayUnavailable):  # keep trying; the stream read reports the outage
-                await self._beat(reply_id, token)
+    async def _beat(self, listeners: list[tuple[str, str]], leaving: bool = False) -> None:
+        """Heartbeats of (reply id, token) listeners, one round trip for all."""
+        flag = "1" if leaving else "0"
+        await self._scripts(self._heartbeat, [
+            ([self._key(reply_id, "listeners"), self._key(reply_id, "listened")],
+             [token, self._ttl_ms, flag, self._stale_s])
+            for reply_id, token in listeners
+        ])
 
     async def exists(self, reply_id: str) -> bool:
         with _guard():
@@ -448,11 +403,16 @@ class RedisTokenLog(TokenLog):
 
     # -- listeners ---------------------------------------------------------------------------
 
+    async def _listener_states(self, reply_ids: Sequence[str]) -> list[tuple[int, float | None, float, bool]]:
+        calls = [([self._key(r, "listeners"), self._key(r, "listened"), self._key(r)], []) for r in reply_ids]
+        states = []
+        for result in await self._scripts(self._listeners, calls):
+            count, listened, now, exists = _raise_if_error(result)
+            states.append((int(count), float(listened) if listened else None, float(now), bool(exists)))
+        return states
+
     async def _listener_state(self, reply_id: str) -> tuple[int, float | None, float, bool]:
-        keys = [self._key(reply_id, "listeners"), self._key(reply_id, "listened"), self._key(reply_id)]
-        with _guard():
-            count, listened, now, exists = await self._listeners(keys=keys, args=[])
-        return int(count), float(listened) if listened else None, float(now), bool(exists)
+        return (await self._listener_states([reply_id]))[0]
 
     async def listener_count(self, reply_id: str) -> int:
         count, _, _, exists = await self._listener_state(reply_id)
@@ -465,10 +425,11 @@ class RedisTokenLog(TokenLog):
         return now if count else listened
 
     async def listener_idle_s(self, reply_id: str) -> float | None:
-        count, listened, now, exists = await self._listener_state(reply_id)
-        if not exists or listened is None:
-            return None
-        return 0.0 if count else max(0.0, now - listened)
+        return (await self.listener_idle_many([reply_id]))[0]
+
+    async def listener_idle_many(self, reply_ids: Sequence[str]) -> list[float | None]:
+        return [None if not exists or listened is None else 0.0 if count else max(0.0, now - listened)
+                for count, listened, now, exists in await self._listener_states(reply_ids)]
 
     # -- control -----------------------------------------------------------------------------
 

@@ -2,20 +2,24 @@
 
 The flow it serves (design seed "Wi-Fi drops at token 212, then Stop at 260"):
 
-* the gateway create()s the reply's log, submits the job, then subscribe()s;
-* the replica append()s token n = 1, 2, 3, ... and finally finish()es with the terminal event;
+* the gateway create()s the reply's log, submits the job, then subscribe()s (its SSE writer uses
+  subscribe_batches(): the events that arrived together, and empty batches for keepalives);
+* the replica append()s token n = 1, 2, 3, ... (append_many(): one step's tokens of all its
+  replies at once) and finally finish()es with the terminal event;
 * a client that reconnects anywhere with Last-Event-ID 212 gets subscribe(after=212): 213
   onwards from the log at once, then live, with no gap and no repeat;
 * Stop at any gateway is request_stop(); the replica owning the reply sees it through
   watch_stops() (or stop_requested()) and finishes with state STOPPED, keeping the text;
 * every subscriber counts as a listener while it iterates; when listener_idle_s() passes 30 s
-  the replica cancels the reply ("nobody is listening").
+  the replica cancels the reply ("nobody is listening"), checking all its replies at once with
+  listener_idle_many().
 """
 
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
 
 from fairway.relay.bus import ReplyBus
 from fairway.relay.errors import EventIdOutOfRange
@@ -48,11 +52,21 @@ class TokenLog(ReplyBus):
         """Open an empty log so subscribers can attach before the first token; also starts the
         listener idle clock. Returns False (and changes nothing) if the log already exists."""
 
-    @abstractmethod
     async def append(self, reply_id: str, event: TokenEvent) -> int:
         """Append one token event and return its n. event.n == 0 takes the next number; any other
         n must be exactly last+1 (EventOutOfOrder otherwise, so a duplicate or zombie producer
         cannot corrupt the log). Creates the log if missing; ReplyFinished after finish()."""
+        result = (await self.append_many([(reply_id, event)]))[0]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    @abstractmethod
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
+        """append() for many (reply id, event) pairs at once, in one round trip where the backend
+        has them: a replica appends one engine step's tokens for all its replies together. Each
+        pair's n, or the relay error append() would have raised for it, in its place; an outage
+        (RelayUnavailable) raises for all of them."""
 
     @abstractmethod
     async def finish(self, reply_id: str, final: FinalEvent) -> int:
@@ -63,12 +77,23 @@ class TokenLog(ReplyBus):
         """Every event with n > after, right now. ReplyNotFound for an unknown/expired reply,
         EventIdOutOfRange when after is past the end of a finished reply."""
 
-    @abstractmethod
-    def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
+    async def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
         """Events with n > after: the logged ones at once, then live, ending after the terminal
         event. Same errors as read(), raised on the first iteration. The subscriber counts as a
         listener while it iterates; wrap it in contextlib.aclosing() so leaving is recorded at
         once rather than at garbage collection."""
+        async with aclosing(self.subscribe_batches(reply_id, after)) as batches:
+            async for batch in batches:
+                for event in batch:
+                    yield event
+
+    @abstractmethod
+    def subscribe_batches(
+        self, reply_id: str, after: int = 0, idle_s: float | None = None
+    ) -> AsyncIterator[list[Event]]:
+        """subscribe() as the batches the events arrive in (the replay is one), so a writer can
+        send all that came together at once. With idle_s, an empty batch after each idle_s (give
+        or take a second) without events, for keepalives."""
 
     @abstractmethod
     async def exists(self, reply_id: str) -> bool:
@@ -93,6 +118,10 @@ class TokenLog(ReplyBus):
     async def listener_idle_s(self, reply_id: str) -> float | None:
         """Seconds nobody has been listening: 0.0 while someone does. Measured on one clock (the
         Redis server's for Redis), so the replica's "30 s" is immune to skew between machines."""
+
+    async def listener_idle_many(self, reply_ids: Sequence[str]) -> list[float | None]:
+        """listener_idle_s() of each reply (one round trip for all where the backend has them)."""
+        return [await self.listener_idle_s(reply_id) for reply_id in reply_ids]
 
     # -- control -----------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""The replica worker: claims jobs, runs them on the engine, writes each token to the token log.
+"""The replica worker: claims jobs, runs them on the engine, writes each token to the token log
+(the tokens of all its replies from one engine step together, in one round trip).
 
 Per reply it also honours Stop (from any gateway, through the token log's stop requests) and
 cancels replies nobody has listened to for idle_cancel_s. Either way the engine drops the
@@ -41,6 +42,51 @@ class ReplicaSettings:
     max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
 
 
+class _Appender:
+    """Appends from all of this replica's replies that come in the same loop iteration (one
+    engine step's tokens) go to the token log together, in one round trip (append_many),
+    instead of a round trip per token."""
+
+    def __init__(self, token_log: TokenLog) -> None:
+        self._log = token_log
+        self._pending: list[tuple[str, TokenEvent, asyncio.Future[int]]] = []
+        self._writes: set[asyncio.Task] = set()  # strong references to batches in flight
+
+    async def append(self, reply_id: str, event: TokenEvent) -> int:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[int] = loop.create_future()
+        self._pending.append((reply_id, event, done))
+        if len(self._pending) == 1:
+            loop.call_soon(self._flush)  # after the replies woken with this one have appended too
+        return await done
+
+    def _flush(self) -> None:
+        batch, self._pending = self._pending, []
+        task = asyncio.get_running_loop().create_task(self._write(batch))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write(self, batch: list[tuple[str, TokenEvent, asyncio.Future[int]]]) -> None:
+        try:
+            results = await self._log.append_many([(reply_id, event) for reply_id, event, _ in batch])
+        except Exception as exc:  # an outage fails every append of the batch
+            for _, _, done in batch:
+                if not done.done():
+                    done.set_exception(exc)
+            return
+        except BaseException:  # cancelled (shutdown): so are the appends waiting for it
+            for _, _, done in batch:
+                done.cancel()
+            raise
+        for (_, _, done), result in zip(batch, results, strict=True):
+            if done.done():
+                continue  # its reply was cancelled meanwhile
+            if isinstance(result, Exception):
+                done.set_exception(result)
+            else:
+                done.set_result(result)
+
+
 @dataclass
 class _Running:
     job: GenerationJob
@@ -62,6 +108,7 @@ class ReplicaWorker:
         self.settings = settings
         self.queue = replica_queue(settings.replica_id)
         self._running: dict[str, _Running] = {}
+        self._appender = _Appender(token_log)
         self._capacity = asyncio.Semaphore(settings.max_inflight)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
@@ -150,11 +197,12 @@ class ReplicaWorker:
     async def _idle_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.idle_check_s)
-            for reply_id in list(self._running):
-                try:
-                    idle = await self.log.listener_idle_s(reply_id)
-                except RelayError:
-                    continue
+            reply_ids = list(self._running)
+            try:
+                idles = await self.log.listener_idle_many(reply_ids)  # one round trip for all
+            except RelayError:
+                continue
+            for reply_id, idle in zip(reply_ids, idles, strict=True):
                 if idle is not None and idle >= self.settings.idle_cancel_s:
                     log.info("reply %s: nobody listening for %.0f s, cancelling", reply_id, idle)
                     self._cancel(reply_id, "idle")
@@ -242,7 +290,7 @@ class ReplicaWorker:
         # An explicit n: a second producer of this reply (a duplicate job) fails instead of
         # interleaving tokens into the same log.
         event = TokenEvent(running.events + 1, out.text, ids)
-        running.events = await self.log.append(running.job.reply_id, event)
+        running.events = await self._appender.append(running.job.reply_id, event)
         running.text.append(out.text)
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:

@@ -1,0 +1,293 @@
+"""Live events for the Redis token log: one sharded Pub/Sub connection per process.
+
+The append script logs each event in its reply's stream and, in the same atomic step, publishes
+it (SPUBLISH) on the reply's channel. A subscriber subscribes first and reads the log after
+Redis confirmed the subscription, so every event is in what it read or in what it hears, and the
+replay->live seam is exact (duplicates are dropped by n; a gap, which only a lost connection
+could cause, is filled from the log).
+
+Pub/Sub costs Redis O(1) per event and this process one parsed message per event, however many
+replies it follows; a shared blocking XREAD has to name every followed stream on every call,
+which at thousands of streams costs both sides more than the events themselves. Channels carry
+the reply's hash tag, so on Redis Cluster a reply's channel lives in its stream's slot; there
+this would be one connection per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections import deque
+from collections.abc import Awaitable, Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+
+from redis.asyncio.connection import AbstractConnection, ConnectionPool
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from fairway.relay.errors import RelayUnavailable, ReplyNotFound
+from fairway.relay.events import Event, TokenEvent, event_from_fields
+
+_IDS_END = "\x1f"  # never in a list of token ids, so the text after it may hold anything
+
+
+def live_payload(event: Event) -> str:
+    """What the append script publishes after "<n> " (n, which the script may only assign then,
+    is not in it). A token, the event sent thousands of times a second, as "t<ids>\\x1f<text>",
+    which takes no JSON to read; the final event as "f" + its fields in JSON."""
+    if isinstance(event, TokenEvent):
+        return f"t{','.join(map(str, event.token_ids))}{_IDS_END}{event.text}"
+    fields = event.to_fields()
+    del fields["n"]
+    return "f" + json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
+
+
+def event_from_live(message: str) -> Event:
+    n, _, payload = message.partition(" ")
+    if payload[0] == "t":
+        ids, _, text = payload[1:].partition(_IDS_END)
+        return TokenEvent(int(n), text, [int(i) for i in ids.split(",")] if ids else [])
+    fields = json.loads(payload[1:])
+    fields["n"] = n
+    return event_from_fields(fields)
+
+
+def reply_id_of(key: str) -> str:
+    return key[key.index("{") + 1 : key.rindex("}")]
+
+
+@dataclass(eq=False)
+class LiveSubscriber:
+    """One subscription of this process: its reply's live events, in publish order."""
+
+    channel: str
+    idle_s: float | None  # next_batch() returns [] after this long without events
+    quiet_since: float  # loop time of its last batch (or of joining)
+    inbox: list[Event] = field(default_factory=list)
+    error: Exception | None = None
+    waiter: asyncio.Future[None] | None = None
+
+    def deliver(self, event: Event) -> None:
+        self.inbox.append(event)
+        self.wake()
+
+    def fail(self, error: Exception) -> None:
+        self.error = error
+        self.wake()
+
+    def wake(self) -> None:
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    def idle(self, now: float) -> bool:
+        return self.idle_s is not None and now - self.quiet_since >= self.idle_s
+
+    async def next_batch(self) -> list[Event]:
+        """Everything heard since the last call, waiting for at least one event; [] once idle_s
+        passed without any (LiveEvents' sweep wakes it for that)."""
+        loop = asyncio.get_running_loop()
+        while not self.inbox:
+            if self.error is not None:
+                raise self.error
+            if self.idle(loop.time()):
+                self.quiet_since = loop.time()
+                return []
+            self.waiter = loop.create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        batch, self.inbox = self.inbox, []
+        self.quiet_since = loop.time()
+        return batch
+
+
+@dataclass(eq=False)
+class _Channel:
+    key: str  # the reply's stream, checked for expiry while the channel is quiet
+    ready: asyncio.Future[None]  # Redis confirmed the subscription
+    subscribers: set[LiveSubscriber] = field(default_factory=set)
+    heard: bool = False  # a message came since the last sweep
+
+
+Exists = Callable[[list[str]], Awaitable[list[bool]]]
+
+
+class LiveEvents:
+    """Fans a process's one Pub/Sub connection out to its subscribers.
+
+    Subscribing and unsubscribing are batched: the commands of one loop iteration go out in one
+    write. Every sweep_s a sweep wakes subscribers idle for their idle_s (keepalives) and, for
+    channels quiet since the last sweep, checks that the log still exists: subscribers of an
+    expired log get ReplyNotFound. A lost connection fails every subscriber with RelayUnavailable
+    (they would have missed events); the next subscription connects afresh.
+    """
+
+    def __init__(self, pool: ConnectionPool, sweep_s: float, exists: Exists) -> None:
+        self._pool = pool
+        self._sweep_s = sweep_s
+        self._exists = exists
+        self._channels: dict[str, _Channel] = {}
+        self._confirming: dict[str, deque[asyncio.Future[None]]] = {}  # per channel, in sending order
+        self._outbox: list[tuple[str, str]] = []
+        self._flushing: asyncio.Task | None = None
+        self._conn: AbstractConnection | None = None
+        self._connecting = asyncio.Lock()
+        self._tasks: list[asyncio.Task] = []  # the reader and the sweep of the current connection
+
+    async def add(self, key: str, channel: str, idle_s: float | None) -> LiveSubscriber:
+        """A subscriber of channel (the live side of stream key), once Redis confirmed it."""
+        await self._connection()
+        loop = asyncio.get_running_loop()
+        sub = LiveSubscriber(channel, idle_s, loop.time())
+        entry = self._channels.get(channel)
+        if entry is None:
+            entry = self._channels[channel] = _Channel(key, loop.create_future())
+            self._confirming.setdefault(channel, deque()).append(entry.ready)
+            self._send("SSUBSCRIBE", channel)
+        entry.subscribers.add(sub)
+        try:
+            await asyncio.shield(entry.ready)  # shared: one subscriber giving up must not cancel it
+        except BaseException:
+            self.remove(sub)
+            raise
+        return sub
+
+    def remove(self, sub: LiveSubscriber) -> None:
+        entry = self._channels.get(sub.channel)
+        if entry is None or sub not in entry.subscribers:
+            return
+        entry.subscribers.discard(sub)
+        if not entry.subscribers:
+            del self._channels[sub.channel]
+            self._send("SUNSUBSCRIBE", sub.channel)
+
+    async def close(self) -> None:
+        conn = self._fail_all(RelayUnavailable("the token log was closed"))
+        if conn is not None:
+            with suppress(Exception):
+                await conn.disconnect()
+
+    # -- the connection ----------------------------------------------------------------------
+
+    async def _connection(self) -> AbstractConnection:
+        if self._conn is not None:
+            return self._conn
+        async with self._connecting:
+            if self._conn is None:
+                # Its own connection: a subscribed one takes no other commands. RESP2, where messages
+                # are plain arrays: RESP3 pushes go through redis-py's push handlers, which format
+                # every message for a debug log.
+                conn = self._pool.connection_class(**{**self._pool.connection_kwargs, "protocol": 2})
+                try:
+                    await conn.connect()
+                except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                    raise RelayUnavailable(f"Redis unreachable: {exc}") from exc
+                self._conn = conn
+                self._tasks = [asyncio.create_task(self._read(conn), name="redis-token-log-live"),
+                               asyncio.create_task(self._sweep(), name="redis-token-log-sweep")]
+        assert self._conn is not None
+        return self._conn
+
+    def _send(self, command: str, channel: str) -> None:
+        if self._conn is None:
+            return  # failed meanwhile: nothing is subscribed any more
+        self._outbox.append((command, channel))
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+
+    async def _flush(self) -> None:
+        try:
+            while self._outbox and self._conn is not None:
+                conn, commands, self._outbox = self._conn, self._outbox, []
+                await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            self._failed(RelayUnavailable(f"Redis unreachable: {exc}"))
+        finally:
+            self._flushing = None
+
+    async def _read(self, conn: AbstractConnection) -> None:
+        try:
+            while True:
+                self._on_message(await conn.read_response(timeout=math.inf))
+        except asyncio.CancelledError:
+            raise
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            self._failed(RelayUnavailable(f"Redis unreachable: {exc}"))
+        except Exception as exc:  # e.g. a Redis without sharded Pub/Sub (< 7.0); never leave subscribers waiting
+            self._failed(RelayUnavailable(f"live events failed: {exc!r}"))
+
+    def _on_message(self, message: list[str]) -> None:
+        kind, channel = message[0], message[1]
+        if kind == "smessage":
+            entry = self._channels.get(channel)
+            if entry is not None:
+                entry.heard = True
+                event = event_from_live(message[2])
+                for sub in entry.subscribers:
+                    sub.deliver(event)
+        elif kind == "ssubscribe":
+            waiting = self._confirming.get(channel)
+            if waiting:
+                ready = waiting.popleft()
+                if not waiting:
+                    del self._confirming[channel]
+                if not ready.done():
+                    ready.set_result(None)
+
+    async def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._sweep_s)
+            now = loop.time()
+            quiet: list[tuple[str, _Channel]] = []
+            for name, entry in self._channels.items():
+                for sub in entry.subscribers:
+                    if sub.idle(now):
+                        sub.wake()
+                if not entry.heard:
+                    quiet.append((name, entry))
+                entry.heard = False
+            if quiet:
+                with suppress(RelayUnavailable):  # the reader reports outages
+                    found = await self._exists([entry.key for _, entry in quiet])
+                    for (name, entry), exists in zip(quiet, found, strict=True):
+                        if not exists and self._channels.get(name) is entry:
+                            self._drop(name, entry, ReplyNotFound(reply_id_of(entry.key)))
+
+    def _drop(self, name: str, entry: _Channel, error: Exception) -> None:
+        del self._channels[name]
+        for sub in entry.subscribers:
+            sub.fail(error)
+        self._send("SUNSUBSCRIBE", name)
+
+    def _failed(self, error: Exception) -> None:
+        conn = self._fail_all(error)
+        if conn is not None:
+            task = asyncio.get_running_loop().create_task(conn.disconnect(nowait=True))
+            _closing.add(task)
+            task.add_done_callback(_closing.discard)
+
+    def _fail_all(self, error: Exception) -> AbstractConnection | None:
+        """Fail every subscriber and forget the connection, which the caller closes."""
+        conn, self._conn = self._conn, None
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._tasks = []
+        for entry in self._channels.values():
+            if not entry.ready.done():
+                entry.ready.set_exception(error)
+                entry.ready.exception()  # retrieved: nobody else may be waiting for it
+            for sub in entry.subscribers:
+                sub.fail(error)
+        self._channels.clear()
+        self._confirming.clear()
+        self._outbox.clear()
+        return conn
+
+
+_closing: set[asyncio.Task] = set()  # strong references to disconnects in flight
