@@ -509,3 +509,16 @@ def test_bad_url() -> None:
     with pytest.raises(ValueError):
         make_limits("http://nope", LimitsConfig())
     assert isinstance(make_limits("memory://").tokens._counter, InProcessWindow)
+
+
+async def test_a_burst_beyond_the_pool_waits_for_a_connection_instead_of_failing():
+    """redis-py's default pool refuses commands past its size; ours queues them (real Redis)."""
+    from fairway.limits import _redis
+
+    client = _redis.connect(REDIS_URL, max_connections=2)
+    try:
+        results = await asyncio.gather(*(client.incr(f"fairway-test:burst:{i % 3}") for i in range(60)))
+        assert len(results) == 60
+    finally:
+        await client.delete(*(f"fairway-test:burst:{i}" for i in range(3)))
+        await client.aclose()

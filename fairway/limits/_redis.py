@@ -14,19 +14,18 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.limits.errors import LimitsUnavailable
+from fairway.redis_pool import redis_client
 
 Redis = aioredis.Redis
 
 
-def connect(url: str, *, connect_timeout_s: float = 0.5, socket_timeout_s: float = 1.0) -> Redis:
-    return aioredis.from_url(
-        url,
-        decode_responses=True,
-        socket_connect_timeout=connect_timeout_s,
-        socket_timeout=socket_timeout_s,
-        # One quick retry rides out a blip; beyond that the caller gets LimitsUnavailable.
-        retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1),
-    )
+def connect(url: str, *, connect_timeout_s: float = 0.5, socket_timeout_s: float = 1.0,
+            max_connections: int = 64) -> Redis:
+    # A burst of admissions queues for a connection (at most one socket timeout) instead of failing.
+    return redis_client(url, max_connections=max_connections, wait_s=socket_timeout_s,
+                        connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
+                        # One quick retry rides out a blip; beyond that the caller gets LimitsUnavailable.
+                        retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1))
 
 
 @contextmanager

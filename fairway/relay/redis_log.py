@@ -29,7 +29,6 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
-import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
@@ -37,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fairway.redis_pool import redis_client
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
@@ -219,21 +219,17 @@ class RedisTokenLog(TokenLog):
         self._block_ms = max(1, int(block_s * 1000))
         self._stale_s = listener_stale_s
         self._control_maxlen = control_maxlen
-        # redis-py's default pool fails a command outright ("Too many connections") once 100 are in
-        # use, which a replica appending for hundreds of replies reaches in a burst. A blocking
-        # pool makes the burst queue for a connection instead, for at most one socket timeout.
-        pool = aioredis.BlockingConnectionPool.from_url(
+        self._r = redis_client(
             url,
             max_connections=max_connections,
-            timeout=block_s + 5.0,
-            decode_responses=True,
-            socket_connect_timeout=connect_timeout_s,
+            wait_s=block_s + 5.0,
+            connect_timeout_s=connect_timeout_s,
             # Must outlive the longest blocking command, or blocked reads would look like outages.
-            socket_timeout=block_s + 5.0,
+            socket_timeout_s=block_s + 5.0,
             # A couple of quick retries ride out a blip; beyond that callers get RelayUnavailable.
             retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2),
         )
-        self._r = aioredis.Redis.from_pool(pool)  # from_pool: aclose() closes the pool too
+        pool = self._r.connection_pool
         self._live = LiveEvents(pool, block_s, self._exist)
         self._heartbeats = _Heartbeats(self, heartbeat_s)
         self._create = self._r.register_script(_CREATE)
