@@ -19,7 +19,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     greedy, plain, filtered = _kinds(seqs, logits.shape[-1], logits.device.type == "cpu")
     for rows, pick in ((greedy, _argmax), (plain, _sample_native), (filtered, _sample_filtered)):
         if rows:
-            tokens = pick(logits[torch.tensor(rows)], [seqs[i] for i in rows])
+            # All rows of one kind (the usual batch) need no gathered copy of the logits.
+            chosen = logits if len(rows) == len(seqs) else logits[torch.tensor(rows)]
+            tokens = pick(chosen, [seqs[i] for i in rows])
             for i, token in zip(rows, tokens.tolist(), strict=True):
                 out[i] = token
     return out
