@@ -348,7 +348,7 @@ class EventStream(Response):
     def __init__(self, body: AsyncIterator[bytes], headers: dict[str, str]) -> None:
         self.body_iterator = body
         self.status_code = 200
-        self.background = None
+        self.background = None  # Response's interface; nothing runs after the stream
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -380,8 +380,6 @@ class EventStream(Response):
         finally:
             streaming = False
             watcher.cancel()
-        if self.background is not None:
-            await self.background()
 
 
 class FastChunks:

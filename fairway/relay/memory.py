@@ -18,7 +18,7 @@ from typing import Any
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayError, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, with_n
-from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, check_after
+from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, check_after, check_token_events
 
 
 def _new_signal() -> asyncio.Event:
@@ -100,9 +100,7 @@ class InProcessTokenLog(TokenLog):
         return True
 
     async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
-        for _, event in items:
-            if not isinstance(event, TokenEvent):
-                raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+        check_token_events(items)
         results: list[int | Exception] = []
         for reply_id, event in items:
             try:

@@ -41,7 +41,14 @@ from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decod
 from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
 from fairway.relay.redis_live import LiveEvents, live_payload
-from fairway.relay.token_log import DEFAULT_TTL_S, LISTENER_STALE_S, TokenLog, check_after
+from fairway.relay.token_log import (
+    DEFAULT_TTL_S,
+    LISTENER_STALE_S,
+    TokenLog,
+    check_after,
+    check_token_events,
+    raise_if_error,
+)
 
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
@@ -135,12 +142,6 @@ def _script_error(exc: ResponseError, reply_id: str, n: int) -> Exception:
     if code == "FAIRWAY_ORDER":
         return EventOutOfOrder(reply_id, n, int(last))
     return exc
-
-
-def _raise_if_error(result: Any) -> Any:
-    if isinstance(result, Exception):
-        raise result
-    return result
 
 
 def _n_of(entry_id: str) -> int:
@@ -301,15 +302,13 @@ class RedisTokenLog(TokenLog):
             return bool(await self._create(keys=keys, args=[self._ttl_ms]))
 
     async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
-        for _, event in items:
-            if not isinstance(event, TokenEvent):
-                raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+        check_token_events(items)
         return await self._add(items)
 
     async def finish(self, reply_id: str, final: FinalEvent) -> int:
         if not isinstance(final, FinalEvent):
             raise TypeError("finish() takes a FinalEvent")
-        return _raise_if_error((await self._add([(reply_id, final)]))[0])
+        return raise_if_error((await self._add([(reply_id, final)]))[0])
 
     async def _add(self, items: Sequence[tuple[str, Event]]) -> list[int | Exception]:
         calls = []
@@ -403,7 +402,7 @@ class RedisTokenLog(TokenLog):
         calls = [([self._key(r, "listeners"), self._key(r, "listened"), self._key(r)], []) for r in reply_ids]
         states = []
         for result in await self._scripts(self._listeners, calls):
-            count, listened, now, exists = _raise_if_error(result)
+            count, listened, now, exists = raise_if_error(result)
             states.append((int(count), float(listened) if listened else None, float(now), bool(exists)))
         return states
 

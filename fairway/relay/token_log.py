@@ -20,6 +20,7 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
+from typing import TypeVar
 
 from fairway.relay.bus import ReplyBus
 from fairway.relay.errors import EventIdOutOfRange
@@ -27,6 +28,9 @@ from fairway.relay.events import Event, FinalEvent, TokenEvent
 
 DEFAULT_TTL_S = 1800.0  # 30 minutes: long enough for any reconnect, short enough to stay small
 LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for this long is gone
+
+
+T = TypeVar("T")
 
 
 def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
@@ -38,6 +42,20 @@ def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
         raise ValueError(f"after must be >= 0, got {after}")
     if finished and after > last_n:
         raise EventIdOutOfRange(reply_id, after, last_n)
+
+
+def check_token_events(items: Sequence[tuple[str, TokenEvent]]) -> None:
+    """append_many() takes token events only: the terminal event goes through finish()."""
+    for _, event in items:
+        if not isinstance(event, TokenEvent):
+            raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+
+
+def raise_if_error(result: T | Exception) -> T:
+    """One result of a batched call (append_many()'s, say): the value, or its error raised."""
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 class TokenLog(ReplyBus):
@@ -56,10 +74,7 @@ class TokenLog(ReplyBus):
         """Append one token event and return its n. event.n == 0 takes the next number; any other
         n must be exactly last+1 (EventOutOfOrder otherwise, so a duplicate or zombie producer
         cannot corrupt the log). Creates the log if missing; ReplyFinished after finish()."""
-        result = (await self.append_many([(reply_id, event)]))[0]
-        if isinstance(result, Exception):
-            raise result
-        return result
+        return raise_if_error((await self.append_many([(reply_id, event)]))[0])
 
     @abstractmethod
     async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
