@@ -140,7 +140,9 @@ def _stack_options(args: argparse.Namespace):
 def _serve_app(app, args: argparse.Namespace) -> int:
     import uvicorn
 
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    from fairway.gateway.http_protocol import server_config
+
+    uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5)).run()
     return 0
 
 

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import uvicorn
 
+from fairway.gateway.http_protocol import server_config
+
 MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-user-1"
 OTHER_KEY = "sk-test-user-2"
@@ -34,7 +36,7 @@ class ThreadServer:
     def __init__(self, app: Any, port: int | None = None) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
+        config = server_config(app, "127.0.0.1", self.port, "warning", lifespan="on")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="test-uvicorn", daemon=True)
         self.loop: asyncio.AbstractEventLoop | None = None

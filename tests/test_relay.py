@@ -288,6 +288,48 @@ async def test_subscribe_batches_and_keepalives(backend: Backend) -> None:
     assert [] in batches[batches.index(next(b for b in batches if b)) :]
 
 
+async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_refuses(backend: Backend) -> None:
+    """The gateway's fast path: while the subscriber waits, the backend may hand token events to
+    `direct` instead of yielding them. Together, what direct took and what was yielded are every
+    event once, in order; a refused event (a paused connection) and everything after it until the
+    iterator waits again come through the iterator; the final event always does."""
+    gateway, replica, r = backend.open(), backend.open(), rid()
+    await replica.create(r)
+    await replica.append(r, TokenEvent(1, "replayed", [1]))
+    order: list[tuple[str, int]] = []  # ("direct" | "yielded", n) in the order the consumer saw them
+    refuse = {6, 7}
+
+    def direct(event: TokenEvent) -> bool:
+        if event.n in refuse:
+            return False
+        order.append(("direct", event.n))
+        return True
+
+    async def listen() -> None:
+        async with aclosing(gateway.subscribe_batches(r, 0, None, direct)) as stream:
+            async for batch in stream:
+                order.extend(("yielded", e.n) for e in batch)
+                if batch and isinstance(batch[-1], FinalEvent):
+                    return
+
+    task = asyncio.create_task(listen())
+    await asyncio.sleep(0.2)
+    total = 12
+    for n in range(2, total + 1):  # one event per "engine step", as a replica sends them
+        await replica.append_many([(r, TokenEvent(n, f"<{n}>", [n]))])
+        await asyncio.sleep(0.02)
+    await replica.finish(r, final(completion_tokens=total))
+    await asyncio.wait_for(task, 5)
+    assert [n for _, n in order] == list(range(1, total + 2))
+    kinds = dict((n, kind) for kind, n in order)
+    assert kinds[1] == "yielded" and kinds[total + 1] == "yielded"  # the replay, and the final event
+    assert kinds[6] == "yielded" and kinds[7] == "yielded"  # refused: the iterator has them
+    if backend.kind == "redis":
+        assert {n for n, kind in kinds.items() if kind == "direct"} >= set(range(2, 6)) | set(range(9, total + 1))
+    else:  # the in-process backend yields everything
+        assert set(kinds.values()) == {"yielded"}
+
+
 async def test_a_log_that_expires_under_a_subscriber_ends_it_with_not_found(backend: Backend) -> None:
     log, r = backend.open(ttl_s=0.5, **quick(backend)), rid()
     await log.create(r)

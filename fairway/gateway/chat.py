@@ -28,6 +28,7 @@ from fairway.gateway.auth import authenticate
 from fairway.gateway.context import GatewayContext, gateway
 from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
 from fairway.gateway.errors import ApiError, invalid, not_found, unavailable
+from fairway.gateway.http_protocol import write_now_of
 from fairway.gateway.keys import Principal
 from fairway.gateway.quotas import check_max_tokens, denied_error, guarded, overloaded_error
 from fairway.gateway.schemas import ChatCompletionRequest, chat_messages, max_tokens_of, parse_chat, sampling
@@ -228,7 +229,7 @@ async def chat_completions(request: Request) -> Any:
         return JSONResponse(await gw.relay.complete(reply, view, on_final), headers=headers)
     await gw.relay.check_after(reply, after)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = gw.relay.sse(reply, view, after, include_usage, on_final)
+    stream = gw.relay.sse(reply, view, after, include_usage, on_final, write_now_of(request.scope))
     streams = metrics.ACTIVE_STREAMS.labels(body.model)
     streams.inc()
     add_cleanup(request, streams.dec)

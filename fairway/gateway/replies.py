@@ -15,6 +15,7 @@ from fairway.gateway.chat import SSE_HEADERS
 from fairway.gateway.context import GatewayContext, gateway
 from fairway.gateway.edge import add_cleanup
 from fairway.gateway.errors import invalid, not_found
+from fairway.gateway.http_protocol import write_now_of
 from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.relay import ReplyNotFound
 from fairway.usage import metrics
@@ -47,7 +48,7 @@ async def stream_reply(reply_id: str, request: Request) -> EventStream:
     await gw.relay.check_after(reply, after)
     include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
     view = ReplyView.of(reply)
-    stream = gw.relay.sse(reply, view, after, include_usage)
+    stream = gw.relay.sse(reply, view, after, include_usage, write_now=write_now_of(request.scope))
     streams = metrics.ACTIVE_STREAMS.labels(view.model)
     streams.inc()
     add_cleanup(request, streams.dec)

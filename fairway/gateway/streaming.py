@@ -27,6 +27,7 @@ from fairway.conversation.recorder import save_final, save_from_log
 from fairway.conversation.service import ConversationService
 from fairway.gateway.edge import BODY_SEND
 from fairway.gateway.errors import ApiError, not_found
+from fairway.gateway.http_protocol import WriteNow
 from fairway.relay import (
     EventIdOutOfRange,
     FinalEvent,
@@ -35,6 +36,7 @@ from fairway.relay import (
     ReplyState,
     TokenEvent,
     TokenLog,
+    TokenSink,
 )
 from fairway.router import NoReplica
 
@@ -147,12 +149,14 @@ class ReplyRelay:
 
     # -- events ------------------------------------------------------------------------------
 
-    async def event_batches(self, reply: Reply, after: int, idle_s: float | None = None) -> AsyncIterator[list[Item]]:
+    async def event_batches(self, reply: Reply, after: int, idle_s: float | None = None,
+                            direct: TokenSink | None = None) -> AsyncIterator[list[Item]]:
         """The reply's events after `after`, in the batches they arrive in: from its token log, or,
         once the log has expired, from the store (finished) or from a restart on its stored context
-        (unfinished). With idle_s, an empty batch whenever that long passed without events."""
+        (unfinished). With idle_s, an empty batch whenever that long passed without events. direct
+        goes to the token log (TokenLog.subscribe_batches)."""
         try:
-            async with contextlib.aclosing(self.log.subscribe_batches(reply.id, after, idle_s)) as batches:
+            async with contextlib.aclosing(self.log.subscribe_batches(reply.id, after, idle_s, direct)) as batches:
                 async for batch in batches:
                     yield batch
             return
@@ -171,7 +175,7 @@ class ReplyRelay:
             yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED,
                               error="the reply's token log expired and it has no stored context to continue from")]
             return
-        async with contextlib.aclosing(self.log.subscribe_batches(reply.id, 0, idle_s)) as batches:
+        async with contextlib.aclosing(self.log.subscribe_batches(reply.id, 0, idle_s, direct)) as batches:
             async for batch in batches:
                 yield batch
 
@@ -199,16 +203,26 @@ class ReplyRelay:
     # -- SSE ---------------------------------------------------------------------------------
 
     async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool,
-                  on_final: OnFinal | None = None) -> AsyncIterator[bytes]:
+                  on_final: OnFinal | None = None, write_now: WriteNow | None = None) -> AsyncIterator[bytes]:
         """SSE frames. Events that arrive together go out in one write: under load that is what
         keeps a gateway's cost per event low. Read in the response's own task, straight from the
-        token log's batches: no task or queue in between. A keepalive comment goes out after
+        token log's batches: no task or queue in between. With write_now (the server's, see
+        http_protocol), a plain token chunk that arrives while this waits is written from the
+        token log's callback, with no task wake at all. A keepalive comment goes out after
         KEEPALIVE_S without events. on_final runs at the final event, before [DONE]."""
         text: list[str] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         fast = FastChunks(view)
+
+        def direct(event: TokenEvent) -> bool:
+            if fresh or write_now is None or not write_now(fast.token(event.n, event.text)):
+                return False
+            text.append(event.text)
+            return True
+
         try:
-            async with contextlib.aclosing(self.event_batches(reply, after, KEEPALIVE_S)) as batches:
+            async with contextlib.aclosing(self.event_batches(reply, after, KEEPALIVE_S,
+                                                              direct if write_now else None)) as batches:
                 async for batch in batches:
                     if not batch:
                         yield KEEPALIVE

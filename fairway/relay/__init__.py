@@ -28,7 +28,7 @@ from fairway.relay.events import (
     event_from_fields,
 )
 from fairway.relay.memory import InProcessTokenLog
-from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog
+from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink
 
 
 def make_token_log(url: str | None = None, **options: Any) -> TokenLog:
@@ -67,6 +67,7 @@ __all__ = [
     "ReplyState",
     "TokenEvent",
     "TokenLog",
+    "TokenSink",
     "event_from_fields",
     "make_token_log",
 ]

@@ -18,7 +18,7 @@ from typing import Any
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayError, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, with_n
-from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, check_after, check_token_events
+from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink, check_after, check_token_events
 
 
 def _new_signal() -> asyncio.Event:
@@ -134,8 +134,9 @@ class InProcessTokenLog(TokenLog):
         return log.events[after:]
 
     async def subscribe_batches(
-        self, reply_id: str, after: int = 0, idle_s: float | None = None
+        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None
     ) -> AsyncIterator[list[Event]]:
+        # direct is not used: one process serves a few streams, for which a task wake is cheap.
         log = self._require(reply_id)
         check_after(reply_id, after, log.last_n, log.finished)
         counted = log  # the object we counted on, even if the id's log expires and is recreated

@@ -29,6 +29,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.relay.errors import RelayUnavailable, ReplyNotFound
 from fairway.relay.events import Event, TokenEvent, event_from_fields
+from fairway.relay.token_log import TokenSink
+
+try:  # what redis-py's hiredis reader returns when it has no whole message buffered
+    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
+except ImportError:  # pragma: no cover - another redis-py: one read_response() per message
+    _NOT_ENOUGH_DATA = None
 
 _IDS_END = "\x1f"  # never in a list of token ids, so the text after it may hold anything
 
@@ -68,8 +74,17 @@ class LiveSubscriber:
     inbox: list[Event] = field(default_factory=list)
     error: Exception | None = None
     waiter: asyncio.Future[None] | None = None
+    cursor: int = 0  # n of the last event handed out, by its iterator or to direct
+    direct: TokenSink | None = None  # takes the next token event while the iterator waits (see TokenLog)
 
-    def deliver(self, event: Event) -> None:
+    def deliver(self, event: Event, now: float) -> None:
+        # The fast path, taken by nearly every event of a busy stream: its consumer waits with
+        # nothing pending, so direct may write this one now, without a task wake.
+        if (self.direct is not None and self.waiter is not None and not self.waiter.done()
+                and type(event) is TokenEvent and event.n == self.cursor + 1 and self.direct(event)):
+            self.cursor = event.n
+            self.quiet_since = now
+            return
         self.inbox.append(event)
         self.wake()
 
@@ -209,9 +224,20 @@ class LiveEvents:
             self._flushing = None
 
     async def _read(self, conn: AbstractConnection) -> None:
+        loop = asyncio.get_running_loop()
+        # One socket read brings hundreds of messages under load. read_response() waits for data
+        # and returns one, through three coroutine layers; the rest, already parsed by hiredis, are
+        # taken straight from its reader (redis-py's, private: without it, one call per message).
+        buffered = getattr(getattr(getattr(conn, "_parser", None), "_reader", None), "gets", None)
+        if _NOT_ENOUGH_DATA is None:
+            buffered = None
         try:
             while True:
-                self._on_message(await conn.read_response(timeout=math.inf))
+                self._on_message(await conn.read_response(timeout=math.inf), loop)
+                while buffered is not None and (message := buffered()) is not _NOT_ENOUGH_DATA:
+                    if isinstance(message, Exception):
+                        raise message
+                    self._on_message(message, loop)
         except asyncio.CancelledError:
             raise
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -219,15 +245,16 @@ class LiveEvents:
         except Exception as exc:  # e.g. a Redis without sharded Pub/Sub (< 7.0); never leave subscribers waiting
             self._failed(RelayUnavailable(f"live events failed: {exc!r}"))
 
-    def _on_message(self, message: list[str]) -> None:
+    def _on_message(self, message: list[str], loop: asyncio.AbstractEventLoop) -> None:
         kind, channel = message[0], message[1]
         if kind == "smessage":
             entry = self._channels.get(channel)
             if entry is not None:
                 entry.heard = True
                 event = event_from_live(message[2])
+                now = loop.time()
                 for sub in entry.subscribers:
-                    sub.deliver(event)
+                    sub.deliver(event, now)
         elif kind == "ssubscribe":
             waiting = self._confirming.get(channel)
             if waiting:

@@ -45,6 +45,7 @@ from fairway.relay.token_log import (
     DEFAULT_TTL_S,
     LISTENER_STALE_S,
     TokenLog,
+    TokenSink,
     check_after,
     check_token_events,
     raise_if_error,
@@ -345,7 +346,7 @@ class RedisTokenLog(TokenLog):
         return events
 
     async def subscribe_batches(
-        self, reply_id: str, after: int = 0, idle_s: float | None = None
+        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None
     ) -> AsyncIterator[list[Event]]:
         # Subscribed before the log is read: every event is in the replay or heard live (or both).
         sub = await self._live.add(self._key(reply_id), self._key(reply_id, "live"), idle_s)
@@ -356,16 +357,18 @@ class RedisTokenLog(TokenLog):
             token = uuid.uuid4().hex
             await self._heartbeats.join(reply_id, token)  # counted before the first event is handed out
             try:
-                cursor, batch = after, replay
+                sub.cursor, batch = after, replay
+                sub.direct = direct  # (only called while next_batch() waits)
                 while True:
+                    cursor = sub.cursor  # direct may have taken events since the last batch
                     fresh = batch
                     if batch and (batch[0].n != cursor + 1 or batch[-1].n != cursor + len(batch)):
                         fresh = [event for event in batch if event.n > cursor]  # the replay may hold the first live ones
                         if fresh and fresh[-1].n - cursor != len(fresh):
                             fresh = await self.read(reply_id, cursor)  # a gap (a lost message): the log has it all
                     if fresh:
+                        sub.cursor = fresh[-1].n
                         yield fresh
-                        cursor = fresh[-1].n
                         if isinstance(fresh[-1], FinalEvent):
                             return
                     batch = await sub.next_batch()

@@ -18,7 +18,7 @@ The flow it serves (design seed "Wi-Fi drops at token 212, then Stop at 260"):
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import TypeVar
 
@@ -31,6 +31,11 @@ LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for thi
 
 
 T = TypeVar("T")
+
+# A subscriber's synchronous fast path: takes the next token event (n = one past the last it took or
+# was yielded) and returns True, or returns False when it cannot take it now; the event is then
+# yielded as usual, and so is everything after it until the iterator waits again.
+TokenSink = Callable[[TokenEvent], bool]
 
 
 def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
@@ -104,11 +109,16 @@ class TokenLog(ReplyBus):
 
     @abstractmethod
     def subscribe_batches(
-        self, reply_id: str, after: int = 0, idle_s: float | None = None
+        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None
     ) -> AsyncIterator[list[Event]]:
         """subscribe() as the batches the events arrive in (the replay is one), so a writer can
         send all that came together at once. With idle_s, an empty batch after each idle_s (give
-        or take a second) without events, for keepalives."""
+        or take a second) without events, for keepalives.
+
+        With direct, the backend may hand a token event to it, in order, instead of yielding it:
+        only while the iterator is waiting for events (its consumer has dealt with everything
+        before), from the callback where the event arrives. That spares the consumer's task a wake
+        per event (Redis backend; the in-process one yields everything)."""
 
     @abstractmethod
     async def exists(self, reply_id: str) -> bool:

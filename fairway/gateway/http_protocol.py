@@ -1,0 +1,56 @@
+"""The gateway's HTTP server protocol: uvicorn's httptools protocol, plus one way to write a
+streamed body chunk without a task.
+
+An SSE stream's events arrive in the token log's live-event callback. Handing each to the
+stream's task (wake it, resume its generators, await the ASGI send) costs several times more
+CPU than writing it, and at thousands of streams a gateway process spends most of its time
+there. So each request's scope carries WRITE_NOW: a plain function that writes one body chunk of
+its response straight to the connection when that is what the awaited ASGI send would do at once
+(response started, chunked, not finished, not paused by flow control, client still there), and
+otherwise returns False, leaving the chunk to the awaited send. Both write to the same transport
+in the order they are called, so a stream may mix them as long as it never calls WRITE_NOW while
+its own send is in progress (streaming.ReplyRelay.sse only does while its task waits for events).
+
+It reads uvicorn's RequestResponseCycle state (uvicorn is pinned); a server without this
+protocol gives no WRITE_NOW, and streams then write everything through their task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+WRITE_NOW = "fairway.write_now"  # key in scope["extensions"]
+
+WriteNow = Callable[[bytes], bool]
+
+
+def write_now_of(scope: dict[str, Any]) -> WriteNow | None:
+    return scope.get("extensions", {}).get(WRITE_NOW)
+
+
+def _write_now(cycle: RequestResponseCycle) -> WriteNow:
+    def write_now(body: bytes) -> bool:
+        if (cycle.disconnected or cycle.flow.write_paused or not cycle.response_started
+                or cycle.response_complete or not cycle.chunked_encoding):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))  # one HTTP/1.1 chunk, as send() frames it
+        return True
+
+    return write_now
+
+
+class GatewayHttpProtocol(HttpToolsProtocol):
+    def on_headers_complete(self) -> None:
+        cycle = self.cycle
+        super().on_headers_complete()
+        if self.cycle is not cycle:  # a request starts (not an upgrade): its scope gets WRITE_NOW
+            self.cycle.scope.setdefault("extensions", {})[WRITE_NOW] = _write_now(self.cycle)  # type: ignore[index]
+
+
+def server_config(app: Any, host: str, port: int, log_level: str, **options: Any) -> uvicorn.Config:
+    """How Fairway serves an ASGI app (the CLI and the tests alike): with this protocol."""
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=GatewayHttpProtocol, **options)
