@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -46,7 +47,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -368,10 +369,46 @@ async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[
     }
 
 
+PG_SERVER = os.environ.get("FAIRWAY_BENCH_PG", "postgresql://postgres@127.0.0.1:5432")
+
+
+@contextlib.asynccontextmanager
+async def gateway_database(choice: str, workdir: Path) -> AsyncIterator[str]:
+    """The gateway's store: "postgres" (the default), a fresh database on PG_SERVER, which is what
+    a gateway at scale uses, dropped afterwards (a temporary SQLite if that server is not there);
+    "sqlite", a temporary SQLite file; anything else, that URL as it is."""
+    if choice == "sqlite":
+        yield f"sqlite:///{workdir}/relay.db"
+        return
+    if choice != "postgres":
+        yield choice
+        return
+    import asyncpg
+
+    name = f"fairway_bench_{uuid.uuid4().hex[:10]}"
+    try:
+        admin = await asyncpg.connect(f"{PG_SERVER}/postgres", timeout=5)
+    except (OSError, asyncpg.PostgresError) as exc:
+        print(f"  (PostgreSQL at {PG_SERVER} unreachable: {exc}; the gateway uses SQLite)", flush=True)
+        yield f"sqlite:///{workdir}/relay.db"
+        return
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        yield f"{PG_SERVER}/{name}"
+    finally:
+        await admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        await admin.close()
+
+
 async def bench_relay(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    async with gateway_database(args.database, workdir) as database:
+        result = await relay_levels(args, workdir, database)
+    return {"store": database.split(":", 1)[0], **result}
+
+
+async def relay_levels(args: argparse.Namespace, workdir: Path, database: str) -> dict[str, Any]:
     namespace = f"bench:{uuid.uuid4().hex[:8]}:"
     port = free_port()
-    database = args.database or f"sqlite:///{workdir}/relay.db"
     API_KEY["value"] = create_key(database)
     procs = [spawn(["bench/relay.py", "synthetic-replica", "--redis", args.redis, "--namespace", namespace],
                    workdir / f"producer{i}.log") for i in range(args.producers)]
@@ -551,7 +588,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--part", choices=["relay", "model", "both"], default="both")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--redis", default=os.environ.get("FAIRWAY_REDIS_URL", "redis://127.0.0.1:6379/14"))
-    parser.add_argument("--database", default=None, help="store URL for the gateway (default: a temporary SQLite)")
+    parser.add_argument("--database", default="postgres",
+                        help="the relay gateway's store: postgres (a temporary database on FAIRWAY_BENCH_PG, the "
+                             "default), sqlite (a temporary file) or a URL")
     parser.add_argument("--producers", type=int, default=2, help="synthetic replica processes")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per stream at each N")
     parser.add_argument("--max-streams", type=int, default=3000)

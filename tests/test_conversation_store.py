@@ -312,6 +312,26 @@ async def test_messages_are_hash_partitioned_on_postgres(store: SqlConversationS
     assert used > 1
 
 
+async def test_connections_the_server_closed_are_replaced_without_failing_a_request(
+    store: SqlConversationStore, pg_database: str | None
+) -> None:
+    """PostgreSQL restarted, or killed idle connections: the pool still holds them, and the next
+    requests get new ones instead of an error (checked at checkout, without a round trip)."""
+    if store._dialect != "postgresql":
+        pytest.skip("pooled server connections are PostgreSQL only")
+    conv = await store.create_conversation("u1", "paid", "m")
+    # Hold several connections at once so the pool keeps more than one.
+    await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)))
+    assert pg_database is not None
+    name = pg_database.rsplit("/", 1)[1]
+    await pg_admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}' "
+                   "AND pid <> pg_backend_pid() AND application_name = ''")
+    await asyncio.sleep(0.3)  # the closed sockets reach the pooled connections
+    for _ in range(6):
+        assert (await store.get_conversation(conv.id, "u1")) is not None
+    await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)))
+
+
 def test_database_urls(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert database_url("postgresql://root@db/x") == "postgresql+asyncpg://root@db/x"
     assert database_url("postgres://root@db/x") == "postgresql+asyncpg://root@db/x"
