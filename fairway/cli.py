@@ -142,8 +142,9 @@ def _serve_app(app, args: argparse.Namespace) -> int:
 
     from fairway.gateway.http_protocol import server_config
 
-    uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5)).run()
-    return 0
+    server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
+    server.run()
+    return 0 if server.started else 3  # 3: did not start (e.g. the port is taken), as uvicorn.run() exits
 
 
 DEV_USER = "dev"

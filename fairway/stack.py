@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable
@@ -98,12 +97,23 @@ class Background:
 
         return hook
 
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Cancel every task, again and again until it ends: a cancellation can be lost inside a
+        library (Python 3.11's asyncio.timeout turns one that meets its deadline into a TimeoutError,
+        which redis-py retries), and the process must still shut down. One that outlives timeout_s
+        is left behind with a warning."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        pending = {task for task in self._tasks if not task.done()}
+        while pending and loop.time() < deadline:
+            for task in pending:
+                task.cancel()
+            _, pending = await asyncio.wait(pending, timeout=min(0.5, max(deadline - loop.time(), 0.01)))
         for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            if task.done() and not task.cancelled():
+                task.exception()  # retrieved: an error at shutdown is not worth a traceback
+        for task in pending:
+            log.warning("background task %s did not stop within %.0f s", task.get_name(), timeout_s)
         self._tasks.clear()
 
 
