@@ -74,7 +74,11 @@ def _upgrade_to_head(connection: Connection) -> None:
 def _engine_options(url: str) -> dict[str, Any]:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite":
-        return {}  # liveness: _replace_closed at checkout
+        # A gateway runs hundreds of requests at once, each checking out a connection several
+        # times. SQLAlchemy's default pool keeps 5 and closes up to 10 more on return, so bursts
+        # keep opening PostgreSQL connections; 20 stay open here. Liveness is checked at checkout
+        # (_replace_closed).
+        return {"pool_size": 20, "max_overflow": 20}
     if parsed.database in (None, "", ":memory:"):
         # Each connection to :memory: is its own empty database: share one connection.
         return {"poolclass": StaticPool}

@@ -6,7 +6,7 @@ the engine's SamplingParams; the replica builds and validates those (a gateway i
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 from fairway.relay import Lane
@@ -28,7 +28,10 @@ class GenerationJob:
     submitted_at: float = 0.0  # wall clock (epoch s) when the gateway submitted it: TTFT counts from here
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # A copy, of plain data. (dataclasses.asdict deep-copies the prompt's token ids one by one:
+        # ~60 us a call, twice per chat request.)
+        return {**vars(self), "prompt_token_ids": list(self.prompt_token_ids),
+                "sampling": {k: list(v) if isinstance(v, list) else v for k, v in self.sampling.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationJob:
