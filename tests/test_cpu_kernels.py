@@ -303,9 +303,11 @@ def test_bf16_linear_same_result_with_one_thread_and_several():
 
 
 @needs_bf16_kernel
-def test_packed_linear_uses_the_kernel_for_bf16_and_onednn_otherwise():
+def test_packed_linear_uses_the_kernel_for_bf16_and_onednn_otherwise(monkeypatch):
+    from fairway.models import packed_linear
     from fairway.models.packed_linear import PackedLinear
 
+    monkeypatch.setattr(packed_linear, "amx_available", lambda: False)  # (the AMX case: the next test)
     x, weight = bf16_case(5, 96, 64)
     layer = PackedLinear(weight)
     assert layer.native is bf16_kernel and not hasattr(layer, "packed")  # no second copy of the weight
@@ -315,6 +317,25 @@ def test_packed_linear_uses_the_kernel_for_bf16_and_onednn_otherwise():
     torch.testing.assert_close(odd(x[:, :63]).float(), torch.nn.functional.linear(x[:, :63].float(),
                                weight[:, :63].float()), rtol=2 ** -7, atol=1e-3)
     assert PackedLinear(weight.float()).native is None
+
+
+@needs_bf16_kernel
+def test_on_an_amx_cpu_the_kernel_takes_few_rows_and_onednn_the_rest(monkeypatch):
+    from fairway.models import packed_linear
+
+    if not packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no oneDNN bf16 on this CPU")
+    monkeypatch.setattr(packed_linear, "amx_available", lambda: True)  # (what this CPU has does not matter)
+    _, weight = bf16_case(1, 96, 64)
+    layer = packed_linear.PackedLinear(weight)
+    assert layer.native is bf16_kernel and hasattr(layer, "packed") and hasattr(layer, "panels")
+    calls: list[int] = []
+    native = layer.native
+    monkeypatch.setattr(layer, "native", lambda x, panels, out: calls.append(x.shape[0]) or native(x, panels, out))
+    for rows in (1, packed_linear.NATIVE_ROWS_WITH_AMX, packed_linear.NATIVE_ROWS_WITH_AMX + 1, 64):
+        x, _ = bf16_case(rows, 96, 64)
+        assert_bf16_linear_close(layer(x), x, weight)
+    assert calls == [1, packed_linear.NATIVE_ROWS_WITH_AMX]  # the larger batches went to oneDNN
 
 
 def test_packed_linear_falls_back_to_onednn_without_the_kernel(monkeypatch):

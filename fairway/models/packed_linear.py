@@ -9,8 +9,14 @@ bf16 weights on a CPU with AVX512-BF16 go instead to the native kernel (cpu_kern
 csrc/bf16_linear.c), packed into 16-column panels (~0.2 s for the whole model). It beat oneDNN at
 every row count measured (2 Zen 4 cores, the 121 linears of a SmolLM2-135M step): 1 row 14-17 ->
 8.7-10 ms, 16 rows 19-20 -> 12.6-13.5 ms, 64 rows 52 -> 43 ms, 128 rows 96-99 -> 89-94 ms, 512 rows
-(the scheduler's prefill budget) 359-390 -> 342-364 ms, 1024 rows 751 -> 719 ms; so it takes every
-row count and the layer keeps no oneDNN copy of the weight.
+(the scheduler's prefill budget) 359-390 -> 342-364 ms, 1024 rows 751 -> 719 ms; so there it takes
+every row count and the layer keeps no oneDNN copy of the weight.
+
+A CPU with AMX is different: oneDNN multiplies bf16 on its tile units. On 2 Sapphire Rapids cores,
+the 211 linears of a step (distinct weights, as in the model): 1 row native 17.3 vs oneDNN 22.7 ms,
+8 rows 21.8 vs 25.2, 16 rows 31.4 vs 23.9, 64 rows 101 vs 31, 512 rows 823 vs 152 ms. There the
+layer keeps both copies (twice the weight memory) and gives the native kernel up to
+NATIVE_ROWS_WITH_AMX rows, oneDNN the rest.
 """
 
 from __future__ import annotations
@@ -23,6 +29,13 @@ from fairway.models.precision import cpu_half_matmul_supported
 
 # oneDNN picks its blocking for this many rows; measured best for both M=1 and M=512 here.
 _BATCH_HINT = 64
+# On an AMX CPU, the most rows the native kernel takes (crossover measured between 8 and 16).
+NATIVE_ROWS_WITH_AMX = 8
+
+
+def amx_available() -> bool:
+    """Whether oneDNN can multiply bf16 on AMX tiles here (Intel Sapphire Rapids and later)."""
+    return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
 # Up to this many rows the bf16 copy (when there is one) beats the packed float32 weights: measured
 # on 30 distinct 3072x576 weights (DRAM-bound, as in decode), 1 row 8.9 vs 20 ms, 8 rows 20 vs 26 ms.
 SKINNY_ROWS = SKINNY_MAX_ROWS
@@ -44,10 +57,14 @@ class PackedLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.native, self.skinny = None, None
+        self.native_max_rows: int | None = None  # None: the native kernel takes every row count
         kernel = bf16_linear() if weight.dtype == torch.bfloat16 else None
         if kernel is not None and kernel.supports(self.in_features):
-            self.native = kernel  # faster than oneDNN at every row count: no oneDNN copy is kept
+            self.native = kernel
             self.register_buffer("panels", kernel.pack(weight), persistent=False)
+            if amx_available():  # oneDNN on AMX wins above a few rows: keep its copy too
+                self.native_max_rows = NATIVE_ROWS_WITH_AMX
+                self._pack_for_onednn(weight, False)
         else:
             self._pack_for_onednn(weight, bf16_copy)
 
@@ -60,7 +77,8 @@ class PackedLinear(nn.Module):
             self.register_buffer("weight_bf16", weight.detach().to(torch.bfloat16).contiguous(), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native is not None:
+        if self.native is not None and (self.native_max_rows is None
+                                        or x.numel() <= self.native_max_rows * self.in_features):
             return self.native(x, self.panels, self.out_features)
         if self.skinny is not None and x.dim() == 2 and x.shape[0] <= SKINNY_ROWS:
             return self.skinny(x.contiguous(), self.weight_bf16)
