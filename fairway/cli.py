@@ -143,7 +143,8 @@ def _serve_app(app, args: argparse.Namespace) -> int:
     from fairway.gateway.http_protocol import server_config
 
     server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
-    server.run()
+    with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn re-raises it once shut down
+        server.run()
     return 0 if server.started else 3  # 3: did not start (e.g. the port is taken), as uvicorn.run() exits
 
 
