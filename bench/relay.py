@@ -1,7 +1,8 @@
 """The streaming path under load: how many SSE streams one gateway process relays, and what the
 real model feels like through `fairway serve`.
 
-Part 1, relay (Redis backend, real HTTP): synthetic replica processes stand in for the model and
+Part 1, relay (Redis backend, real HTTP; the gateway's store a temporary PostgreSQL database, as at
+scale, or `--database sqlite`): synthetic replica processes stand in for the model and
 emit tokens at a fixed rate (30 tokens/s per reply), each token's text being the moment it was
 produced. They step like a real engine: every 1/30 s one token for each of their replies, which
 the replica worker appends in one pipelined round trip. N concurrent chat streams go through ONE
