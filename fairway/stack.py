@@ -99,9 +99,9 @@ class Background:
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Cancel every task, again and again until it ends: a cancellation can be lost inside a
-        library (Python 3.11's asyncio.timeout turns one that meets its deadline into a TimeoutError,
-        which redis-py retries), and the process must still shut down. One that outlives timeout_s
-        is left behind with a warning."""
+        library call (the reply recorder once stayed "cancelling" in its Redis BLMPOP and kept
+        polling, so a gateway never exited), and the process must still shut down. One that
+        outlives timeout_s is left behind with a warning."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         pending = {task for task in self._tasks if not task.done()}

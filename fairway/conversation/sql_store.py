@@ -140,15 +140,16 @@ _MESSAGE_OF_REPLY = (  # with the reply's state: a reply finished without a mess
 
 
 @functools.cache
-def _update_reply_statement(columns: frozenset[str]) -> sa.Update:
-    """UPDATE of these reply columns (bound as b_<column>) unless it is finished, returning the row.
-    finished_at IS NULL in the WHERE makes "final states are final" atomic: of two racing writers
-    only the first one to commit a final state changes the row."""
+def _update_reply_statement(columns: frozenset[str], whole_row: bool = True) -> sa.Update:
+    """UPDATE of these reply columns (bound as b_<column>) unless it is finished, returning the row
+    (or, without whole_row, its conversation id only). finished_at IS NULL in the WHERE makes
+    "final states are final" atomic: of two racing writers only the first one to commit a final
+    state changes the row."""
     return (
         sa.update(replies)
         .where(replies.c.id == sa.bindparam("b_id"), replies.c.finished_at.is_(None))
         .values(**{column: sa.bindparam(f"b_{column}") for column in sorted(columns)})
-        .returning(*replies.c)
+        .returning(*(replies.c if whole_row else [replies.c.conversation_id]))
     )
 
 
@@ -388,8 +389,8 @@ class SqlConversationStore(ConversationStore):
         if last_event_id is not None:
             final["last_event_id"] = last_event_id
         async with self._engine.begin() as conn:
-            row = (await conn.execute(_update_reply_statement(frozenset(final)), {"b_id": reply_id, **_bound(final)})
-                   ).first()
+            mark = _update_reply_statement(frozenset(final), whole_row=False)
+            row = (await conn.execute(mark, {"b_id": reply_id, **_bound(final)})).first()
             if row is not None:
                 msg = Message(
                     id=new_id("msg"),

@@ -228,16 +228,17 @@ class LiveEvents:
         # One socket read brings hundreds of messages under load. read_response() waits for data
         # and returns one, through three coroutine layers; the rest, already parsed by hiredis, are
         # taken straight from its reader (redis-py's, private: without it, one call per message).
-        buffered = getattr(getattr(getattr(conn, "_parser", None), "_reader", None), "gets", None)
-        if _NOT_ENOUGH_DATA is None:
-            buffered = None
+        reader = getattr(getattr(conn, "_parser", None), "_reader", None)
+        buffered = getattr(reader, "gets", None) if _NOT_ENOUGH_DATA is not None else None
         try:
             while True:
-                self._on_message(await conn.read_response(timeout=math.inf), loop)
+                message = await conn.read_response(timeout=math.inf)
+                now = loop.time()  # (one clock read per socket read: it only times keepalives)
+                self._on_message(message, now)
                 while buffered is not None and (message := buffered()) is not _NOT_ENOUGH_DATA:
                     if isinstance(message, Exception):
                         raise message
-                    self._on_message(message, loop)
+                    self._on_message(message, now)
         except asyncio.CancelledError:
             raise
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -245,14 +246,13 @@ class LiveEvents:
         except Exception as exc:  # e.g. a Redis without sharded Pub/Sub (< 7.0); never leave subscribers waiting
             self._failed(RelayUnavailable(f"live events failed: {exc!r}"))
 
-    def _on_message(self, message: list[str], loop: asyncio.AbstractEventLoop) -> None:
+    def _on_message(self, message: list[str], now: float) -> None:
         kind, channel = message[0], message[1]
         if kind == "smessage":
             entry = self._channels.get(channel)
             if entry is not None:
                 entry.heard = True
                 event = event_from_live(message[2])
-                now = loop.time()
                 for sub in entry.subscribers:
                     sub.deliver(event, now)
         elif kind == "ssubscribe":
