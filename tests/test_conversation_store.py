@@ -30,8 +30,10 @@ from fairway.conversation import (
     database_url,
     make_store,
 )
+from fairway.conversation.entities import Conversation, new_id, now
 from fairway.conversation.schema import metadata
 from fairway.conversation.sql_store import SqlConversationStore, alembic_config
+from fairway.conversation.store import NewTurn
 
 StoreFactory = Callable[[], SqlConversationStore]
 
@@ -135,6 +137,58 @@ async def test_messages_in_order_and_client_keys(store: ConversationStore) -> No
         await store.add_message("conv_missing", Role.USER, "x")
 
 
+def _new_conversation(user: str = "u1", id: str | None = None) -> Conversation:
+    ts = now()
+    return Conversation(id or new_id("conv"), user, "paid", "smollm2", "a title", ts, ts)
+
+
+async def test_a_turn_is_stored_whole_or_not_at_all(store: ConversationStore) -> None:
+    conv = _new_conversation()
+    msg, reply = await store.store_turn(NewTurn(conv, True, [(Role.SYSTEM, "be brief"), (Role.USER, "hi")], "k1",
+                                                [1, 2, 3], "replica-a", {"model": "smollm2"}))
+    assert await store.get_conversation(conv.id, "u1") == conv
+    listed = await store.list_messages(conv.id)
+    assert [(m.role, m.text, m.client_key) for m in listed] == [(Role.SYSTEM, "be brief", None), (Role.USER, "hi", "k1")]
+    assert listed[-1] == msg
+    stored = await store.get_reply(reply.id)
+    assert stored == reply and (stored.message_id, stored.state, stored.replica_id) == (msg.id, ReplyState.QUEUED,
+                                                                                         "replica-a")
+    assert stored.prompt_token_ids == [1, 2, 3] and stored.job == {"model": "smollm2"}
+
+    # The next turn of the same conversation moves it to the top of the list.
+    other = _new_conversation()
+    await store.store_turn(NewTurn(other, True, [(Role.USER, "elsewhere")]))
+    second, _ = await store.store_turn(NewTurn(conv, False, [(Role.USER, "again")], "k2"))
+    assert [c.id for c in await store.list_conversations("u1")] == [conv.id, other.id]
+    assert (await store.get_conversation(conv.id, "u1")).updated_at == second.created_at
+
+    # The same message again (a resend racing the first): nothing new is stored.
+    with pytest.raises(DuplicateClientKey) as dup:
+        await store.store_turn(NewTurn(conv, False, [(Role.USER, "hi, resent")], "k1"))
+    assert dup.value.existing.id == msg.id
+    # A new conversation under a taken id (derived from the same client key): the first one's message.
+    with pytest.raises(DuplicateClientKey) as dup:
+        await store.store_turn(NewTurn(_new_conversation(id=conv.id), True, [(Role.USER, "hi")], "k1"))
+    assert dup.value.existing.id == msg.id
+    assert len(await store.list_messages(conv.id)) == 3
+    assert [r.id for r in await store.list_unfinished_replies()].count(reply.id) == 1
+    assert len(await store.list_unfinished_replies()) == 3
+
+    # The reply fails to store (here, a job that is not JSON): its conversation and message go too.
+    doomed = _new_conversation()
+    with pytest.raises(Exception, match="JSON serializable"):
+        await store.store_turn(NewTurn(doomed, True, [(Role.USER, "hi")], "k9", job={"bad": object()}))
+    assert await store.get_conversation(doomed.id, "u1") is None
+    assert await store.list_messages(doomed.id) == []
+
+    # A conversation deleted meanwhile: NotFound, and no stray message or reply.
+    assert await store.delete_conversation(other.id, "u1")
+    with pytest.raises(NotFound):
+        await store.store_turn(NewTurn(other, False, [(Role.USER, "too late")]))
+    assert await store.list_messages(other.id) == []
+    assert len(await store.list_unfinished_replies()) == 2
+
+
 async def test_delete_cascades(store: ConversationStore) -> None:
     conv, msg = await _turn(store)
     done = await store.create_reply(conv.id, msg.id)
@@ -205,6 +259,10 @@ async def test_final_states_are_final(store: ConversationStore) -> None:
     assert assistants == [first]
     with pytest.raises(ReplyFinished):
         await store.update_reply(reply.id, last_event_id=99)
+    # The second writer that needs nothing back (the recorder) learns only that it came second.
+    assert await store.finish_reply(reply.id, "late", MessageStatus.COMPLETE, look_up_existing=False) is None
+    assert await store.finish_reply("rep_missing", "x", MessageStatus.COMPLETE, look_up_existing=False) is None
+    assert [m for m in await store.list_messages(conv.id) if m.role is Role.ASSISTANT] == [first]
 
     shed = await store.create_reply(conv.id, msg.id)
     shed = await store.update_reply(shed.id, state=ReplyState.SHED)

@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 
-from fairway.conversation.entities import Message, MessageStatus, ReplyState
+from fairway.conversation.entities import MessageStatus, ReplyState
 from fairway.conversation.store import ConversationStore, NotFound, ReplyFinished
 from fairway.relay import FinalEvent, RelayError, ReplyBus, TokenEvent, TokenLog
 from fairway.replica.report import REPORTS_QUEUE, ReplyReport
@@ -26,15 +26,15 @@ STATUS_OF_STATE = {
 }
 
 
-async def save_final(store: ConversationStore, reply_id: str, text: str, final: FinalEvent) -> Message | None:
-    """Store the reply's message with its status and counts; None if it ended without one (shed)
-    or the reply is not in the store."""
+async def save_final(store: ConversationStore, reply_id: str, text: str, final: FinalEvent) -> bool:
+    """Store the reply's message with its status and counts. False if it was saved already (by
+    the other writer), ended without a message (shed) or is not in the store."""
     state = ReplyState(str(final.state))
     try:
         if state not in STATUS_OF_STATE:
             await store.update_reply(reply_id, state=state, last_event_id=final.n)
-            return None
-        return await store.finish_reply(
+            return False
+        saved = await store.finish_reply(
             reply_id,
             text,
             STATUS_OF_STATE[state],
@@ -43,16 +43,18 @@ async def save_final(store: ConversationStore, reply_id: str, text: str, final: 
             completion_tokens=final.completion_tokens,
             cached_tokens=final.cached_tokens,
             last_event_id=final.n,
+            look_up_existing=False,
         )
+        return saved is not None
     except (ReplyFinished, NotFound):
-        return None
+        return False
 
 
-async def save_from_log(store: ConversationStore, token_log: TokenLog, reply_id: str) -> Message | None:
+async def save_from_log(store: ConversationStore, token_log: TokenLog, reply_id: str) -> bool:
     """Save a reply whose log holds its final event, with the text of the whole log."""
     events = await token_log.read(reply_id)
     if not events or not isinstance(events[-1], FinalEvent):
-        return None
+        return False
     text = "".join(e.text for e in events if isinstance(e, TokenEvent))
     return await save_final(store, reply_id, text, events[-1])
 

@@ -15,11 +15,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy.exc import IntegrityError
-
 from fairway.conversation.context import ChatMessage, ChatTokenizer, Context, ContextBuilder, ContextTooLong
-from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role
-from fairway.conversation.store import ConversationStore, DuplicateClientKey, NotFound
+from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
+from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
 from fairway.relay import Lane, TokenLog
 from fairway.replica.job import GenerationJob
 from fairway.router import ReplicaInfo, Router
@@ -147,15 +145,8 @@ class ConversationService:
         admitted = await req.admit(context.num_tokens, max_tokens) if req.admit else Admitted()
         try:
             # Only now, with a request that can run, does a new conversation get stored.
-            conversation = conversation or await self._create_conversation(req)
-            try:
-                message = await self._store_messages(conversation, new, req.client_key)
-            except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
-                turn = await self._existing_turn(conversation, dup.existing.client_key or "")
-                if turn is not None:
-                    await admitted.release()
-                    return turn
-                raise
+            new_conversation = conversation is None
+            conversation = conversation or self._new_conversation(req)
             job = GenerationJob(
                 reply_id="",
                 model=req.model,
@@ -166,7 +157,20 @@ class ConversationService:
             )
             info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
                     "dropped_messages": context.dropped_messages, "max_tokens": max_tokens}
-            reply = await self._submit(conversation, message, job, admitted.meta, info)
+            replica = await self.router.place(job.model)
+            try:
+                message, reply = await self.store.store_turn(NewTurn(
+                    conversation, new_conversation, [(Role(m["role"]), m["content"]) for m in new], req.client_key,
+                    job.prompt_token_ids, replica.id, _stored_job(job, admitted.meta, info)))
+            except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
+                if new_conversation:  # the stored one: the other request's
+                    conversation = await self.store.get_conversation(conversation.id, req.user_id) or conversation
+                turn = await self._existing_turn(conversation, dup.existing.client_key or "")
+                if turn is None:
+                    raise
+                await admitted.release()
+                return turn
+            await self._launch(reply, job, replica)
         except BaseException:
             with contextlib.suppress(Exception):  # the original error is the one to report
                 await admitted.release()
@@ -184,20 +188,14 @@ class ConversationService:
             return None, []
         return conversation, await self.store.list_messages(conversation.id)
 
-    async def _create_conversation(self, req: TurnRequest) -> Conversation:
-        # With a client key the id is derived from it, so re-sending the same request (no
-        # conversation_id yet) finds this conversation, and with it the running reply.
-        conv_id = _derived_id(req.user_id, req.client_key) if req.client_key else None
+    def _new_conversation(self, req: TurnRequest) -> Conversation:
+        """A conversation to store with the turn. With a client key its id derives from it, so
+        re-sending the same request (no conversation_id yet) finds this conversation, and with it
+        the running reply."""
+        conv_id = _derived_id(req.user_id, req.client_key) if req.client_key else new_id("conv")
         title = next((m["content"] for m in req.messages if m["role"] == "user"), "")[:80]
-        try:
-            return await self.store.create_conversation(
-                req.user_id, req.tier or self.settings.default_tier, req.model, title=title, id=conv_id
-            )
-        except IntegrityError:  # the same request raced in twice: both use the one conversation
-            existing = await self.store.get_conversation(conv_id, req.user_id) if conv_id else None
-            if existing is None:
-                raise
-            return existing
+        ts = now()
+        return Conversation(conv_id, req.user_id, req.tier or self.settings.default_tier, req.model, title, ts, ts)
 
     async def _resume(self, req: TurnRequest) -> Turn:
         conversation, _ = await self._find_conversation(req)
@@ -235,39 +233,12 @@ class ConversationService:
         system, history, turn = messages[:lead], messages[lead:last_user], messages[last_user:]
         return self._builder(model, window).build(system, history, turn, max_tokens)
 
-    async def _store_messages(
-        self, conversation: Conversation, new: list[ChatMessage], client_key: str | None
-    ) -> Message:
-        """Store the request's messages in order; the last (the user's) carries the client key."""
-        message: Message | None = None
-        for i, m in enumerate(new):
-            last = i == len(new) - 1
-            message = await self.store.add_message(
-                conversation.id, Role(m["role"]), m["content"], client_key=client_key if last else None
-            )
-        assert message is not None  # the gateway guarantees at least one (user) message
-        return message
-
-    async def _submit(self, conversation: Conversation, message: Message, job: GenerationJob,
-                      meta: dict[str, Any] | None = None, context: dict[str, Any] | None = None) -> Reply:
-        replica = await self.router.place(job.model)
-        stored = {k: v for k, v in job.to_dict().items() if k not in ("reply_id", "prompt_token_ids", "submitted_at")}
-        if context:
-            stored["context"] = context  # what the response says about the context, to every duplicate too
-        if meta:
-            stored["meta"] = meta  # the gateway's, for when the reply ends (the replica never sees it)
-        reply = await self.store.create_reply(
-            conversation.id,
-            message.id,
-            prompt_token_ids=job.prompt_token_ids,
-            replica_id=replica.id,
-            job=stored,
-        )
+    async def _launch(self, reply: Reply, job: GenerationJob, replica: ReplicaInfo) -> None:
+        """Open the reply's token log and hand its job to the replica."""
         job.submitted_at = time.time()
         job.reply_id = reply.id
         await self.log.create(reply.id)  # before the job: listeners may attach before token 1
         await self.log.submit(job.to_dict(), job.lane, queue=replica.queue)
-        return reply
 
     # -- existing replies --------------------------------------------------------------------
 
@@ -291,6 +262,15 @@ class ConversationService:
         await self.store.update_reply(reply.id, replica_id=replica.id)
         await self.log.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)
         return True
+
+
+def _stored_job(job: GenerationJob, meta: dict[str, Any], context: dict[str, Any]) -> dict[str, Any]:
+    """The job as the reply keeps it (its prompt is a column of its own): enough to run it again."""
+    stored = {k: v for k, v in job.to_dict().items() if k not in ("reply_id", "prompt_token_ids", "submitted_at")}
+    stored["context"] = context  # what the response says about the context, to every duplicate too
+    if meta:
+        stored["meta"] = meta  # the gateway's, for when the reply ends (the replica never sees it)
+    return stored
 
 
 def _chat(message: Message) -> ChatMessage:

@@ -40,6 +40,7 @@ from .store import (
     ConversationStore,
     DuplicateClientKey,
     DuplicateKey,
+    NewTurn,
     NotFound,
     ReplyFinished,
 )
@@ -281,6 +282,40 @@ class SqlConversationStore(ConversationStore):
             raise DuplicateClientKey(existing) from None
         return msg
 
+    async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply]:
+        # One transaction and one pooled connection for what used to be four separate writes
+        # (conversation, its touch, the message, the reply): each statement costs the gateway
+        # ~0.2 ms of CPU and, on SQLite, a hop to the connection's thread and back.
+        conv = turn.conversation
+        msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(role), text=text,
+                        client_key=turn.client_key if i == len(turn.messages) - 1 else None,
+                        status=MessageStatus.COMPLETE, created_at=now())
+                for i, (role, text) in enumerate(turn.messages)]
+        reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id, state=ReplyState.QUEUED,
+                      replica_id=turn.replica_id,
+                      prompt_token_ids=list(turn.prompt_token_ids) if turn.prompt_token_ids is not None else None,
+                      created_at=now(), job=turn.job)
+        try:
+            async with self._engine.begin() as conn:
+                if turn.new_conversation:
+                    await conn.execute(_INSERT["conversations"], _values(conv))
+                # The update takes the write lock (SQLite) / the row lock (PostgreSQL) before the
+                # inserts, and tells a missing conversation apart.
+                elif not await self._touch(conn, conv.id, msgs[0].created_at):
+                    raise NotFound(f"conversation {conv.id}")
+                rows = [_values(m) for m in msgs]
+                await conn.execute(_INSERT["messages"], rows if len(rows) > 1 else rows[0])
+                await conn.execute(_INSERT["replies"], _values(reply))
+        except IntegrityError:
+            # A key already taken: the same request raced in twice and the other one stored its
+            # turn first (a new conversation's id derives from the client key, so it collides too).
+            existing = (await self.get_message_by_client_key(conv.id, turn.client_key)
+                        if turn.client_key else None)
+            if existing is None:
+                raise
+            raise DuplicateClientKey(existing) from None
+        return msgs[-1], reply
+
     async def list_messages(self, conversation_id: str) -> list[Message]:
         async with self._one_statement() as conn:
             rows = (await conn.execute(_MESSAGES_OF, {"b_conversation": conversation_id})).mappings().all()
@@ -380,7 +415,8 @@ class SqlConversationStore(ConversationStore):
         completion_tokens: int = 0,
         cached_tokens: int = 0,
         last_event_id: int | None = None,
-    ) -> Message:
+        look_up_existing: bool = True,
+    ) -> Message | None:
         status = MessageStatus(status)
         if finish_reason is None and status is MessageStatus.FLAGGED:
             finish_reason = "content_filter"  # what the OpenAI API reports for a filtered reply
@@ -407,7 +443,7 @@ class SqlConversationStore(ConversationStore):
                 await conn.execute(_INSERT["messages"], _values(msg))
                 await self._touch(conn, msg.conversation_id, ts)
                 return msg
-            return await self._finished_message(conn, reply_id)
+            return await self._finished_message(conn, reply_id) if look_up_existing else None
 
     async def _finished_message(self, conn: AsyncConnection, reply_id: str) -> Message:
         """The message of a reply that someone else already finished: one query (the second save

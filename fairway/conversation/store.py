@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from .entities import ApiKey, Conversation, Message, MessageStatus, Reply, ReplyState, Role, UsageRecord
@@ -38,6 +39,21 @@ class NotFound(StoreError):
 
 class DuplicateKey(StoreError):
     """An API key with this hash is already stored."""
+
+
+@dataclass
+class NewTurn:
+    """What starting one turn writes, all or nothing (ConversationStore.store_turn): the
+    conversation when it is new, the request's messages in order (the last is the user's and
+    carries client_key) and the queued reply that answers it."""
+
+    conversation: Conversation
+    new_conversation: bool
+    messages: Sequence[tuple[Role, str]]
+    client_key: str | None = None
+    prompt_token_ids: Sequence[int] | None = None
+    replica_id: str | None = None
+    job: dict[str, Any] = field(default_factory=dict)
 
 
 # Fields update_reply may change; ids, the answered message and created_at are fixed.
@@ -105,6 +121,16 @@ class ConversationStore(ABC):
         NotFound if the conversation does not exist."""
 
     @abstractmethod
+    async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply]:
+        """In one transaction, the start of a turn: the conversation if it is new (else its
+        updated_at bumped), the messages, and the reply (QUEUED) answering the last of them.
+        Returns that message and the reply. Nothing is stored if any part fails: a client never
+        finds its message without the reply to it. Raises NotFound if an existing conversation is
+        gone, DuplicateClientKey (with the stored message) if the client key is already there,
+        as when the same request raced in twice (for a new conversation, under the same derived
+        id)."""
+
+    @abstractmethod
     async def list_messages(self, conversation_id: str) -> list[Message]:
         """Oldest first."""
 
@@ -153,11 +179,14 @@ class ConversationStore(ABC):
         completion_tokens: int = 0,
         cached_tokens: int = 0,
         last_event_id: int | None = None,
-    ) -> Message:
+        look_up_existing: bool = True,
+    ) -> Message | None:
         """In one transaction: store the assistant message and mark the reply FINISHED,
         STOPPED or FLAGGED (by status). If the reply was already finished with a message, that
         stored message is returned (the first writer wins a Stop/finish race); if it ended
-        without one (SHED), raises ReplyFinished. Raises NotFound for an unknown reply."""
+        without one (SHED), raises ReplyFinished. Raises NotFound for an unknown reply.
+        Without look_up_existing, a reply already final (or unknown) returns None at once: for
+        the second of the two writers of every reply (recorder.py), which needs nothing back."""
 
     @abstractmethod
     async def list_unfinished_replies(self) -> list[Reply]:
