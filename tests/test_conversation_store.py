@@ -189,6 +189,32 @@ async def test_a_turn_is_stored_whole_or_not_at_all(store: ConversationStore) ->
     assert len(await store.list_unfinished_replies()) == 2
 
 
+async def test_sqlite_writers_of_one_process_queue_instead_of_colliding(tmp_path) -> None:
+    """SQLite takes one writer at a time. Writers of this process wait their turn in order; they
+    never meet SQLite's busy handler (here made to fail at once, instead of its sleeps)."""
+    store = SqlConversationStore(f"sqlite+aiosqlite:///{tmp_path}/fairway.db")
+    await store.init()
+
+    def fail_when_busy(dbapi_connection, _record) -> None:
+        cursor = dbapi_connection.cursor()
+        cursor.execute("PRAGMA busy_timeout=0")
+        cursor.close()
+
+    sa.event.listen(store._engine.sync_engine, "connect", fail_when_busy)
+    await store._engine.dispose()  # reconnect with it
+
+    async def chat(i: int) -> None:
+        message, reply = await store.store_turn(NewTurn(_new_conversation(), True, [(Role.USER, f"hi {i}")], f"k{i}"))
+        await store.update_reply(reply.id, state=ReplyState.RUNNING, replica_id="r1")
+        await store.finish_reply(reply.id, f"hello {i}", MessageStatus.COMPLETE, "stop")
+
+    try:
+        await asyncio.gather(*(chat(i) for i in range(30)))
+        assert len(await store.list_conversations("u1", limit=100)) == 30
+    finally:
+        await store.close()
+
+
 async def test_delete_cascades(store: ConversationStore) -> None:
     conv, msg = await _turn(store)
     done = await store.create_reply(conv.id, msg.id)

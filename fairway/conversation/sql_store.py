@@ -5,9 +5,10 @@ migrations next to this file, on both."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from enum import Enum
 from pathlib import Path
@@ -83,7 +84,9 @@ def _engine_options(url: str) -> dict[str, Any]:
     if parsed.database in (None, "", ":memory:"):
         # Each connection to :memory: is its own empty database: share one connection.
         return {"poolclass": StaticPool}
-    return {}
+    # Each aiosqlite connection is a thread of its own: overflow connections, closed on return,
+    # would start a thread (and open the file, and run the PRAGMAs) per checkout in a burst.
+    return {"pool_size": 20, "max_overflow": 20}
 
 
 def _replace_closed(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
@@ -94,6 +97,22 @@ def _replace_closed(dbapi_connection: Any, _record: Any, _proxy: Any) -> None:
     driver = getattr(dbapi_connection, "driver_connection", None)
     if driver is not None and driver.is_closed():
         raise sa.exc.DisconnectionError("the server closed this pooled connection")
+
+
+_SQLITE_WRITE_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, asyncio.Lock]] = (
+    weakref.WeakKeyDictionary())
+
+
+def _sqlite_write_lock(url: str) -> asyncio.Lock:
+    """This process's writers to one SQLite file, queued in order.
+
+    SQLite has one writer at a time; the others wait in its busy handler, which sleeps and
+    retries (1, 2, 5 ... up to 100 ms between tries). Sixteen chats starting at once each waited
+    for the others' sleeps: the last one's turn took ~0.5 s to store. Queued here, each write
+    starts as soon as the one before commits. (Other processes on the file still meet the busy
+    handler: rare, e.g. `fairway keys create` next to a running server.)"""
+    locks = _SQLITE_WRITE_LOCKS.setdefault(asyncio.get_running_loop(), {})
+    return locks.setdefault(url, asyncio.Lock())
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
@@ -174,8 +193,20 @@ class SqlConversationStore(ConversationStore):
                             if self._dialect == "postgresql" else None)
 
     def _one_statement(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        """A connection for a single statement, committed if it writes."""
+        """A connection for a single statement that reads."""
         return self._autocommit.connect() if self._autocommit is not None else self._engine.begin()
+
+    @contextlib.asynccontextmanager
+    async def _writing(self, one_statement: bool = False) -> AsyncIterator[AsyncConnection]:
+        """A transaction that writes, committed at the end; one_statement: a single statement,
+        which PostgreSQL runs atomically by itself (no BEGIN/COMMIT round trips). On SQLite,
+        after this process's earlier writers (_sqlite_write_lock)."""
+        if self._dialect != "sqlite":
+            async with (self._one_statement() if one_statement else self._engine.begin()) as conn:
+                yield conn
+            return
+        async with _sqlite_write_lock(self.url), self._engine.begin() as conn:
+            yield conn
 
     async def init(self) -> None:
         # Alembic keeps the running migration in a module-global context, so two upgrades in one
@@ -197,7 +228,7 @@ class SqlConversationStore(ConversationStore):
     ) -> Conversation:
         ts = now()
         conv = Conversation(id or new_id("conv"), user_id, tier, model, title, ts, ts)
-        async with self._one_statement() as conn:
+        async with self._writing(one_statement=True) as conn:
             await conn.execute(_INSERT["conversations"], _values(conv))
         return conv
 
@@ -223,7 +254,7 @@ class SqlConversationStore(ConversationStore):
             .where(conversations.c.id == id, conversations.c.user_id == user_id)
             .with_for_update()  # PostgreSQL: holds off new messages until the delete commits
         )
-        async with self._engine.begin() as conn:
+        async with self._writing() as conn:
             if (await conn.execute(owned)).first() is None:
                 return False
             # Children first: the foreign keys point at the conversation.
@@ -267,7 +298,7 @@ class SqlConversationStore(ConversationStore):
             cached_tokens=cached_tokens,
         )
         try:
-            async with self._engine.begin() as conn:
+            async with self._writing() as conn:
                 # The update comes first: it takes the write lock (SQLite) / the row lock
                 # (PostgreSQL) before the insert, and tells a missing conversation apart.
                 if not await self._touch(conn, conversation_id, msg.created_at):
@@ -296,7 +327,7 @@ class SqlConversationStore(ConversationStore):
                       prompt_token_ids=list(turn.prompt_token_ids) if turn.prompt_token_ids is not None else None,
                       created_at=now(), job=turn.job)
         try:
-            async with self._engine.begin() as conn:
+            async with self._writing() as conn:
                 if turn.new_conversation:
                     await conn.execute(_INSERT["conversations"], _values(conv))
                 # The update takes the write lock (SQLite) / the row lock (PostgreSQL) before the
@@ -358,7 +389,7 @@ class SqlConversationStore(ConversationStore):
             job=job,
         )
         try:
-            async with self._one_statement() as conn:
+            async with self._writing(one_statement=True) as conn:
                 await conn.execute(_INSERT["replies"], _values(reply))
         except IntegrityError as e:
             raise NotFound(f"message {message_id} in conversation {conversation_id}") from e
@@ -395,7 +426,7 @@ class SqlConversationStore(ConversationStore):
         if values.get("prompt_token_ids") is not None:
             values["prompt_token_ids"] = list(values["prompt_token_ids"])
         stmt = _update_reply_statement(frozenset(values))
-        async with self._one_statement() as conn:
+        async with self._writing(one_statement=True) as conn:
             row = (await conn.execute(stmt, {"b_id": id, **_bound(values)})).mappings().first()
         if row is not None:
             return _reply(row)
@@ -424,7 +455,7 @@ class SqlConversationStore(ConversationStore):
         final = {"state": STATE_FOR_STATUS[status].value, "finish_reason": finish_reason, "finished_at": ts}
         if last_event_id is not None:
             final["last_event_id"] = last_event_id
-        async with self._engine.begin() as conn:
+        async with self._writing() as conn:
             mark = _update_reply_statement(frozenset(final), whole_row=False)
             row = (await conn.execute(mark, {"b_id": reply_id, **_bound(final)})).first()
             if row is not None:
@@ -465,7 +496,7 @@ class SqlConversationStore(ConversationStore):
 
     async def add_api_key(self, key: ApiKey) -> ApiKey:
         try:
-            async with self._one_statement() as conn:
+            async with self._writing(one_statement=True) as conn:
                 await conn.execute(_INSERT["api_keys"], _values(key))
         except IntegrityError as e:
             raise DuplicateKey(f"key {key.prefix}... is already stored") from e
@@ -478,7 +509,7 @@ class SqlConversationStore(ConversationStore):
 
     async def revoke_api_key(self, id_or_hash: str) -> ApiKey | None:
         which = sa.or_(api_keys.c.id == id_or_hash, api_keys.c.key_hash == id_or_hash)
-        async with self._engine.begin() as conn:
+        async with self._writing() as conn:
             await conn.execute(
                 sa.update(api_keys).where(which, api_keys.c.revoked_at.is_(None)).values(revoked_at=now())
             )
@@ -497,7 +528,7 @@ class SqlConversationStore(ConversationStore):
 
     async def add_usage(self, record: UsageRecord) -> bool:
         try:
-            async with self._one_statement() as conn:
+            async with self._writing(one_statement=True) as conn:
                 await conn.execute(_INSERT["usage_records"], _values(record))
         except IntegrityError:
             return False  # the reply's record is already there (unique reply_id)
