@@ -18,6 +18,7 @@ from fairway.engine import (
     SamplingParams,
 )
 from fairway.engine.factory import build_engine
+from fairway.engine.model_runner import _prefill_groups
 from fairway.engine.sequence import Sequence
 from fairway.engine.stop_checker import StopChecker
 from fairway.models import cpu_kernels
@@ -44,6 +45,22 @@ def test_chunked_and_batched_prefill_match_one_at_a_time(tiny_model):
     chunked = engine(tiny_model, max_num_batched_tokens=16)
     assert chunked.generate(ps, GREEDY) == alone
     assert chunked.stats().num_steps > 12  # prompts really were split across steps
+    # All at once (whole prompts of different lengths padded into shared attention calls), and
+    # in 100-token steps (new prompts next to continued ones in the same step).
+    assert engine(tiny_model, max_num_batched_tokens=1024).generate(ps, GREEDY) == alone
+    assert engine(tiny_model, max_num_batched_tokens=100).generate(ps, GREEDY) == alone
+
+
+def test_prefill_chunks_of_similar_size_share_one_attention_call():
+    def span(row: int, n: int, computed: int = 0) -> tuple[int, int, Sequence]:
+        seq = Sequence(f"s{row}", list(range(computed + n)), GREEDY)
+        seq.num_computed_tokens = computed
+        return row, row + n, seq
+
+    fresh = [span(0, 40), span(40, 43), span(83, 41), span(124, 300)]
+    continued = [span(424, 16, computed=16), span(440, 20, computed=32)]
+    groups = _prefill_groups([*fresh, *continued])
+    assert [[row for row, _, _ in g] for g in groups] == [[0, 83, 40], [124], [424, 440]]
 
 
 def test_one_step_mixes_prefill_and_decode(tiny_model):

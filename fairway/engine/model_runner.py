@@ -16,7 +16,7 @@ from fairway.models.paged_attention import (
     DecodeGroup,
     DecodeTables,
     PagedKVCache,
-    PrefillSpan,
+    PrefillGroup,
 )
 
 
@@ -75,7 +75,7 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=[self._prefill_span(row, end, seq) for row, end, seq in spans],
+            prefills=[self._prefill_group(group) for group in _prefill_groups(spans)],
         )
         if self.decode_kernels is not None:
             meta.decode_tables = self._decode_tables(decode_seqs) if decode_seqs else None
@@ -98,19 +98,62 @@ class ModelRunner:
         return DecodeGroup(start=a, end=b, slots=group_slots.to(self.device), width=width * bs,
                            masked=masked[None, :, None, :].to(self.device))
 
-    def _prefill_span(self, row: int, end: int, seq: Sequence) -> PrefillSpan:
-        n = end - row
-        start = seq.num_computed_tokens
-        ctx = start + n
-        # Query i sits at position start + i and may see keys 0..start + i.
-        mask = torch.arange(ctx)[None, :] <= (start + torch.arange(n))[:, None]
-        mask = mask.repeat(self.group, 1).to(self.device)
-        context_slots = None
-        if start > 0:
-            table = torch.tensor([b.block_id for b in seq.blocks], dtype=torch.long)
-            offsets = torch.arange(self.block_size)
-            context_slots = (table[:, None] * self.block_size + offsets).flatten()[:ctx].to(self.device)
-        return PrefillSpan(start=row, end=end, mask=mask, context_slots=context_slots)
+    def _prefill_group(self, spans: list[tuple[int, int, Sequence]]) -> PrefillGroup:
+        """Chunks (rows [row, end) of the flat batch, of seq) padded to one attention call."""
+        n = max(end - row for row, end, _ in spans)
+        starts = [seq.num_computed_tokens for _, _, seq in spans]
+        fresh = all(start == 0 for start in starts)
+        ctx = n if fresh else max(start + end - row for start, (row, end, _) in zip(starts, spans, strict=True))
+        rows: list[int] = []
+        real: list[int] = []
+        out_rows: list[int] = []
+        slots: list[int] = []
+        masks: list[torch.Tensor] = []
+        bs = self.block_size
+        for i, ((row, end, seq), start) in enumerate(zip(spans, starts, strict=True)):
+            size = end - row
+            rows += [*range(row, end), *[end - 1] * (n - size)]
+            real += range(i * n, i * n + size)
+            out_rows += range(row, end)
+            # Query j sits at position start + j and may see keys 0..start + j; a padding query sees key 0
+            # (a row with no key at all would be NaN).
+            queries = torch.arange(n)
+            mask = torch.arange(ctx)[None, :] <= torch.where(queries < size, start + queries, 0)[:, None]
+            masks.append(mask.repeat(self.group, 1))
+            if not fresh:
+                context = start + size
+                slots += [seq.blocks[p // bs].block_id * bs + p % bs for p in range(context)]
+                slots += [0] * (ctx - context)
+        dev = self.device
+
+        def longs(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.long, device=dev)
+
+        return PrefillGroup(len(spans), n, ctx, longs(rows), longs(real), longs(out_rows),
+                            torch.stack(masks)[:, None].to(dev), None if fresh else longs(slots))
+
+
+def _prefill_groups(spans: list[tuple[int, int, Sequence]], growth: float = 1.5,
+                    slack: int = 32) -> list[list[tuple[int, int, Sequence]]]:
+    """Prefill chunks in groups for one attention call each: chunks that start a sequence apart
+    from those that continue one (read from the cache), and, by size, only chunks whose padding
+    stays small (the longest at most growth times, or slack tokens more than, the shortest)."""
+    def size(span: tuple[int, int, Sequence]) -> tuple[int, int]:
+        row, end, seq = span
+        return end - row, seq.num_computed_tokens + end - row  # (new tokens, whole context)
+
+    groups: list[list[tuple[int, int, Sequence]]] = []
+    for continuing in (False, True):
+        group: list[tuple[int, int, Sequence]] = []
+        for span in sorted((s for s in spans if (s[2].num_computed_tokens > 0) == continuing), key=size):
+            if group and not all(big <= max(growth * small, small + slack)
+                                 for small, big in zip(size(group[0]), size(span), strict=True)):
+                groups.append(group)
+                group = []
+            group.append(span)
+        if group:
+            groups.append(group)
+    return groups
 
 
 def _padded_block_tables(seqs: list[Sequence], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -9,7 +9,8 @@ or the last token of a prefill) come first, sorted by context length. On the CPU
 native kernel (fairway/models/cpu_kernels.py), which reads each context in place through its
 block table. Elsewhere (CUDA, or no C compiler) they are handled in a few groups of similar
 length, one padded gather each, so short contexts don't pay for the longest one. Sequences with
-several new tokens (prefill chunks) follow, one attention call each. Grouped-query attention is
+several new tokens (prefill chunks) follow, in groups of similar size, one padded attention call
+per group. Grouped-query attention is
 done without repeating K/V: the G query heads that share a KV head are folded into the
 query-length dimension.
 """
@@ -25,12 +26,20 @@ from fairway.models.cpu_kernels import DecodeKernels
 
 
 @dataclass
-class PrefillSpan:
-    start: int  # first index of this sequence's tokens in the flat batch
-    end: int
-    mask: torch.Tensor  # [G * n, context_len] bool: causal, offset by the cached prefix
-    # Cache slots of the whole context (cached prefix + these tokens); None when the chunk starts
-    # at position 0, where its own K/V are the whole context and nothing needs gathering.
+class PrefillGroup:
+    """Prefill chunks of similar size, attended to in one padded call ([B, Hkv, G * n, D] queries
+    against [B, Hkv, ctx, D] keys): a burst of new prompts costs one attention call per layer, not
+    one per prompt (each call costs ~0.1 ms on the CPU, more than the arithmetic of a short one)."""
+
+    batch: int  # B chunks
+    n: int  # the longest chunk, in tokens: every chunk's queries are padded to it
+    ctx: int  # the longest context (cached prefix + chunk): every chunk's keys are padded to it
+    rows: torch.Tensor  # [B * n] long: each chunk's rows of the flat batch, padded by repeating its last
+    real: torch.Tensor  # [R] long: which of those B * n are real rows ...
+    out_rows: torch.Tensor  # [R] long: ... and where they go in the flat batch
+    mask: torch.Tensor  # [B, 1, G * n, ctx] bool: causal, offset by each cached prefix
+    # [B * ctx] long: each chunk's whole context in the cache, padded with slot 0; None when every
+    # chunk starts at position 0, where a chunk's own K/V rows are its whole context.
     context_slots: torch.Tensor | None
 
 
@@ -60,7 +69,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
     decodes: list[DecodeGroup] = field(default_factory=list)  # portable path
     decode_tables: DecodeTables | None = None  # native path (instead of decodes)
-    prefills: list[PrefillSpan] = field(default_factory=list)
+    prefills: list[PrefillGroup] = field(default_factory=list)
 
 
 class PagedKVCache:
@@ -97,9 +106,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                               dt.block_size, scale)
     for dg in meta.decodes:
         out[dg.start:dg.end] = _decode_attention(q[dg.start:dg.end], k_cache, v_cache, dg, group, scale)
-    for span in meta.prefills:
-        s = slice(span.start, span.end)
-        out[s] = _prefill_attention(q[s], k[s], v[s], k_cache, v_cache, span, group, scale)
+    for pg in meta.prefills:
+        out.index_copy_(0, pg.out_rows, _prefill_attention(q, k, v, k_cache, v_cache, pg, group, scale)
+                        .index_select(0, pg.real))
     return out
 
 
@@ -117,16 +126,19 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, span: PrefillSpan, group: int, scale: float) -> torch.Tensor:
-    n, hq, d = q.shape
+                       v_cache: torch.Tensor, pg: PrefillGroup, group: int, scale: float) -> torch.Tensor:
+    """The group's padded output rows, [B * n, Hq, D]."""
+    hq, d = q.shape[1], q.shape[2]
     hkv = hq // group
-    # [n, Hkv, G, D] -> [Hkv, G * n, D]: the G query heads of a KV head become extra query rows.
-    qf = q.view(n, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * n, d)
-    if span.context_slots is None:
-        keys, values = k.transpose(0, 1), v.transpose(0, 1)
+    b, n = pg.batch, pg.n
+    # [B * n, Hkv, G, D] -> [B, Hkv, G * n, D]: the G query heads of a KV head become extra query rows.
+    qg = q.index_select(0, pg.rows).view(b, n, hkv, group, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, group * n, d)
+    if pg.context_slots is None:
+        keys = k.index_select(0, pg.rows).view(b, n, hkv, d).transpose(1, 2)
+        values = v.index_select(0, pg.rows).view(b, n, hkv, d).transpose(1, 2)
     else:
-        keys = k_cache.index_select(1, span.context_slots).to(q.dtype)
-        values = v_cache.index_select(1, span.context_slots).to(q.dtype)
+        keys = k_cache.index_select(1, pg.context_slots).view(hkv, b, pg.ctx, d).transpose(0, 1).to(q.dtype)
+        values = v_cache.index_select(1, pg.context_slots).view(hkv, b, pg.ctx, d).transpose(0, 1).to(q.dtype)
     # 4-D inputs: PyTorch's fused CPU kernel takes only those; 3-D ones fall back to the slow math path.
-    o = F.scaled_dot_product_attention(qf[None], keys[None], values[None], attn_mask=span.mask, scale=scale)
-    return o.view(hkv, group, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
+    o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=pg.mask, scale=scale)
+    return o.view(b, hkv, group, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, hq, d)
