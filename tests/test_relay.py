@@ -299,16 +299,19 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
     order: list[tuple[str, int]] = []  # ("direct" | "yielded", n) in the order the consumer saw them
     refuse = {6, 7}
 
-    def direct(event: TokenEvent) -> bool:
-        if event.n in refuse:
+    def direct(n: int, text: str) -> bool:
+        if n in refuse:
             return False
-        order.append(("direct", event.n))
+        assert text == f"<{n}>"  # the event's text, as appended
+        order.append(("direct", n))
         return True
 
     async def listen() -> None:
         async with aclosing(gateway.subscribe_batches(r, 0, None, direct)) as stream:
             async for batch in stream:
                 order.extend(("yielded", e.n) for e in batch)
+                # A token the sink refused comes through whole, its ids parsed.
+                assert all(e.token_ids == [e.n] for e in batch if isinstance(e, TokenEvent))
                 if batch and isinstance(batch[-1], FinalEvent):
                     return
 

@@ -214,10 +214,10 @@ class ReplyRelay:
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         fast = FastChunks(view)
 
-        def direct(event: TokenEvent) -> bool:
-            if fresh or write_now is None or not write_now(fast.token(event.n, event.text)):
+        def direct(n: int, token: str) -> bool:
+            if fresh or write_now is None or not write_now(fast.token(n, token)):
                 return False
-            text.append(event.text)
+            text.append(token)
             return True
 
         try:

@@ -54,10 +54,14 @@ def event_from_live(message: str) -> Event:
     n, _, payload = message.partition(" ")
     if payload[0] == "t":
         ids, _, text = payload[1:].partition(_IDS_END)
-        return TokenEvent(int(n), text, [int(i) for i in ids.split(",")] if ids else [])
+        return _token(int(n), text, ids)
     fields = json.loads(payload[1:])
     fields["n"] = n
     return event_from_fields(fields)
+
+
+def _token(n: int, text: str, ids: str) -> TokenEvent:
+    return TokenEvent(n, text, [int(i) for i in ids.split(",")] if ids else [])
 
 
 def reply_id_of(key: str) -> str:
@@ -77,14 +81,19 @@ class LiveSubscriber:
     cursor: int = 0  # n of the last event handed out, by its iterator or to direct
     direct: TokenSink | None = None  # takes the next token event while the iterator waits (see TokenLog)
 
-    def deliver(self, event: Event, now: float) -> None:
+    def deliver_token(self, n: int, text: str, ids: str, now: float) -> None:
+        """A token event as published (ids still the published string)."""
         # The fast path, taken by nearly every event of a busy stream: its consumer waits with
-        # nothing pending, so direct may write this one now, without a task wake.
+        # nothing pending, so direct may write this one now, without a task wake (and without an
+        # event object: thousands of times a second, building one is a fair part of the cost).
         if (self.direct is not None and self.waiter is not None and not self.waiter.done()
-                and type(event) is TokenEvent and event.n == self.cursor + 1 and self.direct(event)):
-            self.cursor = event.n
+                and n == self.cursor + 1 and self.direct(n, text)):
+            self.cursor = n
             self.quiet_since = now
             return
+        self.deliver(_token(n, text, ids))
+
+    def deliver(self, event: Event) -> None:
         self.inbox.append(event)
         self.wake()
 
@@ -252,9 +261,15 @@ class LiveEvents:
             entry = self._channels.get(channel)
             if entry is not None:
                 entry.heard = True
-                event = event_from_live(message[2])
-                for sub in entry.subscribers:
-                    sub.deliver(event, now)
+                n, _, payload = message[2].partition(" ")
+                if payload[0] == "t":
+                    ids, _, text = payload[1:].partition(_IDS_END)
+                    for sub in entry.subscribers:
+                        sub.deliver_token(int(n), text, ids, now)
+                else:
+                    event = event_from_live(message[2])
+                    for sub in entry.subscribers:
+                        sub.deliver(event)
         elif kind == "ssubscribe":
             waiting = self._confirming.get(channel)
             if waiting:

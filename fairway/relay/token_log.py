@@ -32,10 +32,11 @@ LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for thi
 
 T = TypeVar("T")
 
-# A subscriber's synchronous fast path: takes the next token event (n = one past the last it took or
-# was yielded) and returns True, or returns False when it cannot take it now; the event is then
-# yielded as usual, and so is everything after it until the iterator waits again.
-TokenSink = Callable[[TokenEvent], bool]
+# A subscriber's synchronous fast path: takes the next token event, as (n, text) (n = one past the
+# last it took or was yielded; its token ids are not parsed for it), and returns True, or returns
+# False when it cannot take it now; the event is then yielded as usual, and so is everything after
+# it until the iterator waits again.
+TokenSink = Callable[[int, str], bool]
 
 
 def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
