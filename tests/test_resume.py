@@ -176,6 +176,18 @@ def test_a_reply_resumes_through_the_other_gateway(gateways):
     for url in (a, b):
         message = stored_message(url, conversation_id, reply_id)
         assert message["status"] == "complete" and message["content"] == text
+    # The next turn of that conversation, through the other gateway: its history comes from
+    # PostgreSQL, and the conversation lists first, with all four messages in order.
+    follow = sdk(b).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "And backwards?"}],
+                                            max_tokens=4, temperature=0,
+                                            extra_body={"conversation_id": conversation_id})
+    assert follow.model_extra["conversation_id"] == conversation_id
+    assert follow.model_extra["context"]["prompt_tokens"] > len(text.split())  # the first turn is in it
+    body = httpx.get(f"{a}/v1/conversations/{conversation_id}", headers=headers(), timeout=10).json()
+    assert [m["role"] for m in body["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert body["messages"][2]["content"] == "And backwards?"
+    listed = httpx.get(f"{a}/v1/conversations", headers=headers(), timeout=10).json()["data"]
+    assert listed[0]["id"] == conversation_id
 
 
 def test_stop_through_the_other_gateway(gateways):
