@@ -8,8 +8,13 @@ that the command fails with a ConnectionError, which each part turns into its ow
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
+from redis.commands.core import AsyncScript
+from redis.exceptions import NoScriptError
 
 
 def redis_client(url: str, *, max_connections: int = 64, wait_s: float, connect_timeout_s: float,
@@ -24,3 +29,27 @@ def redis_client(url: str, *, max_connections: int = 64, wait_s: float, connect_
         retry=retry,
     )
     return aioredis.Redis.from_pool(pool)  # from_pool: aclose() closes the pool too
+
+
+async def run_scripts(client: aioredis.Redis, script: AsyncScript,
+                      calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
+    """Run script once per (keys, args), all in one pipelined round trip; a call that failed has
+    its error in its place. Reloads the script if Redis lost it (a restart, SCRIPT FLUSH): such
+    calls did not run, so running them again is safe. Transport errors are raised."""
+    if not calls:
+        return []
+    results = await _evalsha(client, script, calls)
+    lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
+    if lost:
+        await client.script_load(script.script)
+        for i, result in zip(lost, await _evalsha(client, script, [calls[i] for i in lost]), strict=True):
+            results[i] = result
+    return results
+
+
+async def _evalsha(client: aioredis.Redis, script: AsyncScript,
+                   calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
+    async with client.pipeline(transaction=False) as pipe:
+        for keys, args in calls:
+            pipe.evalsha(script.sha, len(keys), *keys, *args)
+        return await pipe.execute(raise_on_error=False)

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis_keys import delete_prefixed
@@ -236,6 +237,31 @@ async def test_request_rate_per_ip_refunds_the_user(gateways: Gateways) -> None:
     assert isinstance(denied, Denied) and (denied.scope, denied.limit, denied.subject) == ("ip", 4, "10.0.0.1")
     assert (await limits.requests.state("e", "paid")).used == 0  # refused by the IP: not counted
     assert isinstance(await limits.requests.hit("e", "paid", ip="10.0.0.2"), Allowed)
+
+
+async def test_limits_survive_redis_losing_their_scripts(gateways: Gateways) -> None:
+    """After a Redis restart (or SCRIPT FLUSH) the scripts are loaded again, and counting goes on."""
+    limits = gateways.open(clock=FakeClock())
+    assert isinstance(await limits.requests.hit("u", "free", ip="10.0.0.3"), Allowed)
+    if gateways.kind == "redis":
+        client = aioredis.from_url(REDIS_URL)
+        await client.script_flush()
+        await client.aclose()
+    second = await limits.requests.hit("u", "free", ip="10.0.0.3")
+    assert isinstance(second, Allowed) and second.state.used == 2
+
+
+async def test_request_rate_per_user_refunds_the_ip(gateways: Gateways) -> None:
+    """Both windows are hit in one round trip; a request the user's limit refuses does not count
+    against its IP either."""
+    limits = gateways.open(clock=FakeClock(), ip_requests_per_minute=4)
+    for _ in range(3):  # free tier: 3 a minute
+        assert isinstance(await limits.requests.hit("u", "free", ip="10.0.0.9"), Allowed)
+    refused = await limits.requests.hit("u", "free", ip="10.0.0.9")
+    assert isinstance(refused, Denied) and refused.scope == "user"
+    assert isinstance(await limits.requests.hit("v", "paid", ip="10.0.0.9"), Allowed)  # the IP's 4th
+    denied = await limits.requests.hit("w", "paid", ip="10.0.0.9")
+    assert isinstance(denied, Denied) and denied.scope == "ip" and denied.used == 4
 
 
 # -- headers -----------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Request-rate limits per user (by tier) and per client IP: sliding window, 1 s buckets.
 
-The two keys are checked one after the other (each atomically), not in one script: they live in
-different Redis Cluster slots. When the user fits but the IP does not, the user's hit is refunded,
-so a request refused by either limit counts against neither. The refund can briefly make the user
-look busier than they are, never less busy: no overshoot.
+The two keys are checked together in one round trip (each atomically), not in one script: they
+live in different Redis Cluster slots. When one refuses, the other's hit is refunded, so a request
+refused by either limit counts against neither. The refund can briefly make the other look busier
+than it is, never less busy: no overshoot.
 """
 
 from __future__ import annotations
@@ -37,18 +37,18 @@ class RequestLimiter:
 
     async def hit(self, user: str, tier: str, ip: str | None = None) -> Allowed | Denied:
         """Count one request for the user and (when given) the client IP, or refuse it."""
-        limit = self.limit(tier)
+        limit, ip_limit = self.limit(tier), self._config.ip_requests_per_minute
         user_key = self._user_key(user)
-        added = await self._counter.add(user_key, 1, limit)
+        adds = [(user_key, 1, limit)] + ([(self._ip_key(ip), 1, ip_limit)] if ip else [])
+        added, *by_ip = await self._counter.add_many(adds)
         if not added.ok:
+            if by_ip and by_ip[0].ok:
+                await self._counter.adjust(adds[1][0], by_ip[0].bucket, -1)
             return Denied("requests", limit, added.state.used, 1, added.retry_after, "user", added.state)
-        if ip:
-            ip_limit = self._config.ip_requests_per_minute
-            by_ip = await self._counter.add(self._ip_key(ip), 1, ip_limit)
-            if not by_ip.ok:
-                await self._counter.adjust(user_key, added.bucket, -1)
-                return Denied("requests", ip_limit, by_ip.state.used, 1, by_ip.retry_after, "ip",
-                              by_ip.state, ip)
+        if by_ip and not by_ip[0].ok:
+            await self._counter.adjust(user_key, added.bucket, -1)
+            return Denied("requests", ip_limit, by_ip[0].state.used, 1, by_ip[0].retry_after, "ip",
+                          by_ip[0].state, ip)
         return Allowed(added.state)
 
     async def state(self, user: str, tier: str) -> WindowState:

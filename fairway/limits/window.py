@@ -15,11 +15,12 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from fairway.limits import _redis
+from fairway.redis_pool import run_scripts
 
 LimitType = Literal["tokens", "requests"]
 
@@ -90,6 +91,11 @@ class WindowCounter(ABC):
     @abstractmethod
     async def add(self, key: str, amount: int, limit: int) -> Added:
         """Add `amount` now iff usage + amount <= limit, in one atomic step."""
+
+    async def add_many(self, adds: Sequence[tuple[str, int, int]]) -> list[Added]:
+        """add(key, amount, limit) for each, every one atomic on its own (their keys may live on
+        different Redis Cluster nodes); one round trip for all on Redis."""
+        return [await self.add(key, amount, limit) for key, amount, limit in adds]
 
     @abstractmethod
     async def adjust(self, key: str, bucket: int, delta: int) -> None:
@@ -245,10 +251,20 @@ class RedisWindow(WindowCounter):
         self._ttl_ms = int((window_s + self.bucket_s) * 1000) + 1000
 
     async def add(self, key: str, amount: int, limit: int) -> Added:
-        args = [amount, limit, repr(self.bucket_s), self.buckets, self._ttl_ms, _redis.clock_arg(self._clock)]
+        return (await self.add_many([(key, amount, limit)]))[0]
+
+    async def add_many(self, adds: Sequence[tuple[str, int, int]]) -> list[Added]:
+        clock, bucket_s = _redis.clock_arg(self._clock), repr(self.bucket_s)
+        calls = [([key], [amount, limit, bucket_s, self.buckets, self._ttl_ms, clock]) for key, amount, limit in adds]
         with _redis.guard():
-            ok, used, bucket, retry, reset = await self._add(keys=[key], args=args)
-        return Added(bool(ok), WindowState(limit, int(used), float(reset)), int(bucket), float(retry))
+            results = await run_scripts(self._r, self._add, calls)
+        added = []
+        for (_, _, limit), result in zip(adds, results, strict=True):
+            if isinstance(result, Exception):
+                raise result
+            ok, used, bucket, retry, reset = result
+            added.append(Added(bool(ok), WindowState(limit, int(used), float(reset)), int(bucket), float(retry)))
+        return added
 
     async def adjust(self, key: str, bucket: int, delta: int) -> None:
         if delta == 0:

@@ -33,10 +33,10 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fairway.redis_pool import redis_client
+from fairway.redis_pool import redis_client, run_scripts
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
@@ -267,26 +267,9 @@ class RedisTokenLog(TokenLog):
         await self._r.aclose()
 
     async def _scripts(self, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
-        """Run script once per (keys, args), all in one pipelined round trip; a call that failed
-        has its error in its place. Reloads the script if Redis lost it (a restart, SCRIPT FLUSH):
-        such calls did not run, so running them again is safe."""
-        if not calls:
-            return []
-        results = await self._evalsha(script, calls)
-        lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
-        if lost:
-            with _guard():
-                await self._r.script_load(script.script)
-            for i, result in zip(lost, await self._evalsha(script, [calls[i] for i in lost]), strict=True):
-                results[i] = result
-        return results
-
-    async def _evalsha(self, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
+        """run_scripts (one round trip for all calls), transport errors as RelayUnavailable."""
         with _guard():
-            async with self._r.pipeline(transaction=False) as pipe:
-                for keys, args in calls:
-                    pipe.evalsha(script.sha, len(keys), *keys, *args)
-                return await pipe.execute(raise_on_error=False)
+            return await run_scripts(self._r, script, calls)
 
     async def _exist(self, keys: list[str]) -> list[bool]:
         with _guard():
