@@ -15,6 +15,7 @@ import pytest
 from redis_keys import delete_prefixed
 
 from fairway.relay import (
+    ClaimedJob,
     EventIdOutOfRange,
     EventOutOfOrder,
     FinalEvent,
@@ -417,6 +418,16 @@ async def test_listener_tracking_across_instances(backend: Backend) -> None:
     await asyncio.sleep(0.15)
     idle = await replica.listener_idle_s(r)
     assert idle is not None and idle >= 0.1
+
+
+async def test_launch_opens_the_log_and_then_queues_the_job(backend: Backend) -> None:
+    gateway, replica, r = backend.open(), backend.open(), rid()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    job_id = await gateway.launch(r, {"reply_id": r, "model": "m"}, Lane.PAID, queue=q)
+    assert await replica.exists(r) and await replica.last_event_id(r) == 0  # listeners may attach now
+    claimed = await replica.claim(queue=q)
+    assert claimed == ClaimedJob(job_id, Lane.PAID, {"reply_id": r, "model": "m"})
+    assert await replica.claim(queue=q) is None
 
 
 async def test_bus_claims_paid_before_free_before_background(backend: Backend) -> None:

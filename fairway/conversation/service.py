@@ -237,8 +237,7 @@ class ConversationService:
         """Open the reply's token log and hand its job to the replica."""
         job.submitted_at = time.time()
         job.reply_id = reply.id
-        await self.log.create(reply.id)  # before the job: listeners may attach before token 1
-        await self.log.submit(job.to_dict(), job.lane, queue=replica.queue)
+        await self.log.launch(reply.id, job.to_dict(), job.lane, queue=replica.queue)
 
     # -- existing replies --------------------------------------------------------------------
 

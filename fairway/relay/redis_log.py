@@ -466,6 +466,19 @@ class RedisTokenLog(TokenLog):
             await (self._r.lpush(key, raw) if front else self._r.rpush(key, raw))
         return job_id
 
+    async def launch(self, reply_id: str, job: dict[str, Any], lane: Lane | str = Lane.FREE, *,
+                     queue: str = DEFAULT_QUEUE) -> str:
+        # One pipeline, run in order: the log, then the job. EVAL, not EVALSHA: a script Redis
+        # lost (NOSCRIPT) would fail the create while the job still went out.
+        job_id = uuid.uuid4().hex
+        keys = [self._key(reply_id), self._key(reply_id, "listened")]
+        with _guard():
+            async with self._r.pipeline(transaction=False) as pipe:
+                pipe.eval(self._create.script, len(keys), *keys, self._ttl_ms)
+                pipe.rpush(self._lane_key(queue, Lane(lane)), encode_job(job_id, job))
+                await pipe.execute()
+        return job_id
+
     async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
         keys = [self._lane_key(queue, lane) for lane in LANE_ORDER]  # (B)LMPOP takes the first non-empty
         lanes = dict(zip(keys, LANE_ORDER, strict=True))

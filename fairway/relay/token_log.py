@@ -20,9 +20,9 @@ from __future__ import annotations
 from abc import abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from typing import TypeVar
+from typing import Any, TypeVar
 
-from fairway.relay.bus import ReplyBus
+from fairway.relay.bus import DEFAULT_QUEUE, Lane, ReplyBus
 from fairway.relay.errors import EventIdOutOfRange
 from fairway.relay.events import Event, FinalEvent, TokenEvent
 
@@ -75,6 +75,14 @@ class TokenLog(ReplyBus):
     async def create(self, reply_id: str) -> bool:
         """Open an empty log so subscribers can attach before the first token; also starts the
         listener idle clock. Returns False (and changes nothing) if the log already exists."""
+
+    async def launch(self, reply_id: str, job: dict[str, Any], lane: Lane | str = Lane.FREE, *,
+                     queue: str = DEFAULT_QUEUE) -> str:
+        """create() the reply's log, then submit() its job (the log first, so listeners may attach
+        before token 1): a new reply's start, in one round trip where the backend has them.
+        Returns the job id."""
+        await self.create(reply_id)
+        return await self.submit(job, lane, queue=queue)
 
     async def append(self, reply_id: str, event: TokenEvent) -> int:
         """Append one token event and return its n. event.n == 0 takes the next number; any other
