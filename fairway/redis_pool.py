@@ -1,4 +1,5 @@
-"""One way to open a Redis client for every part that talks to Redis (token log, limits, registry).
+"""One way to open a Redis client for every part that talks to Redis (token log, limits, registry),
+and run_scripts, which pipelines a script's calls over a part's RedisMux (the per-request hot path).
 
 redis-py's default pool fails a command outright ("Too many connections") once 100 are in use,
 which a burst reaches easily: a replica appending for hundreds of replies, a gateway admitting a
@@ -16,6 +17,8 @@ from redis.asyncio.retry import Retry
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
+from fairway.redis_mux import RedisMux
+
 
 def redis_client(url: str, *, max_connections: int = 64, wait_s: float, connect_timeout_s: float,
                  socket_timeout_s: float, retry: Retry | None = None) -> aioredis.Redis:
@@ -31,25 +34,22 @@ def redis_client(url: str, *, max_connections: int = 64, wait_s: float, connect_
     return aioredis.Redis.from_pool(pool)  # from_pool: aclose() closes the pool too
 
 
-async def run_scripts(client: aioredis.Redis, script: AsyncScript,
+async def run_scripts(mux: RedisMux, script: AsyncScript,
                       calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
-    """Run script once per (keys, args), all in one pipelined round trip; a call that failed has
-    its error in its place. Reloads the script if Redis lost it (a restart, SCRIPT FLUSH): such
+    """Run script once per (keys, args), all in one pipelined round trip on mux; a call that failed
+    has its error in its place. Reloads the script if Redis lost it (a restart, SCRIPT FLUSH): such
     calls did not run, so running them again is safe. Transport errors are raised."""
     if not calls:
         return []
-    results = await _evalsha(client, script, calls)
+    results = await _evalsha(mux, script, calls)
     lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
     if lost:
-        await client.script_load(script.script)
-        for i, result in zip(lost, await _evalsha(client, script, [calls[i] for i in lost]), strict=True):
+        await mux.execute("SCRIPT", "LOAD", script.script)
+        for i, result in zip(lost, await _evalsha(mux, script, [calls[i] for i in lost]), strict=True):
             results[i] = result
     return results
 
 
-async def _evalsha(client: aioredis.Redis, script: AsyncScript,
+async def _evalsha(mux: RedisMux, script: AsyncScript,
                    calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
-    async with client.pipeline(transaction=False) as pipe:
-        for keys, args in calls:
-            pipe.evalsha(script.sha, len(keys), *keys, *args)
-        return await pipe.execute(raise_on_error=False)
+    return await mux.batch([["EVALSHA", script.sha, len(keys), *keys, *args] for keys, args in calls])

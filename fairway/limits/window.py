@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fairway.limits import _redis
+from fairway.redis_mux import RedisMux
 from fairway.redis_pool import run_scripts
 
 LimitType = Literal["tokens", "requests"]
@@ -240,10 +241,12 @@ return 1
 
 
 class RedisWindow(WindowCounter):
-    def __init__(self, client: _redis.Redis, window_s: float = 60.0, buckets: int = 60,
+    """Checked on every chat request: its scripts go over a RedisMux (client only registers them)."""
+
+    def __init__(self, client: _redis.Redis, mux: RedisMux, window_s: float = 60.0, buckets: int = 60,
                  clock: Callable[[], float] | None = None) -> None:
         super().__init__(window_s, buckets)
-        self._r = client
+        self._mux = mux
         self._clock = clock
         self._add = client.register_script(_ADD)
         self._adjust = client.register_script(_ADJUST)
@@ -257,7 +260,7 @@ class RedisWindow(WindowCounter):
         clock, bucket_s = _redis.clock_arg(self._clock), repr(self.bucket_s)
         calls = [([key], [amount, limit, bucket_s, self.buckets, self._ttl_ms, clock]) for key, amount, limit in adds]
         with _redis.guard():
-            results = await run_scripts(self._r, self._add, calls)
+            results = await run_scripts(self._mux, self._add, calls)
         added = []
         for (_, _, limit), result in zip(adds, results, strict=True):
             if isinstance(result, Exception):
@@ -271,4 +274,6 @@ class RedisWindow(WindowCounter):
             return
         args = [bucket, delta, repr(self.bucket_s), self.buckets, _redis.clock_arg(self._clock)]
         with _redis.guard():
-            await self._adjust(keys=[key], args=args)
+            (result,) = await run_scripts(self._mux, self._adjust, [([key], args)])
+        if isinstance(result, Exception):
+            raise result

@@ -36,6 +36,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fairway.redis_mux import RedisMux
 from fairway.redis_pool import redis_client, run_scripts
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
@@ -145,6 +146,11 @@ def _script_error(exc: ResponseError, reply_id: str, n: int) -> Exception:
     return exc
 
 
+def _pairs(flat: list[str]) -> dict[str, str]:
+    """A stream entry's fields as Redis sends them (f1, v1, f2, v2 ...)."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
 def _n_of(entry_id: str) -> int:
     return int(entry_id.split("-", 1)[0])
 
@@ -231,6 +237,9 @@ class RedisTokenLog(TokenLog):
             # A couple of quick retries ride out a blip; beyond that callers get RelayUnavailable.
             retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2),
         )
+        # The commands of every request and every engine step (scripts, launch, snapshots) share
+        # one multiplexed connection: a fraction of redis-py's CPU per command (redis_mux.py).
+        self._mux = RedisMux(url, connect_timeout_s=connect_timeout_s, socket_timeout_s=block_s + 5.0, retries=2)
         pool = self._r.connection_pool
         self._live = LiveEvents(pool, block_s, self._exist)
         self._heartbeats = _Heartbeats(self, heartbeat_s)
@@ -264,12 +273,13 @@ class RedisTokenLog(TokenLog):
     async def close(self) -> None:
         await self._heartbeats.close()
         await self._live.close()
+        await self._mux.close()
         await self._r.aclose()
 
     async def _scripts(self, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
         """run_scripts (one round trip for all calls), transport errors as RelayUnavailable."""
         with _guard():
-            return await run_scripts(self._r, script, calls)
+            return await run_scripts(self._mux, script, calls)
 
     async def _exist(self, keys: list[str]) -> list[bool]:
         with _guard():
@@ -313,16 +323,15 @@ class RedisTokenLog(TokenLog):
         (MULTI/EXEC) so the two agree."""
         key = self._key(reply_id)
         with _guard():
-            async with self._r.pipeline(transaction=True) as pipe:
-                pipe.xrevrange(key, "+", "-", count=1)
-                pipe.xrange(key, min=f"{after + 1}-0", max="+")
-                top, entries = await pipe.execute()
+            *_, result = await self._mux.batch([["MULTI"], ["XREVRANGE", key, "+", "-", "COUNT", 1],
+                                                ["XRANGE", key, f"{after + 1}-0", "+"], ["EXEC"]])
+        top, entries = (raise_if_error(part) for part in raise_if_error(result))
         if not top:
             raise ReplyNotFound(reply_id)
-        top_id, top_fields = top[0]
-        finished = top_fields.get("k") == "f"
+        top_id, top_flat = top[0]
+        finished = _pairs(top_flat).get("k") == "f"
         check_after(reply_id, after, _n_of(top_id), finished)
-        return _events(entries), finished
+        return _events([(entry_id, _pairs(flat)) for entry_id, flat in entries]), finished
 
     async def read(self, reply_id: str, after: int = 0) -> list[Event]:
         events, _ = await self._snapshot(reply_id, after)
@@ -473,10 +482,10 @@ class RedisTokenLog(TokenLog):
         job_id = uuid.uuid4().hex
         keys = [self._key(reply_id), self._key(reply_id, "listened")]
         with _guard():
-            async with self._r.pipeline(transaction=False) as pipe:
-                pipe.eval(self._create.script, len(keys), *keys, self._ttl_ms)
-                pipe.rpush(self._lane_key(queue, Lane(lane)), encode_job(job_id, job))
-                await pipe.execute()
+            results = await self._mux.batch([["EVAL", self._create.script, len(keys), *keys, self._ttl_ms],
+                                             ["RPUSH", self._lane_key(queue, Lane(lane)), encode_job(job_id, job)]])
+        for result in results:
+            raise_if_error(result)
         return job_id
 
     async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:

@@ -1,0 +1,133 @@
+"""The multiplexed Redis connection against the real Redis: replies matched to callers under
+concurrency, batches kept whole, errors in their place, and what callers see when the connection
+is lost, refused or silent."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import NoScriptError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from fairway.redis_mux import RedisMux, pack
+
+REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def key() -> str:
+    return f"mux-test:{uuid.uuid4().hex}"
+
+
+@pytest.fixture
+async def mux():
+    m = RedisMux(REDIS_URL, socket_timeout_s=2.0)
+    yield m
+    await m.close()
+
+
+def test_pack_is_resp() -> None:
+    assert pack(["SET", "k", 1.5, b"\x00"]) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\n1.5\r\n$1\r\n\x00\r\n"
+    with pytest.raises(TypeError):
+        pack(["SET", "k", None])
+
+
+async def test_concurrent_callers_each_get_their_own_reply(mux: RedisMux) -> None:
+    keys = [key() for _ in range(200)]
+    await asyncio.gather(*(mux.execute("SET", k, f"value of {k}", "EX", 60) for k in keys))
+    got = await asyncio.gather(*(mux.execute("GET", k) for k in keys))
+    assert got == [f"value of {k}" for k in keys]
+    # What it wrote is in the database the URL names, as another client sees it.
+    other = aioredis.from_url(REDIS_URL, decode_responses=True)
+    assert await other.get(keys[7]) == f"value of {keys[7]}"
+    await other.aclose()
+
+
+async def test_a_transaction_stays_whole_among_concurrent_commands(mux: RedisMux) -> None:
+    counter = key()
+
+    async def transaction() -> list:
+        *_, result = await mux.batch([["MULTI"], ["INCR", counter], ["INCR", counter], ["EXEC"]])
+        return result
+
+    results = await asyncio.gather(*(transaction() for _ in range(50)),
+                                   *(mux.execute("GET", counter) for _ in range(50)))
+    increments = sorted(tuple(r) for r in results[:50])
+    assert increments == [(2 * i + 1, 2 * i + 2) for i in range(50)]  # never interleaved
+    assert await mux.execute("GET", counter) == "100"
+    await mux.execute("DEL", counter)
+
+
+async def test_error_replies_come_back_in_their_place(mux: RedisMux) -> None:
+    k = key()
+    results = await mux.batch([["SET", k, "x"], ["INCR", k], ["EVALSHA", "0" * 40, 0], ["GET", k], ["DEL", k]])
+    assert results[0] == "OK" and results[3] == "x" and results[4] == 1
+    assert isinstance(results[1], ResponseError) and "not an integer" in str(results[1])
+    assert isinstance(results[2], NoScriptError)
+    with pytest.raises(ResponseError):
+        await mux.execute("INCR", "a", "b")  # wrong number of arguments
+    assert await mux.execute("PING") == "PONG"  # the connection carries on
+
+
+async def test_a_caller_that_gives_up_does_not_shift_the_replies(mux: RedisMux) -> None:
+    k = key()
+    await mux.execute("SET", k, "mine", "EX", 60)
+    # BLPOP on an empty list holds the connection for 0.3 s; the caller is cancelled meanwhile.
+    blocked = asyncio.ensure_future(mux.execute("BLPOP", key(), 0.3))
+    await asyncio.sleep(0.05)
+    blocked.cancel()
+    assert await mux.execute("GET", k) == "mine"  # its reply, not BLPOP's late nil
+
+
+async def test_a_killed_connection_is_replaced(mux: RedisMux) -> None:
+    assert await mux.execute("PING") == "PONG"
+    my_id = await mux.execute("CLIENT", "ID")
+    admin = aioredis.from_url(REDIS_URL)
+    await admin.execute_command("CLIENT", "KILL", "ID", my_id)
+    await admin.aclose()
+    await asyncio.sleep(0.05)
+    assert await mux.execute("PING") == "PONG"  # a new connection
+    assert await mux.execute("CLIENT", "ID") != my_id
+
+
+async def test_a_command_in_flight_when_the_connection_dies_is_retried_or_fails_cleanly() -> None:
+    mux = RedisMux(REDIS_URL, socket_timeout_s=2.0, retries=0)
+    my_id = await mux.execute("CLIENT", "ID")
+    blocked = asyncio.ensure_future(mux.execute("BLPOP", key(), 5))
+    await asyncio.sleep(0.05)
+    admin = aioredis.from_url(REDIS_URL)
+    await admin.execute_command("CLIENT", "KILL", "ID", my_id)
+    await admin.aclose()
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(blocked, 2)
+    assert await mux.execute("PING") == "PONG"
+    await mux.close()
+
+
+async def test_unreachable_redis_fails_fast() -> None:
+    mux = RedisMux("redis://127.0.0.1:1/0", connect_timeout_s=0.5, retries=1, backoff_s=0.01)
+    with pytest.raises(RedisConnectionError):
+        await asyncio.wait_for(mux.execute("PING"), 3)
+    await mux.close()
+
+
+async def test_a_silent_server_times_out_every_waiting_command() -> None:
+    async def accept_and_say_nothing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read(1 << 16)
+        await asyncio.sleep(5)
+        writer.close()
+
+    server = await asyncio.start_server(accept_and_say_nothing, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    mux = RedisMux(f"redis://127.0.0.1:{port}/0", socket_timeout_s=0.4)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    results = await asyncio.gather(*(mux.execute("PING") for _ in range(3)), return_exceptions=True)
+    assert all(isinstance(r, RedisTimeoutError) for r in results)
+    assert loop.time() - started < 2.0
+    await mux.close()
+    server.close()
