@@ -4,6 +4,7 @@ Redis round trip buys nothing when replicas heartbeat once a second anyway."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 
@@ -20,13 +21,25 @@ class Router:
         self._cache_s = cache_s
         self._cached: list[ReplicaInfo] = []
         self._cached_at = float("-inf")
+        self._refreshing: asyncio.Future[list[ReplicaInfo]] | None = None
         self._turn = itertools.count()
 
     async def live(self, refresh: bool = False) -> list[ReplicaInfo]:
         if refresh or time.monotonic() - self._cached_at > self._cache_s:
+            # One look at the registry for all the requests that found the view stale at once (a
+            # busy gateway has dozens in flight when it expires), not one each.
+            if self._refreshing is None:
+                self._refreshing = asyncio.ensure_future(self._refresh())
+            return await asyncio.shield(self._refreshing)
+        return self._cached
+
+    async def _refresh(self) -> list[ReplicaInfo]:
+        try:
             self._cached = await self.registry.live()
             self._cached_at = time.monotonic()
-        return self._cached
+            return self._cached
+        finally:
+            self._refreshing = None
 
     async def replicas_for(self, model: str) -> list[ReplicaInfo]:
         return [r for r in await self.live() if r.model == model]
