@@ -299,6 +299,24 @@ async def test_final_states_are_final(store: ConversationStore) -> None:
     assert await store.get_reply_for_message(conv.id, msg.id) == shed  # the newest reply
 
 
+async def test_a_started_reply_runs_unless_it_is_final_and_its_job_reads_alone(store: ConversationStore) -> None:
+    conv, msg = await _turn(store)
+    job = {"model": "smollm2", "meta": {"user": "u1", "tier": "paid"}}
+    reply = await store.create_reply(conv.id, msg.id, prompt_token_ids=list(range(3000)), job=job)
+    assert await store.get_reply_job(reply.id) == job
+    assert await store.get_reply_job("rep_missing") is None
+    assert await store.mark_running(reply.id, "replica-7") is True
+    running = await store.get_reply(reply.id)
+    assert (running.state, running.replica_id, running.prompt_token_ids) == (ReplyState.RUNNING, "replica-7",
+                                                                              list(range(3000)))
+    await store.finish_reply(reply.id, "done", MessageStatus.COMPLETE, "stop")
+    # A late "started" report (the finished one got there first) changes nothing.
+    assert await store.mark_running(reply.id, "replica-8") is False
+    final = await store.get_reply(reply.id)
+    assert (final.state, final.replica_id) == (ReplyState.FINISHED, "replica-7")
+    assert await store.mark_running("rep_missing", "replica-7") is False
+
+
 async def test_update_reply_fields(store: ConversationStore) -> None:
     conv, msg = await _turn(store)
     reply = await store.create_reply(conv.id, msg.id, prompt_token_ids=[1])

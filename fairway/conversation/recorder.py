@@ -86,10 +86,8 @@ class ReplyRecorder:
 
     async def record(self, report: ReplyReport) -> None:
         if report.kind == "started":
-            try:
-                await self.store.update_reply(report.reply_id, state=ReplyState.RUNNING, replica_id=report.replica_id)
-            except ReplyFinished:
-                pass  # the "finished" report (or the relaying gateway) got there first
+            # False when the "finished" report (or the relaying gateway) got there first.
+            await self.store.mark_running(report.reply_id, report.replica_id)
             return
         final = FinalEvent(
             report.last_event_id,

@@ -147,6 +147,7 @@ _INSERT = {table.name: sa.insert(table) for table in (conversations, messages, r
 _TOUCH = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_id"))
           .values(updated_at=sa.bindparam("b_ts")))
 _REPLY_BY_ID = sa.select(replies).where(replies.c.id == sa.bindparam("b_id"))
+_JOB_OF_REPLY = sa.select(replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
 _CONVERSATION_OF_USER = sa.select(conversations).where(conversations.c.id == sa.bindparam("b_id"),
                                                        conversations.c.user_id == sa.bindparam("b_user"))
 _MESSAGES_OF = (sa.select(messages).where(messages.c.conversation_id == sa.bindparam("b_conversation"))
@@ -469,6 +470,10 @@ class SqlConversationStore(ConversationStore):
             row = (await conn.execute(_REPLY_BY_ID, {"b_id": id})).mappings().first()
         return _reply(row) if row else None
 
+    async def get_reply_job(self, id: str) -> dict[str, Any] | None:
+        async with self._one_statement() as conn:
+            return (await conn.execute(_JOB_OF_REPLY, {"b_id": id})).scalar()
+
     async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
         query = (
             sa.select(replies)
@@ -503,6 +508,13 @@ class SqlConversationStore(ConversationStore):
         if current is None:
             return None
         raise ReplyFinished(id, current.state)
+
+    async def mark_running(self, reply_id: str, replica_id: str) -> bool:
+        values = {"state": ReplyState.RUNNING.value, "replica_id": replica_id}
+        async with self._writing(one_statement=True) as conn:
+            row = (await conn.execute(_update_reply_statement(frozenset(values), whole_row=False),
+                                      {"b_id": reply_id, **_bound(values)})).first()
+        return row is not None
 
     async def finish_reply(
         self,

@@ -157,6 +157,11 @@ class ConversationStore(ABC):
     async def get_reply(self, id: str) -> Reply | None: ...
 
     @abstractmethod
+    async def get_reply_job(self, id: str) -> dict[str, Any] | None:
+        """The reply's stored job (model, sampling, the gateway's meta) alone, without its
+        context; None if no such reply (or it has no job). What accounting reads at every end."""
+
+    @abstractmethod
     async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
         """The newest reply answering this user message (a resent message finds its reply)."""
 
@@ -166,6 +171,12 @@ class ConversationStore(ABC):
         already final. Moving to a final state stamps finished_at. The store does not police
         the live transitions (QUEUED → RUNNING …): components may skip writing them; see
         ReplyState.can_become for the full machine."""
+
+    @abstractmethod
+    async def mark_running(self, reply_id: str, replica_id: str) -> bool:
+        """A replica started the reply: RUNNING, on replica_id, unless it is final already (False
+        then, as for an unknown reply). Reads nothing back: update_reply returns the whole reply,
+        whose stored context (thousands of token ids) the replica's report has no use for."""
 
     @abstractmethod
     async def finish_reply(

@@ -44,20 +44,20 @@ class Accounting:
         self.pricing = pricing
 
     async def on_finished(self, report: ReplyReport) -> None:
-        reply = await self.store.get_reply(report.reply_id)
-        if reply is None or not reply.job:
+        job = await self.store.get_reply_job(report.reply_id)  # (not the whole reply: its context is big)
+        if not job:
             return
-        meta: dict[str, Any] = reply.job.get("meta") or {}
+        meta: dict[str, Any] = job.get("meta") or {}
         user = meta.get("user")
         if not user:
             return  # not submitted through the edge (a test, or a reply from before keys)
-        model = str(reply.job.get("model", ""))
+        model = str(job.get("model", ""))
         tier = str(meta.get("tier") or "")
         failed = report.error is not None or report.state == "SHED"
         ts = now()
         record = UsageRecord(
             id=new_id("usage"),
-            reply_id=reply.id,
+            reply_id=report.reply_id,
             user_id=user,
             model=model,
             tier=tier,
@@ -79,7 +79,7 @@ class Accounting:
             await self._close(meta, user, model, tier, report, failed)
         except LimitsError:
             # The reservation ages out of its window within a minute: over-counted, never under.
-            log.warning("reply %s: could not settle its limits", reply.id, exc_info=True)
+            log.warning("reply %s: could not settle its limits", report.reply_id, exc_info=True)
 
     async def _close(self, meta: dict[str, Any], user: str, model: str, tier: str, report: ReplyReport,
                      failed: bool) -> None:
