@@ -417,17 +417,20 @@ def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
     """Its log expired before it finished (say, the process restarted): the next reader runs it
     again from the context stored with it."""
     from fairway.conversation import Role
+    from fairway.conversation.entities import Conversation, new_id, now
+    from fairway.conversation.store import NewTurn
 
     store = server.gateway.store
     tokenizer = server.gateway.service.tokenizers[MODEL]
     prompt = tokenizer.chat_prompt_ids([{"role": "user", "content": "Say yes."}])
 
     async def orphan() -> tuple[str, str]:
-        conversation = await store.create_conversation(USER, "paid", MODEL)
-        message = await store.add_message(conversation.id, Role.USER, "Say yes.")
+        ts = now()
+        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, "Say yes.", ts, ts)
         job = {"model": MODEL, "sampling": {"max_tokens": 4, "temperature": 0}, "lane": "free"}
-        reply = await store.create_reply(conversation.id, message.id, prompt_token_ids=prompt, job=job,
-                                         state="RUNNING")
+        _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, "Say yes.")],
+                                                  prompt_token_ids=prompt, job=job))
+        await store.mark_running(reply.id, "a-replica-that-died")
         return conversation.id, reply.id
 
     conversation_id, reply_id = server.call(orphan())

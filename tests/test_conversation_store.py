@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any
 
 import asyncpg
 import pytest
@@ -30,7 +31,7 @@ from fairway.conversation import (
     database_url,
     make_store,
 )
-from fairway.conversation.entities import Conversation, new_id, now
+from fairway.conversation.entities import Conversation, Message, Reply, new_id, now
 from fairway.conversation.schema import metadata
 from fairway.conversation.sql_store import SqlConversationStore, alembic_config
 from fairway.conversation.store import NewTurn
@@ -79,21 +80,26 @@ async def store(open_store: StoreFactory) -> AsyncIterator[SqlConversationStore]
     await s.close()
 
 
-async def _turn(store: ConversationStore, user: str = "u1", text: str = "hi"):
-    conv = await store.create_conversation(user, "paid", "smollm2")
-    msg = await store.add_message(conv.id, Role.USER, text, client_key=f"key-{uuid.uuid4().hex}")
-    return conv, msg
+async def _turn(store: ConversationStore, user: str = "u1", text: str = "hi", conv: Conversation | None = None,
+                **reply: Any) -> tuple[Conversation, Message, Reply]:
+    """A user message and its queued reply: in a new conversation of user's, or the next turn of
+    conv. reply: NewTurn's prompt_token_ids, replica_id, job."""
+    conversation = conv or _new_conversation(user)
+    msg, stored = await store.store_turn(NewTurn(conversation, conv is None, [(Role.USER, text)],
+                                                 f"key-{uuid.uuid4().hex}", **reply))
+    return conversation, msg, stored
 
 
 async def test_conversation_crud_and_paging(store: ConversationStore) -> None:
-    a = await store.create_conversation("u1", "free", "smollm2", title="first")
-    b = await store.create_conversation("u1", "paid", "smollm2")
+    a = _new_conversation(tier="free", title="first")
+    await store.store_turn(NewTurn(a, True, [(Role.USER, "hi")]))
+    b, _, _ = await _turn(store)
     got = await store.get_conversation(a.id, "u1")
     assert got == a and got.title == "first" and got.tier == "free"
 
     assert [c.id for c in await store.list_conversations("u1")] == [b.id, a.id]
     # A new message moves a conversation to the top.
-    await store.add_message(a.id, Role.USER, "hello")
+    await _turn(store, conv=a, text="hello")
     page1 = await store.list_conversations("u1", limit=1)
     assert [c.id for c in page1] == [a.id]
     page2 = await store.list_conversations("u1", limit=1, before=page1[-1].updated_at)
@@ -102,7 +108,7 @@ async def test_conversation_crud_and_paging(store: ConversationStore) -> None:
 
 
 async def test_other_users_conversation_is_invisible(store: ConversationStore) -> None:
-    conv, _ = await _turn(store, user="alice")
+    conv, _, _ = await _turn(store, user="alice")
     assert await store.get_conversation(conv.id, "mallory") is None
     assert await store.get_conversation("conv_missing", "alice") is None
     assert await store.list_conversations("mallory") == []
@@ -111,35 +117,33 @@ async def test_other_users_conversation_is_invisible(store: ConversationStore) -
 
 
 async def test_messages_in_order_and_client_keys(store: ConversationStore) -> None:
-    conv = await store.create_conversation("u1", "paid", "smollm2")
+    conv = _new_conversation()
     texts = [f"turn {i}" for i in range(5)]
     for i, text in enumerate(texts):
-        await store.add_message(conv.id, Role.USER, text, client_key=f"m{i}", prompt_tokens=i)
+        await store.store_turn(NewTurn(conv, i == 0, [(Role.USER, text)], f"m{i}"))
     listed = await store.list_messages(conv.id)
     assert [m.text for m in listed] == texts
-    assert listed[3].prompt_tokens == 3 and listed[3].status is MessageStatus.COMPLETE
+    assert listed[3].status is MessageStatus.COMPLETE and listed[3].client_key == "m3"
 
     found = await store.get_message_by_client_key(conv.id, "m2")
     assert found is not None and found.text == "turn 2"
     assert await store.get_message_by_client_key(conv.id, "nope") is None
 
     with pytest.raises(DuplicateClientKey) as dup:
-        await store.add_message(conv.id, Role.USER, "resent", client_key="m2")
+        await store.store_turn(NewTurn(conv, False, [(Role.USER, "resent")], "m2"))
     assert dup.value.existing.id == found.id
     assert len(await store.list_messages(conv.id)) == 5
 
     # Client keys are per conversation; messages without one never collide.
-    other = await store.create_conversation("u1", "paid", "smollm2")
-    await store.add_message(other.id, Role.USER, "same key elsewhere", client_key="m2")
-    await store.add_message(other.id, Role.SYSTEM, "a")
-    await store.add_message(other.id, Role.SYSTEM, "b")
-    with pytest.raises(NotFound):
-        await store.add_message("conv_missing", Role.USER, "x")
+    other = _new_conversation()
+    await store.store_turn(NewTurn(other, True, [(Role.SYSTEM, "a"), (Role.USER, "same key elsewhere")], "m2"))
+    await store.store_turn(NewTurn(other, False, [(Role.SYSTEM, "a"), (Role.SYSTEM, "b"), (Role.USER, "c")]))
+    assert [m.text for m in await store.list_messages(other.id)] == ["a", "same key elsewhere", "a", "b", "c"]
 
 
-def _new_conversation(user: str = "u1", id: str | None = None) -> Conversation:
+def _new_conversation(user: str = "u1", id: str | None = None, tier: str = "paid", title: str = "a title") -> Conversation:
     ts = now()
-    return Conversation(id or new_id("conv"), user, "paid", "smollm2", "a title", ts, ts)
+    return Conversation(id or new_id("conv"), user, tier, "smollm2", title, ts, ts)
 
 
 async def test_a_turn_is_stored_whole_or_not_at_all(store: ConversationStore) -> None:
@@ -216,17 +220,16 @@ async def test_sqlite_writers_of_one_process_queue_instead_of_colliding(tmp_path
 
 
 async def test_delete_cascades(store: ConversationStore) -> None:
-    conv, msg = await _turn(store)
-    done = await store.create_reply(conv.id, msg.id)
+    conv, _, done = await _turn(store)
     await store.finish_reply(done.id, "answer", MessageStatus.COMPLETE)
-    live = await store.create_reply(conv.id, msg.id, prompt_token_ids=[1, 2])
-    keep, keep_msg = await _turn(store)
+    _, _, live = await _turn(store, conv=conv, prompt_token_ids=[1, 2])
+    keep, keep_msg, keep_reply = await _turn(store)
 
     assert await store.delete_conversation(conv.id, "u1") is True
     assert await store.get_conversation(conv.id, "u1") is None
     assert await store.list_messages(conv.id) == []
     assert await store.get_reply(done.id) is None and await store.get_reply(live.id) is None
-    assert await store.list_unfinished_replies() == []
+    assert [r.id for r in await store.list_unfinished_replies()] == [keep_reply.id]
     assert await store.delete_conversation(conv.id, "u1") is False
     assert [m.id for m in await store.list_messages(keep.id)] == [keep_msg.id]
 
@@ -242,8 +245,7 @@ async def test_delete_cascades(store: ConversationStore) -> None:
 async def test_finish_reply_stores_assistant_message(
     store: ConversationStore, status: MessageStatus, state: ReplyState, reason: str | None
 ) -> None:
-    conv, msg = await _turn(store)
-    reply = await store.create_reply(conv.id, msg.id, prompt_token_ids=[5, 6, 7])
+    conv, msg, reply = await _turn(store, prompt_token_ids=[5, 6, 7])
     await store.update_reply(reply.id, state=ReplyState.RUNNING, replica_id="r17", last_event_id=3)
 
     given_reason = "stop" if status is MessageStatus.COMPLETE else None  # flagged gets a default
@@ -273,8 +275,7 @@ async def test_finish_reply_stores_assistant_message(
 
 
 async def test_final_states_are_final(store: ConversationStore) -> None:
-    conv, msg = await _turn(store)
-    reply = await store.create_reply(conv.id, msg.id)
+    conv, msg, reply = await _turn(store)
     # A Stop and the last token race: exactly one outcome is stored, both callers see it.
     first, second = await asyncio.gather(
         store.finish_reply(reply.id, "all of it", MessageStatus.COMPLETE, "stop", completion_tokens=4),
@@ -290,19 +291,19 @@ async def test_final_states_are_final(store: ConversationStore) -> None:
     assert await store.finish_reply("rep_missing", "x", MessageStatus.COMPLETE, look_up_existing=False) is None
     assert [m for m in await store.list_messages(conv.id) if m.role is Role.ASSISTANT] == [first]
 
-    shed = await store.create_reply(conv.id, msg.id)
+    _, shed_msg, shed = await _turn(store, conv=conv)
     shed = await store.update_reply(shed.id, state=ReplyState.SHED)
     assert shed is not None and shed.finished_at is not None
     with pytest.raises(ReplyFinished) as err:
         await store.finish_reply(shed.id, "late", MessageStatus.COMPLETE)
     assert err.value.state is ReplyState.SHED
-    assert await store.get_reply_for_message(conv.id, msg.id) == shed  # the newest reply
+    assert await store.get_reply_for_message(conv.id, shed_msg.id) == shed
+    assert (await store.get_reply_for_message(conv.id, msg.id)).id == reply.id
 
 
 async def test_a_started_reply_runs_unless_it_is_final_and_its_job_reads_alone(store: ConversationStore) -> None:
-    conv, msg = await _turn(store)
     job = {"model": "smollm2", "meta": {"user": "u1", "tier": "paid"}}
-    reply = await store.create_reply(conv.id, msg.id, prompt_token_ids=list(range(3000)), job=job)
+    _, _, reply = await _turn(store, prompt_token_ids=list(range(3000)), job=job)
     assert await store.get_reply_job(reply.id) == job
     assert await store.get_reply_job("rep_missing") is None
     assert await store.mark_running(reply.id, "replica-7") is True
@@ -318,8 +319,7 @@ async def test_a_started_reply_runs_unless_it_is_final_and_its_job_reads_alone(s
 
 
 async def test_update_reply_fields(store: ConversationStore) -> None:
-    conv, msg = await _turn(store)
-    reply = await store.create_reply(conv.id, msg.id, prompt_token_ids=[1])
+    _, _, reply = await _turn(store, prompt_token_ids=[1])
     moved = await store.update_reply(reply.id, state="RESUMING", replica_id="r42", last_event_id=212)
     assert moved is not None and (moved.state, moved.replica_id, moved.last_event_id) == (
         ReplyState.RESUMING,
@@ -331,21 +331,20 @@ async def test_update_reply_fields(store: ConversationStore) -> None:
     with pytest.raises(TypeError):
         await store.update_reply(reply.id, conversation_id="elsewhere")
     with pytest.raises(NotFound):
-        await store.create_reply(conv.id, "msg_missing")
-    with pytest.raises(NotFound):
         await store.finish_reply("rep_missing", "x", MessageStatus.COMPLETE)
 
 
 async def test_unfinished_replies_keep_their_context(open_store: StoreFactory) -> None:
     store = open_store()
     await store.init()
-    conv, msg = await _turn(store)
     prompt = list(range(2000))  # a realistic context, to continue after the token log expired
-    running = await store.create_reply(conv.id, msg.id, prompt_token_ids=prompt, context_text="ctx")
-    await store.update_reply(running.id, state=ReplyState.RUNNING, replica_id="r17", last_event_id=212)
-    finished = await store.create_reply(conv.id, msg.id, prompt_token_ids=[1])
+    conv, _, running = await _turn(store, prompt_token_ids=prompt)
+    await store.update_reply(running.id, state=ReplyState.RUNNING, replica_id="r17", last_event_id=212,
+                             context_text="ctx")
+    _, _, finished = await _turn(store, conv=conv, prompt_token_ids=[1])
     await store.finish_reply(finished.id, "ok", MessageStatus.COMPLETE)
-    queued = await store.create_reply(conv.id, msg.id, context_text="only text")
+    _, _, queued = await _turn(store, conv=conv)
+    await store.update_reply(queued.id, context_text="only text")
     await store.close()
 
     # A restarted process finds them, oldest first, with everything needed to resume.
@@ -374,7 +373,7 @@ async def _alembic_heads(store: SqlConversationStore) -> set[str]:
 
 
 async def test_init_is_idempotent_and_matches_schema(store: SqlConversationStore) -> None:
-    conv, _ = await _turn(store)
+    conv, _, _ = await _turn(store)
     await store.init()
     await asyncio.gather(store.init(), store.init())  # concurrent starters too
     assert await store.get_conversation(conv.id, "u1") is not None
@@ -421,7 +420,7 @@ async def test_connections_the_server_closed_are_replaced_without_failing_a_requ
     requests get new ones instead of an error (checked at checkout, without a round trip)."""
     if store._dialect != "postgresql":
         pytest.skip("pooled server connections are PostgreSQL only")
-    conv = await store.create_conversation("u1", "paid", "m")
+    conv, _, _ = await _turn(store)
     # Hold several connections at once so the pool keeps more than one.
     await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)))
     assert pg_database is not None
@@ -448,7 +447,7 @@ async def test_default_store_is_a_sqlite_file_under_dot_fairway(tmp_path, monkey
     store = make_store(None)
     try:
         await store.init()
-        await store.create_conversation("u1", "free", "smollm2")
+        await _turn(store)
     finally:
         await store.close()
     assert (tmp_path / ".fairway" / "fairway.db").is_file()
@@ -458,7 +457,7 @@ async def test_in_memory_sqlite_shares_one_database() -> None:
     store = make_store("sqlite+aiosqlite://")
     try:
         await store.init()
-        conv, msg = await _turn(store)
+        conv, msg, _ = await _turn(store)
         assert await store.list_messages(conv.id) == [msg]
     finally:
         await store.close()

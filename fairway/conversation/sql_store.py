@@ -8,7 +8,7 @@ import asyncio
 import contextlib
 import functools
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping
 from contextlib import AbstractAsyncContextManager
 from enum import Enum
 from pathlib import Path
@@ -275,15 +275,6 @@ class SqlConversationStore(ConversationStore):
 
     # conversations
 
-    async def create_conversation(
-        self, user_id: str, tier: str, model: str, title: str = "", id: str | None = None
-    ) -> Conversation:
-        ts = now()
-        conv = Conversation(id or new_id("conv"), user_id, tier, model, title, ts, ts)
-        async with self._writing(one_statement=True) as conn:
-            await conn.execute(_INSERT["conversations"], _values(conv))
-        return conv
-
     async def get_conversation(self, id: str, user_id: str) -> Conversation | None:
         async with self._one_statement() as conn:
             row = (await conn.execute(_CONVERSATION_OF_USER, {"b_id": id, "b_user": user_id})).mappings().first()
@@ -321,49 +312,6 @@ class SqlConversationStore(ConversationStore):
         return result.rowcount > 0
 
     # messages
-
-    async def add_message(
-        self,
-        conversation_id: str,
-        role: Role,
-        text: str,
-        *,
-        client_key: str | None = None,
-        status: MessageStatus = MessageStatus.COMPLETE,
-        reply_id: str | None = None,
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-        cached_tokens: int = 0,
-        id: str | None = None,
-    ) -> Message:
-        msg = Message(
-            id=id or new_id("msg"),
-            conversation_id=conversation_id,
-            role=Role(role),
-            text=text,
-            client_key=client_key,
-            status=MessageStatus(status),
-            created_at=now(),
-            reply_id=reply_id,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            cached_tokens=cached_tokens,
-        )
-        try:
-            async with self._writing() as conn:
-                # The update comes first: it takes the write lock (SQLite) / the row lock
-                # (PostgreSQL) before the insert, and tells a missing conversation apart.
-                if not await self._touch(conn, conversation_id, msg.created_at):
-                    raise NotFound(f"conversation {conversation_id}")
-                await conn.execute(_INSERT["messages"], _values(msg))
-        except IntegrityError:
-            existing = (
-                await self.get_message_by_client_key(conversation_id, client_key) if client_key else None
-            )
-            if existing is None:
-                raise
-            raise DuplicateClientKey(existing) from None
-        return msg
 
     async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply]:
         # What used to be four separate writes (conversation, its touch, the message, the reply):
@@ -431,39 +379,6 @@ class SqlConversationStore(ConversationStore):
         return _message(row) if row else None
 
     # replies
-
-    async def create_reply(
-        self,
-        conversation_id: str,
-        message_id: str,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        context_text: str | None = None,
-        replica_id: str | None = None,
-        state: ReplyState = ReplyState.QUEUED,
-        id: str | None = None,
-        job: dict[str, Any] | None = None,
-    ) -> Reply:
-        state = ReplyState(state)
-        ts = now()
-        reply = Reply(
-            id=id or new_id("rep"),
-            conversation_id=conversation_id,
-            message_id=message_id,
-            state=state,
-            replica_id=replica_id,
-            prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
-            context_text=context_text,
-            created_at=ts,
-            finished_at=ts if state.terminal else None,  # e.g. shed on arrival
-            job=job,
-        )
-        try:
-            async with self._writing(one_statement=True) as conn:
-                await conn.execute(_INSERT["replies"], _values(reply))
-        except IntegrityError as e:
-            raise NotFound(f"message {message_id} in conversation {conversation_id}") from e
-        return reply
 
     async def get_reply(self, id: str) -> Reply | None:
         async with self._one_statement() as conn:

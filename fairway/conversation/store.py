@@ -79,11 +79,6 @@ class ConversationStore(ABC):
     # conversations
 
     @abstractmethod
-    async def create_conversation(
-        self, user_id: str, tier: str, model: str, title: str = "", id: str | None = None
-    ) -> Conversation: ...
-
-    @abstractmethod
     async def get_conversation(self, id: str, user_id: str) -> Conversation | None:
         """None when missing *or* another user's, so callers answer 404 for both and do not
         reveal that the id exists."""
@@ -103,24 +98,6 @@ class ConversationStore(ABC):
     # messages
 
     @abstractmethod
-    async def add_message(
-        self,
-        conversation_id: str,
-        role: Role,
-        text: str,
-        *,
-        client_key: str | None = None,
-        status: MessageStatus = MessageStatus.COMPLETE,
-        reply_id: str | None = None,
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-        cached_tokens: int = 0,
-        id: str | None = None,
-    ) -> Message:
-        """Raises DuplicateClientKey (carrying the stored message) on a resent client_key,
-        NotFound if the conversation does not exist."""
-
-    @abstractmethod
     async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply]:
         """In one transaction, the start of a turn: the conversation if it is new (else its
         updated_at bumped), the messages, and the reply (QUEUED) answering the last of them.
@@ -138,20 +115,6 @@ class ConversationStore(ABC):
     async def get_message_by_client_key(self, conversation_id: str, client_key: str) -> Message | None: ...
 
     # replies
-
-    @abstractmethod
-    async def create_reply(
-        self,
-        conversation_id: str,
-        message_id: str,
-        *,
-        prompt_token_ids: Sequence[int] | None = None,
-        context_text: str | None = None,
-        replica_id: str | None = None,
-        state: ReplyState = ReplyState.QUEUED,
-        id: str | None = None,
-        job: dict[str, Any] | None = None,
-    ) -> Reply: ...
 
     @abstractmethod
     async def get_reply(self, id: str) -> Reply | None: ...
