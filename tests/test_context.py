@@ -27,6 +27,41 @@ def test_prompt_equals_the_whole_template_tokenized(real_tokenizer):
     assert sum(context.segment_lengths) == context.num_tokens
 
 
+class CountingTokenizer:
+    """The real tokenizer, counting the messages the chat template renders."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.rendered = 0
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> str:
+        self.rendered += len(messages)
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+
+
+def test_a_long_conversation_costs_each_turn_only_its_new_messages(real_tokenizer):
+    """Turn after turn the history is re-sent whole; rendering it message by message from the
+    start every time grew with the square of its length. Only the new messages are rendered now
+    (and the whole once, for the generation prompt), and the tokens are exactly the same."""
+    counting = CountingTokenizer(real_tokenizer)
+    builder = ContextBuilder(counting, window=32768)
+    history: list[dict[str, str]] = []
+    for i in range(60):
+        new = [{"role": "user", "content": f"Turn {i}: tell me more."}]
+        counting.rendered = 0
+        context = builder.build([SYSTEM], history, new, max_tokens=64)
+        messages = 1 + len(history) + 1
+        assert counting.rendered <= 4 * messages  # not ~messages**2 / 2
+        if i % 20 == 19:
+            assert context.prompt_token_ids == real_tokenizer.chat_prompt_ids([SYSTEM, *history, *new])
+            assert context.prompt_token_ids == ContextBuilder(real_tokenizer, 32768).build(
+                [SYSTEM], history, new, max_tokens=64).prompt_token_ids
+        history += [*new, {"role": "assistant", "content": f"Part {i} of the answer."}]
+
+
 def test_next_turn_starts_with_this_turns_prompt_and_reply(real_tokenizer):
     """The property the prefix cache needs: turn N+1's prompt = turn N's prompt + its reply + more."""
     builder = ContextBuilder(real_tokenizer, window=4096)
