@@ -44,10 +44,12 @@ def _error(reply: _Reply) -> ResponseError:
 
 
 def _plain(reply: Any) -> Any:
+    """The reply with its error replies as redis-py's exceptions. Errors sit at the top or, in an
+    EXEC's array, one level down; a big reply (a log's replay) is not copied for nothing."""
     if isinstance(reply, _Reply):
         return _error(reply)
-    if isinstance(reply, list):
-        return [_plain(item) for item in reply]
+    if isinstance(reply, list) and any(isinstance(item, _Reply) for item in reply):
+        return [_error(item) if isinstance(item, _Reply) else item for item in reply]
     return reply
 
 

@@ -64,13 +64,16 @@ async def test_a_transaction_stays_whole_among_concurrent_commands(mux: RedisMux
 
 async def test_error_replies_come_back_in_their_place(mux: RedisMux) -> None:
     k = key()
-    results = await mux.batch([["SET", k, "x"], ["INCR", k], ["EVALSHA", "0" * 40, 0], ["GET", k], ["DEL", k]])
-    assert results[0] == "OK" and results[3] == "x" and results[4] == 1
+    results = await mux.batch([["SET", k, "x"], ["INCR", k], ["EVALSHA", "0" * 40, 0], ["GET", k]])
+    assert results[0] == "OK" and results[3] == "x"
     assert isinstance(results[1], ResponseError) and "not an integer" in str(results[1])
     assert isinstance(results[2], NoScriptError)
+    *_, executed = await mux.batch([["MULTI"], ["SET", k, "y"], ["INCR", k], ["EXEC"]])
+    assert executed[0] == "OK" and isinstance(executed[1], ResponseError)  # inside a transaction too
     with pytest.raises(ResponseError):
         await mux.execute("INCR", "a", "b")  # wrong number of arguments
     assert await mux.execute("PING") == "PONG"  # the connection carries on
+    await mux.execute("DEL", k)
 
 
 async def test_a_caller_that_gives_up_does_not_shift_the_replies(mux: RedisMux) -> None:
