@@ -21,12 +21,13 @@ everyone behind them.
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
 import hiredis
-from redis.asyncio.connection import parse_url
+from redis.asyncio.connection import SSLConnection, parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -116,9 +117,11 @@ class RedisMux:
 
     def __init__(self, url: str, *, connect_timeout_s: float = 1.0, socket_timeout_s: float = 5.0,
                  retries: int = 1, backoff_s: float = 0.05) -> None:
-        options = parse_url(url)
+        options = parse_url(url)  # redis://, rediss:// (TLS) and unix:// URLs, as redis-py reads them
         self._host = options.get("host", "127.0.0.1")
         self._port = int(options.get("port", 6379))
+        self._path: str | None = options.get("path")  # a unix socket
+        self._tls = options.get("connection_class") is SSLConnection
         self._setup: list[Command] = []
         if options.get("password") is not None:
             user = options.get("username")
@@ -187,13 +190,18 @@ class RedisMux:
 
     async def _connect(self) -> _Protocol:
         loop = asyncio.get_running_loop()
+        where = self._path or f"{self._host}:{self._port}"
         try:
-            _, protocol = await asyncio.wait_for(
-                loop.create_connection(_Protocol, self._host, self._port), self._connect_timeout_s)
+            if self._path is not None:
+                connecting = loop.create_unix_connection(_Protocol, self._path)
+            else:
+                connecting = loop.create_connection(_Protocol, self._host, self._port,
+                                                    ssl=ssl.create_default_context() if self._tls else None)
+            _, protocol = await asyncio.wait_for(connecting, self._connect_timeout_s)
         except TimeoutError as exc:
-            raise RedisTimeoutError(f"Redis at {self._host}:{self._port} did not answer in time") from exc
+            raise RedisTimeoutError(f"Redis at {where} did not answer in time") from exc
         except OSError as exc:
-            raise RedisConnectionError(f"Redis at {self._host}:{self._port} unreachable: {exc}") from exc
+            raise RedisConnectionError(f"Redis at {where} unreachable: {exc}") from exc
         if self._setup:
             future: asyncio.Future[list[Any]] = loop.create_future()
             protocol.waiting.append((future, len(self._setup), loop.time()))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
+import subprocess
 import uuid
 
 import pytest
@@ -134,3 +136,25 @@ async def test_a_silent_server_times_out_every_waiting_command() -> None:
     assert loop.time() - started < 2.0
     await mux.close()
     server.close()
+
+
+async def test_a_unix_socket_url_reaches_the_redis_listening_there(tmp_path) -> None:
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed")
+    sock = tmp_path / "redis.sock"
+    proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            if sock.exists():
+                break
+            await asyncio.sleep(0.05)
+        mux = RedisMux(f"unix://{sock}?db=2")
+        await mux.execute("SET", "k", "on the socket")
+        assert await mux.execute("GET", "k") == "on the socket"
+        assert " db=2 " in await mux.execute("CLIENT", "INFO")  # the URL's database
+        await mux.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
