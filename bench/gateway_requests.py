@@ -1,0 +1,151 @@
+"""Gateway CPU per chat request: this working tree against another revision, interleaved.
+
+What a gateway spends to start and end a reply (auth, limits, store, context, job, subscription,
+the final save, the replica's reports), apart from relaying tokens: short streamed chats
+(max_tokens 2) at a fixed concurrency through one `fairway gateway` process on Redis and a
+temporary PostgreSQL database (or SQLite), with one synthetic replica (bench/relay.py's) as the
+model. The figure is the gateway process's CPU (utime + stime) divided by the requests.
+
+This machine's noise (a shared 2-core VM) moves the figure by +-10% from run to run, more than
+most changes do, so both sides run in the same session, alternately, round after round: `--base`
+is checked out in a temporary git worktree, and each side's own `fairway` and synthetic replica
+run from its tree. Prints a table and the medians; results go to bench/results/gateway_requests.json.
+
+    .venv/bin/python bench/gateway_requests.py --base HEAD~3           # 3 rounds of 800 requests
+    .venv/bin/python bench/gateway_requests.py --base 4849222 --rounds 5 --database sqlite
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import relay  # noqa: E402  (this tree's helpers: ports, the SSE client, the temporary database)
+
+
+def spawn(root: Path, args: list[str], log: Path) -> subprocess.Popen:
+    out = open(log, "wb")  # noqa: SIM115  lives as long as the process
+    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=root)
+
+
+async def measure(root: Path, args: argparse.Namespace, workdir: Path) -> float:
+    """Milliseconds of gateway CPU per request, for the tree at root."""
+    async with relay.gateway_database(args.database, workdir) as database:
+        key = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", "bench", "--tier",
+                              "business", "--database", database], capture_output=True, text=True, cwd=root,
+                             check=True).stdout.strip().splitlines()[-1]
+        relay.API_KEY["value"] = key
+        namespace = f"bench:{uuid.uuid4().hex[:8]}:"
+        port = relay.free_port()
+        procs = [spawn(root, ["bench/relay.py", "synthetic-replica", "--redis", args.redis, "--namespace", namespace],
+                       workdir / "replica.log"),
+                 spawn(root, ["-m", "fairway.cli", "gateway", "--redis", args.redis, "--namespace", namespace,
+                              "--database", database, "--port", str(port), "--log-level", "warning", *relay.NO_LIMITS],
+                       workdir / "gateway.log")]
+        gateway = procs[-1]
+        try:
+            await relay.wait_ready(f"http://127.0.0.1:{port}")
+            body = {"model": relay.MODEL, "messages": [{"role": "user", "content": "gateway benchmark"}],
+                    "max_tokens": args.tokens, "stream": True}
+            gate = asyncio.Semaphore(args.concurrency)
+
+            async def one() -> int:
+                async with gate:
+                    return await relay.stream_chat(port, body, lambda data, received: None)
+
+            await asyncio.gather(*(one() for _ in range(20)))  # warm-up: imports, connections, caches
+            await asyncio.sleep(1.0)
+            before = relay.cpu_seconds(gateway.pid)
+            statuses = await asyncio.gather(*(one() for _ in range(args.requests)))
+            await asyncio.sleep(1.0)  # the replica's last reports, recorded
+            cpu = relay.cpu_seconds(gateway.pid) - before
+            if any(s != 200 for s in statuses):
+                raise RuntimeError(f"{sum(s != 200 for s in statuses)} requests failed; see {workdir}")
+            return cpu / args.requests * 1000
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                p.wait(timeout=20)
+            await relay._clean_redis(args.redis, namespace)
+
+
+def worktree(rev: str, where: Path) -> str:
+    """Check rev out at where; returns its short hash."""
+    subprocess.run(["git", "worktree", "add", "--detach", str(where), rev], cwd=ROOT, check=True,
+                   capture_output=True)
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+async def main(args: argparse.Namespace) -> None:
+    relay.raise_fd_limit()
+    with tempfile.TemporaryDirectory(prefix="fairway-gw-bench-") as tmp:
+        base_root = Path(tmp) / "base"
+        base = worktree(args.base, base_root)
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                    capture_output=True, text=True).stdout.strip())
+        this = f"{head}{' + changes' if dirty else ''}"
+        rounds: list[dict[str, float]] = []
+        try:
+            print(f"gateway CPU per chat request ({args.requests} chats of {args.tokens} tokens, {args.concurrency} "
+                  f"at once, store {args.database}): {base} vs this tree ({this})", flush=True)
+            for r in range(args.rounds):
+                result = {}
+                for side, root in (("base", base_root), ("this", ROOT)):
+                    workdir = Path(tmp) / f"{side}{r}"
+                    workdir.mkdir()
+                    result[side] = round(await measure(root, args, workdir), 3)
+                rounds.append(result)
+                print(f"  round {r + 1}: {base} {result['base']:6.2f} ms   this {result['this']:6.2f} ms", flush=True)
+        finally:
+            subprocess.run(["git", "worktree", "remove", "--force", str(base_root)], cwd=ROOT, capture_output=True)
+    medians = {side: round(statistics.median(r[side] for r in rounds), 3) for side in ("base", "this")}
+    ratio = round(medians["this"] / medians["base"], 3)
+    print(f"median: {base} {medians['base']:.2f} ms, this tree {medians['this']:.2f} ms per request "
+          f"(this / base = {ratio})")
+    report: dict[str, Any] = {
+        "benchmark": "gateway_requests",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "base": base, "this": this, "store": args.database, "requests": args.requests, "tokens": args.tokens,
+        "concurrency": args.concurrency, "rounds": rounds, "median_ms_per_request": medians, "this_over_base": ratio,
+    }
+    relay.RESULTS.mkdir(parents=True, exist_ok=True)
+    (relay.RESULTS / "gateway_requests.json").write_text(json.dumps(report, indent=2) + "\n")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=800)
+    parser.add_argument("--concurrency", type=int, default=20)
+    parser.add_argument("--tokens", type=int, default=2, help="max_tokens per chat")
+    parser.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
+    parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    import uvloop  # the client is this benchmark's own load: keep it cheap
+
+    started = time.monotonic()
+    uvloop.run(main(parse_args()))
+    print(f"({time.monotonic() - started:.0f} s)")
