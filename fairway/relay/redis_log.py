@@ -491,6 +491,16 @@ class RedisTokenLog(TokenLog):
     async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
         keys = [self._lane_key(queue, lane) for lane in LANE_ORDER]  # (B)LMPOP takes the first non-empty
         lanes = dict(zip(keys, LANE_ORDER, strict=True))
+        # A busy consumer (a gateway's reply recorder) mostly finds work waiting: take it over the
+        # multiplexed connection, and only wait on a connection of its own (a blocking read must
+        # not hold up the others' commands) when the lanes are empty.
+        with _guard():
+            popped = await self._mux.execute("LMPOP", len(keys), *keys, "LEFT")
+        if popped:
+            key, items = popped
+            return decode_job(items[0], lanes[key])
+        if timeout is not None and timeout <= 0:
+            return None
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
