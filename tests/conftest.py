@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from hypothesis import settings
 
 from fairway.models.bundled import bundled_model_path
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import random_model
+
+# Property tests explore new random examples on every developer run; CI (CI=true) runs a fixed set,
+# so a fresh clone's run cannot fail on an example no earlier run met: a case a random run finds
+# is pinned with @example and fixed where it is found.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 @pytest.fixture(scope="session")
