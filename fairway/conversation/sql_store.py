@@ -174,6 +174,13 @@ def _update_reply_statement(columns: frozenset[str], whole_row: bool = True) -> 
     )
 
 
+def _row_of(conversation_id: sa.ColumnElement[Any], table: sa.Table, prefix: str) -> sa.Select:
+    """SELECT conversation_id (a CTE's column) as the row's, and a bind parameter
+    <prefix><column> for every other column, FROM that CTE: the row exists only if the CTE's does."""
+    return sa.select(*[conversation_id if column.name == "conversation_id"
+                       else sa.bindparam(f"{prefix}{column.name}", type_=column.type) for column in table.c])
+
+
 @functools.cache
 def _finish_statement(columns: frozenset[str]) -> sa.Select:
     """PostgreSQL: finish_reply's three writes as one statement (data-modifying CTEs): mark the
@@ -181,26 +188,13 @@ def _finish_statement(columns: frozenset[str]) -> sa.Select:
     happened, bump the conversation; returns the conversation id, or no row if the reply was final
     already or is unknown. One round trip on an autocommit connection instead of five (BEGIN, the
     three statements, COMMIT), and run by both savers of every reply."""
-    finished = (sa.update(replies)
-                .where(replies.c.id == sa.bindparam("b_id"), replies.c.finished_at.is_(None))
-                .values(**{column: sa.bindparam(f"b_{column}") for column in sorted(columns)})
-                .returning(replies.c.conversation_id).cte("finished"))
-    fields = [c.name for c in messages.c]
+    finished = _update_reply_statement(columns, whole_row=False).cte("finished")
     answer = (sa.insert(messages)
-              .from_select(fields, sa.select(*[finished.c.conversation_id if name == "conversation_id"
-                                               else sa.bindparam(f"m_{name}", type_=messages.c[name].type)
-                                               for name in fields]))
+              .from_select([c.name for c in messages.c], _row_of(finished.c.conversation_id, messages, "m_"))
               .returning(messages.c.conversation_id).cte("answer"))
     touched = (sa.update(conversations).where(conversations.c.id == answer.c.conversation_id)
                .values(updated_at=sa.bindparam("m_created_at")).cte("touched"))
     return sa.select(answer.c.conversation_id).add_cte(touched)
-
-
-def _row_of(anchor: sa.CTE, table: sa.Table, prefix: str) -> sa.Select:
-    """SELECT anchor.id as the row's conversation_id, and a bind parameter <prefix><column> for
-    every other column, FROM anchor: the row exists only if the anchor's does."""
-    return sa.select(*[anchor.c.id if column.name == "conversation_id"
-                       else sa.bindparam(f"{prefix}{column.name}", type_=column.type) for column in table.c])
 
 
 @functools.cache
@@ -216,11 +210,11 @@ def _turn_statement(new_conversation: bool, num_messages: int) -> sa.Select:
     else:
         anchor = (sa.update(conversations).where(conversations.c.id == sa.bindparam("t_id"))
                   .values(updated_at=sa.bindparam("t_ts")).returning(conversations.c.id).cte("conversation"))
-    rows = [_row_of(anchor, messages, f"m{i}_") for i in range(num_messages)]
+    rows = [_row_of(anchor.c.id, messages, f"m{i}_") for i in range(num_messages)]
     stored = (sa.insert(messages).from_select([c.name for c in messages.c], rows[0] if len(rows) == 1
                                               else sa.union_all(*rows))
               .returning(messages.c.id).cte("stored"))
-    queued = (sa.insert(replies).from_select([c.name for c in replies.c], _row_of(anchor, replies, "r_"))
+    queued = (sa.insert(replies).from_select([c.name for c in replies.c], _row_of(anchor.c.id, replies, "r_"))
               .returning(replies.c.id).cte("queued"))
     return sa.select(anchor.c.id).add_cte(stored, queued)
 
@@ -245,7 +239,8 @@ class SqlConversationStore(ConversationStore):
                             if self._dialect == "postgresql" else None)
 
     def _one_statement(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        """A connection for a single statement that reads."""
+        """A connection for a single statement: a read, or (through _writing) a write that
+        PostgreSQL runs atomically by itself."""
         return self._autocommit.connect() if self._autocommit is not None else self._engine.begin()
 
     @contextlib.asynccontextmanager
@@ -334,8 +329,8 @@ class SqlConversationStore(ConversationStore):
             async with self._writing() as conn:
                 if turn.new_conversation:
                     await conn.execute(_INSERT["conversations"], _values(conv))
-                # The update takes the write lock (SQLite) / the row lock (PostgreSQL) before the
-                # inserts, and tells a missing conversation apart.
+                # The update takes SQLite's write lock before the inserts, and tells a missing
+                # conversation apart.
                 elif not await self._touch(conn, conv.id, msgs[0].created_at):
                     raise NotFound(f"conversation {conv.id}")
                 rows = [_values(m) for m in msgs]
