@@ -98,6 +98,15 @@ class _Protocol(asyncio.Protocol):
                 if not future.done():
                     future.set_result(replies)
 
+    def request(self, data: bytes, count: int) -> asyncio.Future[list[Any]]:
+        """Write a batch of count commands; the future gets their replies."""
+        assert self.transport is not None
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[list[Any]] = loop.create_future()
+        self.waiting.append((future, count, loop.time()))
+        self.transport.write(data)
+        return future
+
     def connection_lost(self, exc: Exception | None) -> None:
         self.fail(RedisConnectionError(f"Redis connection lost: {exc or 'closed by the server'}"))
 
@@ -164,11 +173,7 @@ class RedisMux:
         protocol = self._protocol
         if protocol is None or protocol.closed.done():
             protocol = await self._connection()
-        assert protocol.transport is not None
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[list[Any]] = loop.create_future()
-        protocol.waiting.append((future, count, loop.time()))
-        protocol.transport.write(data)
+        future = protocol.request(data, count)
         self._arm_watchdog()
         return await future
 
@@ -180,9 +185,7 @@ class RedisMux:
             self._protocol = None
 
     async def _connection(self) -> _Protocol:
-        protocol = self._protocol
-        if protocol is not None and not protocol.closed.done():
-            return protocol
+        """A live connection: the current one, or a new one if another caller has not made it yet."""
         async with self._connecting:
             if self._protocol is None or self._protocol.closed.done():
                 self._protocol = await self._connect()
@@ -203,10 +206,7 @@ class RedisMux:
         except OSError as exc:
             raise RedisConnectionError(f"Redis at {where} unreachable: {exc}") from exc
         if self._setup:
-            future: asyncio.Future[list[Any]] = loop.create_future()
-            protocol.waiting.append((future, len(self._setup), loop.time()))
-            assert protocol.transport is not None
-            protocol.transport.write(b"".join(pack(c) for c in self._setup))
+            future = protocol.request(b"".join(pack(c) for c in self._setup), len(self._setup))
             try:
                 replies = await asyncio.wait_for(future, self._socket_timeout_s)
             except TimeoutError as exc:

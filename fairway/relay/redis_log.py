@@ -290,10 +290,12 @@ class RedisTokenLog(TokenLog):
 
     # -- the log -----------------------------------------------------------------------------
 
+    def _create_keys(self, reply_id: str) -> list[str]:
+        return [self._key(reply_id), self._key(reply_id, "listened")]
+
     async def create(self, reply_id: str) -> bool:
         with _guard():
-            keys = [self._key(reply_id), self._key(reply_id, "listened")]
-            return bool(await self._create(keys=keys, args=[self._ttl_ms]))
+            return bool(await self._create(keys=self._create_keys(reply_id), args=[self._ttl_ms]))
 
     async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
         check_token_events(items)
@@ -467,23 +469,25 @@ class RedisTokenLog(TokenLog):
         queue: str = DEFAULT_QUEUE,
         front: bool = False,
     ) -> str:
-        lane = Lane(lane)
-        job_id = uuid.uuid4().hex
-        raw = encode_job(job_id, job)
-        key = self._lane_key(queue, lane)
+        job_id, key, raw = self._queued(job, lane, queue)
         with _guard():
             await (self._r.lpush(key, raw) if front else self._r.rpush(key, raw))
         return job_id
+
+    def _queued(self, job: dict[str, Any], lane: Lane | str, queue: str) -> tuple[str, str, str]:
+        """A new job's id, its lane's list and its encoding."""
+        job_id = uuid.uuid4().hex
+        return job_id, self._lane_key(queue, Lane(lane)), encode_job(job_id, job)
 
     async def launch(self, reply_id: str, job: dict[str, Any], lane: Lane | str = Lane.FREE, *,
                      queue: str = DEFAULT_QUEUE) -> str:
         # One pipeline, run in order: the log, then the job. EVAL, not EVALSHA: a script Redis
         # lost (NOSCRIPT) would fail the create while the job still went out.
-        job_id = uuid.uuid4().hex
-        keys = [self._key(reply_id), self._key(reply_id, "listened")]
+        job_id, key, raw = self._queued(job, lane, queue)
+        keys = self._create_keys(reply_id)
         with _guard():
             results = await self._mux.batch([["EVAL", self._create.script, len(keys), *keys, self._ttl_ms],
-                                             ["RPUSH", self._lane_key(queue, Lane(lane)), encode_job(job_id, job)]])
+                                             ["RPUSH", key, raw]])
         for result in results:
             raise_if_error(result)
         return job_id
