@@ -50,7 +50,6 @@ class ModelRunner:
         return tokens
 
     def _prepare(self, batch: ScheduledBatch):
-        bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -66,7 +65,7 @@ class ModelRunner:
             row = len(ids)
             ids.extend(seq.token_ids[start:start + n])
             positions.extend(range(start, start + n))
-            slots.extend(seq.blocks[p // bs].block_id * bs + p % bs for p in range(start, start + n))
+            slots.extend(_slots(seq, start, start + n, self.block_size))
             if n > 1:
                 spans.append((row, row + n, seq))
             if start + n == seq.num_tokens:
@@ -109,7 +108,7 @@ class ModelRunner:
         out_rows: list[int] = []
         slots: list[int] = []
         masks: list[torch.Tensor] = []
-        bs = self.block_size
+        queries, keys = torch.arange(n), torch.arange(ctx)[None, :]
         for i, ((row, end, seq), start) in enumerate(zip(spans, starts, strict=True)):
             size = end - row
             rows += [*range(row, end), *[end - 1] * (n - size)]
@@ -117,13 +116,11 @@ class ModelRunner:
             out_rows += range(row, end)
             # Query j sits at position start + j and may see keys 0..start + j; a padding query sees key 0
             # (a row with no key at all would be NaN).
-            queries = torch.arange(n)
-            mask = torch.arange(ctx)[None, :] <= torch.where(queries < size, start + queries, 0)[:, None]
+            mask = keys <= torch.where(queries < size, start + queries, 0)[:, None]
             masks.append(mask.repeat(self.group, 1))
             if not fresh:
                 context = start + size
-                slots += [seq.blocks[p // bs].block_id * bs + p % bs for p in range(context)]
-                slots += [0] * (ctx - context)
+                slots += [*_slots(seq, 0, context, self.block_size), *[0] * (ctx - context)]
         dev = self.device
 
         def longs(values: list[int]) -> torch.Tensor:
@@ -154,6 +151,11 @@ def _prefill_groups(spans: list[tuple[int, int, Sequence]], growth: float = 1.5,
         if group:
             groups.append(group)
     return groups
+
+
+def _slots(seq: Sequence, begin: int, end: int, block_size: int) -> list[int]:
+    """The KV cache slots of seq's positions [begin, end)."""
+    return [seq.blocks[p // block_size].block_id * block_size + p % block_size for p in range(begin, end)]
 
 
 def _padded_block_tables(seqs: list[Sequence], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,14 +31,14 @@ from fairway.models.precision import cpu_half_matmul_supported
 _BATCH_HINT = 64
 # On an AMX CPU, the most rows the native kernel takes (crossover measured between 8 and 16).
 NATIVE_ROWS_WITH_AMX = 8
+# Up to this many rows the bf16 copy (when there is one) beats the packed float32 weights: measured
+# on 30 distinct 3072x576 weights (DRAM-bound, as in decode), 1 row 8.9 vs 20 ms, 8 rows 20 vs 26 ms.
+SKINNY_ROWS = SKINNY_MAX_ROWS
 
 
 def amx_available() -> bool:
     """Whether oneDNN can multiply bf16 on AMX tiles here (Intel Sapphire Rapids and later)."""
     return bool(getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)())
-# Up to this many rows the bf16 copy (when there is one) beats the packed float32 weights: measured
-# on 30 distinct 3072x576 weights (DRAM-bound, as in decode), 1 row 8.9 vs 20 ms, 8 rows 20 vs 26 ms.
-SKINNY_ROWS = SKINNY_MAX_ROWS
 
 
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
