@@ -37,25 +37,17 @@ sys.path.insert(0, str(ROOT / "bench"))
 import relay  # noqa: E402  (this tree's helpers: ports, the SSE client, the temporary database)
 
 
-def spawn(root: Path, args: list[str], log: Path) -> subprocess.Popen:
-    out = open(log, "wb")  # noqa: SIM115  lives as long as the process
-    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=root)
-
-
 async def measure(root: Path, args: argparse.Namespace, workdir: Path) -> float:
     """Milliseconds of gateway CPU per request, for the tree at root."""
     async with relay.gateway_database(args.database, workdir) as database:
-        key = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", "bench", "--tier",
-                              "business", "--database", database], capture_output=True, text=True, cwd=root,
-                             check=True).stdout.strip().splitlines()[-1]
-        relay.API_KEY["value"] = key
+        relay.API_KEY["value"] = relay.create_key(database, root)
         namespace = f"bench:{uuid.uuid4().hex[:8]}:"
         port = relay.free_port()
-        procs = [spawn(root, ["bench/relay.py", "synthetic-replica", "--redis", args.redis, "--namespace", namespace],
-                       workdir / "replica.log"),
-                 spawn(root, ["-m", "fairway.cli", "gateway", "--redis", args.redis, "--namespace", namespace,
-                              "--database", database, "--port", str(port), "--log-level", "warning", *relay.NO_LIMITS],
-                       workdir / "gateway.log")]
+        procs = [relay.spawn(["bench/relay.py", "synthetic-replica", "--redis", args.redis, "--namespace", namespace],
+                             workdir / "replica.log", root=root),
+                 relay.spawn(["-m", "fairway.cli", "gateway", "--redis", args.redis, "--namespace", namespace,
+                              "--database", database, "--port", str(port), "--log-level", "warning",
+                              *relay.NO_LIMITS], workdir / "gateway.log", root=root)]
         gateway = procs[-1]
         try:
             await relay.wait_ready(f"http://127.0.0.1:{port}")

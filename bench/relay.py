@@ -98,9 +98,10 @@ def raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children (gateway) inherit it
 
 
-def spawn(args: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None, root: Path = ROOT) -> subprocess.Popen:
+    """A Python process of the tree at root (its fairway, its bench scripts)."""
     out = open(log, "wb")  # noqa: SIM115  lives as long as the process
-    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT,
+    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=root,
                             env=os.environ | (env or {}))
 
 
@@ -110,10 +111,10 @@ NO_LIMITS = ["--max-in-flight", "4000", "--max-waiting", "4000", "--ip-rpm", "10
              "--rpm", "paid=10000000", "--tpm", "paid=1000000000"]
 
 
-def create_key(database: str) -> str:
+def create_key(database: str, root: Path = ROOT) -> str:
     """A business-tier key in the gateway's store (`fairway keys create` prints it last)."""
     run = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", "bench", "--tier",
-                          "business", "--database", database], capture_output=True, text=True, cwd=ROOT, check=True)
+                          "business", "--database", database], capture_output=True, text=True, cwd=root, check=True)
     return run.stdout.strip().splitlines()[-1]
 
 
@@ -299,6 +300,16 @@ def streams_per_core(cpu_s_per_1000_events: float | None) -> int | None:
     return int(1000 / (RATE * cpu_s_per_1000_events)) if cpu_s_per_1000_events else None
 
 
+def token_time(data: bytes) -> float | None:
+    """The production time a synthetic token carries as its text (None for other chunks)."""
+    marker = data.find(b'"content":"')
+    if marker < 0:
+        return None
+    start = marker + 11
+    text = data[start : data.find(b'"', start)].strip()
+    return float(text) if text else None
+
+
 async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[str, Any]:
     delays: list[float] = []
     events = 0
@@ -307,16 +318,12 @@ async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[
     def on_event_of(i: int) -> Callable[[bytes, float], None]:
         def on_event(data: bytes, received: float) -> None:
             nonlocal events
-            marker = data.find(b'"content":"')
-            if marker < 0:
-                return
-            start = marker + 11
-            text = data[start : data.find(b'"', start)].strip()
-            if not text:
+            produced = token_time(data)
+            if produced is None:
                 return
             events += 1
             per_stream[i] += 1
-            delays.append(received - float(text))
+            delays.append(received - produced)
 
         return on_event
 
@@ -375,16 +382,6 @@ async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[
         "wall_s": round(wall, 1),
         "ok": errors == 0 and events == n * tokens and p99 <= P99_TARGET_MS,
     }
-
-
-def token_time(data: bytes) -> float | None:
-    """The production time a synthetic token carries as its text (None for other chunks)."""
-    marker = data.find(b'"content":"')
-    if marker < 0:
-        return None
-    start = marker + 11
-    text = data[start : data.find(b'"', start)].strip()
-    return float(text) if text else None
 
 
 async def churn_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[str, Any]:
