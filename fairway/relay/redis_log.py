@@ -509,20 +509,15 @@ class RedisTokenLog(TokenLog):
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return None  # (the blocking read waited until the deadline)
+            # Wait in slices no longer than block_s so the socket timeout never fires.
+            wait = self._block_ms / 1000 if remaining is None else min(remaining, self._block_ms / 1000)
             with _guard():
-                if remaining is not None and remaining <= 0:
-                    popped = await self._r.lmpop(len(keys), *keys, direction="LEFT")
-                else:
-                    # Wait in slices no longer than block_s so the socket timeout never fires.
-                    wait = (
-                        self._block_ms / 1000 if remaining is None else min(remaining, self._block_ms / 1000)
-                    )
-                    popped = await self._r.blmpop(max(wait, 0.01), len(keys), *keys, direction="LEFT")
+                popped = await self._r.blmpop(max(wait, 0.01), len(keys), *keys, direction="LEFT")
             if popped:
                 key, items = popped
                 return decode_job(items[0], lanes[key])
-            if remaining is not None and remaining <= 0:
-                return None
 
     async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
         with _guard():
