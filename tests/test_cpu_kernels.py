@@ -320,22 +320,67 @@ def test_packed_linear_uses_the_kernel_for_bf16_and_onednn_otherwise(monkeypatch
 
 
 @needs_bf16_kernel
-def test_on_an_amx_cpu_the_kernel_takes_few_rows_and_onednn_the_rest(monkeypatch):
+@pytest.mark.parametrize("amx_kernel", [False, True])
+def test_on_an_amx_cpu_a_kernel_takes_few_rows_and_onednn_the_rest(monkeypatch, amx_kernel):
     from fairway.models import packed_linear
 
     if not packed_linear.packing_supported(torch.bfloat16, torch.device("cpu")):
         pytest.skip("no oneDNN bf16 on this CPU")
+    if amx_kernel and amx_linear_kernel is None:
+        pytest.skip("no AMX tiles here")
     monkeypatch.setattr(packed_linear, "amx_available", lambda: True)  # (what this CPU has does not matter)
+    if not amx_kernel:  # an AMX CPU whose tiles the AMX kernel can't use: the AVX512-BF16 kernel takes fewer rows
+        monkeypatch.setattr(packed_linear, "amx_linear", lambda: None)
+    kernel, most = ((amx_linear_kernel, packed_linear.AMX_KERNEL_MAX_ROWS) if amx_kernel
+                    else (bf16_kernel, packed_linear.NATIVE_ROWS_WITH_AMX))
     _, weight = bf16_case(1, 96, 64)
     layer = packed_linear.PackedLinear(weight)
-    assert layer.native is bf16_kernel and hasattr(layer, "packed") and hasattr(layer, "panels")
+    assert layer.native is kernel and hasattr(layer, "packed") and hasattr(layer, "panels")
     calls: list[int] = []
-    native = layer.native
-    monkeypatch.setattr(layer, "native", lambda x, panels, out: calls.append(x.shape[0]) or native(x, panels, out))
-    for rows in (1, packed_linear.NATIVE_ROWS_WITH_AMX, packed_linear.NATIVE_ROWS_WITH_AMX + 1, 64):
+    monkeypatch.setattr(layer, "native", lambda x, panels, out: calls.append(x.shape[0]) or kernel(x, panels, out))
+    for rows in (1, most, most + 1, 200):
         x, _ = bf16_case(rows, 96, 64)
         assert_bf16_linear_close(layer(x), x, weight)
-    assert calls == [1, packed_linear.NATIVE_ROWS_WITH_AMX]  # the larger batches went to oneDNN
+    assert calls == [1, most]  # the larger batches went to oneDNN
+
+
+# --- the AMX matmul (amx_linear.c) ---
+
+amx_linear_kernel = cpu_kernels.amx_linear()
+needs_amx_kernel = pytest.mark.skipif(amx_linear_kernel is None, reason="no AMX tiles here: the AVX512-BF16 "
+                                      "kernel or oneDNN multiply")
+
+
+@needs_amx_kernel
+@pytest.mark.parametrize("rows", [1, 2, 5, 15, 16, 17, 31, 32, 33, 64, 70])  # one tile of rows, 32-row blocks, padding
+@pytest.mark.parametrize("out_features,in_features", [(576, 1536), (963, 576), (7, 64), (3000, 32), (33, 96)])
+def test_amx_linear_matches_float32(rows, out_features, in_features):
+    x, weight = bf16_case(rows, out_features, in_features, seed=rows)
+    assert_bf16_linear_close(amx_linear_kernel(x, amx_linear_kernel.pack(weight), out_features), x, weight)
+
+
+@needs_amx_kernel
+def test_amx_linear_takes_any_layout_of_x_and_only_widths_of_whole_tiles():
+    x, weight = bf16_case(6, 50, 64)
+    panels = amx_linear_kernel.pack(weight)
+    for view in (torch.cat([x, x], dim=1)[:, :64], x.t().contiguous().t(), x.view(2, 3, 64)):  # strided, transposed
+        assert torch.equal(amx_linear_kernel(view, panels, 50).view(6, 50), amx_linear_kernel(x, panels, 50))
+    assert amx_linear_kernel(x[:0], panels, 50).shape == (0, 50)
+    assert [amx_linear_kernel.supports(k) for k in (32, 576, 1536, 16, 48, 100)] == [True] * 3 + [False] * 3
+
+
+@needs_amx_kernel
+def test_amx_linear_same_result_with_one_thread_and_several():
+    x, weight = bf16_case(40, 3000, 576)
+    panels = amx_linear_kernel.pack(weight)
+    many = amx_linear_kernel(x, panels, 3000)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = amx_linear_kernel(x, panels, 3000)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)  # each column is summed by one thread in a fixed order
 
 
 def test_packed_linear_falls_back_to_onednn_without_the_kernel(monkeypatch):

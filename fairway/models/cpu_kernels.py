@@ -1,6 +1,6 @@
 """Native CPU kernels: built from fairway/models/csrc/ with the system C compiler on first use.
 
-Five things portable PyTorch does badly on a CPU:
+Six things portable PyTorch does badly on a CPU:
   * decode attention over a paged cache (paged_decode.c): PyTorch must first gather every
     context into a padded copy (which cost ~36% of a batch-64 decode step);
   * bf16 matmuls on a CPU with AVX512-BF16 (bf16_linear.c, VDPBF16PS on weights packed at load):
@@ -10,6 +10,10 @@ Five things portable PyTorch does badly on a CPU:
     the ~420 GFLOP/s the kernel reaches from cache take as long as the DRAM read), 64 rows 52 ->
     43 ms, 512 rows 359-390 -> 342-364 ms. Without AVX512-BF16 it compiles to a stub that says so,
     and the bf16 layers keep oneDNN;
+  * the same on a CPU with AMX (amx_linear.c, TDPBF16PS on the same packed weights) for the few
+    dozen rows of a decode step, where oneDNN's AMX GEMM spends its time in per-call setup: the 121
+    linears on 2 Sapphire Rapids cores (~18 GB/s from DRAM, floor ~15 ms), 1 row 22.9 (AVX512-BF16
+    kernel) / 28.9 (oneDNN) -> 17.2 ms, 16 rows 41.5 / 30.3 -> 20.5 ms, 32 rows 68.8 / 47.6 -> 24.7 ms;
   * a matmul of a few rows with bf16 weights on a CPU without bf16 instructions
     (skinny_linear.c): PyTorch's emulation runs at a fraction of the memory bandwidth that
     bounds it;
@@ -43,7 +47,7 @@ from fairway.models.cache import cache_dir
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "sample.c")]
+            for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "amx_linear.c", "sample.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The C side's fixed limits.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
@@ -208,6 +212,37 @@ class Bf16Linear:
         return y
 
 
+class AmxLinear(Bf16Linear):
+    """ctypes binding of amx_linear.c: Bf16Linear's product on AMX tiles, over the same panels
+    (pack() is Bf16Linear's); in_features a multiple of 32."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.amx_linear
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self.available = bool(lib.amx_linear_available())  # (asks Linux for the tile state)
+
+    def supports(self, in_features: int) -> bool:
+        return self.available and in_features >= 32 and in_features % 32 == 0
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+                 tile: tuple[int, int, bool] | None = None) -> torch.Tensor:
+        """x: [..., k] bf16; panels: pack()'s output for a [out_features, k] weight. Returns
+        [..., out_features] bf16. (`tile` is the AVX512 kernel's and means nothing here.)"""
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1]), panels, out_features).view(*x.shape[:-1], out_features)
+        rows, k = x.shape
+        if x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or panels.shape[1] * 2 != k:
+            raise ValueError(f"AMX linear: x {tuple(x.shape)} {x.dtype} for panels {tuple(panels.shape)}")
+        x = x.contiguous()
+        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        if rows and self._fn(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out_features, k,
+                             torch.get_num_threads()) != 0:
+            raise RuntimeError(f"AMX linear kernel: unsupported shape {tuple(x.shape)}, or out of memory")
+        return y
+
+
 class LayerOps:
     """ctypes binding of layer_ops.c: float32 or bf16 tensors on the CPU, contiguous."""
 
@@ -298,7 +333,7 @@ def _check(*tensors: torch.Tensor) -> None:
         assert t.device.type == "cpu" and t.dtype == first.dtype and t.dtype in LayerOps.DTYPES and t.is_contiguous()
 
 
-Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, Bf16Linear, LayerOps, TemperatureSampler)
+Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, Bf16Linear, AmxLinear, LayerOps, TemperatureSampler)
 
 
 def decode_kernels() -> DecodeKernels | None:
@@ -315,6 +350,13 @@ def bf16_linear() -> Bf16Linear | None:
     """The AVX512-BF16 matmul, or None when FAIRWAY_NATIVE_KERNELS=0, it can't be built, or this CPU
     lacks AVX512-BF16 (the bf16 layers then use oneDNN)."""
     kernel = _bound(Bf16Linear) if native_enabled() else None
+    return kernel if kernel is not None and kernel.available else None
+
+
+def amx_linear() -> AmxLinear | None:
+    """The AMX matmul, or None when FAIRWAY_NATIVE_KERNELS=0, it can't be built, or this CPU (or
+    its kernel) offers no AMX tiles."""
+    kernel = _bound(AmxLinear) if native_enabled() else None
     return kernel if kernel is not None and kernel.available else None
 
 

@@ -15,8 +15,12 @@ every row count and the layer keeps no oneDNN copy of the weight.
 A CPU with AMX is different: oneDNN multiplies bf16 on its tile units. On 2 Sapphire Rapids cores,
 the 211 linears of a step (distinct weights, as in the model): 1 row native 17.3 vs oneDNN 22.7 ms,
 8 rows 21.8 vs 25.2, 16 rows 31.4 vs 23.9, 64 rows 101 vs 31, 512 rows 823 vs 152 ms. There the
-layer keeps both copies (twice the weight memory) and gives the native kernel up to
-NATIVE_ROWS_WITH_AMX rows, oneDNN the rest.
+few rows of a decode step go to the AMX kernel (cpu_kernels.amx_linear, csrc/amx_linear.c), which
+reads the same panels: the 121 linears of a step, AMX / AVX512-BF16 kernel / oneDNN, 1 row 17.2 /
+22.9 / 28.9 ms, 16 rows 20.5 / 41.5 / 30.3, 32 rows 24.7 / 68.8 / 47.6, 64 rows 38 / 172 / 42,
+512 rows 283 / 1595 / 267. So the layer keeps both copies (twice the weight memory) and gives
+the AMX kernel up to AMX_KERNEL_MAX_ROWS rows, oneDNN the rest (prefill). Without the AMX kernel
+(a weight width not a multiple of 32) the AVX512-BF16 kernel takes up to NATIVE_ROWS_WITH_AMX.
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fairway.models.cpu_kernels import SKINNY_MAX_ROWS, bf16_linear, skinny_linear
+from fairway.models.cpu_kernels import SKINNY_MAX_ROWS, amx_linear, bf16_linear, skinny_linear
 from fairway.models.precision import cpu_half_matmul_supported
 
 # oneDNN picks its blocking for this many rows; measured best for both M=1 and M=512 here.
 _BATCH_HINT = 64
-# On an AMX CPU, the most rows the native kernel takes (crossover measured between 8 and 16).
+# On an AMX CPU, the most rows the native kernel takes (crossover measured between 8 and 16) ...
 NATIVE_ROWS_WITH_AMX = 8
+# ... and the AMX kernel (even with oneDNN at 40-64 rows, which leads from there).
+AMX_KERNEL_MAX_ROWS = 64
 # Up to this many rows the bf16 copy (when there is one) beats the packed float32 weights: measured
 # on 30 distinct 3072x576 weights (DRAM-bound, as in decode), 1 row 8.9 vs 20 ms, 8 rows 20 vs 26 ms.
 SKINNY_ROWS = SKINNY_MAX_ROWS
@@ -63,7 +69,11 @@ class PackedLinear(nn.Module):
             self.native = kernel
             self.register_buffer("panels", kernel.pack(weight), persistent=False)
             if amx_available():  # oneDNN on AMX wins above a few rows: keep its copy too
-                self.native_max_rows = NATIVE_ROWS_WITH_AMX
+                amx = amx_linear()
+                if amx is not None and amx.supports(self.in_features):
+                    self.native, self.native_max_rows = amx, AMX_KERNEL_MAX_ROWS
+                else:
+                    self.native_max_rows = NATIVE_ROWS_WITH_AMX
                 self._pack_for_onednn(weight, False)
         else:
             self._pack_for_onednn(weight, bf16_copy)
