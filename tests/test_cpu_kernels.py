@@ -422,3 +422,55 @@ def test_bf16_linear_without_avx512_bf16_builds_to_a_stub(tmp_path):
     x, weight = bf16_case(2, 16, 64)
     with pytest.raises(RuntimeError):
         binding(x, binding.pack(weight), 16)
+
+
+# --- a bf16 decode step's layers in one call (decode_forward.c, native_decode.py) ---
+
+@needs_bf16_kernel
+def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit():
+    """Every decode step of a tiny random bf16 model, from 1 row to past one AMX tile (and past the
+    most rows the pass takes on an AMX CPU): the one-call pass against the layer-by-layer path on
+    the same inputs, hidden states compared bit for bit."""
+    from fairway.engine.llm_engine import EngineConfig, LLMEngine
+    from fairway.engine.sampling_params import SamplingParams
+    from fairway.models.config import LlamaConfig
+    from fairway.models.packed_linear import pack_linears
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    model = random_model(cfg, seed=5, dtype=torch.bfloat16)
+    pack_linears(model)
+    assert model.use_native_decode()
+    native = model.native_decode
+    compared: list[int] = []
+    layer_by_layer = model.forward
+
+    def both(ids, positions, kv, meta):
+        if not native.takes(ids.shape[0], kv, meta):
+            return layer_by_layer(ids, positions, kv, meta)
+        got = layer_by_layer(ids, positions, kv, meta)  # (through the native pass)
+        model.native_decode = None
+        try:
+            want = layer_by_layer(ids, positions, kv, meta)
+        finally:
+            model.native_decode = native
+        assert torch.equal(got, want), f"{ids.shape[0]} rows"
+        compared.append(ids.shape[0])
+        return got
+
+    model.forward = both
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=256))
+    for batch in (1, 5, 20, 70):
+        prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
+        engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    assert {1, 5, 20} <= set(compared)
+    assert native.max_rows is None or max(compared) <= native.max_rows
+
+
+def test_native_decode_pass_is_not_taken_for_float32_or_without_native_linears():
+    from fairway.models.config import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+    assert not random_model(cfg, dtype=torch.float32).use_native_decode()
+    assert not random_model(cfg, dtype=torch.bfloat16).use_native_decode()  # plain nn.Linear: not packed

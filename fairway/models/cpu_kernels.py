@@ -20,6 +20,8 @@ Six things portable PyTorch does badly on a CPU:
   * the small ops of a decoder layer on a few rows (layer_ops.c: residual add + RMSNorm, SiLU
     gating, RoPE + the KV cache write), where PyTorch's per-op overhead dwarfs the arithmetic;
   * temperature sampling over a large vocabulary (sample.c): one pass per row instead of ~8 ops.
+And one thing the interpreter does badly: calling those kernels ~9 times a layer at decode
+(decode_forward.c runs a bf16 decode step's layers in one call; fairway/models/native_decode.py).
 The build takes a few seconds and is cached per source, compiler and CPU under the Fairway cache
 directory; a machine without a compiler, or FAIRWAY_NATIVE_KERNELS=0, keeps the portable
 PyTorch paths (same results, slower). PyTorch ships libgomp under the same soname,
@@ -47,7 +49,8 @@ from fairway.models.cache import cache_dir
 log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
-            for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "amx_linear.c", "sample.c")]
+            for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "amx_linear.c", "sample.c",
+                         "decode_forward.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The C side's fixed limits.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
@@ -243,6 +246,51 @@ class AmxLinear(Bf16Linear):
         return y
 
 
+class DecoderWeights(ctypes.Structure):
+    """decode_forward.c's decoder_weights: one layer's norms and packed linears."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("input_norm", "qkv", "o", "post_norm", "gate_up", "down")]
+
+
+class DecodeShape(ctypes.Structure):
+    """decode_forward.c's decode_shape."""
+
+    _fields_ = ([(name, ctypes.c_int) for name in ("tokens", "hidden", "heads_q", "heads_kv", "head_dim", "inter",
+                                                    "num_layers")]
+                + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64)]
+                + [(name, ctypes.c_int) for name in ("block_size", "max_blocks", "table_bf16", "amx", "nv", "mr",
+                                                      "prefetch", "num_threads")])
+
+
+class DecodeForward:
+    """ctypes binding of decode_forward.c: every decoder layer of a bf16 decode step in one call.
+    The caller (fairway/models/native_decode.py) holds the weights' pointers and the shapes."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.decode_forward
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.POINTER(DecodeShape)] + [ctypes.c_void_p] * 9
+        fn.restype = ctypes.c_int
+        scratch = lib.decode_forward_scratch
+        scratch.argtypes = [ctypes.POINTER(DecodeShape)]
+        scratch.restype = ctypes.c_int64
+        self._fn, self._scratch = fn, scratch
+
+    def __call__(self, x: torch.Tensor, layers: ctypes.Array, final_norm: torch.Tensor, shape: DecodeShape,
+                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor) -> torch.Tensor:
+        """x: [tokens, hidden] bf16 embeddings (overwritten). Returns the final norm's output."""
+        out = torch.empty_like(x)
+        scratch = torch.empty(self._scratch(ctypes.byref(shape)), dtype=torch.bfloat16)
+        rc = self._fn(x.data_ptr(), out.data_ptr(), ctypes.addressof(layers), final_norm.data_ptr(),
+                      ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
+                      k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+                      scratch.data_ptr())
+        if rc != 0:
+            raise RuntimeError(f"decode_forward kernel failed (rc {rc})")
+        return out
+
+
 class LayerOps:
     """ctypes binding of layer_ops.c: float32 or bf16 tensors on the CPU, contiguous."""
 
@@ -333,7 +381,8 @@ def _check(*tensors: torch.Tensor) -> None:
         assert t.device.type == "cpu" and t.dtype == first.dtype and t.dtype in LayerOps.DTYPES and t.is_contiguous()
 
 
-Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, Bf16Linear, AmxLinear, LayerOps, TemperatureSampler)
+Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, Bf16Linear, AmxLinear, LayerOps, TemperatureSampler,
+                  DecodeForward)
 
 
 def decode_kernels() -> DecodeKernels | None:
@@ -358,6 +407,11 @@ def amx_linear() -> AmxLinear | None:
     its kernel) offers no AMX tiles."""
     kernel = _bound(AmxLinear) if native_enabled() else None
     return kernel if kernel is not None and kernel.available else None
+
+
+def decode_forward() -> DecodeForward | None:
+    """The whole-step decode pass, or None when FAIRWAY_NATIVE_KERNELS=0 or it can't be built."""
+    return _bound(DecodeForward) if native_enabled() else None
 
 
 def temperature_sampler() -> TemperatureSampler | None:

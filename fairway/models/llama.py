@@ -14,6 +14,7 @@ from torch import nn
 
 from fairway.models.config import LlamaConfig
 from fairway.models.cpu_kernels import layer_ops
+from fairway.models.native_decode import NativeDecode
 from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, paged_attention, write_kv
 
 
@@ -152,12 +153,22 @@ class LlamaModel(nn.Module):
         # CPU without bf16 matmuls keep a bf16 cache: half the bytes for decode attention to read).
         self.kv_cache_dtype: torch.dtype | None = None
         self.native = layer_ops()
+        # The whole-step native decode pass, once the weights are final (see use_native_decode).
+        self.native_decode: NativeDecode | None = None
+
+    def use_native_decode(self) -> bool:
+        """Run qualifying decode steps in one native call from now on (after the loader packed the
+        weights; nothing may move them afterwards). Returns whether this model and build allow it."""
+        self.native_decode = NativeDecode.for_model(self)
+        return self.native_decode is not None
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        if self.native_decode is not None and self.native_decode.takes(x.shape[0], kv, meta):
+            return self.native_decode(x, positions, kv, meta)
         native = self.native is not None and self.native.supports(x) and kv.k.dtype in self.native.DTYPES
         rope = self.rotary.batch(positions, x.dtype, native)
         residual = None

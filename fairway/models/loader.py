@@ -55,6 +55,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         model.kv_cache_dtype = dtype
     if pack and packing_supported(held, torch.device(device)):
         pack_linears(model, bf16_copy=dtype == torch.bfloat16 and held == torch.float32)
+        model.use_native_decode()
     return model
 
 

@@ -1,0 +1,92 @@
+/* A decode step's pass through every decoder layer in one native call.
+ *
+ * A decode step has a few rows, and each layer is nine small operations (norm, QKV, RoPE + cache
+ * write, attention, O, norm, gate|up, SiLU gating, down). Called one by one from Python, each pays
+ * the interpreter, the module call, ctypes and an output allocation: ~10 ms of a 30-layer step on
+ * 2 Sapphire Rapids cores, as much as the attention and small ops themselves. Here the same
+ * kernels (layer_ops.c, paged_decode.c, amx_linear.c or bf16_linear.c) run in the same order on
+ * the same inputs from C, so the hidden states are bit-identical to the layer-by-layer path
+ * (fairway/models/llama.py), which remains for prefill, other dtypes and portable builds.
+ *
+ * bf16 weights, activations and KV cache only. Built with the other kernels by cpu_kernels.py.
+ */
+#include <stdint.h>
+#include <string.h>
+
+int rms_norm(const void *x, const void *residual, const void *weight, void *out, void *residual_out, int rows,
+             int dim, float eps, int bf16, int num_threads);
+int silu_mul(const void *gate_up, void *out, int rows, int inter, int bf16, int num_threads);
+int rope_store(void *qkv, int tokens, int heads_q, int heads_kv, int head_dim, const void *cos_table,
+               const void *sin_table, const int64_t *positions, const int64_t *slots, void *k_cache, void *v_cache,
+               int64_t cache_slots, int bf16, int table_bf16, int cache_bf16, int num_threads);
+int paged_decode_attention(const void *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
+                           const int32_t *context_lens, void *out, int n_seqs, int kv_heads, int group, int d,
+                           int64_t slots, int block_size, int max_blocks, float scale, int q_bf16, int kv_bf16,
+                           int num_threads);
+int bf16_linear(const uint16_t *x, const uint16_t *packed, uint16_t *y, int m, int n, int k, int nv, int mr,
+                int prefetch, int num_threads);
+int amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t *y, int m, int n, int k, int num_threads);
+
+/* One layer's weights: the norms [hidden] bf16, the linears packed into panels (bf16_linear.c). */
+typedef struct {
+    const void *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
+} decoder_weights;
+
+/* The shapes of the model and of this step. */
+typedef struct {
+    int tokens, hidden, heads_q, heads_kv, head_dim, inter, num_layers;
+    float eps, scale;
+    int64_t cache_slots; /* per KV head of one layer: layer l's cache starts l * heads_kv * cache_slots rows in */
+    int block_size, max_blocks;
+    int table_bf16;          /* the RoPE tables' dtype */
+    int amx, nv, mr, prefetch; /* the linear kernel: AMX, or AVX512-BF16 with this tile */
+    int num_threads;
+} decode_shape;
+
+static int linear(const decode_shape *s, const void *x, const void *panels, void *y, int n, int k) {
+    return s->amx ? amx_linear(x, panels, y, s->tokens, n, k, s->num_threads)
+                  : bf16_linear(x, panels, y, s->tokens, n, k, s->nv, s->mr, s->prefetch, s->num_threads);
+}
+
+/* The bf16 values of scratch decode_forward() needs for this shape. */
+int64_t decode_forward_scratch(const decode_shape *s) {
+    const int64_t q = (int64_t)s->heads_q * s->head_dim, kv = (int64_t)s->heads_kv * s->head_dim;
+    return (int64_t)s->tokens * (2 * (int64_t)s->hidden + (q + 2 * kv) + 2 * q + 3 * (int64_t)s->inter);
+}
+
+/* x: [tokens, hidden] bf16, the embedded tokens, overwritten; out: [tokens, hidden], the final norm
+ * of the last layer's stream (what LlamaModel.forward returns). Each token is one sequence's new
+ * token at `positions`, written to `slots`, attending through its block table. Returns 0, or the
+ * failing kernel's code (1 norm, 2 linear, 3 RoPE, 4 attention, 5 SiLU) times -1. */
+int decode_forward(void *x, void *out, const decoder_weights *layers, const void *final_norm, const decode_shape *s,
+                   const void *cos_table, const void *sin_table, const int64_t *positions, const int64_t *slots,
+                   void *k_cache, void *v_cache, const int32_t *block_tables, const int32_t *context_lens,
+                   void *scratch) {
+    const int T = s->tokens, H = s->hidden, D = s->head_dim;
+    const int q_width = s->heads_q * D, qkv_width = (s->heads_q + 2 * s->heads_kv) * D;
+    uint16_t *residual = scratch, *h = residual + (int64_t)T * H, *qkv = h + (int64_t)T * H;
+    uint16_t *q = qkv + (int64_t)T * qkv_width, *attn = q + (int64_t)T * q_width;
+    uint16_t *gate_up = attn + (int64_t)T * q_width, *act = gate_up + (int64_t)T * 2 * s->inter;
+    const int64_t layer_cache = (int64_t)s->heads_kv * s->cache_slots * D * 2; /* bytes */
+    if (T < 1) return 0;
+    memcpy(residual, x, (size_t)T * H * 2); /* layer 0's residual stream is the embedding */
+    for (int l = 0; l < s->num_layers; l++) {
+        const decoder_weights *w = &layers[l];
+        char *kc = (char *)k_cache + l * layer_cache, *vc = (char *)v_cache + l * layer_cache;
+        if (rms_norm(x, l ? residual : NULL, w->input_norm, h, residual, T, H, s->eps, 1, s->num_threads)) return -1;
+        if (linear(s, h, w->qkv, qkv, qkv_width, H)) return -2;
+        if (rope_store(qkv, T, s->heads_q, s->heads_kv, D, cos_table, sin_table, positions, slots, kc, vc,
+                       s->cache_slots, 1, s->table_bf16, 1, s->num_threads)) return -3;
+        for (int t = 0; t < T; t++) memcpy(q + (int64_t)t * q_width, qkv + (int64_t)t * qkv_width, (size_t)q_width * 2);
+        if (paged_decode_attention(q, kc, vc, block_tables, context_lens, attn, T, s->heads_kv,
+                                   s->heads_q / s->heads_kv, D, s->cache_slots, s->block_size, s->max_blocks,
+                                   s->scale, 1, 1, s->num_threads)) return -4;
+        if (linear(s, attn, w->o, h, H, q_width)) return -2;
+        /* In place: a row is read whole before its norm and sum are written. */
+        if (rms_norm(h, residual, w->post_norm, h, residual, T, H, s->eps, 1, s->num_threads)) return -1;
+        if (linear(s, h, w->gate_up, gate_up, 2 * s->inter, H)) return -2;
+        if (silu_mul(gate_up, act, T, s->inter, 1, s->num_threads)) return -5;
+        if (linear(s, act, w->down, x, H, s->inter)) return -2;
+    }
+    return rms_norm(x, residual, final_norm, out, residual, T, H, s->eps, 1, s->num_threads) ? -1 : 0;
+}

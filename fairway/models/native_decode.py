@@ -1,0 +1,79 @@
+"""A bf16 decode step's decoder layers in one native call (csrc/decode_forward.c).
+
+The layer-by-layer path (llama.py) calls ~9 kernels a layer from Python; at decode, with a few
+rows, the interpreter, module calls, ctypes and allocations around them cost about as much as the
+kernels (on 2 Sapphire Rapids cores ~10 ms of a 30-layer step). A step qualifies when every row
+is a sequence's single new token read through the native attention kernel, the model, its cache
+and RoPE tables are bf16, and every linear runs on one native kernel (AMX or AVX512-BF16) for
+this many rows. The C side calls the same kernels in the same order, so hidden states are
+bit-identical to the layer-by-layer path; anything else keeps that path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fairway.models.cpu_kernels import AmxLinear, DecoderWeights, DecodeShape, decode_forward, layer_ops
+from fairway.models.packed_linear import PackedLinear
+from fairway.models.paged_attention import AttentionMetadata, PagedKVCache
+
+
+class NativeDecode:
+    """Built once per model (see `for_model`); call it with a step's inputs, or ask `takes` first."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.kernel = decode_forward()
+        linears = _linears(model)
+        self.amx = isinstance(linears[0].native, AmxLinear)
+        limits = {lin.native_max_rows for lin in linears}
+        self.max_rows = None if limits == {None} else min(r for r in limits if r is not None)
+        # The weights' pointers, read once: the model's tensors stay where they are while it serves.
+        self.layers = (DecoderWeights * len(model.layers))(*(
+            DecoderWeights(layer.input_layernorm.weight.data_ptr(), layer.self_attn.qkv_proj.panels.data_ptr(),
+                           layer.self_attn.o_proj.panels.data_ptr(),
+                           layer.post_attention_layernorm.weight.data_ptr(),
+                           layer.mlp.gate_up_proj.panels.data_ptr(), layer.mlp.down_proj.panels.data_ptr())
+            for layer in model.layers))
+
+    @staticmethod
+    def for_model(model: torch.nn.Module) -> NativeDecode | None:
+        """The native pass for this model, or None when its weights or this build don't allow one."""
+        if decode_forward() is None or layer_ops() is None or model.embed_tokens.weight.dtype != torch.bfloat16:
+            return None
+        linears = _linears(model)
+        if not all(isinstance(lin, PackedLinear) and lin.native is not None for lin in linears):
+            return None
+        if len({type(lin.native) for lin in linears}) != 1:  # one kernel for every linear
+            return None
+        norms = [n.weight for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
+        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in [*norms, model.norm.weight]):
+            return None
+        return NativeDecode(model)
+
+    def takes(self, tokens: int, kv: PagedKVCache, meta: AttentionMetadata) -> bool:
+        dt = meta.decode_tables
+        return (dt is not None and not meta.prefills and not meta.decodes and dt.context_lens.shape[0] == tokens
+                and (self.max_rows is None or tokens <= self.max_rows)
+                and kv.k.dtype == torch.bfloat16 and kv.k.is_contiguous() and kv.v.is_contiguous())
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        """x: [T, hidden] bf16 embeddings of the step's tokens (overwritten). Returns the final
+        norm's output, as LlamaModel.forward does."""
+        c, dt = self.model.cfg, meta.decode_tables
+        assert dt is not None
+        tokens = x.shape[0]
+        nv, mr, prefetch = (0, 0, 0) if self.amx else self.model.layers[0].mlp.down_proj.native.tile_for(tokens)
+        rotary = self.model.rotary
+        shape = DecodeShape(tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
+                            c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], dt.block_size,
+                            dt.block_tables.shape[1], rotary.cos.dtype == torch.bfloat16, self.amx, nv, mr,
+                            prefetch, torch.get_num_threads())
+        return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
+                           positions, meta.slot_mapping, kv.k, kv.v, dt.block_tables, dt.context_lens)
+
+
+def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [lin for layer in model.layers
+            for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
