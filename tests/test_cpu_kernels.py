@@ -289,20 +289,6 @@ def test_bf16_linear_takes_any_layout_of_x():
 
 
 @needs_bf16_kernel
-def test_bf16_linear_same_result_with_one_thread_and_several():
-    x, weight = bf16_case(20, 3000, 576)
-    panels = bf16_kernel.pack(weight)
-    many = bf16_kernel(x, panels, 3000)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one = bf16_kernel(x, panels, 3000)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, many)  # each column is summed by one thread in a fixed order
-
-
-@needs_bf16_kernel
 def test_packed_linear_uses_the_kernel_for_bf16_and_onednn_otherwise(monkeypatch):
     from fairway.models import packed_linear
     from fairway.models.packed_linear import PackedLinear
@@ -369,15 +355,18 @@ def test_amx_linear_takes_any_layout_of_x_and_only_widths_of_whole_tiles():
     assert [amx_linear_kernel.supports(k) for k in (32, 576, 1536, 16, 48, 100)] == [True] * 3 + [False] * 3
 
 
-@needs_amx_kernel
-def test_amx_linear_same_result_with_one_thread_and_several():
-    x, weight = bf16_case(40, 3000, 576)
-    panels = amx_linear_kernel.pack(weight)
-    many = amx_linear_kernel(x, panels, 3000)
+@pytest.mark.parametrize("kernel,rows", [("bf16", 20), ("amx", 40)])
+def test_packed_linear_kernels_give_the_same_result_with_one_thread_and_several(kernel, rows):
+    chosen = {"bf16": bf16_kernel, "amx": amx_linear_kernel}[kernel]
+    if chosen is None:
+        pytest.skip(f"no {kernel} kernel on this CPU")
+    x, weight = bf16_case(rows, 3000, 576)
+    panels = chosen.pack(weight)
+    many = chosen(x, panels, 3000)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = amx_linear_kernel(x, panels, 3000)
+        one = chosen(x, panels, 3000)
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(one, many)  # each column is summed by one thread in a fixed order
