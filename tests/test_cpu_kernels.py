@@ -416,21 +416,29 @@ def test_bf16_linear_without_avx512_bf16_builds_to_a_stub(tmp_path):
 # --- a bf16 decode step's layers in one call (decode_forward.c, native_decode.py) ---
 
 @needs_bf16_kernel
-def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit():
+@pytest.mark.parametrize("amx", [True, False])
+def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit(monkeypatch, amx):
     """Every decode step of a tiny random bf16 model, from 1 row to past one AMX tile (and past the
     most rows the pass takes on an AMX CPU): the one-call pass against the layer-by-layer path on
-    the same inputs, hidden states compared bit for bit."""
+    the same inputs, hidden states compared bit for bit. With the AMX kernel where this CPU has it,
+    and with the AVX512-BF16 kernel (as on a CPU without AMX) in any case."""
     from fairway.engine.llm_engine import EngineConfig, LLMEngine
     from fairway.engine.sampling_params import SamplingParams
+    from fairway.models import packed_linear
     from fairway.models.config import LlamaConfig
     from fairway.models.packed_linear import pack_linears
 
+    if amx and amx_linear_kernel is None:
+        pytest.skip("no AMX tiles here")
+    if not amx:
+        monkeypatch.setattr(packed_linear, "amx_available", lambda: False)
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=3, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=512)
     model = random_model(cfg, seed=5, dtype=torch.bfloat16)
     pack_linears(model)
     assert model.use_native_decode()
     native = model.native_decode
+    assert native.amx == amx
     compared: list[int] = []
     layer_by_layer = model.forward
 
