@@ -421,8 +421,10 @@ async def test_connections_the_server_closed_are_replaced_without_failing_a_requ
     if store._dialect != "postgresql":
         pytest.skip("pooled server connections are PostgreSQL only")
     conv, _, _ = await _turn(store)
-    # Hold several connections at once so the pool keeps more than one.
-    await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)))
+    # Hold several connections at once so both pools keep more than one: the chat path's own
+    # (pg_direct: history, conversation) and the engine's (listing conversations).
+    await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)),
+                         *(store.list_conversations("u1") for _ in range(4)))
     assert pg_database is not None
     name = pg_database.rsplit("/", 1)[1]
     await pg_admin(f"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = '{name}' "
@@ -430,6 +432,28 @@ async def test_connections_the_server_closed_are_replaced_without_failing_a_requ
     await asyncio.sleep(0.3)  # the closed sockets reach the pooled connections
     for _ in range(6):
         assert (await store.get_conversation(conv.id, "u1")) is not None
+        assert [c.id for c in await store.list_conversations("u1")] == [conv.id]
+
+
+async def test_chat_path_statements_share_a_bounded_set_of_connections_and_drop_a_cancelled_one(
+    store: SqlConversationStore,
+) -> None:
+    """On PostgreSQL the chat path's statements run on asyncpg directly (pg_direct): many at once
+    queue for at most its connections; a statement cancelled midway (a client gone, a timeout)
+    leaves no half-used connection behind, and the next ones run."""
+    if store._dialect != "postgresql":
+        pytest.skip("the direct path is PostgreSQL only")
+    direct = store._direct
+    assert direct is not None
+    conv, _, reply = await _turn(store)
+    replies = await asyncio.gather(*(store.get_reply(reply.id) for _ in range(3 * direct._size)))
+    assert {r.id for r in replies} == {reply.id}
+    assert 1 <= len(direct._idle) <= direct._size
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(direct.fetch(sa.select(sa.func.pg_sleep(5)), {}), 0.2)
+    assert all(not conn.is_closed() for conn in direct._idle)
+    assert (await store.get_conversation(conv.id, "u1")) is not None
+    assert direct._slots is not None and direct._slots._value == direct._size  # every slot given back
     await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)))
 
 

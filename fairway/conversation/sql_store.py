@@ -1,6 +1,8 @@
 """The conversation store on SQLAlchemy 2 (asyncio): one set of queries for SQLite (aiosqlite,
 the embedded default) and PostgreSQL (asyncpg, at scale). The schema comes from the Alembic
-migrations next to this file, on both."""
+migrations next to this file, on both. On PostgreSQL the chat path's single statements, still
+built here, skip the engine and run on asyncpg directly (pg_direct.py: ~5 -> ~3 ms of gateway
+CPU per chat request)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import asyncio
 import contextlib
 import functools
 import weakref
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
 from enum import Enum
 from pathlib import Path
@@ -35,6 +37,7 @@ from .entities import (
     new_id,
     now,
 )
+from .pg_direct import DirectPostgres
 from .schema import api_keys, conversations, messages, replies, usage_records
 from .store import (
     REPLY_UPDATABLE,
@@ -219,6 +222,17 @@ def _turn_statement(new_conversation: bool, num_messages: int) -> sa.Select:
     return sa.select(anchor.c.id).add_cte(stored, queued)
 
 
+def _finished_message(rows: Sequence[Mapping[str, Any]], reply_id: str) -> Message:
+    """The message of a reply that someone else already finished, from _MESSAGE_OF_REPLY's rows
+    (the second save of every reply, the relay's or the recorder's, may come here)."""
+    if not rows:
+        raise NotFound(f"reply {reply_id}")
+    row = rows[0]
+    if row["id"] is None:
+        raise ReplyFinished(reply_id, ReplyState(row["reply_state"]))
+    return _message({name: row[name] for name in messages.c.keys()})
+
+
 def _bound(values: Mapping[str, Any]) -> dict[str, Any]:
     return {f"b_{column}": value for column, value in values.items()}
 
@@ -237,6 +251,22 @@ class SqlConversationStore(ConversationStore):
         # SQLite opens no transaction for a read anyway, and switching its mode costs a thread hop.
         self._autocommit = (self._engine.execution_options(isolation_level="AUTOCOMMIT")
                             if self._dialect == "postgresql" else None)
+        # The chat path's single statements skip the engine on PostgreSQL (pg_direct).
+        self._direct: DirectPostgres | None = None
+        if self._dialect == "postgresql":
+            _, url_kwargs = self._engine.dialect.create_connect_args(self._engine.url)
+            self._direct = DirectPostgres({**url_kwargs, **engine_kwargs.get("connect_args", {})}, self._engine.dialect)
+
+    async def _rows(self, statement: sa.Executable, params: Mapping[str, Any],
+                    write: bool = False) -> Sequence[Mapping[str, Any]]:
+        """One statement, alone (a read, or a write PostgreSQL runs atomically by itself): its rows.
+        On asyncpg directly on PostgreSQL; through the engine on SQLite, a write after this
+        process's earlier writers."""
+        if self._direct is not None:
+            return await self._direct.fetch(statement, params)
+        async with self._writing(one_statement=True) if write else self._one_statement() as conn:
+            result = await conn.execute(statement, params)
+            return result.mappings().all() if result.returns_rows else []
 
     def _one_statement(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for a single statement: a read, or (through _writing) a write that
@@ -266,14 +296,15 @@ class SqlConversationStore(ConversationStore):
             await conn.run_sync(_upgrade_to_head)
 
     async def close(self) -> None:
+        if self._direct is not None:
+            await self._direct.close()
         await self._engine.dispose()
 
     # conversations
 
     async def get_conversation(self, id: str, user_id: str) -> Conversation | None:
-        async with self._one_statement() as conn:
-            row = (await conn.execute(_CONVERSATION_OF_USER, {"b_id": id, "b_user": user_id})).mappings().first()
-        return _conversation(row) if row else None
+        rows = await self._rows(_CONVERSATION_OF_USER, {"b_id": id, "b_user": user_id})
+        return _conversation(rows[0]) if rows else None
 
     async def list_conversations(
         self, user_id: str, limit: int = 50, before: float | None = None
@@ -355,15 +386,11 @@ class SqlConversationStore(ConversationStore):
             values.update({f"c_{k}": v for k, v in _values(conv).items()})
         else:
             values.update(t_id=conv.id, t_ts=msgs[0].created_at)
-        async with self._writing(one_statement=True) as conn:
-            stored = (await conn.execute(_turn_statement(turn.new_conversation, len(msgs)), values)).first()
-        if stored is None:
+        if not await self._rows(_turn_statement(turn.new_conversation, len(msgs)), values, write=True):
             raise NotFound(f"conversation {conv.id}")
 
     async def list_messages(self, conversation_id: str) -> list[Message]:
-        async with self._one_statement() as conn:
-            rows = (await conn.execute(_MESSAGES_OF, {"b_conversation": conversation_id})).mappings().all()
-        return [_message(r) for r in rows]
+        return [_message(r) for r in await self._rows(_MESSAGES_OF, {"b_conversation": conversation_id})]
 
     async def get_message_by_client_key(self, conversation_id: str, client_key: str) -> Message | None:
         query = sa.select(messages).where(
@@ -376,13 +403,12 @@ class SqlConversationStore(ConversationStore):
     # replies
 
     async def get_reply(self, id: str) -> Reply | None:
-        async with self._one_statement() as conn:
-            row = (await conn.execute(_REPLY_BY_ID, {"b_id": id})).mappings().first()
-        return _reply(row) if row else None
+        rows = await self._rows(_REPLY_BY_ID, {"b_id": id})
+        return _reply(rows[0]) if rows else None
 
     async def get_reply_job(self, id: str) -> dict[str, Any] | None:
-        async with self._one_statement() as conn:
-            return (await conn.execute(_JOB_OF_REPLY, {"b_id": id})).scalar()
+        rows = await self._rows(_JOB_OF_REPLY, {"b_id": id})
+        return rows[0]["job"] if rows else None
 
     async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
         query = (
@@ -409,11 +435,9 @@ class SqlConversationStore(ConversationStore):
                 values["finished_at"] = now()
         if values.get("prompt_token_ids") is not None:
             values["prompt_token_ids"] = list(values["prompt_token_ids"])
-        stmt = _update_reply_statement(frozenset(values))
-        async with self._writing(one_statement=True) as conn:
-            row = (await conn.execute(stmt, {"b_id": id, **_bound(values)})).mappings().first()
-        if row is not None:
-            return _reply(row)
+        rows = await self._rows(_update_reply_statement(frozenset(values)), {"b_id": id, **_bound(values)}, write=True)
+        if rows:
+            return _reply(rows[0])
         current = await self.get_reply(id)
         if current is None:
             return None
@@ -421,10 +445,8 @@ class SqlConversationStore(ConversationStore):
 
     async def mark_running(self, reply_id: str, replica_id: str) -> bool:
         values = {"state": ReplyState.RUNNING.value, "replica_id": replica_id}
-        async with self._writing(one_statement=True) as conn:
-            row = (await conn.execute(_update_reply_statement(frozenset(values), whole_row=False),
-                                      {"b_id": reply_id, **_bound(values)})).first()
-        return row is not None
+        return bool(await self._rows(_update_reply_statement(frozenset(values), whole_row=False),
+                                     {"b_id": reply_id, **_bound(values)}, write=True))
 
     async def finish_reply(
         self,
@@ -450,14 +472,14 @@ class SqlConversationStore(ConversationStore):
                       created_at=ts, reply_id=reply_id, prompt_tokens=prompt_tokens,
                       completion_tokens=completion_tokens, cached_tokens=cached_tokens)
         if self._dialect == "postgresql":
-            async with self._writing(one_statement=True) as conn:
-                values = {f"m_{k}": v for k, v in _values(msg).items() if k != "conversation_id"}
-                row = (await conn.execute(_finish_statement(frozenset(final)),
-                                          {"b_id": reply_id, **_bound(final), **values})).first()
-                if row is not None:
-                    msg.conversation_id = row.conversation_id
-                    return msg
-                return await self._finished_message(conn, reply_id) if look_up_existing else None
+            values = {f"m_{k}": v for k, v in _values(msg).items() if k != "conversation_id"}
+            rows = await self._rows(_finish_statement(frozenset(final)), {"b_id": reply_id, **_bound(final), **values},
+                                    write=True)
+            if rows:
+                msg.conversation_id = rows[0]["conversation_id"]
+                return msg
+            return _finished_message(await self._rows(_MESSAGE_OF_REPLY, {"b_id": reply_id}), reply_id) \
+                if look_up_existing else None
         async with self._writing() as conn:
             mark = _update_reply_statement(frozenset(final), whole_row=False)
             row = (await conn.execute(mark, {"b_id": reply_id, **_bound(final)})).first()
@@ -466,17 +488,10 @@ class SqlConversationStore(ConversationStore):
                 await conn.execute(_INSERT["messages"], _values(msg))
                 await self._touch(conn, msg.conversation_id, ts)
                 return msg
-            return await self._finished_message(conn, reply_id) if look_up_existing else None
-
-    async def _finished_message(self, conn: AsyncConnection, reply_id: str) -> Message:
-        """The message of a reply that someone else already finished: one query (the second save
-        of every reply, the relay's and the recorder's, comes here)."""
-        row = (await conn.execute(_MESSAGE_OF_REPLY, {"b_id": reply_id})).mappings().first()
-        if row is None:
-            raise NotFound(f"reply {reply_id}")
-        if row["id"] is None:
-            raise ReplyFinished(reply_id, ReplyState(row["reply_state"]))
-        return _message({name: row[name] for name in messages.c.keys()})
+            if not look_up_existing:
+                return None
+            return _finished_message((await conn.execute(_MESSAGE_OF_REPLY, {"b_id": reply_id})).mappings().all(),
+                                     reply_id)
 
     async def list_unfinished_replies(self) -> list[Reply]:
         query = sa.select(replies).where(replies.c.finished_at.is_(None)).order_by(replies.c.created_at)
@@ -520,8 +535,7 @@ class SqlConversationStore(ConversationStore):
 
     async def add_usage(self, record: UsageRecord) -> bool:
         try:
-            async with self._writing(one_statement=True) as conn:
-                await conn.execute(_INSERT["usage_records"], _values(record))
+            await self._rows(_INSERT["usage_records"], _values(record), write=True)
         except IntegrityError:
             return False  # the reply's record is already there (unique reply_id)
         return True
