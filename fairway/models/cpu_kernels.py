@@ -206,18 +206,22 @@ class Bf16Linear:
         if not x.is_contiguous() or x.data_ptr() % 4:  # the kernel reads x as aligned 32-bit pairs
             x = x.clone(memory_format=torch.contiguous_format)
         y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-        if rows == 0:
-            return y
+        if rows:
+            self._multiply(x, panels, y, tile)
+        return y
+
+    def _multiply(self, x: torch.Tensor, panels: torch.Tensor, y: torch.Tensor,
+                  tile: tuple[int, int, bool] | None) -> None:
+        (rows, k), out_features = x.shape, y.shape[1]
         nv, mr, prefetch = tile or self.tile_for(rows)
         if self._fn(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out_features, k, nv, mr, prefetch,
                     torch.get_num_threads()) != 0:
             raise RuntimeError(f"bf16 linear kernel: unsupported shape {tuple(x.shape)} or tile {nv}x{mr}")
-        return y
 
 
 class AmxLinear(Bf16Linear):
     """ctypes binding of amx_linear.c: Bf16Linear's product on AMX tiles, over the same panels
-    (pack() is Bf16Linear's); in_features a multiple of 32."""
+    (pack() and the call are Bf16Linear's; a tile means nothing here); in_features a multiple of 32."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.amx_linear
@@ -229,21 +233,12 @@ class AmxLinear(Bf16Linear):
     def supports(self, in_features: int) -> bool:
         return self.available and in_features >= 32 and in_features % 32 == 0
 
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int,
-                 tile: tuple[int, int, bool] | None = None) -> torch.Tensor:
-        """x: [..., k] bf16; panels: pack()'s output for a [out_features, k] weight. Returns
-        [..., out_features] bf16. (`tile` is the AVX512 kernel's and means nothing here.)"""
-        if x.dim() != 2:
-            return self(x.reshape(-1, x.shape[-1]), panels, out_features).view(*x.shape[:-1], out_features)
-        rows, k = x.shape
-        if x.dtype != torch.bfloat16 or panels.dtype != torch.bfloat16 or panels.shape[1] * 2 != k:
-            raise ValueError(f"AMX linear: x {tuple(x.shape)} {x.dtype} for panels {tuple(panels.shape)}")
-        x = x.contiguous()
-        y = torch.empty(rows, out_features, dtype=torch.bfloat16)
-        if rows and self._fn(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out_features, k,
-                             torch.get_num_threads()) != 0:
+    def _multiply(self, x: torch.Tensor, panels: torch.Tensor, y: torch.Tensor,
+                  tile: tuple[int, int, bool] | None) -> None:
+        (rows, k), out_features = x.shape, y.shape[1]
+        if self._fn(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out_features, k,
+                    torch.get_num_threads()) != 0:
             raise RuntimeError(f"AMX linear kernel: unsupported shape {tuple(x.shape)}, or out of memory")
-        return y
 
 
 class DecoderWeights(ctypes.Structure):
