@@ -264,22 +264,20 @@ class SqlConversationStore(ConversationStore):
         process's earlier writers."""
         if self._direct is not None:
             return await self._direct.fetch(statement, params)
-        async with self._writing(one_statement=True) if write else self._one_statement() as conn:
+        async with self._writing() if write else self._one_statement() as conn:
             result = await conn.execute(statement, params)
             return result.mappings().all() if result.returns_rows else []
 
     def _one_statement(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        """A connection for a single statement: a read, or (through _writing) a write that
-        PostgreSQL runs atomically by itself."""
+        """A connection for a single read (a single write goes through _rows)."""
         return self._autocommit.connect() if self._autocommit is not None else self._engine.begin()
 
     @contextlib.asynccontextmanager
-    async def _writing(self, one_statement: bool = False) -> AsyncIterator[AsyncConnection]:
-        """A transaction that writes, committed at the end; one_statement: a single statement,
-        which PostgreSQL runs atomically by itself (no BEGIN/COMMIT round trips). On SQLite,
-        after this process's earlier writers (_sqlite_write_lock)."""
+    async def _writing(self) -> AsyncIterator[AsyncConnection]:
+        """A transaction that writes, committed at the end. On SQLite, after this process's
+        earlier writers (_sqlite_write_lock)."""
         if self._dialect != "sqlite":
-            async with (self._one_statement() if one_statement else self._engine.begin()) as conn:
+            async with self._engine.begin() as conn:
                 yield conn
             return
         async with _sqlite_write_lock(self.url), self._engine.begin() as conn:
@@ -503,8 +501,7 @@ class SqlConversationStore(ConversationStore):
 
     async def add_api_key(self, key: ApiKey) -> ApiKey:
         try:
-            async with self._writing(one_statement=True) as conn:
-                await conn.execute(_INSERT["api_keys"], _values(key))
+            await self._rows(_INSERT["api_keys"], _values(key), write=True)
         except IntegrityError as e:
             raise DuplicateKey(f"key {key.prefix}... is already stored") from e
         return key
