@@ -21,10 +21,10 @@ from fairway.models.paged_attention import AttentionMetadata, PagedKVCache
 class NativeDecode:
     """Built once per model (see `for_model`); call it with a step's inputs, or ask `takes` first."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, linears: list[torch.nn.Module]) -> None:
+        """linears: _linears(model), each a PackedLinear with a native kernel (for_model checks)."""
         self.model = model
         self.kernel = decode_forward()
-        linears = _linears(model)
         self.amx = isinstance(linears[0].native, AmxLinear)
         limits = {lin.native_max_rows for lin in linears}
         self.max_rows = None if limits == {None} else min(r for r in limits if r is not None)
@@ -49,7 +49,7 @@ class NativeDecode:
         norms = [n.weight for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in [*norms, model.norm.weight]):
             return None
-        return NativeDecode(model)
+        return NativeDecode(model, linears)
 
     def takes(self, tokens: int, kv: PagedKVCache, meta: AttentionMetadata) -> bool:
         dt = meta.decode_tables
