@@ -14,6 +14,7 @@ import torch
 from fairway.models import cpu_kernels
 from fairway.models.llama import RMSNorm, RotaryEmbedding, apply_rotary, random_model
 from fairway.models.paged_attention import write_kv
+from fairway.native_build import compiler
 
 kernels = cpu_kernels.decode_kernels()
 needs_kernel = pytest.mark.skipif(kernels is None, reason="no C compiler: the portable path is used")
@@ -388,7 +389,7 @@ def test_packed_linear_falls_back_to_onednn_without_the_kernel(monkeypatch):
 def test_bf16_kernel_present_exactly_where_the_compiler_targets_avx512_bf16(monkeypatch):
     if cpu_kernels._library() is None:
         pytest.skip("no C compiler")
-    macros = subprocess.run([cpu_kernels._compiler(), "-march=native", "-dM", "-E", "-x", "c", "/dev/null"],
+    macros = subprocess.run([compiler(), "-march=native", "-dM", "-E", "-x", "c", "/dev/null"],
                             capture_output=True, text=True).stdout
     assert (cpu_kernels.bf16_linear() is not None) == ("__AVX512BF16__" in macros)
     if cpu_kernels.bf16_linear() is not None:
@@ -397,13 +398,13 @@ def test_bf16_kernel_present_exactly_where_the_compiler_targets_avx512_bf16(monk
     assert cpu_kernels.bf16_linear() is None
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or cpu_kernels._compiler() is None,
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or compiler() is None,
                     reason="needs an x86 C compiler")
 def test_bf16_linear_without_avx512_bf16_builds_to_a_stub(tmp_path):
     """What a CPU without the instructions compiles (-march=native there): a kernel that declines."""
     out = tmp_path / "stub.so"
     src = Path(cpu_kernels.__file__).parent / "csrc" / "bf16_linear.c"
-    subprocess.run([cpu_kernels._compiler(), "-O2", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+    subprocess.run([compiler(), "-O2", "-march=x86-64-v3", "-fopenmp", "-fPIC", "-shared", "-std=c11",
                     str(src), "-o", str(out)], check=True, capture_output=True)
     lib = ctypes.CDLL(str(out))
     binding = cpu_kernels.Bf16Linear(lib)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import time
@@ -28,6 +29,7 @@ from fairway.relay import (
     TokenEvent,
     TokenLog,
     event_from_fields,
+    live_fast,
     make_token_log,
 )
 
@@ -332,6 +334,89 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
         assert {n for n, kind in kinds.items() if kind == "direct"} >= set(range(2, 6)) | set(range(9, total + 1))
     else:  # the in-process backend yields everything
         assert set(kinds.values()) == {"yielded"}
+
+
+@pytest.mark.parametrize("kind", ["native", "python"])
+async def test_a_tap_gets_live_tokens_written_by_the_dispatcher(redis_backend: Backend, kind: str,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SSE relay's sink (a live_fast Tap): the connection's dispatcher writes the tokens of a
+    waiting stream itself. Same contract as any direct sink: every event once, in order, a refused
+    one and the rest of its batch through the iterator, the text of what it wrote in its texts."""
+    if kind == "python":
+        monkeypatch.setattr(live_fast, "native_module", lambda: None)
+    elif live_fast.native_module() is None:
+        pytest.skip("no C compiler")
+    gateway, replica, r = redis_backend.open(), redis_backend.open(), rid()
+    await replica.create(r)
+    await replica.append(r, TokenEvent(1, "replayed", [1]))
+    order: list[tuple[str, int]] = []
+
+    def write(body: bytes) -> bool:
+        n = int(json.loads(body.split(b"data: ", 1)[1])["choices"][0]["checkpoint_id"].removeprefix("tok_"))
+        if n in (6, 7):
+            return False
+        order.append(("direct", n))
+        return True
+
+    texts: list[str] = []
+    tap = live_fast.make_tap(b'{"choices":[{"delta":{"content":', write, texts)
+    assert live_fast.is_tap(tap)
+
+    async def listen() -> None:
+        async with aclosing(gateway.subscribe_batches(r, 0, None, tap)) as stream:
+            async for batch in stream:
+                order.extend(("yielded", e.n) for e in batch)
+                if batch and isinstance(batch[-1], FinalEvent):
+                    return
+
+    task = asyncio.create_task(listen())
+    await asyncio.sleep(0.2)
+    total = 12
+    for n in range(2, total + 1):
+        await replica.append_many([(r, TokenEvent(n, f"<{n}>", [n]))])
+        await asyncio.sleep(0.02)
+    await replica.finish(r, final(completion_tokens=total))
+    await asyncio.wait_for(task, 5)
+    assert [n for _, n in order] == list(range(1, total + 2))
+    kinds = dict((n, kind) for kind, n in order)
+    assert kinds[1] == kinds[6] == kinds[7] == kinds[total + 1] == "yielded"
+    direct = {n for n, kind in kinds.items() if kind == "direct"}
+    assert direct >= set(range(2, 6)) | set(range(9, total + 1))
+    assert texts == [f"<{n}>" for n in sorted(direct)]
+
+
+async def test_two_taps_on_one_reply_in_one_gateway_each_get_every_event_once(redis_backend: Backend) -> None:
+    """A second listener of a reply in the same gateway (two tabs): the dispatcher stops writing to
+    the first one's tap, and both get every event once, in order, through tap or iterator."""
+    gateway, replica, r = redis_backend.open(), redis_backend.open(), rid()
+    await replica.create(r)
+    seen: dict[str, list[int]] = {"a": [], "b": []}
+
+    def writer(name: str) -> Any:
+        def write(body: bytes) -> bool:
+            seen[name].append(int(json.loads(body.split(b"data: ", 1)[1])["choices"][0]["checkpoint_id"][4:]))
+            return True
+        return write
+
+    async def listen(name: str) -> None:
+        tap = live_fast.make_tap(b'{"choices":[{"delta":{"content":', writer(name), [])
+        async with aclosing(gateway.subscribe_batches(r, 0, None, tap)) as stream:
+            async for batch in stream:
+                seen[name].extend(e.n for e in batch)
+                if batch and isinstance(batch[-1], FinalEvent):
+                    return
+
+    first = asyncio.create_task(listen("a"))
+    await asyncio.sleep(0.2)
+    second = None
+    for n in range(1, 21):
+        await replica.append_many([(r, TokenEvent(n, f"<{n}>", [n]))])
+        await asyncio.sleep(0.02)
+        if n == 8:
+            second = asyncio.create_task(listen("b"))
+    await replica.finish(r, final(completion_tokens=20))
+    await asyncio.wait_for(asyncio.gather(first, second), 5)
+    assert seen["a"] == seen["b"] == list(range(1, 22))
 
 
 async def test_a_log_that_expires_under_a_subscriber_ends_it_with_not_found(backend: Backend) -> None:

@@ -38,6 +38,7 @@ from fairway.relay import (
     TokenLog,
     TokenSink,
 )
+from fairway.relay.live_fast import make_tap
 from fairway.router import NoReplica
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,6 @@ log = logging.getLogger(__name__)
 KEEPALIVE_S = 10.0  # an SSE comment this often while nothing happens, so proxies keep the line
 DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n\n"
-_json_string = json.JSONEncoder(ensure_ascii=False).encode  # one encoder, not one per token
 
 
 @dataclass
@@ -212,17 +212,12 @@ class ReplyRelay:
         KEEPALIVE_S without events. on_final runs at the final event, before [DONE]."""
         text: list[str] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
-        fast = FastChunks(view)
-
-        def direct(n: int, token: str) -> bool:
-            if fresh or write_now is None or not write_now(fast.token(n, token)):
-                return False
-            text.append(token)
-            return True
-
+        # Plain token chunks; with write_now, also the sink that writes them while this waits
+        # (appending their text to `text`), which it may not do before the first chunk is out.
+        tap = make_tap(chunk_head(view), write_now or _declined, text, open=not fresh)
         try:
             async with contextlib.aclosing(self.event_batches(reply, after, KEEPALIVE_S,
-                                                              direct if write_now else None)) as batches:
+                                                              tap if write_now else None)) as batches:
                 async for batch in batches:
                     if not batch:
                         yield KEEPALIVE
@@ -241,8 +236,9 @@ class ReplyRelay:
                         if fresh or isinstance(event, Snapshot):
                             out.append(self._first_or_snapshot(view, event, fresh))
                             fresh = False
+                            tap.open = True
                         else:
-                            out.append(fast.token(token.n, token.text))
+                            out.append(tap.chunk(token.n, token.text))
                     yield b"".join(out)
         except RelayError as exc:  # e.g. the log expired mid-stream: say so, end cleanly
             yield frame({"error": {"message": str(exc), "type": "server_error", "param": None,
@@ -396,24 +392,21 @@ class EventStream(Response):
             watcher.cancel()
 
 
-class FastChunks:
-    """The plain token chunk, the one sent thousands of times a second, by string formatting: the
-    parts that never change for a reply are serialized once."""
+def chunk_head(view: ReplyView) -> bytes:
+    """What every plain token chunk of a reply says before its content string: serialized once a
+    stream, the rest of the chunk is string formatting (live_fast's Tap)."""
+    base = {
+        "id": view.reply_id,
+        "object": "chat.completion.chunk",
+        "created": view.created,
+        "model": view.model,
+        "system_fingerprint": None,
+        "reply_id": view.reply_id,
+        "conversation_id": view.conversation_id,
+    }
+    return (json.dumps(base, separators=(",", ":"), ensure_ascii=False)[:-1]
+            + ',"choices":[{"index":0,"delta":{"content":').encode()
 
-    def __init__(self, view: ReplyView) -> None:
-        base = {
-            "id": view.reply_id,
-            "object": "chat.completion.chunk",
-            "created": view.created,
-            "model": view.model,
-            "system_fingerprint": None,
-            "reply_id": view.reply_id,
-            "conversation_id": view.conversation_id,
-        }
-        self._head = json.dumps(base, separators=(",", ":"), ensure_ascii=False)[:-1] + \
-            ',"choices":[{"index":0,"delta":{"content":'
 
-    def token(self, n: int, text: str) -> bytes:
-        content = _json_string(text)
-        return (f'id: {n}\ndata: {self._head}{content}}},"finish_reason":null,"logprobs":null,'
-                f'"checkpoint_id":"tok_{n}"}}]}}\n\n').encode()
+def _declined(body: bytes) -> bool:
+    return False

@@ -31,20 +31,17 @@ so the loader reuses the copy already in the process: one OpenMP thread pool, no
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import shutil
 import subprocess
-import tempfile
 from functools import cache
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
-from fairway.models.cache import cache_dir
+from fairway.native_build import build_cached, compiler
 
 log = logging.getLogger(__name__)
 
@@ -69,26 +66,6 @@ def _cpu_signature() -> str:
         return platform.processor()
     lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))]
     return "\n".join(sorted(set(lines)))
-
-
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-
-
-def _build(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in _SOURCES), " ".join(_FLAGS), version,
-                                    _cpu_signature(), torch.__version__]).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"fairway_kernels-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        out = Path(tmp) / target.name
-        cmd = [cc, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"]
-        subprocess.run(cmd, capture_output=True, text=True, check=True)
-        os.replace(out, target)  # atomic: concurrent builders each produce the same file
-    return target
 
 
 class DecodeKernels:
@@ -428,12 +405,12 @@ def _bound(kind: type[Binding]) -> Binding | None:
 
 @cache
 def _library() -> ctypes.CDLL | None:
-    cc = _compiler()
-    if cc is None:
+    if compiler() is None:
         log.warning("no C compiler found: the portable PyTorch paths are used")
         return None
     try:
-        return ctypes.CDLL(str(_build(cc)))
+        return ctypes.CDLL(str(build_cached("fairway_kernels", _SOURCES, _FLAGS, [_cpu_signature(), torch.__version__],
+                                            libs=["-lm"])))
     except (OSError, subprocess.CalledProcessError) as exc:
         detail = getattr(exc, "stderr", "") or str(exc)
         log.warning("native kernels not built (%s): using the portable PyTorch paths", detail[:500])

@@ -11,30 +11,34 @@ replies it follows; a shared blocking XREAD has to name every followed stream on
 which at thousands of streams costs both sides more than the events themselves. Channels carry
 the reply's hash tag, so on Redis Cluster a reply's channel lives in its stream's slot; there
 this would be one connection per node.
+
+The connection's bytes go to a Dispatcher (live_fast): while a stream's task waits for events
+with a Tap as its direct sink (the SSE relay's), the dispatcher writes that stream's token events
+itself, in C, and hands this module only the rest: the first and last events, subscription
+confirmations, events of replies with several listeners here, and anything out of order.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.relay.errors import RelayUnavailable, ReplyNotFound
 from fairway.relay.events import Event, TokenEvent, event_from_fields
+from fairway.relay.live_fast import dispatcher_class, is_tap
 from fairway.relay.token_log import TokenSink
 
-try:  # what redis-py's hiredis reader returns when it has no whole message buffered
-    from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
-except ImportError:  # pragma: no cover - another redis-py: one read_response() per message
-    _NOT_ENOUGH_DATA = None
+_READ_SIZE = 1 << 16
 
 _IDS_END = "\x1f"  # never in a list of token ids, so the text after it may hold anything
 
@@ -75,17 +79,22 @@ class LiveSubscriber:
     channel: str
     idle_s: float | None  # next_batch() returns [] after this long without events
     quiet_since: float  # loop time of its last batch (or of joining)
+    taps: dict[str, Any]  # the connection's dispatcher's: channel -> the Tap it writes to
+    entry: _Channel
     inbox: list[Event] = field(default_factory=list)
     error: Exception | None = None
     waiter: asyncio.Future[None] | None = None
     cursor: int = 0  # n of the last event handed out, by its iterator or to direct
     direct: TokenSink | None = None  # takes the next token event while the iterator waits (see TokenLog)
+    tapped: bool = False  # direct is in taps: the dispatcher took what it could; cursor is direct's
 
     def deliver_token(self, n: int, text: str, ids: str, now: float) -> None:
         """A token event as published (ids still the published string)."""
-        # The fast path, taken by nearly every event of a busy stream: its consumer waits with
-        # nothing pending, so direct may write this one now, without a task wake (and without an
-        # event object: thousands of times a second, building one is a fair part of the cost).
+        if self.tapped:  # the dispatcher could not write it: the iterator takes it from here
+            self.deliver(_token(n, text, ids))
+            return
+        # Without a tap (several listeners here, or a sink in Python): direct may still write it
+        # now, without a task wake (and without an event object), if the consumer waits.
         if (self.direct is not None and self.waiter is not None and not self.waiter.done()
                 and n == self.cursor + 1 and self.direct(n, text)):
             self.cursor = n
@@ -106,7 +115,25 @@ class LiveSubscriber:
             self.waiter.set_result(None)
 
     def idle(self, now: float) -> bool:
-        return self.idle_s is not None and now - self.quiet_since >= self.idle_s
+        quiet_since = max(self.quiet_since, self.direct.last) if self.tapped else self.quiet_since  # type: ignore[union-attr]
+        return self.idle_s is not None and now - quiet_since >= self.idle_s
+
+    def _tap_in(self) -> None:
+        """While this waits, the dispatcher writes its token events to its tap, if it has one and
+        is the channel's only subscriber here."""
+        if is_tap(self.direct) and len(self.entry.subscribers) == 1:
+            self.direct.cursor = self.cursor  # type: ignore[union-attr]
+            self.taps[self.channel] = self.direct
+            self.tapped = True
+
+    def _tap_out(self) -> None:
+        if not self.tapped:
+            return
+        if self.taps.get(self.channel) is self.direct:
+            del self.taps[self.channel]
+        self.tapped = False
+        self.cursor = self.direct.cursor  # type: ignore[union-attr]
+        self.quiet_since = max(self.quiet_since, self.direct.last)  # type: ignore[union-attr]
 
     async def next_batch(self) -> list[Event]:
         """Everything heard since the last call, waiting for at least one event; [] once idle_s
@@ -119,10 +146,12 @@ class LiveSubscriber:
                 self.quiet_since = loop.time()
                 return []
             self.waiter = loop.create_future()
+            self._tap_in()
             try:
                 await self.waiter
             finally:
                 self.waiter = None
+                self._tap_out()
         batch, self.inbox = self.inbox, []
         self.quiet_since = loop.time()
         return batch
@@ -154,6 +183,7 @@ class LiveEvents:
         self._sweep_s = sweep_s
         self._exists = exists
         self._channels: dict[str, _Channel] = {}
+        self._taps: dict[str, Any] = {}  # channel -> Tap, written by the dispatcher (see LiveSubscriber)
         self._confirming: dict[str, deque[asyncio.Future[None]]] = {}  # per channel, in sending order
         self._outbox: list[tuple[str, str]] = []
         self._flushing: asyncio.Task | None = None
@@ -165,12 +195,14 @@ class LiveEvents:
         """A subscriber of channel (the live side of stream key), once Redis confirmed it."""
         await self._connection()
         loop = asyncio.get_running_loop()
-        sub = LiveSubscriber(channel, idle_s, loop.time())
         entry = self._channels.get(channel)
         if entry is None:
             entry = self._channels[channel] = _Channel(key, loop.create_future())
             self._confirming.setdefault(channel, deque()).append(entry.ready)
             self._send("SSUBSCRIBE", channel)
+        else:
+            self._taps.pop(channel, None)  # a second listener: the Python path serves both
+        sub = LiveSubscriber(channel, idle_s, loop.time(), self._taps, entry)
         entry.subscribers.add(sub)
         try:
             await asyncio.shield(entry.ready)  # shared: one subscriber giving up must not cancel it
@@ -234,17 +266,18 @@ class LiveEvents:
 
     async def _read(self, conn: AbstractConnection) -> None:
         loop = asyncio.get_running_loop()
-        # One socket read brings hundreds of messages under load. read_response() waits for data
-        # and returns one, through three coroutine layers; the rest, already parsed by hiredis, are
-        # taken straight from its reader (redis-py's, private: without it, one call per message).
-        reader = getattr(getattr(conn, "_parser", None), "_reader", None)
-        buffered = getattr(reader, "gets", None) if _NOT_ENOUGH_DATA is not None else None
+        # One socket read brings hundreds of messages under load: its bytes go to the dispatcher
+        # whole, from redis-py's stream reader (private; redis-py is pinned), not message by message
+        # through read_response()'s coroutine layers.
+        reader: asyncio.StreamReader = conn._reader  # type: ignore[attr-defined]
+        dispatcher = dispatcher_class()(self._taps, ResponseError)
         try:
             while True:
-                message = await conn.read_response(timeout=math.inf)
+                data = await reader.read(_READ_SIZE)
+                if not data:
+                    raise RedisConnectionError("Redis closed the connection")
                 now = loop.time()  # (one clock read per socket read: it only times keepalives)
-                self._on_message(message, now)
-                while buffered is not None and (message := buffered()) is not _NOT_ENOUGH_DATA:
+                for message in dispatcher.feed(data, now):
                     if isinstance(message, Exception):
                         raise message
                     self._on_message(message, now)
@@ -327,6 +360,7 @@ class LiveEvents:
             for sub in entry.subscribers:
                 sub.fail(error)
         self._channels.clear()
+        self._taps.clear()
         self._confirming.clear()
         self._outbox.clear()
         return conn
