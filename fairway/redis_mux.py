@@ -159,10 +159,15 @@ class RedisMux:
     async def batch(self, commands: Sequence[Command]) -> list[Any]:
         """The replies of commands written together (a pipeline; MULTI ... EXEC inside it stays
         whole), each error reply as an exception in its place."""
-        data = b"".join(pack(c) for c in commands)
+        return await self.batch_packed([pack(c) for c in commands])
+
+    async def batch_packed(self, packed: Sequence[bytes]) -> list[Any]:
+        """batch() of commands already packed (pack()): for callers that send the same commands
+        again and again, such as heartbeats."""
+        data = b"".join(packed)
         for attempt in range(self._retries + 1):
             try:
-                return [_plain(reply) for reply in await self._send(data, len(commands))]
+                return [_plain(reply) for reply in await self._send(data, len(packed))]
             except RedisConnectionError:
                 if attempt == self._retries:
                     raise

@@ -17,7 +17,7 @@ from redis.asyncio.retry import Retry
 from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError
 
-from fairway.redis_mux import RedisMux
+from fairway.redis_mux import RedisMux, pack
 
 
 def redis_client(url: str, *, max_connections: int = 64, wait_s: float, connect_timeout_s: float,
@@ -39,17 +39,22 @@ async def run_scripts(mux: RedisMux, script: AsyncScript,
     """Run script once per (keys, args), all in one pipelined round trip on mux; a call that failed
     has its error in its place. Reloads the script if Redis lost it (a restart, SCRIPT FLUSH): such
     calls did not run, so running them again is safe. Transport errors are raised."""
+    return await run_packed_scripts(mux, script, [script_call(script, keys, args) for keys, args in calls])
+
+
+def script_call(script: AsyncScript, keys: Sequence[str], args: Sequence[Any]) -> bytes:
+    """One call of script, packed: run_packed_scripts() takes a list of them."""
+    return pack(["EVALSHA", script.sha, len(keys), *keys, *args])
+
+
+async def run_packed_scripts(mux: RedisMux, script: AsyncScript, calls: Sequence[bytes]) -> list[Any]:
+    """run_scripts() of calls packed by script_call() (a caller that repeats them packs them once)."""
     if not calls:
         return []
-    results = await _evalsha(mux, script, calls)
+    results = await mux.batch_packed(calls)
     lost = [i for i, result in enumerate(results) if isinstance(result, NoScriptError)]
     if lost:
         await mux.execute("SCRIPT", "LOAD", script.script)
-        for i, result in zip(lost, await _evalsha(mux, script, [calls[i] for i in lost]), strict=True):
+        for i, result in zip(lost, await mux.batch_packed([calls[i] for i in lost]), strict=True):
             results[i] = result
     return results
-
-
-async def _evalsha(mux: RedisMux, script: AsyncScript,
-                   calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
-    return await mux.batch([["EVALSHA", script.sha, len(keys), *keys, *args] for keys, args in calls])

@@ -17,6 +17,7 @@ protocol gives no WRITE_NOW, and streams then write everything through their tas
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -25,22 +26,39 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 WRITE_NOW = "fairway.write_now"  # key in scope["extensions"]
 
-WriteNow = Callable[[bytes], bool]
 
+class DirectWriter:
+    """WRITE_NOW: write_now(body) writes one body chunk of the response now if the awaited send
+    would (response started, chunked, not finished, not paused by flow control, client still
+    there), else says False. transport() is the connection itself while the response is a started,
+    unfinished chunked one, for a writer that frames HTTP chunks and minds the transport's own
+    state (live_fast's Tap), else None."""
 
-def write_now_of(scope: dict[str, Any]) -> WriteNow | None:
-    return scope.get("extensions", {}).get(WRITE_NOW)
+    __slots__ = ("cycle",)
 
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self.cycle = cycle
 
-def _write_now(cycle: RequestResponseCycle) -> WriteNow:
-    def write_now(body: bytes) -> bool:
+    def __call__(self, body: bytes) -> bool:
+        cycle = self.cycle
         if (cycle.disconnected or cycle.flow.write_paused or not cycle.response_started
                 or cycle.response_complete or not cycle.chunked_encoding):
             return False
         cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))  # one HTTP/1.1 chunk, as send() frames it
         return True
 
-    return write_now
+    def transport(self) -> asyncio.WriteTransport | None:
+        cycle = self.cycle
+        if cycle.disconnected or not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
+            return None
+        return cycle.transport
+
+
+WriteNow = Callable[[bytes], bool]
+
+
+def write_now_of(scope: dict[str, Any]) -> DirectWriter | None:
+    return scope.get("extensions", {}).get(WRITE_NOW)
 
 
 class GatewayHttpProtocol(HttpToolsProtocol):
@@ -48,7 +66,7 @@ class GatewayHttpProtocol(HttpToolsProtocol):
         cycle = self.cycle
         super().on_headers_complete()
         if self.cycle is not cycle:  # a request starts (not an upgrade): its scope gets WRITE_NOW
-            self.cycle.scope.setdefault("extensions", {})[WRITE_NOW] = _write_now(self.cycle)  # type: ignore[index]
+            self.cycle.scope.setdefault("extensions", {})[WRITE_NOW] = DirectWriter(self.cycle)  # type: ignore[index]
 
 
 def server_config(app: Any, host: str, port: int, log_level: str, **options: Any) -> uvicorn.Config:

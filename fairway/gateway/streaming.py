@@ -27,7 +27,7 @@ from fairway.conversation.recorder import save_final, save_from_log
 from fairway.conversation.service import ConversationService
 from fairway.gateway.edge import BODY_SEND
 from fairway.gateway.errors import ApiError, not_found
-from fairway.gateway.http_protocol import WriteNow
+from fairway.gateway.http_protocol import DirectWriter
 from fairway.relay import (
     EventIdOutOfRange,
     FinalEvent,
@@ -203,7 +203,7 @@ class ReplyRelay:
     # -- SSE ---------------------------------------------------------------------------------
 
     async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool,
-                  on_final: OnFinal | None = None, write_now: WriteNow | None = None) -> AsyncIterator[bytes]:
+                  on_final: OnFinal | None = None, write_now: DirectWriter | None = None) -> AsyncIterator[bytes]:
         """SSE frames. Events that arrive together go out in one write: under load that is what
         keeps a gateway's cost per event low. Read in the response's own task, straight from the
         token log's batches: no task or queue in between. With write_now (the server's, see
@@ -214,7 +214,10 @@ class ReplyRelay:
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         # Plain token chunks; with write_now, also the sink that writes them while this waits
         # (appending their text to `text`), which it may not do before the first chunk is out.
-        tap = make_tap(chunk_head(view), write_now or _declined, text, open=not fresh)
+        # (This runs once the response has started, so the server can say whether the tap may write
+        # HTTP chunks to the connection itself, the cheapest way there is.)
+        tap = make_tap(chunk_head(view), write_now or _declined, text, open=not fresh,
+                       transport=write_now.transport() if write_now is not None else None)
         try:
             async with contextlib.aclosing(self.event_batches(reply, after, KEEPALIVE_S,
                                                               tap if write_now else None)) as batches:

@@ -7,6 +7,7 @@ same (tests hold the two to the same bytes), a few microseconds slower per event
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import logging
@@ -35,13 +36,16 @@ Write = Callable[[bytes], bool]
 
 class PyTap:
     """One waiting stream's fast path (see csrc/live_fast.c): chunk(n, text) is token n's SSE event;
-    tap(n, text) writes it and, when written, keeps the text in texts."""
+    tap(n, text) writes it (with write, or as an HTTP chunk straight to transport while that is
+    open and has no backlog) and, when written, keeps the text in texts."""
 
-    def __init__(self, head: bytes, write: Write, texts: list[str], open: bool = True) -> None:
+    def __init__(self, head: bytes, write: Write, texts: list[str], open: bool = True,
+                 transport: asyncio.WriteTransport | None = None) -> None:
         self._head = head.decode()
         self.write = write
         self.texts = texts
         self.open = open
+        self.transport = transport
         self.cursor = 0  # n of the last token taken from a dispatcher
         self.last = 0.0  # the `now` of the feed that took it
 
@@ -49,7 +53,14 @@ class PyTap:
         return f"id: {n}\ndata: {self._head}{_json_string(text)}{_TAIL}{n}\"}}]}}\n\n".encode()
 
     def __call__(self, n: int, text: str) -> bool:
-        if not self.open or not self.write(self.chunk(n, text)):
+        if not self.open:
+            return False
+        chunk = self.chunk(n, text)
+        if self.transport is not None:
+            if self.transport.is_closing() or self.transport.get_write_buffer_size():
+                return False
+            self.transport.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+        elif not self.write(chunk):
             return False
         self.texts.append(text)
         return True
@@ -123,8 +134,9 @@ def dispatcher_class() -> type:
     return module.Dispatcher if module is not None else PyDispatcher
 
 
-def make_tap(head: bytes, write: Write, texts: list[str], open: bool = True) -> Any:
-    return tap_class()(head, write, texts, open)
+def make_tap(head: bytes, write: Write, texts: list[str], open: bool = True,
+             transport: asyncio.WriteTransport | None = None) -> Any:
+    return tap_class()(head, write, texts, open, transport)
 
 
 def is_tap(sink: object) -> bool:

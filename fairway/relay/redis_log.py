@@ -37,7 +37,7 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.redis_mux import RedisMux
-from fairway.redis_pool import redis_client, run_scripts
+from fairway.redis_pool import redis_client, run_packed_scripts, run_scripts, script_call
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
@@ -163,17 +163,18 @@ class _Heartbeats:
     """This process's listeners, as Redis counts them. Each joins and leaves with a call of its
     own, so it is counted before its first event and uncounted as soon as it leaves; in between all
     of them are refreshed together, one pipelined round trip per heartbeat_s, instead of a timer
-    and a round trip per listener."""
+    and a round trip per listener. A listener's refresh call is packed once, when it joins: at
+    hundreds of listeners, building them anew each time cost more than the round trip."""
 
     def __init__(self, log: RedisTokenLog, heartbeat_s: float) -> None:
         self._log = log
         self._heartbeat_s = heartbeat_s
-        self._listening: dict[str, str] = {}  # token -> reply id
+        self._listening: dict[str, bytes] = {}  # token -> its refresh call, packed
         self._task: asyncio.Task | None = None
 
     async def join(self, reply_id: str, token: str) -> None:
         await self._log._beat([(reply_id, token)])
-        self._listening[token] = reply_id
+        self._listening[token] = self._log._beat_call(reply_id, token)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="redis-token-log-heartbeats")
 
@@ -194,7 +195,7 @@ class _Heartbeats:
         while self._listening:
             await asyncio.sleep(self._heartbeat_s)
             with suppress(RelayUnavailable):  # keep trying; the stream read reports the outage
-                await self._log._beat([(reply_id, token) for token, reply_id in self._listening.items()])
+                await self._log._beat_packed(list(self._listening.values()))
 
     async def close(self) -> None:
         if self._task is not None:
@@ -375,12 +376,15 @@ class RedisTokenLog(TokenLog):
 
     async def _beat(self, listeners: list[tuple[str, str]], leaving: bool = False) -> None:
         """Heartbeats of (reply id, token) listeners, one round trip for all."""
-        flag = "1" if leaving else "0"
-        await self._scripts(self._heartbeat, [
-            ([self._key(reply_id, "listeners"), self._key(reply_id, "listened")],
-             [token, self._ttl_ms, flag, self._stale_s])
-            for reply_id, token in listeners
-        ])
+        await self._beat_packed([self._beat_call(reply_id, token, leaving) for reply_id, token in listeners])
+
+    def _beat_call(self, reply_id: str, token: str, leaving: bool = False) -> bytes:
+        return script_call(self._heartbeat, [self._key(reply_id, "listeners"), self._key(reply_id, "listened")],
+                           [token, self._ttl_ms, "1" if leaving else "0", self._stale_s])
+
+    async def _beat_packed(self, calls: list[bytes]) -> None:
+        with _guard():
+            await run_packed_scripts(self._mux, self._heartbeat, calls)
 
     async def exists(self, reply_id: str) -> bool:
         with _guard():

@@ -11,11 +11,15 @@
  *   other message comes back, parsed as hiredis would (a list of str / int / None; error replies
  *   as instances of the error class given), for the Python side to handle.
  *
- *   Tap(head, write, texts, open) is one waiting stream's fast path. Its chunk is
+ *   Tap(head, write, texts, open, transport) is one waiting stream's fast path. Its chunk is
  *   "id: <n>\ndata: " + head + <text as a JSON string> + the chunk's tail (the same bytes as the
  *   Python PyTap's, and as the gateway's JSON chunk). When write(chunk) says it wrote it, the tap
  *   appends the text to texts (the reply's text so far), moves its cursor to n and notes `now` in
  *   last. Called as tap(n, text) it is a relay.TokenSink (the Python path's direct sink).
+ *   Given the response's transport (an HTTP/1.1 chunked response, started), the tap writes each
+ *   chunk there itself, framed as an HTTP chunk, instead of calling write: only while the
+ *   transport is open and has nothing buffered (so it never reorders bytes, nor writes past flow
+ *   control: a transport with a backlog declines, and the stream's task sends through the server).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -97,6 +101,7 @@ typedef struct {
     PyObject *head;   /* bytes */
     PyObject *write;  /* callable(bytes) -> bool */
     PyObject *texts;  /* list of str */
+    PyObject *transport;  /* or NULL */
     long long cursor;
     double last;
     int open;
@@ -106,10 +111,11 @@ typedef struct {
 static PyTypeObject TapType;
 
 static int Tap_init(Tap *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"head", "write", "texts", "open", NULL};
-    PyObject *head, *write, *texts;
+    static char *names[] = {"head", "write", "texts", "open", "transport", NULL};
+    PyObject *head, *write, *texts, *transport = Py_None;
     int open = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "SOO!|p", names, &head, &write, &PyList_Type, &texts, &open))
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "SOO!|pO", names, &head, &write, &PyList_Type, &texts, &open,
+                                     &transport))
         return -1;
     if (!PyCallable_Check(write)) {
         PyErr_SetString(PyExc_TypeError, "write must be callable");
@@ -118,6 +124,7 @@ static int Tap_init(Tap *self, PyObject *args, PyObject *kwds) {
     Py_INCREF(head); Py_XSETREF(self->head, head);
     Py_INCREF(write); Py_XSETREF(self->write, write);
     Py_INCREF(texts); Py_XSETREF(self->texts, texts);
+    Py_XSETREF(self->transport, transport == Py_None ? NULL : Py_NewRef(transport));
     self->open = open;
     return 0;
 }
@@ -126,6 +133,7 @@ static int Tap_traverse(Tap *self, visitproc visit, void *arg) {
     Py_VISIT(self->head);
     Py_VISIT(self->write);
     Py_VISIT(self->texts);
+    Py_VISIT(self->transport);
     return 0;
 }
 
@@ -133,6 +141,7 @@ static int Tap_clear(Tap *self) {
     Py_CLEAR(self->head);
     Py_CLEAR(self->write);
     Py_CLEAR(self->texts);
+    Py_CLEAR(self->transport);
     return 0;
 }
 
@@ -143,28 +152,68 @@ static void Tap_dealloc(Tap *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* The chunk for token n with UTF-8 text, as bytes (new reference), or NULL with an error set. */
-static PyObject *tap_chunk(Tap *self, long long n, const char *text, Py_ssize_t len) {
+static PyObject *IS_CLOSING, *BUFFERED, *WRITE;  /* method names */
+
+/* Token n's SSE event in self->scratch from offset `at`; -1 with an error set on failure. */
+static int tap_format(Tap *self, Py_ssize_t at, long long n, const char *text, Py_ssize_t len) {
     Buf *b = &self->scratch;
-    b->len = 0;
+    b->len = at;
     if (buf_put(b, "id: ", 4) < 0 || buf_int(b, n) < 0 || buf_put(b, "\ndata: ", 7) < 0
         || buf_put(b, PyBytes_AS_STRING(self->head), PyBytes_GET_SIZE(self->head)) < 0
         || buf_json_string(b, text, len) < 0 || buf_put(b, TAIL_A, sizeof TAIL_A - 1) < 0 || buf_int(b, n) < 0
         || buf_put(b, TAIL_B, sizeof TAIL_B - 1) < 0)
-        return NULL;
-    return PyBytes_FromStringAndSize(b->data, b->len);
+        return -1;
+    return 0;
+}
+
+/* The chunk for token n with UTF-8 text, as bytes (new reference), or NULL with an error set. */
+static PyObject *tap_chunk(Tap *self, long long n, const char *text, Py_ssize_t len) {
+    if (tap_format(self, 0, n, text, len) < 0) return NULL;
+    return PyBytes_FromStringAndSize(self->scratch.data, self->scratch.len);
+}
+
+/* Straight to the transport, as one HTTP/1.1 chunk: 1 written, 0 declined, -1 error. */
+static int tap_write_transport(Tap *self, long long n, const char *text, Py_ssize_t len) {
+    PyObject *r = PyObject_CallMethodNoArgs(self->transport, IS_CLOSING);
+    if (!r) return -1;
+    int closing = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (closing) return closing < 0 ? -1 : 0;
+    if (!(r = PyObject_CallMethodNoArgs(self->transport, BUFFERED))) return -1;
+    Py_ssize_t buffered = PyLong_AsSsize_t(r);
+    Py_DECREF(r);
+    if (buffered != 0) return buffered < 0 && PyErr_Occurred() ? -1 : 0;
+    /* "<hex size>\r\n" + event + "\r\n": the size line is written once the size is known */
+    enum { SIZE_LINE = 18 };
+    if (tap_format(self, SIZE_LINE, n, text, len) < 0 || buf_put(&self->scratch, "\r\n", 2) < 0) return -1;
+    char line[SIZE_LINE + 1];
+    int line_len = snprintf(line, sizeof line, "%zx\r\n", (size_t)(self->scratch.len - SIZE_LINE - 2));
+    char *start = self->scratch.data + SIZE_LINE - line_len;
+    memcpy(start, line, line_len);
+    PyObject *chunk = PyBytes_FromStringAndSize(start, self->scratch.data + self->scratch.len - start);
+    if (!chunk) return -1;
+    r = PyObject_CallMethodOneArg(self->transport, WRITE, chunk);
+    Py_DECREF(chunk);
+    if (!r) return -1;
+    Py_DECREF(r);
+    return 1;
 }
 
 /* Write token n: 1 written (text kept), 0 declined by write (or the tap is not open), -1 error. */
 static int tap_take(Tap *self, long long n, const char *text, Py_ssize_t len, PyObject *text_obj) {
     if (!self->open) return 0;
-    PyObject *chunk = tap_chunk(self, n, text, len);
-    if (!chunk) return -1;
-    PyObject *result = PyObject_CallOneArg(self->write, chunk);
-    Py_DECREF(chunk);
-    if (!result) return -1;
-    int wrote = PyObject_IsTrue(result);
-    Py_DECREF(result);
+    int wrote;
+    if (self->transport) {
+        wrote = tap_write_transport(self, n, text, len);
+    } else {
+        PyObject *chunk = tap_chunk(self, n, text, len);
+        if (!chunk) return -1;
+        PyObject *result = PyObject_CallOneArg(self->write, chunk);
+        Py_DECREF(chunk);
+        if (!result) return -1;
+        wrote = PyObject_IsTrue(result);
+        Py_DECREF(result);
+    }
     if (wrote <= 0) return wrote;
     PyObject *str = text_obj;
     if (str) Py_INCREF(str);
@@ -205,6 +254,7 @@ static PyMemberDef Tap_members[] = {
     {"last", T_DOUBLE, offsetof(Tap, last), 0, "the `now` of the feed() that took it"},
     {"open", T_BOOL, offsetof(Tap, open), 0, "False: decline every token (the Python path writes them)"},
     {"texts", T_OBJECT, offsetof(Tap, texts), READONLY, "the texts of the tokens written"},
+    {"transport", T_OBJECT, offsetof(Tap, transport), READONLY, "where it writes HTTP chunks itself, or None"},
     {NULL}
 };
 
@@ -486,6 +536,9 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit_fairway_live_fast(void) {
     if (PyType_Ready(&TapType) < 0 || PyType_Ready(&DispatcherType) < 0) return NULL;
+    if (!(IS_CLOSING = PyUnicode_InternFromString("is_closing")) || !(BUFFERED = PyUnicode_InternFromString(
+            "get_write_buffer_size")) || !(WRITE = PyUnicode_InternFromString("write")))
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&TapType);
