@@ -619,6 +619,27 @@ async def test_redis_listener_of_a_dead_gateway_ages_out(redis_backend: Backend)
     await events.aclose()
 
 
+async def test_redis_listener_that_saw_the_end_is_not_refreshed(redis_backend: Backend) -> None:
+    """A listener is counted in its first read's round trip; one that got the final event stops
+    heartbeating (no leave round trip: nobody counts a finished reply's listeners) and ages out,
+    while one that leaves a running reply is uncounted at once."""
+    edge, replica = redis_backend.open(heartbeat_s=0.05, listener_stale_s=0.3), redis_backend.open()
+    done, running = rid(), rid()
+    for r in (done, running):
+        await replica.create(r)
+        await replica.append(r, TokenEvent(0, "a"))
+    await replica.finish(done, final())
+    assert [e.n for e in await collect(edge, done)] == [1, 2]
+    assert await replica.listener_count(done) == 1  # not left...
+    await asyncio.sleep(0.6)
+    assert await replica.listener_count(done) == 0  # ...and no longer refreshed, though heartbeats run
+    events = edge.subscribe(running)
+    assert (await anext(events)).n == 1
+    assert await replica.listener_count(running) == 1
+    await events.aclose()
+    assert await replica.listener_count(running) == 0
+
+
 async def test_redis_live_gap_is_filled_from_the_log(redis_backend: Backend) -> None:
     """An event that is logged but never heard live (its message lost) still reaches the subscriber."""
     import redis.asyncio as aioredis

@@ -33,13 +33,13 @@ from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 from redis.commands.core import AsyncScript
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from fairway.redis_mux import RedisMux
+from fairway.redis_mux import RedisMux, pack
 from fairway.redis_pool import redis_client, run_packed_scripts, run_scripts, script_call
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
-from fairway.relay.errors import EventOutOfOrder, RelayUnavailable, ReplyFinished, ReplyNotFound
+from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
 from fairway.relay.redis_live import LiveEvents, live_payload
 from fairway.relay.token_log import (
@@ -172,11 +172,15 @@ class _Heartbeats:
         self._listening: dict[str, bytes] = {}  # token -> its refresh call, packed
         self._task: asyncio.Task | None = None
 
-    async def join(self, reply_id: str, token: str) -> None:
-        await self._log._beat([(reply_id, token)])
+    def joined(self, reply_id: str, token: str) -> None:
+        """A listener counted by its first heartbeat (RedisTokenLog._snapshot's join): refreshed from now on."""
         self._listening[token] = self._log._beat_call(reply_id, token)
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._run(), name="redis-token-log-heartbeats")
+
+    def forget(self, token: str) -> None:
+        """No more refreshes: the listener ages out (listener_stale_s)."""
+        self._listening.pop(token, None)
 
     async def leave(self, reply_id: str, token: str) -> None:
         """Best effort (a stale heartbeat ages out anyway), in a task of its own: a caller that is
@@ -241,6 +245,12 @@ class RedisTokenLog(TokenLog):
         # The commands of every request and every engine step (scripts, launch, snapshots) share
         # one multiplexed connection: a fraction of redis-py's CPU per command (redis_mux.py).
         self._mux = RedisMux(url, connect_timeout_s=connect_timeout_s, socket_timeout_s=block_s + 5.0, retries=2)
+        # Blocking claims wait on connections of their own (a blocking read would hold up the
+        # shared one), one per claim in progress, kept for the next: a BLMPOP there costs a tenth
+        # of one through redis-py's pool, and a gateway's recorder makes two per reply.
+        self._waiting_muxes: list[RedisMux] = []
+        self._new_waiting_mux = lambda: RedisMux(url, connect_timeout_s=connect_timeout_s,
+                                                 socket_timeout_s=block_s + 5.0, retries=2)
         pool = self._r.connection_pool
         self._live = LiveEvents(pool, block_s, self._exist)
         self._heartbeats = _Heartbeats(self, heartbeat_s)
@@ -275,6 +285,9 @@ class RedisTokenLog(TokenLog):
         await self._heartbeats.close()
         await self._live.close()
         await self._mux.close()
+        for mux in self._waiting_muxes:
+            await mux.close()
+        self._waiting_muxes.clear()
         await self._r.aclose()
 
     async def _scripts(self, script: AsyncScript, calls: Sequence[tuple[list[str], list[Any]]]) -> list[Any]:
@@ -321,14 +334,22 @@ class RedisTokenLog(TokenLog):
         return [_script_error(result, reply_id, event.n) if isinstance(result, ResponseError) else int(result)
                 for (reply_id, event), result in zip(items, results, strict=True)]
 
-    async def _snapshot(self, reply_id: str, after: int) -> tuple[list[Event], bool]:
+    async def _snapshot(self, reply_id: str, after: int, join: str | None = None) -> tuple[list[Event], bool]:
         """Validated events after `after` and whether the log has ended, read atomically
-        (MULTI/EXEC) so the two agree."""
+        (MULTI/EXEC) so the two agree. With join (a listener's token), the listener is counted in
+        the same round trip, right after the read."""
         key = self._key(reply_id)
+        calls = [pack(["MULTI"]), pack(["XREVRANGE", key, "+", "-", "COUNT", 1]),
+                 pack(["XRANGE", key, f"{after + 1}-0", "+"]), pack(["EXEC"])]
+        if join is not None:
+            calls.append(self._beat_call(reply_id, join))
         with _guard():
-            *_, result = await self._mux.batch([["MULTI"], ["XREVRANGE", key, "+", "-", "COUNT", 1],
-                                                ["XRANGE", key, f"{after + 1}-0", "+"], ["EXEC"]])
-        top, entries = (raise_if_error(part) for part in raise_if_error(result))
+            results = await self._mux.batch_packed(calls)
+        if join is not None and isinstance(results[4], NoScriptError):
+            await self._beat([(reply_id, join)])  # (Redis lost the script: run_scripts reloads it)
+        elif join is not None:
+            raise_if_error(results[4])
+        top, entries = (raise_if_error(part) for part in raise_if_error(results[3]))
         if not top:
             raise ReplyNotFound(reply_id)
         top_id, top_flat = top[0]
@@ -346,12 +367,19 @@ class RedisTokenLog(TokenLog):
         # Subscribed before the log is read: every event is in the replay or heard live (or both).
         sub = await self._live.add(self._key(reply_id), self._key(reply_id, "live"), idle_s)
         try:
-            replay, finished = await self._snapshot(reply_id, after)
-            if finished and not replay:
-                return  # the cursor is at the terminal event already: nothing will follow
+            # Counted as a listener before the first event is handed out, in the read's round trip.
             token = uuid.uuid4().hex
-            await self._heartbeats.join(reply_id, token)  # counted before the first event is handed out
             try:
+                replay, finished = await self._snapshot(reply_id, after, join=token)
+            except RelayError:
+                await self._heartbeats.leave(reply_id, token)  # (best effort, if it joined at all)
+                raise
+            self._heartbeats.joined(reply_id, token)
+            ended = False  # at the final event: nobody needs this listener's leaving
+            try:
+                if finished and not replay:
+                    ended = True
+                    return  # the cursor is at the terminal event already: nothing will follow
                 sub.cursor, batch = after, replay
                 sub.direct = direct  # (only called while next_batch() waits)
                 while True:
@@ -363,14 +391,22 @@ class RedisTokenLog(TokenLog):
                             fresh = await self.read(reply_id, cursor)  # a gap (a lost message): the log has it all
                     if fresh:
                         sub.cursor = fresh[-1].n
-                        yield fresh
                         if isinstance(fresh[-1], FinalEvent):
+                            ended = True
+                        yield fresh
+                        if ended:
                             return
                     batch = await sub.next_batch()
                     if not batch:
                         yield []  # idle_s without events
             finally:
-                await self._heartbeats.leave(reply_id, token)
+                # A listener that leaves a reply still running is uncounted at once (the idle timer
+                # starts); one that saw the end just stops refreshing: only running replies' listeners
+                # are ever counted, and its entry ages out with the others of a dead gateway.
+                if ended:
+                    self._heartbeats.forget(token)
+                else:
+                    await self._heartbeats.leave(reply_id, token)
         finally:
             self._live.remove(sub)
 
@@ -499,15 +535,12 @@ class RedisTokenLog(TokenLog):
     async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
         keys = [self._lane_key(queue, lane) for lane in LANE_ORDER]  # (B)LMPOP takes the first non-empty
         lanes = dict(zip(keys, LANE_ORDER, strict=True))
-        # A busy consumer (a gateway's reply recorder) mostly finds work waiting: take it over the
-        # multiplexed connection, and only wait on a connection of its own (a blocking read must
-        # not hold up the others' commands) when the lanes are empty.
-        with _guard():
-            popped = await self._mux.execute("LMPOP", len(keys), *keys, "LEFT")
-        if popped:
-            key, items = popped
-            return decode_job(items[0], lanes[key])
         if timeout is not None and timeout <= 0:
+            with _guard():
+                popped = await self._mux.execute("LMPOP", len(keys), *keys, "LEFT")
+            if popped:
+                key, items = popped
+                return decode_job(items[0], lanes[key])
             return None
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
@@ -517,8 +550,14 @@ class RedisTokenLog(TokenLog):
                 return None  # (the blocking read waited until the deadline)
             # Wait in slices no longer than block_s so the socket timeout never fires.
             wait = self._block_ms / 1000 if remaining is None else min(remaining, self._block_ms / 1000)
-            with _guard():
-                popped = await self._r.blmpop(max(wait, 0.01), len(keys), *keys, direction="LEFT")
+            mux = self._waiting_muxes.pop() if self._waiting_muxes else self._new_waiting_mux()
+            try:
+                with _guard():
+                    popped = await mux.execute("BLMPOP", max(wait, 0.01), len(keys), *keys, "LEFT")
+            except BaseException:
+                await mux.close()  # (cancelled mid-wait, its reply would come to the next caller)
+                raise
+            self._waiting_muxes.append(mux)
             if popped:
                 key, items = popped
                 return decode_job(items[0], lanes[key])

@@ -16,7 +16,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, Priority, RequestOutput, SamplingParams
 from fairway.relay import FinalEvent, Lane, RelayError, ReplyState, TokenEvent, TokenLog
@@ -96,6 +96,7 @@ class _Running:
     started: float = field(default_factory=time.time)  # wall clock: the job's submission, else its claim
     first_token_at: float | None = None
     last_token_at: float | None = None  # monotonic, for inter-token latency
+    inter_token: Any = None  # its histogram's child for the job's model and tier: labels() per token costs
 
 
 class ReplicaWorker:
@@ -284,7 +285,9 @@ class ReplicaWorker:
         if running.first_token_at is None:
             running.first_token_at = time.time()
         elif running.last_token_at is not None:
-            metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier).observe(clock - running.last_token_at)
+            if running.inter_token is None:
+                running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
+            running.inter_token.observe(clock - running.last_token_at)
         running.last_token_at = clock
         ids = [out.token_id] if out.token_id is not None else []
         # An explicit n: a second producer of this reply (a duplicate job) fails instead of
