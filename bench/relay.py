@@ -285,6 +285,7 @@ class SyntheticEngine:
 
 
 async def synthetic_replica(redis: str, namespace: str, rate: float) -> None:
+    from fairway.heap import settle_heap
     from fairway.relay import make_token_log
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
     from fairway.router import make_registry
@@ -292,7 +293,9 @@ async def synthetic_replica(redis: str, namespace: str, rate: float) -> None:
     token_log = make_token_log(redis, prefix=namespace)
     registry = make_registry(redis, prefix=namespace)
     settings = ReplicaSettings(model=MODEL, max_inflight=100_000)
-    await ReplicaWorker(SyntheticEngine(rate), token_log, registry, settings).run()  # type: ignore[arg-type]
+    worker = ReplicaWorker(SyntheticEngine(rate), token_log, registry, settings)  # type: ignore[arg-type]
+    settle_heap()  # as `fairway replica` does once its engine is loaded
+    await worker.run()
 
 
 def streams_per_core(cpu_s_per_1000_events: float | None) -> int | None:

@@ -12,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from fairway.heap import settle_heap
 from fairway.models.bundled import ModelFileError
 
 
@@ -143,6 +144,7 @@ def _serve_app(app, args: argparse.Namespace) -> int:
     from fairway.gateway.http_protocol import server_config
 
     server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
+    settle_heap()  # a server process from here on (fairway/heap.py)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn re-raises it once shut down
         server.run()
     return 0 if server.started else 3  # 3: did not start (e.g. the port is taken), as uvicorn.run() exits
@@ -215,7 +217,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_replica(_stack_options(args))
+            await run_replica(_stack_options(args), settle=True)
 
     asyncio.run(main())
     return 0

@@ -24,6 +24,7 @@ from fairway.conversation.service import ConversationService, ServiceSettings
 from fairway.gateway import GatewayContext, create_app
 from fairway.gateway.keys import KeyChecker, ensure_key
 from fairway.gateway.streaming import ReplyRelay
+from fairway.heap import settle_heap
 from fairway.limits import LimitsConfig, make_limits
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, TokenLog, make_token_log
@@ -185,8 +186,9 @@ def gateway_app(options: StackOptions) -> FastAPI:
     return create_app(gateway_context(options, token_log, store, registry, tokenizers))
 
 
-async def run_replica(options: StackOptions, engine: LLMEngine | None = None) -> None:
-    """A replica process: the engine, claiming jobs from its queue until cancelled."""
+async def run_replica(options: StackOptions, engine: LLMEngine | None = None, settle: bool = False) -> None:
+    """A replica process: the engine, claiming jobs from its queue until cancelled. settle: this is
+    the process's whole job, so once the engine is loaded the heap is settled (fairway/heap.py)."""
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
 
@@ -199,6 +201,8 @@ async def run_replica(options: StackOptions, engine: LLMEngine | None = None) ->
     async_engine = AsyncEngine(engine)
     worker = ReplicaWorker(async_engine, token_log, registry, settings)
     log.info("replica %s serving %s", settings.replica_id, settings.model)
+    if settle:
+        settle_heap()
     try:
         await worker.run()
     finally:
