@@ -28,6 +28,7 @@ from fairway.conversation import (
     ReplyFinished,
     ReplyState,
     Role,
+    UsageRecord,
     database_url,
     make_store,
 )
@@ -316,6 +317,33 @@ async def test_a_started_reply_runs_unless_it_is_final_and_its_job_reads_alone(s
     final = await store.get_reply(reply.id)
     assert (final.state, final.replica_id) == (ReplyState.FINISHED, "replica-7")
     assert await store.mark_running("rep_missing", "replica-7") is False
+
+
+async def test_batches_of_ended_and_started_replies_take_one_call_each(store: ConversationStore) -> None:
+    """What the reply recorder does with a batch of reports: mark the started ones running, read
+    the ended ones' jobs, store their usage; each in one round trip, each with the single call's
+    rules (a final reply stays final, a second record of a reply is not stored)."""
+    replies = [(await _turn(store, job={"model": "m", "meta": {"user": f"u{i}"}}))[2] for i in range(3)]
+    _, _, no_job = await _turn(store)
+    done, running, fresh = replies
+    await store.finish_reply(done.id, "done", MessageStatus.COMPLETE, "stop")
+    assert await store.mark_running_many([(r.id, "replica-1") for r in replies] + [("rep_missing", "replica-1")]) == 2
+    assert [(await store.get_reply(r.id)).state for r in replies] == [ReplyState.FINISHED, ReplyState.RUNNING,
+                                                                        ReplyState.RUNNING]
+    assert await store.mark_running_many([]) == 0
+    jobs = await store.get_reply_jobs([r.id for r in replies] + [no_job.id, "rep_missing"])
+    assert jobs == {r.id: {"model": "m", "meta": {"user": f"u{i}"}} for i, r in enumerate(replies)}
+
+    def record(reply: Reply, cost: float) -> UsageRecord:
+        return UsageRecord(id=new_id("usage"), reply_id=reply.id, user_id="u", model="m", tier="paid", cost=cost,
+                           created_at=now(), day="2026-11-30")
+
+    assert await store.add_usage(record(done, 1.0)) is True
+    stored = await store.add_usage_many([record(done, 2.0), record(running, 3.0), record(fresh, 4.0)])
+    assert stored == {running.id, fresh.id}
+    assert [(await store.get_usage(r.id)).cost for r in replies] == [1.0, 3.0, 4.0]  # the first record stays
+    assert await store.add_usage_many([]) == set()
+    assert await store.add_usage(record(fresh, 5.0)) is False
 
 
 async def test_update_reply_fields(store: ConversationStore) -> None:

@@ -539,6 +539,25 @@ async def test_bus_claims_paid_before_free_before_background(backend: Backend) -
     assert 0.15 <= time.monotonic() - start < 2
 
 
+async def test_bus_claims_a_batch_from_the_first_lane_with_work(backend: Backend) -> None:
+    gateway, consumer = backend.open(), backend.open()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    for i in range(5):
+        await gateway.submit({"n": i}, Lane.FREE, queue=q)
+    await gateway.submit({"n": "paid"}, Lane.PAID, queue=q)
+    assert [j.job["n"] for j in await consumer.claim_many(queue=q, max_count=10)] == ["paid"]
+    assert [j.job["n"] for j in await consumer.claim_many(queue=q, max_count=3)] == [0, 1, 2]
+    assert [(j.lane, j.job["n"]) for j in await consumer.claim_many(queue=q, max_count=3, timeout=None)] == [
+        (Lane.FREE, 3), (Lane.FREE, 4)]
+    start = time.monotonic()
+    assert await consumer.claim_many(queue=q, max_count=3, timeout=0.2) == []
+    assert 0.15 <= time.monotonic() - start < 2
+    waiting = asyncio.create_task(consumer.claim_many(queue=q, max_count=3, timeout=5))
+    await asyncio.sleep(0.05)
+    await gateway.submit({"n": "late"}, Lane.BACKGROUND, queue=q)
+    assert [j.job["n"] for j in await asyncio.wait_for(waiting, 5)] == ["late"]
+
+
 async def test_bus_blocked_claim_wakes_on_submit(backend: Backend) -> None:
     gateway, replica = backend.open(), backend.open()
     q = f"q{uuid.uuid4().hex[:6]}"

@@ -19,6 +19,7 @@ from typing import Any
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
@@ -150,7 +151,8 @@ _INSERT = {table.name: sa.insert(table) for table in (conversations, messages, r
 _TOUCH = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_id"))
           .values(updated_at=sa.bindparam("b_ts")))
 _REPLY_BY_ID = sa.select(replies).where(replies.c.id == sa.bindparam("b_id"))
-_JOB_OF_REPLY = sa.select(replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
+_JOB_OF_REPLY = sa.select(replies.c.id, replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
+_RUNNING = frozenset({"state", "replica_id"})
 _CONVERSATION_OF_USER = sa.select(conversations).where(conversations.c.id == sa.bindparam("b_id"),
                                                        conversations.c.user_id == sa.bindparam("b_user"))
 _MESSAGES_OF = (sa.select(messages).where(messages.c.conversation_id == sa.bindparam("b_conversation"))
@@ -242,6 +244,9 @@ class SqlConversationStore(ConversationStore):
         self.url = url
         self._engine = create_async_engine(url, **{**_engine_options(url), **engine_kwargs})
         self._dialect = self._engine.dialect.name
+        insert = postgresql.insert if self._dialect == "postgresql" else sqlite.insert
+        self._add_usage = (insert(usage_records).on_conflict_do_nothing(index_elements=["reply_id"])
+                           .returning(usage_records.c.reply_id))
         if self._dialect == "sqlite":
             sa.event.listen(self._engine.sync_engine, "connect", _sqlite_pragmas)
         else:
@@ -267,6 +272,22 @@ class SqlConversationStore(ConversationStore):
         async with self._writing() if write else self._one_statement() as conn:
             result = await conn.execute(statement, params)
             return result.mappings().all() if result.returns_rows else []
+
+    async def _rows_many(self, statement: sa.Executable, params_list: Sequence[Mapping[str, Any]],
+                         write: bool = False) -> Sequence[Mapping[str, Any]]:
+        """One statement per set of parameters, in one round trip on PostgreSQL (pipelined, in one
+        transaction); in one transaction on SQLite. The rows of all, in order."""
+        if self._direct is not None:
+            return await self._direct.fetch_many(statement, params_list)
+        if not params_list:
+            return []
+        rows: list[Mapping[str, Any]] = []
+        async with self._writing() if write else self._one_statement() as conn:
+            for params in params_list:
+                result = await conn.execute(statement, params)
+                if result.returns_rows:
+                    rows += result.mappings().all()
+        return rows
 
     def _one_statement(self) -> AbstractAsyncContextManager[AsyncConnection]:
         """A connection for a single read (a single write goes through _rows)."""
@@ -404,9 +425,9 @@ class SqlConversationStore(ConversationStore):
         rows = await self._rows(_REPLY_BY_ID, {"b_id": id})
         return _reply(rows[0]) if rows else None
 
-    async def get_reply_job(self, id: str) -> dict[str, Any] | None:
-        rows = await self._rows(_JOB_OF_REPLY, {"b_id": id})
-        return rows[0]["job"] if rows else None
+    async def get_reply_jobs(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        rows = await self._rows_many(_JOB_OF_REPLY, [{"b_id": id} for id in ids])
+        return {row["id"]: row["job"] for row in rows if row["job"]}
 
     async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
         query = (
@@ -441,10 +462,10 @@ class SqlConversationStore(ConversationStore):
             return None
         raise ReplyFinished(id, current.state)
 
-    async def mark_running(self, reply_id: str, replica_id: str) -> bool:
-        values = {"state": ReplyState.RUNNING.value, "replica_id": replica_id}
-        return bool(await self._rows(_update_reply_statement(frozenset(values), whole_row=False),
-                                     {"b_id": reply_id, **_bound(values)}, write=True))
+    async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
+        params = [{"b_id": reply_id, **_bound({"state": ReplyState.RUNNING.value, "replica_id": replica_id})}
+                  for reply_id, replica_id in started]
+        return len(await self._rows_many(_update_reply_statement(_RUNNING, whole_row=False), params, write=True))
 
     async def finish_reply(
         self,
@@ -530,12 +551,10 @@ class SqlConversationStore(ConversationStore):
 
     # usage
 
-    async def add_usage(self, record: UsageRecord) -> bool:
-        try:
-            await self._rows(_INSERT["usage_records"], _values(record), write=True)
-        except IntegrityError:
-            return False  # the reply's record is already there (unique reply_id)
-        return True
+    async def add_usage_many(self, records: Sequence[UsageRecord]) -> set[str]:
+        # A reply's record that is there already (unique reply_id) is left as it is.
+        rows = await self._rows_many(self._add_usage, [_values(record) for record in records], write=True)
+        return {row["reply_id"] for row in rows}
 
     async def get_usage(self, reply_id: str) -> UsageRecord | None:
         query = sa.select(usage_records).where(usage_records.c.reply_id == reply_id)

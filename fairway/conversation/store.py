@@ -119,10 +119,15 @@ class ConversationStore(ABC):
     @abstractmethod
     async def get_reply(self, id: str) -> Reply | None: ...
 
-    @abstractmethod
     async def get_reply_job(self, id: str) -> dict[str, Any] | None:
         """The reply's stored job (model, sampling, the gateway's meta) alone, without its
-        context; None if no such reply (or it has no job). What accounting reads at every end."""
+        context; None if no such reply (or it has no job)."""
+        return (await self.get_reply_jobs([id])).get(id)
+
+    @abstractmethod
+    async def get_reply_jobs(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
+        """get_reply_job of several replies at once (the ones with a job): what accounting reads
+        for each batch of ended replies, in one round trip."""
 
     @abstractmethod
     async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
@@ -135,11 +140,16 @@ class ConversationStore(ABC):
         the live transitions (QUEUED → RUNNING …): components may skip writing them; see
         ReplyState.can_become for the full machine."""
 
-    @abstractmethod
     async def mark_running(self, reply_id: str, replica_id: str) -> bool:
         """A replica started the reply: RUNNING, on replica_id, unless it is final already (False
         then, as for an unknown reply). Reads nothing back: update_reply returns the whole reply,
         whose stored context (thousands of token ids) the replica's report has no use for."""
+        return await self.mark_running_many([(reply_id, replica_id)]) == 1
+
+    @abstractmethod
+    async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
+        """mark_running of several (reply id, replica id) at once, in one round trip; how many
+        changed."""
 
     @abstractmethod
     async def finish_reply(
@@ -188,10 +198,15 @@ class ConversationStore(ABC):
 
     # usage
 
-    @abstractmethod
     async def add_usage(self, record: UsageRecord) -> bool:
         """Store the reply's usage record; False (and nothing changes) if the reply already has
         one, so a report delivered twice is counted once."""
+        return record.reply_id in await self.add_usage_many([record])
+
+    @abstractmethod
+    async def add_usage_many(self, records: Sequence[UsageRecord]) -> set[str]:
+        """add_usage of several records at once, in one round trip: the reply ids whose record
+        this stored (the others had one)."""
 
     @abstractmethod
     async def get_usage(self, reply_id: str) -> UsageRecord | None: ...

@@ -57,10 +57,19 @@ class ReplyBus(ABC):
         """Queue a JSON-able job; returns its id. front=True puts it at the head of its lane
         (failover continuations go there so the client's pause stays short)."""
 
-    @abstractmethod
     async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
         """Take the next job, paid before free before background. timeout: 0 = don't wait,
         None = wait until one arrives, else seconds; returns None when it runs out."""
+        claimed = await self.claim_many(queue=queue, max_count=1, timeout=timeout)
+        return claimed[0] if claimed else None
+
+    @abstractmethod
+    async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
+                         timeout: float | None = 0.0) -> list[ClaimedJob]:
+        """Take up to max_count jobs waiting in the first lane that has any (paid before free
+        before background), waiting as claim() does for there to be one; [] when the wait ran
+        out. A consumer with a batch's worth of work (a busy gateway's reply recorder) takes it
+        in one round trip."""
 
     @abstractmethod
     async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:

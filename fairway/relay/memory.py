@@ -236,17 +236,19 @@ class InProcessTokenLog(TokenLog):
         q.arrived = asyncio.Event()
         return job_id
 
-    async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
+    async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
+                         timeout: float | None = 0.0) -> list[ClaimedJob]:
         q = self._queues.setdefault(queue, _Queue())
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             for lane in LANE_ORDER:
-                if q.lanes[lane]:
-                    return decode_job(q.lanes[lane].popleft(), lane)
+                waiting = q.lanes[lane]
+                if waiting:
+                    return [decode_job(waiting.popleft(), lane) for _ in range(min(max_count, len(waiting)))]
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
-                return None
+                return []
             try:
                 await asyncio.wait_for(q.arrived.wait(), remaining)
             except TimeoutError:

@@ -532,35 +532,38 @@ class RedisTokenLog(TokenLog):
             raise_if_error(result)
         return job_id
 
-    async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
+    async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
+                         timeout: float | None = 0.0) -> list[ClaimedJob]:
         keys = [self._lane_key(queue, lane) for lane in LANE_ORDER]  # (B)LMPOP takes the first non-empty
         lanes = dict(zip(keys, LANE_ORDER, strict=True))
+
+        def claimed(popped: Any) -> list[ClaimedJob]:
+            if not popped:
+                return []
+            key, items = popped
+            return [decode_job(item, lanes[key]) for item in items]
+
         if timeout is not None and timeout <= 0:
             with _guard():
-                popped = await self._mux.execute("LMPOP", len(keys), *keys, "LEFT")
-            if popped:
-                key, items = popped
-                return decode_job(items[0], lanes[key])
-            return None
+                return claimed(await self._mux.execute("LMPOP", len(keys), *keys, "LEFT", "COUNT", max_count))
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
-                return None  # (the blocking read waited until the deadline)
+                return []  # (the blocking read waited until the deadline)
             # Wait in slices no longer than block_s so the socket timeout never fires.
             wait = self._block_ms / 1000 if remaining is None else min(remaining, self._block_ms / 1000)
             mux = self._waiting_muxes.pop() if self._waiting_muxes else self._new_waiting_mux()
             try:
                 with _guard():
-                    popped = await mux.execute("BLMPOP", max(wait, 0.01), len(keys), *keys, "LEFT")
+                    popped = await mux.execute("BLMPOP", max(wait, 0.01), len(keys), *keys, "LEFT", "COUNT", max_count)
             except BaseException:
                 await mux.close()  # (cancelled mid-wait, its reply would come to the next caller)
                 raise
             self._waiting_muxes.append(mux)
             if popped:
-                key, items = popped
-                return decode_job(items[0], lanes[key])
+                return claimed(popped)
 
     async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
         with _guard():

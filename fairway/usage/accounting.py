@@ -1,8 +1,9 @@
 """At a reply's end: its usage record, and the token reservation it made settled.
 
 Runs as a hook of the ReplyRecorder, which claims each replica report in exactly one gateway, so
-every reply is accounted once however many gateways there are. The usage record goes in first:
-its unique reply_id makes a report delivered twice (a restarted reply) a no-op for the quota too.
+every reply is accounted once however many gateways there are; it takes the recorder's batches
+whole. The usage records go in first: a record's unique reply_id makes a report delivered twice (a
+restarted reply) a no-op for the quota too.
 
 What the gateway knew at admission travels with the reply, in the stored job's "meta": the user,
 the tier, the reservation (window key, bucket, tokens), the idempotency key and the single-flight
@@ -43,43 +44,56 @@ class Accounting:
         self.limits = limits
         self.pricing = pricing
 
-    async def on_finished(self, report: ReplyReport) -> None:
-        job = await self.store.get_reply_job(report.reply_id)  # (not the whole reply: its context is big)
-        if not job:
-            return
-        meta: dict[str, Any] = job.get("meta") or {}
-        user = meta.get("user")
-        if not user:
-            return  # not submitted through the edge (a test, or a reply from before keys)
-        model = str(job.get("model", ""))
-        tier = str(meta.get("tier") or "")
-        failed = report.error is not None or report.state == "SHED"
+    async def on_finished(self, reports: list[ReplyReport]) -> None:
+        """Account a batch of ended replies (the recorder's): one read of their jobs, one write of
+        their usage records, then each one's limits settled."""
+        jobs = await self.store.get_reply_jobs([report.reply_id for report in reports])
         ts = now()
-        record = UsageRecord(
-            id=new_id("usage"),
-            reply_id=report.reply_id,
-            user_id=user,
-            model=model,
-            tier=tier,
-            prompt_tokens=report.prompt_tokens,
-            cached_tokens=report.cached_tokens,
-            completion_tokens=report.completion_tokens,
-            ttft_s=report.ttft_s,
-            duration_s=report.duration_s,
-            finish_reason="error" if report.error else (report.finish_reason or report.state.lower()),
-            # A failed or shed reply is not billed (and its reservation is released below).
-            cost=0.0 if failed else self.pricing.cost(model, report.prompt_tokens, report.cached_tokens,
-                                                      report.completion_tokens),
-            created_at=ts,
-            day=utc_day(ts),
-        )
-        if not await self.store.add_usage(record):
-            return  # accounted already
-        try:
-            await self._close(meta, user, model, tier, report, failed)
-        except LimitsError:
-            # The reservation ages out of its window within a minute: over-counted, never under.
-            log.warning("reply %s: could not settle its limits", report.reply_id, exc_info=True)
+        records: list[UsageRecord] = []
+        ends: list[tuple[dict[str, Any], str, str, str, ReplyReport, bool]] = []
+        seen: set[str] = set()
+        for report in reports:
+            if report.reply_id in seen:
+                continue  # delivered twice in one batch: once is all it counts
+            seen.add(report.reply_id)
+            job = jobs.get(report.reply_id)
+            meta: dict[str, Any] = (job or {}).get("meta") or {}
+            user = meta.get("user")
+            if not job or not user:
+                continue  # not submitted through the edge (a test, or a reply from before keys)
+            model = str(job.get("model", ""))
+            tier = str(meta.get("tier") or "")
+            failed = report.error is not None or report.state == "SHED"
+            records.append(UsageRecord(
+                id=new_id("usage"),
+                reply_id=report.reply_id,
+                user_id=user,
+                model=model,
+                tier=tier,
+                prompt_tokens=report.prompt_tokens,
+                cached_tokens=report.cached_tokens,
+                completion_tokens=report.completion_tokens,
+                ttft_s=report.ttft_s,
+                duration_s=report.duration_s,
+                finish_reason="error" if report.error else (report.finish_reason or report.state.lower()),
+                # A failed or shed reply is not billed (and its reservation is released below).
+                cost=0.0 if failed else self.pricing.cost(model, report.prompt_tokens, report.cached_tokens,
+                                                          report.completion_tokens),
+                created_at=ts,
+                day=utc_day(ts),
+            ))
+            ends.append((meta, user, model, tier, report, failed))
+        if not records:
+            return
+        stored = await self.store.add_usage_many(records)
+        for meta, user, model, tier, report, failed in ends:
+            if report.reply_id not in stored:
+                continue  # accounted already
+            try:
+                await self._close(meta, user, model, tier, report, failed)
+            except LimitsError:
+                # The reservation ages out of its window within a minute: over-counted, never under.
+                log.warning("reply %s: could not settle its limits", report.reply_id, exc_info=True)
 
     async def _close(self, meta: dict[str, Any], user: str, model: str, tier: str, report: ReplyReport,
                      failed: bool) -> None:
