@@ -35,7 +35,7 @@ from fairway.conversation import (
 from fairway.conversation.entities import Conversation, Message, Reply, new_id, now
 from fairway.conversation.schema import metadata
 from fairway.conversation.sql_store import SqlConversationStore, alembic_config
-from fairway.conversation.store import NewTurn
+from fairway.conversation.store import Ending, NewTurn
 
 StoreFactory = Callable[[], SqlConversationStore]
 
@@ -344,6 +344,18 @@ async def test_batches_of_ended_and_started_replies_take_one_call_each(store: Co
     assert [(await store.get_usage(r.id)).cost for r in replies] == [1.0, 3.0, 4.0]  # the first record stays
     assert await store.add_usage_many([]) == set()
     assert await store.add_usage(record(fresh, 5.0)) is False
+
+    # Ended replies saved together: the one saved already keeps its message, the others get theirs.
+    await store.finish_replies([Ending(r.id, f"text {r.id}", MessageStatus.COMPLETE, "length", 3, 5, 1, 6)
+                                for r in (done, running, fresh)] + [Ending("rep_missing", "x", MessageStatus.COMPLETE)])
+    await store.finish_replies([Ending(fresh.id, "too late", MessageStatus.STOPPED, "stop")])
+    for r, text in ((done, "done"), (running, f"text {running.id}"), (fresh, f"text {fresh.id}")):
+        stored = await store.get_reply(r.id)
+        message = next(m for m in await store.list_messages(stored.conversation_id) if m.reply_id == r.id)
+        assert (message.text, stored.state) == (text, ReplyState.FINISHED)
+    message = next(m for m in await store.list_messages(running.conversation_id) if m.reply_id == running.id)
+    assert (message.completion_tokens, message.cached_tokens, (await store.get_reply(running.id)).last_event_id) == \
+        (5, 1, 6)
 
 
 async def test_update_reply_fields(store: ConversationStore) -> None:

@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from fairway.conversation.entities import MessageStatus, ReplyState
-from fairway.conversation.store import ConversationStore, NotFound, ReplyFinished
+from fairway.conversation.store import ConversationStore, Ending, NotFound, ReplyFinished
 from fairway.relay import ClaimedJob, FinalEvent, RelayError, ReplyBus, TokenEvent, TokenLog
 from fairway.replica.report import REPORTS_QUEUE, ReplyReport
 
@@ -26,25 +26,27 @@ STATUS_OF_STATE = {
 }
 
 
+def _ending(reply_id: str, text: str, final: FinalEvent) -> Ending | None:
+    """What finish_reply stores for this final event; None for a reply that ends without a message."""
+    state = ReplyState(str(final.state))
+    if state not in STATUS_OF_STATE:
+        return None
+    return Ending(reply_id, text, STATUS_OF_STATE[state], "error" if final.error else final.finish_reason,
+                  final.prompt_tokens, final.completion_tokens, final.cached_tokens, final.n)
+
+
 async def save_final(store: ConversationStore, reply_id: str, text: str, final: FinalEvent) -> bool:
     """Store the reply's message with its status and counts. False if it was saved already (by
     the other writer), ended without a message (shed) or is not in the store."""
-    state = ReplyState(str(final.state))
+    ending = _ending(reply_id, text, final)
     try:
-        if state not in STATUS_OF_STATE:
-            await store.update_reply(reply_id, state=state, last_event_id=final.n)
+        if ending is None:
+            await store.update_reply(reply_id, state=ReplyState(str(final.state)), last_event_id=final.n)
             return False
         saved = await store.finish_reply(
-            reply_id,
-            text,
-            STATUS_OF_STATE[state],
-            "error" if final.error else final.finish_reason,
-            prompt_tokens=final.prompt_tokens,
-            completion_tokens=final.completion_tokens,
-            cached_tokens=final.cached_tokens,
-            last_event_id=final.n,
-            look_up_existing=False,
-        )
+            reply_id, text, ending.status, ending.finish_reason, prompt_tokens=ending.prompt_tokens,
+            completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens,
+            last_event_id=ending.last_event_id, look_up_existing=False)
         return saved is not None
     except (ReplyFinished, NotFound):
         return False
@@ -113,13 +115,23 @@ class ReplyRecorder:
             except Exception:
                 log.exception("could not mark %d replies running", len(started))
         finished = [r for r in reports if r.kind != "started"]
-        for report in finished:
-            try:
-                await save_final(self.store, report.reply_id, report.text, _final_of(report))
-            except Exception:
-                log.exception("could not record report %r", report)
         if not finished:
             return
+        endings = []
+        for report in finished:
+            try:
+                ending = _ending(report.reply_id, report.text, _final_of(report))
+                if ending is None:  # (shed: no message)
+                    await save_final(self.store, report.reply_id, report.text, _final_of(report))
+                else:
+                    endings.append(ending)
+            except Exception:
+                log.exception("could not record report %r", report)
+        try:
+            # Mostly saved already by the gateways that relayed them: one round trip finds that out.
+            await self.store.finish_replies(endings)
+        except Exception:
+            log.exception("could not save %d ended replies", len(endings))
         for hook in self.on_finished:
             try:
                 await hook(finished)

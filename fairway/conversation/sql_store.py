@@ -45,6 +45,7 @@ from .store import (
     ConversationStore,
     DuplicateClientKey,
     DuplicateKey,
+    Ending,
     NewTurn,
     NotFound,
     ReplyFinished,
@@ -237,6 +238,27 @@ def _finished_message(rows: Sequence[Mapping[str, Any]], reply_id: str) -> Messa
 
 def _bound(values: Mapping[str, Any]) -> dict[str, Any]:
     return {f"b_{column}": value for column, value in values.items()}
+
+
+def _ending(ending: Ending) -> tuple[dict[str, Any], Message]:
+    """The reply's final columns and its message (conversation id not known yet)."""
+    finish_reason = ending.finish_reason
+    if finish_reason is None and ending.status is MessageStatus.FLAGGED:
+        finish_reason = "content_filter"  # what the OpenAI API reports for a filtered reply
+    ts = now()
+    final = {"state": STATE_FOR_STATUS[ending.status].value, "finish_reason": finish_reason, "finished_at": ts}
+    if ending.last_event_id is not None:
+        final["last_event_id"] = ending.last_event_id
+    msg = Message(id=new_id("msg"), conversation_id="", role=Role.ASSISTANT, text=ending.text, status=ending.status,
+                  created_at=ts, reply_id=ending.reply_id, prompt_tokens=ending.prompt_tokens,
+                  completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens)
+    return final, msg
+
+
+def _finish_params(reply_id: str, final: Mapping[str, Any], msg: Message) -> dict[str, Any]:
+    """_finish_statement's parameters."""
+    return {"b_id": reply_id, **_bound(final),
+            **{f"m_{k}": v for k, v in _values(msg).items() if k != "conversation_id"}}
 
 
 class SqlConversationStore(ConversationStore):
@@ -480,19 +502,11 @@ class SqlConversationStore(ConversationStore):
         last_event_id: int | None = None,
         look_up_existing: bool = True,
     ) -> Message | None:
-        status = MessageStatus(status)
-        if finish_reason is None and status is MessageStatus.FLAGGED:
-            finish_reason = "content_filter"  # what the OpenAI API reports for a filtered reply
-        ts = now()
-        final = {"state": STATE_FOR_STATUS[status].value, "finish_reason": finish_reason, "finished_at": ts}
-        if last_event_id is not None:
-            final["last_event_id"] = last_event_id
-        msg = Message(id=new_id("msg"), conversation_id="", role=Role.ASSISTANT, text=text, status=status,
-                      created_at=ts, reply_id=reply_id, prompt_tokens=prompt_tokens,
-                      completion_tokens=completion_tokens, cached_tokens=cached_tokens)
+        final, msg = _ending(Ending(reply_id, text, MessageStatus(status), finish_reason, prompt_tokens,
+                                    completion_tokens, cached_tokens, last_event_id))
+        ts = msg.created_at
         if self._dialect == "postgresql":
-            values = {f"m_{k}": v for k, v in _values(msg).items() if k != "conversation_id"}
-            rows = await self._rows(_finish_statement(frozenset(final)), {"b_id": reply_id, **_bound(final), **values},
+            rows = await self._rows(_finish_statement(frozenset(final)), _finish_params(reply_id, final, msg),
                                     write=True)
             if rows:
                 msg.conversation_id = rows[0]["conversation_id"]
@@ -511,6 +525,17 @@ class SqlConversationStore(ConversationStore):
                 return None
             return _finished_message((await conn.execute(_MESSAGE_OF_REPLY, {"b_id": reply_id})).mappings().all(),
                                      reply_id)
+
+    async def finish_replies(self, endings: Sequence[Ending]) -> None:
+        if self._dialect != "postgresql":
+            await super().finish_replies(endings)
+            return
+        batches: dict[frozenset[str], list[dict[str, Any]]] = {}
+        for ending in endings:
+            final, msg = _ending(ending)
+            batches.setdefault(frozenset(final), []).append(_finish_params(ending.reply_id, final, msg))
+        for columns, params in batches.items():
+            await self._rows_many(_finish_statement(columns), params, write=True)
 
     async def list_unfinished_replies(self) -> list[Reply]:
         query = sa.select(replies).where(replies.c.finished_at.is_(None)).order_by(replies.c.created_at)

@@ -62,6 +62,20 @@ REPLY_UPDATABLE = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Ending:
+    """finish_reply's arguments, for finish_replies."""
+
+    reply_id: str
+    text: str
+    status: MessageStatus
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    last_event_id: int | None = None
+
+
 class ConversationStore(ABC):
     """Conversations, their messages and the replies that answer them.
 
@@ -150,6 +164,15 @@ class ConversationStore(ABC):
     async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
         """mark_running of several (reply id, replica id) at once, in one round trip; how many
         changed."""
+
+    async def finish_replies(self, endings: Sequence[Ending]) -> None:
+        """finish_reply(look_up_existing=False) of several replies (a batch of replicas' reports,
+        mostly saved already by the gateways that relayed them); a backend may do it in one
+        round trip. A reply already final, or unknown, is left as it is."""
+        for e in endings:
+            await self.finish_reply(e.reply_id, e.text, e.status, e.finish_reason, prompt_tokens=e.prompt_tokens,
+                                    completion_tokens=e.completion_tokens, cached_tokens=e.cached_tokens,
+                                    last_event_id=e.last_event_id, look_up_existing=False)
 
     @abstractmethod
     async def finish_reply(

@@ -261,24 +261,13 @@ class ReplyRelay:
             return [frame(error_body(final), final.n)]
         frames = [frame(self._final_chunk(view, final, fresh, view.first_extra if fresh else {}), final.n)]
         if include_usage:
-            frames.append(frame({**self._chunk_base(view), "choices": [], "usage": usage(final)}))
+            frames.append(frame({**chunk_base(view), "choices": [], "usage": usage(final)}))
         return frames
-
-    def _chunk_base(self, view: ReplyView) -> dict[str, Any]:
-        return {
-            "id": view.reply_id,
-            "object": "chat.completion.chunk",
-            "created": view.created,
-            "model": view.model,
-            "system_fingerprint": None,
-            "reply_id": view.reply_id,
-            "conversation_id": view.conversation_id,
-        }
 
     def _chunk(self, view: ReplyView, delta: dict[str, Any], n: int, extra: dict[str, Any],
                finish: str | None = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, "checkpoint_id": f"tok_{n}"}
-        return {**self._chunk_base(view), "choices": [choice], **extra}
+        return {**chunk_base(view), "choices": [choice], **extra}
 
     def _final_chunk(self, view: ReplyView, final: FinalEvent, role: bool, extra: dict[str, Any]) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
@@ -400,10 +389,9 @@ class EventStream(Response):
             watcher.cancel()
 
 
-def chunk_head(view: ReplyView) -> bytes:
-    """What every plain token chunk of a reply says before its content string: serialized once a
-    stream, the rest of the chunk is string formatting (live_fast's Tap)."""
-    base = {
+def chunk_base(view: ReplyView) -> dict[str, Any]:
+    """What every chunk of a reply says about it."""
+    return {
         "id": view.reply_id,
         "object": "chat.completion.chunk",
         "created": view.created,
@@ -412,7 +400,12 @@ def chunk_head(view: ReplyView) -> bytes:
         "reply_id": view.reply_id,
         "conversation_id": view.conversation_id,
     }
-    return (json.dumps(base, separators=(",", ":"), ensure_ascii=False)[:-1]
+
+
+def chunk_head(view: ReplyView) -> bytes:
+    """What every plain token chunk of a reply says before its content string: serialized once a
+    stream, the rest of the chunk is string formatting (live_fast's Tap)."""
+    return (json.dumps(chunk_base(view), separators=(",", ":"), ensure_ascii=False)[:-1]
             + ',"choices":[{"index":0,"delta":{"content":').encode()
 
 
