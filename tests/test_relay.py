@@ -32,6 +32,7 @@ from fairway.relay import (
     live_fast,
     make_token_log,
 )
+from fairway.relay.redis_log import RedisTokenLog
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -291,11 +292,19 @@ async def test_subscribe_batches_and_keepalives(backend: Backend) -> None:
     assert [] in batches[batches.index(next(b for b in batches if b)) :]
 
 
-async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_refuses(backend: Backend) -> None:
+@pytest.mark.parametrize("sink", ["function", "tap-native", "tap-python"])
+async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_refuses(
+        backend: Backend, sink: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway's fast path: while the subscriber waits, the backend may hand token events to
     `direct` instead of yielding them. Together, what direct took and what was yielded are every
     event once, in order; a refused event (a paused connection) and everything after it until the
-    iterator waits again come through the iterator; the final event always does."""
+    iterator waits again come through the iterator; the final event always does. The SSE relay's
+    sink is a live_fast Tap, which the Redis backend's dispatcher writes to itself (in C, or in its
+    Python twin), keeping the text of what it wrote."""
+    if sink == "tap-python":
+        monkeypatch.setattr(live_fast, "native_module", lambda: None)
+    elif sink == "tap-native" and live_fast.native_module() is None:
+        pytest.skip("no C compiler")
     gateway, replica, r = backend.open(), backend.open(), rid()
     await replica.create(r)
     await replica.append(r, TokenEvent(1, "replayed", [1]))
@@ -309,8 +318,18 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
         order.append(("direct", n))
         return True
 
+    def write(body: bytes) -> bool:  # a tap's: the SSE event it formatted
+        chunk = json.loads(body.split(b"data: ", 1)[1])
+        return direct(int(chunk["choices"][0]["checkpoint_id"].removeprefix("tok_")),
+                      chunk["choices"][0]["delta"]["content"])
+
+    texts: list[str] = []
+    if sink != "function":
+        tap = live_fast.make_tap(b'{"choices":[{"delta":{"content":', write, texts)
+        assert live_fast.is_tap(tap)
+
     async def listen() -> None:
-        async with aclosing(gateway.subscribe_batches(r, 0, None, direct)) as stream:
+        async with aclosing(gateway.subscribe_batches(r, 0, None, direct if sink == "function" else tap)) as stream:
             async for batch in stream:
                 order.extend(("yielded", e.n) for e in batch)
                 # A token the sink refused comes through whole, its ids parsed.
@@ -330,59 +349,12 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
     kinds = dict((n, kind) for kind, n in order)
     assert kinds[1] == "yielded" and kinds[total + 1] == "yielded"  # the replay, and the final event
     assert kinds[6] == "yielded" and kinds[7] == "yielded"  # refused: the iterator has them
+    taken = {n for n, kind in kinds.items() if kind == "direct"}
     if backend.kind == "redis":
-        assert {n for n, kind in kinds.items() if kind == "direct"} >= set(range(2, 6)) | set(range(9, total + 1))
+        assert taken >= set(range(2, 6)) | set(range(9, total + 1))
     else:  # the in-process backend yields everything
-        assert set(kinds.values()) == {"yielded"}
-
-
-@pytest.mark.parametrize("kind", ["native", "python"])
-async def test_a_tap_gets_live_tokens_written_by_the_dispatcher(redis_backend: Backend, kind: str,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The SSE relay's sink (a live_fast Tap): the connection's dispatcher writes the tokens of a
-    waiting stream itself. Same contract as any direct sink: every event once, in order, a refused
-    one and the rest of its batch through the iterator, the text of what it wrote in its texts."""
-    if kind == "python":
-        monkeypatch.setattr(live_fast, "native_module", lambda: None)
-    elif live_fast.native_module() is None:
-        pytest.skip("no C compiler")
-    gateway, replica, r = redis_backend.open(), redis_backend.open(), rid()
-    await replica.create(r)
-    await replica.append(r, TokenEvent(1, "replayed", [1]))
-    order: list[tuple[str, int]] = []
-
-    def write(body: bytes) -> bool:
-        n = int(json.loads(body.split(b"data: ", 1)[1])["choices"][0]["checkpoint_id"].removeprefix("tok_"))
-        if n in (6, 7):
-            return False
-        order.append(("direct", n))
-        return True
-
-    texts: list[str] = []
-    tap = live_fast.make_tap(b'{"choices":[{"delta":{"content":', write, texts)
-    assert live_fast.is_tap(tap)
-
-    async def listen() -> None:
-        async with aclosing(gateway.subscribe_batches(r, 0, None, tap)) as stream:
-            async for batch in stream:
-                order.extend(("yielded", e.n) for e in batch)
-                if batch and isinstance(batch[-1], FinalEvent):
-                    return
-
-    task = asyncio.create_task(listen())
-    await asyncio.sleep(0.2)
-    total = 12
-    for n in range(2, total + 1):
-        await replica.append_many([(r, TokenEvent(n, f"<{n}>", [n]))])
-        await asyncio.sleep(0.02)
-    await replica.finish(r, final(completion_tokens=total))
-    await asyncio.wait_for(task, 5)
-    assert [n for _, n in order] == list(range(1, total + 2))
-    kinds = dict((n, kind) for kind, n in order)
-    assert kinds[1] == kinds[6] == kinds[7] == kinds[total + 1] == "yielded"
-    direct = {n for n, kind in kinds.items() if kind == "direct"}
-    assert direct >= set(range(2, 6)) | set(range(9, total + 1))
-    assert texts == [f"<{n}>" for n in sorted(direct)]
+        assert not taken
+    assert texts == ([] if sink == "function" else [f"<{n}>" for n in sorted(taken)])
 
 
 async def test_two_taps_on_one_reply_in_one_gateway_each_get_every_event_once(redis_backend: Backend) -> None:
@@ -636,6 +608,14 @@ async def test_redis_listener_of_a_dead_gateway_ages_out(redis_backend: Backend)
     with pytest.raises(asyncio.CancelledError):
         await task
     await events.aclose()
+
+
+def test_a_tokens_append_call_packed_by_hand_is_the_generic_one() -> None:
+    """The replica's per-token append call, packed by hand for speed, is byte for byte what the
+    generic packing of the append script's call makes (which final events still use)."""
+    log = RedisTokenLog(REDIS_URL, prefix="t:")
+    for event in (TokenEvent(5, "héllo \x1f\n\"", [1, 2]), TokenEvent(1, "", []), TokenEvent(300, "x" * 5000, [7])):
+        assert log._token_call("rep_1", event) == log._append_call("rep_1", event)
 
 
 async def test_redis_listener_that_saw_the_end_is_not_refreshed(redis_backend: Backend) -> None:
