@@ -103,9 +103,6 @@ class ReplyRecorder:
                                                  timeout=0)
         return claimed
 
-    async def record(self, report: ReplyReport) -> None:
-        await self.record_many([report])
-
     async def record_many(self, reports: list[ReplyReport]) -> None:
         started = [(r.reply_id, r.replica_id) for r in reports if r.kind == "started"]
         if started:
