@@ -58,6 +58,14 @@ def native_enabled() -> bool:
     return os.environ.get("FAIRWAY_NATIVE_KERNELS", "1") != "0"
 
 
+@cache
+def _intel() -> bool:
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def _cpu_signature() -> str:
     """The compiled code is -march=native: tie the cache entry to this CPU's model and flags."""
     try:
@@ -159,12 +167,15 @@ class Bf16Linear:
     def tile_for(rows: int) -> tuple[int, int, bool]:
         """(panels, rows, prefetch) of a tile for this many rows, measured on the model's 121 linears
         (2 Zen 4 cores). Up to 3 rows the weights are only streamed: one panel a tile, which the
-        hardware prefetcher follows best. From 4 rows the arithmetic counts and the next panels are
-        prefetched while the current ones are multiplied (8 rows 10.8 -> 9.3 ms). Up to 14 rows
-        fit one 2-panel tile (14 rows 12.0 ms in 4x4 tiles, 10.6 in one 2x14); past that 4x4 tiles
-        led (16 rows 12.7 vs 12.9-13.4 ms for 2x8, 3x8, 4x6; 24 rows 19.5 vs 20-21.4)."""
+        hardware prefetcher follows best there. Not on an Intel core (2 AVX512-BF16 Xeon cores, the
+        120 linears of the layers, distinct weights): 1-3 rows 13.6-14.8 ms so, 8.5-9.5 with 2x12
+        tiles that prefetch (the read floor at its 24.5 GB/s is 8.2 ms). From 4 rows the arithmetic
+        counts and the next panels are prefetched while the current ones are multiplied (8 rows
+        10.8 -> 9.3 ms). Up to 14 rows fit one 2-panel tile (14 rows 12.0 ms in 4x4 tiles, 10.6 in
+        one 2x14); past that 4x4 tiles led (16 rows 12.7 vs 12.9-13.4 ms for 2x8, 3x8, 4x6; 24 rows
+        19.5 vs 20-21.4)."""
         if rows <= 3:
-            return 1, 16, False
+            return (2, 12, True) if _intel() else (1, 16, False)
         if rows <= 14:
             return 2, 14, True
         return 4, 4, True
