@@ -37,4 +37,3 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
     for module in (chat, replies, conversations, health, usage, web):
         app.include_router(module.router)
     return app
-

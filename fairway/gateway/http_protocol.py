@@ -4,12 +4,14 @@ streamed body chunk without a task.
 An SSE stream's events arrive in the token log's live-event callback. Handing each to the
 stream's task (wake it, resume its generators, await the ASGI send) costs several times more
 CPU than writing it, and at thousands of streams a gateway process spends most of its time
-there. So each request's scope carries WRITE_NOW: a plain function that writes one body chunk of
-its response straight to the connection when that is what the awaited ASGI send would do at once
-(response started, chunked, not finished, not paused by flow control, client still there), and
-otherwise returns False, leaving the chunk to the awaited send. Both write to the same transport
-in the order they are called, so a stream may mix them as long as it never calls WRITE_NOW while
-its own send is in progress (streaming.ReplyRelay.sse only does while its task waits for events).
+there. So each request's scope carries WRITE_NOW, a DirectWriter: called, it writes one body chunk
+of its response straight to the connection when that is what the awaited ASGI send would do at
+once (response started, chunked, not finished, not paused by flow control, client still there),
+and otherwise returns False, leaving the chunk to the awaited send; its transport() lends the
+connection itself to a writer that frames the chunks and minds flow control on its own (the relay's
+C path, live_fast). They all write to the same transport in the order they are called, so a
+stream may mix them as long as it never writes directly while its own send is in progress
+(streaming.ReplyRelay.sse only does while its task waits for events).
 
 It reads uvicorn's RequestResponseCycle state (uvicorn is pinned); a server without this
 protocol gives no WRITE_NOW, and streams then write everything through their task.
@@ -18,7 +20,6 @@ protocol gives no WRITE_NOW, and streams then write everything through their tas
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import uvicorn
@@ -40,11 +41,10 @@ class DirectWriter:
         self.cycle = cycle
 
     def __call__(self, body: bytes) -> bool:
-        cycle = self.cycle
-        if (cycle.disconnected or cycle.flow.write_paused or not cycle.response_started
-                or cycle.response_complete or not cycle.chunked_encoding):
+        transport = self.transport()
+        if transport is None or self.cycle.flow.write_paused:
             return False
-        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))  # one HTTP/1.1 chunk, as send() frames it
+        transport.write(b"%x\r\n%b\r\n" % (len(body), body))  # one HTTP/1.1 chunk, as send() frames it
         return True
 
     def transport(self) -> asyncio.WriteTransport | None:
@@ -52,9 +52,6 @@ class DirectWriter:
         if cycle.disconnected or not cycle.response_started or cycle.response_complete or not cycle.chunked_encoding:
             return None
         return cycle.transport
-
-
-WriteNow = Callable[[bytes], bool]
 
 
 def write_now_of(scope: dict[str, Any]) -> DirectWriter | None:
