@@ -117,9 +117,10 @@ class ReplyRecorder:
         endings = []
         for report in finished:
             try:
-                ending = _ending(report.reply_id, report.text, _final_of(report))
+                final = _final_of(report)
+                ending = _ending(report.reply_id, report.text, final)
                 if ending is None:  # (shed: no message)
-                    await save_final(self.store, report.reply_id, report.text, _final_of(report))
+                    await save_final(self.store, report.reply_id, report.text, final)
                 else:
                     endings.append(ending)
             except Exception:

@@ -291,9 +291,7 @@ class SqlConversationStore(ConversationStore):
         process's earlier writers."""
         if self._direct is not None:
             return await self._direct.fetch(statement, params)
-        async with self._writing() if write else self._one_statement() as conn:
-            result = await conn.execute(statement, params)
-            return result.mappings().all() if result.returns_rows else []
+        return await self._rows_many(statement, [params], write)
 
     async def _rows_many(self, statement: sa.Executable, params_list: Sequence[Mapping[str, Any]],
                          write: bool = False) -> Sequence[Mapping[str, Any]]:

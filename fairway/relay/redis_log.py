@@ -342,10 +342,10 @@ class RedisTokenLog(TokenLog):
     def _token_call(self, reply_id: str, event: TokenEvent) -> bytes:
         """_append_call for a token, packed by hand (the same bytes): a replica sends one a token,
         and building the fields dict and packing each argument by type was most of its cost."""
-        key = f"{self._prefix}reply:{{{reply_id}}}"
         ids = ",".join(map(str, event.token_ids))
         text = event.text.encode()
-        args = (key.encode(), f"{key}:listened".encode(), f"{key}:live".encode(), str(event.n).encode(),
+        args = (self._key(reply_id).encode(), self._key(reply_id, "listened").encode(),
+                self._key(reply_id, "live").encode(), str(event.n).encode(),
                 str(self._ttl_ms).encode(), b"t%b\x1f%b" % (ids.encode(), text), b"t", b"text", text, b"ids",
                 ids.encode())
         return self._token_head + b"".join([b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in args])
@@ -362,7 +362,7 @@ class RedisTokenLog(TokenLog):
         with _guard():
             results = await self._mux.batch_packed(calls)
         if join is not None and isinstance(results[4], NoScriptError):
-            await self._beat([(reply_id, join)])  # (Redis lost the script: run_scripts reloads it)
+            await self._beat([(reply_id, join)])  # (Redis lost the script: _beat reloads it)
         elif join is not None:
             raise_if_error(results[4])
         top, entries = (raise_if_error(part) for part in raise_if_error(results[3]))
