@@ -21,7 +21,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import random
 import statistics
 import sys
@@ -33,6 +32,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import machine  # noqa: E402  (bench/machine.py: this script's folder is on the path)
 
 from fairway.engine.factory import build_engine  # noqa: E402
 from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
@@ -308,17 +309,8 @@ def run_hf(model, wl: Workload, batch_size: int, pad_id: int) -> dict:
 
 def machine_info() -> dict:
     import transformers
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu_count": os.cpu_count(), "cpu_model": cpu, "torch_threads": torch.get_num_threads(),
-            "torch_version": torch.__version__, "transformers_version": transformers.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
+    return machine.describe() | {"torch_threads": torch.get_num_threads(), "torch_version": torch.__version__,
+                                 "transformers_version": transformers.__version__}
 
 
 def loadavg() -> list[float] | None:

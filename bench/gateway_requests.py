@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import datetime
 import json
-import platform
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
+import machine  # noqa: E402
 import relay  # noqa: E402  (this tree's helpers: ports, the SSE client, the temporary database)
 
 
@@ -115,7 +115,7 @@ async def main(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {
         "benchmark": "gateway_requests",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine.describe(),
         "base": base, "this": this, "store": args.database, "requests": args.requests, "tokens": args.tokens,
         "concurrency": args.concurrency, "rounds": rounds, "median_ms_per_request": medians, "this_over_base": ratio,
     }

@@ -47,7 +47,6 @@ import contextlib
 import datetime
 import json
 import os
-import platform
 import resource
 import socket
 import subprocess
@@ -62,6 +61,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import machine  # noqa: E402  (bench/machine.py: this script's folder is on the path)
 
 RESULTS = ROOT / "bench" / "results"
 MODEL = "smollm2-135m-instruct"
@@ -632,7 +633,7 @@ async def main(args: argparse.Namespace) -> None:
     report: dict[str, Any] = {
         "benchmark": "relay",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
+        "machine": machine.describe(),
         "targets": TARGETS,
         "quick": args.quick,
     }
