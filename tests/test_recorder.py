@@ -1,28 +1,40 @@
-"""The reply recorder: replicas' reports claimed in batches, written to the store, accounted once.
+"""The reply recorder: replicas' reports taken in batches, written to the store, accounted once,
+and never lost: a batch is acknowledged only once recorded.
 
-In process (the embedded backends: the in-process bus and limits, SQLite): what the recorder and
-accounting do with a batch does not depend on the backends, whose batch calls have tests of their
-own (test_conversation_store, test_relay)."""
+Mostly in process (the embedded backends: the in-process inbox and limits, SQLite): what the
+recorder and accounting do with a batch does not depend on the backends, whose batch calls have
+tests of their own (test_conversation_store, test_relay). The gateway killed while holding a
+report runs on Redis, with a real process killed."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from redis_keys import delete_prefixed
 
 from fairway.conversation import MessageStatus, ReplyState, Role, make_store
 from fairway.conversation.entities import Conversation, new_id, now
 from fairway.conversation.recorder import ReplyRecorder
-from fairway.conversation.store import ConversationStore, NewTurn
+from fairway.conversation.store import ConversationStore, Ending, NewTurn
 from fairway.limits import LimitsConfig, make_limits
 from fairway.limits.quota import Reservation
-from fairway.relay import InProcessTokenLog
-from fairway.replica.report import REPORTS_QUEUE, ReplyReport
+from fairway.relay import InProcessTokenLog, RelayUnavailable
+from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.usage.accounting import Accounting, reservation_meta
 from fairway.usage.pricing import Pricing
+
+REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 
 @pytest.fixture
@@ -65,7 +77,7 @@ async def test_a_batch_of_reports_is_recorded_and_accounted_once(store: Conversa
                _finished(b), _finished(c), _finished(c), {"kind": "nonsense"}, _finished(d),
                ReplyReport("started", d, "replica-2").to_dict()]
     for report in reports:
-        await bus.submit(report, queue=REPORTS_QUEUE)
+        await bus.post(REPORTS_INBOX, report)
     recorder = ReplyRecorder(store, bus, batch_max=64, linger_s=0.05)
     batches: list[list[str]] = []
 
@@ -95,3 +107,99 @@ async def test_a_batch_of_reports_is_recorded_and_accounted_once(store: Conversa
     assert await store.get_usage(a) is None
     # Three replies settled to their 10 tokens each (c once), a's reservation still held.
     assert (await limits.tokens.state("u1", "m", "paid")).used == 100 + 3 * 10
+
+
+async def _run_until(recorder: ReplyRecorder, done: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:
+    task = asyncio.create_task(recorder.run())
+    try:
+        deadline = time.monotonic() + timeout
+        while not await done():
+            assert time.monotonic() < deadline, "the recorder did not get there"
+            await asyncio.sleep(0.02)
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def test_a_batch_the_store_refused_is_recorded_when_taken_again(store: ConversationStore) -> None:
+    """The database away for a moment loses nothing: the batch is not acknowledged, comes back
+    retry_after_s later, and is recorded one report at a time; a report the store keeps refusing
+    is dropped after max_attempts, without holding up the others."""
+    bus = InProcessTokenLog()
+    good, poison = await _reply(store, {}), await _reply(store, {})
+    real = store.finish_replies
+    calls: list[list[str]] = []
+
+    async def flaky(endings: list[Ending]) -> None:
+        calls.append([e.reply_id for e in endings])
+        if len(calls) == 1:
+            raise ConnectionError("the database went away")
+        if any(e.reply_id == poison for e in endings):
+            raise ValueError("the store refuses this one")
+        await real(endings)
+
+    store.finish_replies = flaky  # type: ignore[method-assign]
+    for reply_id in (good, poison):
+        await bus.post(REPORTS_INBOX, _finished(reply_id))
+    recorder = ReplyRecorder(store, bus, linger_s=0.05, retry_after_s=0.2, reclaim_every_s=0.05, max_attempts=3)
+
+    async def poison_given_up() -> bool:
+        return len(calls) >= 4
+
+    await _run_until(recorder, poison_given_up)
+    await asyncio.sleep(0.1)  # (its acknowledgement follows the failed call)
+    assert calls[0] == [good, poison]  # one batch, refused
+    assert sorted(calls[1:]) == [[good], [poison], [poison]]  # then alone: good once, poison until attempt 3
+    assert (await store.get_reply(good)).state is ReplyState.FINISHED
+    assert (await store.get_reply(poison)).state is not ReplyState.FINISHED
+    assert await bus.reclaim(REPORTS_INBOX, "check", min_idle_s=0, max_count=10) == []  # nothing left pending
+
+
+async def test_reports_a_killed_gateway_had_taken_are_recorded_by_another(store: ConversationStore) -> None:
+    """On Redis: a gateway process takes a reply's "finished" report and is killed (SIGKILL)
+    before recording it. Another gateway's recorder takes it again and saves the reply and its
+    usage, once."""
+    from fairway.relay.redis_log import RedisTokenLog
+
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    inbox = RedisTokenLog(REDIS_URL, prefix=prefix)
+    try:
+        await inbox.ping()
+    except RelayUnavailable:
+        await inbox.close()
+        pytest.skip(f"no Redis at {REDIS_URL}")
+    try:
+        reply_id = await _reply(store, {"user": "u1", "tier": "paid"})
+        await inbox.post(REPORTS_INBOX, _finished(reply_id))
+        dying = textwrap.dedent(f"""
+            import asyncio, os, signal
+            from fairway.relay.redis_log import RedisTokenLog
+
+            async def main():
+                log = RedisTokenLog({REDIS_URL!r}, prefix={prefix!r})
+                taken = await log.take({REPORTS_INBOX!r}, "dying-gateway", max_count=64, timeout=10)
+                print(len(taken), flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)  # before recording or acknowledging anything
+
+            asyncio.run(main())
+        """)
+        proc = subprocess.run([sys.executable, "-c", dying], capture_output=True, text=True, timeout=120)
+        assert (proc.returncode, proc.stdout.strip()) == (-signal.SIGKILL, "1"), proc.stderr
+        assert await inbox.take(REPORTS_INBOX, "survivor", max_count=64) == []  # taken is taken
+
+        recorder = ReplyRecorder(store, inbox, retry_after_s=0.5, reclaim_every_s=0.1)
+        recorder.on_finished.append(Accounting(store, make_limits(None, LimitsConfig()), Pricing()).on_finished)
+
+        async def usage_stored() -> bool:
+            return await store.get_usage(reply_id) is not None
+
+        await _run_until(recorder, usage_stored)
+        reply = await store.get_reply(reply_id)
+        assert reply.state is ReplyState.FINISHED
+        messages = [m for m in await store.list_messages(reply.conversation_id) if m.reply_id == reply_id]
+        assert [(m.text, m.status) for m in messages] == [("hello", MessageStatus.COMPLETE)]
+        assert await inbox.reclaim(REPORTS_INBOX, "check", min_idle_s=0, max_count=10) == []  # acknowledged
+    finally:
+        await delete_prefixed(REDIS_URL, prefix)
+        await inbox.close()

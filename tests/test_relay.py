@@ -540,6 +540,48 @@ async def test_bus_blocked_claim_wakes_on_submit(backend: Backend) -> None:
     assert job is not None and job.id == job_id and job.job == {"reply": "r1", "prompt": [1, 2, 3]}
 
 
+async def test_inbox_keeps_what_a_consumer_took_until_it_acks(backend: Backend) -> None:
+    """Reports' delivery: a taken item stays pending with its consumer; one left unacknowledged
+    (its process died, its work failed) is reclaimed by any consumer once idle long enough."""
+    replica, a, b = backend.open(), backend.open(), backend.open()
+    box = f"inbox{uuid.uuid4().hex[:6]}"
+    for i in range(3):
+        await replica.post(box, {"n": i})  # (before anyone took from it: nothing is missed)
+    first = await a.take(box, "a", max_count=2)
+    assert [(d.item, d.attempts) for d in first] == [({"n": 0}, 1), ({"n": 1}, 1)]
+    second = await b.take(box, "b", max_count=5, timeout=None)
+    assert [d.item for d in second] == [{"n": 2}]
+    assert await b.take(box, "b", max_count=5) == []  # taken is taken, acknowledged or not
+    assert await b.reclaim(box, "b", min_idle_s=0.3, max_count=10) == []  # not idle long enough
+    await a.ack(box, first[:1])
+    await asyncio.sleep(0.35)
+    again = await b.reclaim(box, "b", min_idle_s=0.3, max_count=10)
+    assert sorted((d.item["n"], d.attempts) for d in again) == [(1, 2), (2, 2)]
+    await b.ack(box, again)
+    assert await a.reclaim(box, "a", min_idle_s=0, max_count=10) == []
+    waiting = asyncio.create_task(a.take(box, "a", max_count=5, timeout=5))
+    await asyncio.sleep(0.05)
+    await replica.post(box, {"n": "late"})
+    assert [d.item for d in await asyncio.wait_for(waiting, 5)] == [{"n": "late"}]
+    assert await a.take(box, "a", max_count=5, timeout=0.1) == []
+
+
+async def test_inbox_forgets_consumers_long_gone(redis_backend: Backend) -> None:
+    """Every gateway process takes reports under a name of its own: the inbox's group forgets a
+    name that holds nothing and has not been used for consumer_gone_s (an hour by default)."""
+    log = redis_backend.open(consumer_gone_s=0.2)
+    box = f"inbox{uuid.uuid4().hex[:6]}"
+    await log.post(box, {"n": 1})
+    await log.ack(box, await log.take(box, "gone", max_count=1))
+    await log.post(box, {"n": 2})
+    assert len(await log.take(box, "holding", max_count=1)) == 1  # (never acknowledged)
+    await asyncio.sleep(0.3)
+    assert await log.reclaim(box, "new", min_idle_s=10, max_count=1) == []
+    key = f"{redis_backend.prefix}inbox:{{{box}}}"
+    consumers = await log._mux.execute("XINFO", "CONSUMERS", key, "consumers")  # type: ignore[attr-defined]
+    assert [dict(zip(c[::2], c[1::2], strict=True))["name"] for c in consumers] == ["holding"]
+
+
 async def test_wifi_drop_at_212_then_stop_at_260(backend: Backend) -> None:
     """The design seed: reconnect at another edge with Last-Event-ID 212, Stop at 260."""
     replica, edge_a, edge_b, r = backend.open(), backend.open(), backend.open(), rid()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Awaitable, Callable
 
 from fairway.conversation.entities import MessageStatus, ReplyState
 from fairway.conversation.store import ConversationStore, Ending, NotFound, ReplyFinished
-from fairway.relay import ClaimedJob, FinalEvent, RelayError, ReplyBus, TokenEvent, TokenLog
-from fairway.replica.report import REPORTS_QUEUE, ReplyReport
+from fairway.relay import Delivery, FinalEvent, Inbox, RelayError, TokenEvent, TokenLog
+from fairway.replica.report import REPORTS_INBOX, ReplyReport
 
 log = logging.getLogger(__name__)
 
@@ -62,79 +63,120 @@ async def save_from_log(store: ConversationStore, token_log: TokenLog, reply_id:
 
 
 class ReplyRecorder:
-    """Claims the replicas' reports from the bus and writes them to the store.
+    """Takes the replicas' reports from their inbox and writes them to the store.
 
     In batches: it takes what has come in during linger_s (up to batch_max reports) at once, so a
     busy gateway marks its started replies in one round trip and hands its ended ones to the
     hooks together (accounting: one read of their jobs, one write of their usage), instead of a
-    round trip or three per report. A report is recorded at most linger_s later for it."""
+    round trip or three per report. A report is recorded at most linger_s later for it.
 
-    def __init__(self, store: ConversationStore, bus: ReplyBus, *, batch_max: int = 64,
-                 linger_s: float = 0.02) -> None:
+    At least once: a batch is acknowledged only once the store and the hooks have taken it. One
+    that failed (the database away for a moment), or whose gateway died meanwhile, is taken again
+    retry_after_s later by whichever recorder looks first (each looks every reclaim_every_s),
+    one report at a time; a report that still fails after max_attempts is logged and dropped.
+    Everything it does is idempotent (the store's first writer wins, usage is stored once per
+    reply and only a newly stored record settles limits), so doing it twice changes nothing."""
+
+    def __init__(self, store: ConversationStore, inbox: Inbox, *, batch_max: int = 64, linger_s: float = 0.02,
+                 retry_after_s: float = 30.0, reclaim_every_s: float = 5.0, max_attempts: int = 5,
+                 consumer: str | None = None) -> None:
         self.store = store
-        self.bus = bus
+        self.inbox = inbox
         self.batch_max = batch_max
         self.linger_s = linger_s
+        self.retry_after_s = retry_after_s
+        self.reclaim_every_s = reclaim_every_s
+        self.max_attempts = max_attempts
+        self.consumer = consumer or f"recorder-{uuid.uuid4().hex[:12]}"  # this process's, in the inbox
+        self._next_reclaim = 0.0  # loop time
         # Run after a batch of finished reports is saved (usage records, quota settlement): each
-        # report is claimed by one gateway's recorder, so each runs once per report.
+        # report is taken by one gateway's recorder (again only if it was not acknowledged).
         self.on_finished: list[Callable[[list[ReplyReport]], Awaitable[None]]] = []
 
     async def run(self) -> None:
         while True:
             try:
-                claimed = await self._claim()
+                deliveries = await self._next()
+                if deliveries and deliveries[0].attempts > 1:
+                    for delivery in deliveries:  # (alone: one bad report must not hold up the rest)
+                        await self._record([delivery])
+                else:
+                    await self._record(deliveries)
             except RelayError:
-                log.warning("reply bus unavailable; recorder retrying", exc_info=True)
+                log.warning("reports inbox unavailable; recorder retrying", exc_info=True)
                 await asyncio.sleep(1.0)
-                continue
-            reports = []
-            for job in claimed:
-                try:
-                    reports.append(ReplyReport.from_dict(job.job))
-                except Exception:  # one bad report must not stop the recorder
-                    log.exception("could not read report %r", job.job)
-            await self.record_many(reports)
 
-    async def _claim(self) -> list[ClaimedJob]:
-        claimed = await self.bus.claim_many(queue=REPORTS_QUEUE, max_count=self.batch_max, timeout=None)
-        if len(claimed) < self.batch_max and self.linger_s > 0:
+    async def _next(self) -> list[Delivery]:
+        """Reports left unacknowledged for retry_after_s, if it is time to look for them; else new
+        ones (waiting until the next look at most)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() >= self._next_reclaim:
+            self._next_reclaim = loop.time() + self.reclaim_every_s
+            reclaimed = await self.inbox.reclaim(REPORTS_INBOX, self.consumer, min_idle_s=self.retry_after_s,
+                                                 max_count=self.batch_max)
+            if reclaimed:
+                return reclaimed
+        taken = await self.inbox.take(REPORTS_INBOX, self.consumer, max_count=self.batch_max,
+                                      timeout=max(0.01, self._next_reclaim - loop.time()))
+        if taken and len(taken) < self.batch_max and self.linger_s > 0:
             await asyncio.sleep(self.linger_s)
-            claimed += await self.bus.claim_many(queue=REPORTS_QUEUE, max_count=self.batch_max - len(claimed),
-                                                 timeout=0)
-        return claimed
+            taken += await self.inbox.take(REPORTS_INBOX, self.consumer, max_count=self.batch_max - len(taken),
+                                           timeout=0)
+        return taken
+
+    async def _record(self, deliveries: list[Delivery]) -> None:
+        """Record the reports and acknowledge them, or leave them to be taken again."""
+        reports = []
+        for delivery in deliveries:
+            try:
+                reports.append(ReplyReport.from_dict(delivery.item))
+            except Exception:  # not a report: acknowledged below, never retried
+                log.exception("could not read report %r", delivery.item)
+        try:
+            await self.record_many(reports)
+        except Exception:
+            if deliveries[0].attempts < self.max_attempts:
+                log.warning("could not record %d reports; they are taken again in %.0f s", len(deliveries),
+                            self.retry_after_s, exc_info=True)
+                return
+            log.exception("giving up on reports after %d attempts: %r", deliveries[0].attempts,
+                          [d.item for d in deliveries])
+        await self.inbox.ack(REPORTS_INBOX, deliveries)
 
     async def record_many(self, reports: list[ReplyReport]) -> None:
+        """Write the reports (a report's own bad data is logged and skipped); raises if the store
+        or a hook failed, having written what it could."""
         started = [(r.reply_id, r.replica_id) for r in reports if r.kind == "started"]
         if started:
-            try:
-                # A reply whose "finished" report (or relaying gateway) got there first stays final.
-                await self.store.mark_running_many(started)
-            except Exception:
-                log.exception("could not mark %d replies running", len(started))
+            # A reply whose "finished" report (or relaying gateway) got there first stays final.
+            await self.store.mark_running_many(started)
         finished = [r for r in reports if r.kind != "started"]
         if not finished:
             return
-        endings = []
+        endings, shed = [], []
         for report in finished:
             try:
                 final = _final_of(report)
                 ending = _ending(report.reply_id, report.text, final)
-                if ending is None:  # (shed: no message)
-                    await save_final(self.store, report.reply_id, report.text, final)
-                else:
-                    endings.append(ending)
             except Exception:
                 log.exception("could not record report %r", report)
-        try:
-            # Mostly saved already by the gateways that relayed them: one round trip finds that out.
-            await self.store.finish_replies(endings)
-        except Exception:
-            log.exception("could not save %d ended replies", len(endings))
+                continue
+            if ending is None:  # (shed: no message)
+                shed.append((report, final))
+            else:
+                endings.append(ending)
+        for report, final in shed:
+            await save_final(self.store, report.reply_id, report.text, final)
+        # Mostly saved already by the gateways that relayed them: one round trip finds that out.
+        await self.store.finish_replies(endings)
+        failed: list[Exception] = []
         for hook in self.on_finished:
             try:
                 await hook(finished)
-            except Exception:  # one failing hook must not keep the others from running
-                log.exception("a finished-report hook failed for %d replies", len(finished))
+            except Exception as exc:  # one failing hook must not keep the others from running
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
 
 def _final_of(report: ReplyReport) -> FinalEvent:

@@ -1,4 +1,4 @@
-"""Relay: each reply's token log (numbered events, kept minutes) and the reply bus.
+"""Relay: each reply's token log (numbered events, kept minutes), the reply bus and inboxes.
 
 make_token_log(None) gives the in-process backend for the embedded server; a redis:// URL gives
 the Redis backend shared by many gateway and replica processes. Callers only see TokenLog.
@@ -27,6 +27,7 @@ from fairway.relay.events import (
     TokenEvent,
     event_from_fields,
 )
+from fairway.relay.inbox import Delivery, Inbox
 from fairway.relay.memory import InProcessTokenLog
 from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink
 
@@ -52,11 +53,13 @@ __all__ = [
     "LANE_ORDER",
     "TERMINAL_STATES",
     "ClaimedJob",
+    "Delivery",
     "Event",
     "EventIdOutOfRange",
     "EventOutOfOrder",
     "FinalEvent",
     "FinishReason",
+    "Inbox",
     "InProcessTokenLog",
     "Lane",
     "RelayError",

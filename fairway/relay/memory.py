@@ -8,6 +8,8 @@ on access and swept lazily, so no background task is needed.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import time
 import uuid
 from collections import deque
@@ -18,6 +20,7 @@ from typing import Any
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayError, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, with_n
+from fairway.relay.inbox import Delivery
 from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink, check_after, check_token_events
 
 
@@ -54,6 +57,22 @@ class _Queue:
     arrived: asyncio.Event = field(default_factory=_new_signal)
 
 
+@dataclass
+class _Pending:
+    raw: str
+    consumer: str
+    taken_at: float  # monotonic
+    attempts: int
+
+
+@dataclass
+class _Inbox:
+    waiting: deque[tuple[str, str]] = field(default_factory=deque)  # (id, JSON), oldest first
+    pending: dict[str, _Pending] = field(default_factory=dict)  # taken, not acknowledged
+    arrived: asyncio.Event = field(default_factory=_new_signal)
+    next_id: int = 0
+
+
 class InProcessTokenLog(TokenLog):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, *, poll_s: float = 1.0) -> None:
         self.ttl_s = ttl_s
@@ -62,6 +81,7 @@ class InProcessTokenLog(TokenLog):
         self._last_sweep = time.monotonic()
         self._stop_watchers: set[asyncio.Queue[str]] = set()
         self._queues: dict[str, _Queue] = {}
+        self._inboxes: dict[str, _Inbox] = {}
 
     # -- storage helpers ---------------------------------------------------------------------
 
@@ -257,3 +277,50 @@ class InProcessTokenLog(TokenLog):
     async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
         q = self._queues.get(queue) or _Queue()
         return {lane: len(q.lanes[lane]) for lane in LANE_ORDER}
+
+    # -- inboxes -----------------------------------------------------------------------------
+
+    async def post(self, inbox: str, item: dict[str, Any]) -> None:
+        box = self._inboxes.setdefault(inbox, _Inbox())
+        box.next_id += 1
+        box.waiting.append((str(box.next_id), json.dumps(item)))  # JSON: the same values as on Redis
+        box.arrived.set()
+        box.arrived = asyncio.Event()
+
+    async def take(self, inbox: str, consumer: str, *, max_count: int,
+                   timeout: float | None = 0.0) -> list[Delivery]:
+        box = self._inboxes.setdefault(inbox, _Inbox())
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not box.waiting:
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return []
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(box.arrived.wait(), remaining)
+        taken = []
+        for _ in range(min(max_count, len(box.waiting))):
+            item_id, raw = box.waiting.popleft()
+            box.pending[item_id] = _Pending(raw, consumer, time.monotonic(), 1)
+            taken.append(Delivery(item_id, json.loads(raw), 1))
+        return taken
+
+    async def ack(self, inbox: str, deliveries: Sequence[Delivery]) -> None:
+        box = self._inboxes.get(inbox)
+        if box is None:
+            return
+        for delivery in deliveries:
+            box.pending.pop(delivery.id, None)
+
+    async def reclaim(self, inbox: str, consumer: str, *, min_idle_s: float,
+                      max_count: int) -> list[Delivery]:
+        box = self._inboxes.get(inbox)
+        if box is None:
+            return []
+        now = time.monotonic()
+        idle = [(i, p) for i, p in box.pending.items() if now - p.taken_at >= min_idle_s]
+        reclaimed = []
+        for item_id, pending in idle[:max_count]:
+            pending.consumer, pending.taken_at, pending.attempts = consumer, now, pending.attempts + 1
+            reclaimed.append(Delivery(item_id, json.loads(pending.raw), pending.attempts))
+        return reclaimed

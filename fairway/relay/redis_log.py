@@ -24,8 +24,9 @@ needs no sweeper.
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from typing import Any
 
@@ -41,6 +42,7 @@ from fairway.redis_pool import redis_client, run_packed_scripts, run_scripts, sc
 from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
 from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
+from fairway.relay.inbox import Delivery
 from fairway.relay.redis_live import LiveEvents, live_payload
 from fairway.relay.token_log import (
     DEFAULT_TTL_S,
@@ -155,6 +157,19 @@ def _n_of(entry_id: str) -> int:
     return int(entry_id.split("-", 1)[0])
 
 
+_INBOX_GROUP = "consumers"  # an inbox's one consumer group
+
+
+def _delivery(entry_id: str, flat: list[str], attempts: int) -> Delivery:
+    """An inbox stream entry as a Delivery; an entry that is not one of ours carries {} (its
+    consumer refuses it, and acknowledges it so it does not come back)."""
+    try:
+        item = json.loads(_pairs(flat)["j"])
+    except (KeyError, ValueError):
+        item = {}
+    return Delivery(entry_id, item if isinstance(item, dict) else {}, attempts)
+
+
 def _events(entries: list[tuple[str, dict[str, str]]]) -> list[Event]:
     return [event_from_fields(fields) for _, fields in entries if fields.get("k") != "open"]
 
@@ -224,6 +239,7 @@ class RedisTokenLog(TokenLog):
         connect_timeout_s: float = 2.0,
         control_maxlen: int = 100_000,
         max_connections: int = 64,
+        consumer_gone_s: float = 3600.0,
     ) -> None:
         self.ttl_s = ttl_s
         self._prefix = prefix
@@ -249,6 +265,8 @@ class RedisTokenLog(TokenLog):
         # shared one), one per claim in progress, kept for the next: a BLMPOP there costs a tenth
         # of one through redis-py's pool, and a gateway's recorder makes two per reply.
         self._waiting_muxes: list[RedisMux] = []
+        self._forget_consumers_at: dict[str, float] = {}  # per inbox key, loop time
+        self._consumer_gone_s = consumer_gone_s
         self._new_waiting_mux = lambda: RedisMux(url, connect_timeout_s=connect_timeout_s,
                                                  socket_timeout_s=block_s + 5.0, retries=2)
         pool = self._r.connection_pool
@@ -562,24 +580,30 @@ class RedisTokenLog(TokenLog):
         if timeout is not None and timeout <= 0:
             with _guard():
                 return claimed(await self._mux.execute("LMPOP", len(keys), *keys, "LEFT", "COUNT", max_count))
+        return claimed(await self._wait_for(
+            lambda wait: ["BLMPOP", wait, len(keys), *keys, "LEFT", "COUNT", max_count], timeout))
+
+    async def _wait_for(self, command: Callable[[float], list[Any]], timeout: float | None) -> Any:
+        """Run a blocking command (command(seconds to wait) builds it) until it returns something
+        or the timeout (None: no limit) runs out; None then. It waits on a connection of its own,
+        in slices no longer than block_s so the socket timeout never fires."""
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
             remaining = None if deadline is None else deadline - loop.time()
             if remaining is not None and remaining <= 0:
-                return []  # (the blocking read waited until the deadline)
-            # Wait in slices no longer than block_s so the socket timeout never fires.
+                return None  # (the blocking read waited until the deadline)
             wait = self._block_ms / 1000 if remaining is None else min(remaining, self._block_ms / 1000)
             mux = self._waiting_muxes.pop() if self._waiting_muxes else self._new_waiting_mux()
             try:
                 with _guard():
-                    popped = await mux.execute("BLMPOP", max(wait, 0.01), len(keys), *keys, "LEFT", "COUNT", max_count)
+                    reply = await mux.execute(*command(max(wait, 0.01)))
             except BaseException:
                 await mux.close()  # (cancelled mid-wait, its reply would come to the next caller)
                 raise
             self._waiting_muxes.append(mux)
-            if popped:
-                return claimed(popped)
+            if reply:
+                return reply
 
     async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
         with _guard():
@@ -588,3 +612,80 @@ class RedisTokenLog(TokenLog):
                     pipe.llen(self._lane_key(queue, lane))
                 depths = await pipe.execute()
         return dict(zip(LANE_ORDER, (int(d) for d in depths), strict=True))
+
+    # -- inboxes (streams with one consumer group) -------------------------------------------
+
+    def _inbox_key(self, inbox: str) -> str:
+        return f"{self._prefix}inbox:{{{inbox}}}"
+
+    async def post(self, inbox: str, item: dict[str, Any]) -> None:
+        with _guard():
+            await self._mux.execute("XADD", self._inbox_key(inbox), "*", "j", json.dumps(item, separators=(",", ":")))
+
+    async def take(self, inbox: str, consumer: str, *, max_count: int,
+                   timeout: float | None = 0.0) -> list[Delivery]:
+        key = self._inbox_key(inbox)
+        read = ["XREADGROUP", "GROUP", _INBOX_GROUP, consumer, "COUNT", max_count]
+        for attempt in range(2):
+            try:
+                if timeout is not None and timeout <= 0:
+                    with _guard():
+                        reply = await self._mux.execute(*read, "STREAMS", key, ">")
+                else:
+                    reply = await self._wait_for(
+                        lambda wait: [*read, "BLOCK", max(1, int(wait * 1000)), "STREAMS", key, ">"], timeout)
+            except ResponseError as exc:
+                if attempt or not str(exc).startswith("NOGROUP"):
+                    raise
+                await self._create_group(key)  # (first use, or a Redis that lost it: a restart)
+                continue
+            return [_delivery(entry_id, flat, 1) for entry_id, flat in reply[0][1]] if reply else []
+        raise AssertionError("unreachable")
+
+    async def _create_group(self, key: str) -> None:
+        # From the stream's start (0): items posted before the group existed are delivered too.
+        with _guard():
+            try:
+                await self._mux.execute("XGROUP", "CREATE", key, _INBOX_GROUP, "0", "MKSTREAM")
+            except ResponseError as exc:
+                if not str(exc).startswith("BUSYGROUP"):  # (another consumer made it meanwhile)
+                    raise
+
+    async def ack(self, inbox: str, deliveries: Sequence[Delivery]) -> None:
+        if not deliveries:
+            return
+        key, ids = self._inbox_key(inbox), [d.id for d in deliveries]
+        with _guard():
+            for result in await self._mux.batch([["XACK", key, _INBOX_GROUP, *ids], ["XDEL", key, *ids]]):
+                raise_if_error(result)
+
+    async def reclaim(self, inbox: str, consumer: str, *, min_idle_s: float,
+                      max_count: int) -> list[Delivery]:
+        key, idle_ms = self._inbox_key(inbox), max(0, int(min_idle_s * 1000))
+        with _guard():
+            try:
+                pending = await self._mux.execute("XPENDING", key, _INBOX_GROUP, "IDLE", idle_ms, "-", "+", max_count)
+            except ResponseError as exc:
+                if str(exc).startswith("NOGROUP"):
+                    return []  # nothing was ever taken
+                raise
+            await self._forget_consumers(key)
+            if not pending:
+                return []
+            attempts = {entry_id: int(count) + 1 for entry_id, _, _, count in pending}
+            # XCLAIM checks the idle time again: of two consumers reclaiming at once, one gets each.
+            claimed = await self._mux.execute("XCLAIM", key, _INBOX_GROUP, consumer, idle_ms, *attempts)
+        return [_delivery(entry[0], entry[1], attempts[entry[0]]) for entry in claimed if entry]
+
+    async def _forget_consumers(self, key: str) -> None:
+        """Now and then, drop the group's consumers that hold nothing and have not asked for
+        anything for consumer_gone_s (gateway processes long gone: each had a name of its own)."""
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._forget_consumers_at.get(key, 0.0):
+            return
+        self._forget_consumers_at[key] = loop.time() + 60.0
+        consumers = [_pairs(c) for c in await self._mux.execute("XINFO", "CONSUMERS", key, _INBOX_GROUP)]
+        gone_ms = self._consumer_gone_s * 1000
+        gone = [c["name"] for c in consumers if int(c["pending"]) == 0 and int(c["idle"]) > gone_ms]
+        if gone:
+            await self._mux.batch([["XGROUP", "DELCONSUMER", key, _INBOX_GROUP, name] for name in gone])

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from fairway.relay.bus import DEFAULT_QUEUE, Lane, ReplyBus
 from fairway.relay.errors import EventIdOutOfRange
 from fairway.relay.events import Event, FinalEvent, TokenEvent
+from fairway.relay.inbox import Inbox
 
 DEFAULT_TTL_S = 1800.0  # 30 minutes: long enough for any reconnect, short enough to stay small
 LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for this long is gone
@@ -64,7 +65,7 @@ def raise_if_error(result: T | Exception) -> T:
     return result
 
 
-class TokenLog(ReplyBus):
+class TokenLog(ReplyBus, Inbox):
     """One small async interface over the in-process and Redis backends (see make_token_log)."""
 
     ttl_s: float

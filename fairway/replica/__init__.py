@@ -6,6 +6,6 @@ The worker itself is in fairway.replica.worker.
 """
 
 from fairway.replica.job import GenerationJob, replica_queue
-from fairway.replica.report import REPORTS_QUEUE, ReplyReport
+from fairway.replica.report import REPORTS_INBOX, ReplyReport
 
-__all__ = ["REPORTS_QUEUE", "GenerationJob", "ReplyReport", "replica_queue"]
+__all__ = ["REPORTS_INBOX", "GenerationJob", "ReplyReport", "replica_queue"]

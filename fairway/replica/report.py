@@ -1,7 +1,8 @@
 """What a replica reports about a reply, for the conversation store (it has no database itself).
 
-Reports travel on the reply bus (queue REPORTS_QUEUE); every gateway runs a recorder that claims
-them and writes the store, so a reply nobody is watching is still saved when it ends.
+Reports travel through an inbox (REPORTS_INBOX, fairway/relay/inbox.py); every gateway runs a
+recorder that takes them and writes the store, so a reply nobody is watching is still saved when
+it ends, and a report whose recorder died before saving it is taken again by another.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-REPORTS_QUEUE = "reports"
+REPORTS_INBOX = "reports"
 
 ReportKind = Literal["started", "finished"]
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, Priority, RequestOutput, SamplingParams
 from fairway.relay import FinalEvent, Lane, RelayError, ReplyState, TokenEvent, TokenLog
 from fairway.replica.job import GenerationJob, replica_queue
-from fairway.replica.report import REPORTS_QUEUE, ReplyReport
+from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.router.registry import ReplicaInfo, ReplicaRegistry
 from fairway.usage import metrics
 
@@ -328,7 +328,7 @@ class ReplicaWorker:
                 duration_s=duration,
             )
         try:
-            await self.log.submit(report.to_dict(), Lane.PAID, queue=REPORTS_QUEUE)
+            await self.log.post(REPORTS_INBOX, report.to_dict())
         except RelayError:
             log.exception("reply %s: could not report %s", job.reply_id, report.kind)
 
