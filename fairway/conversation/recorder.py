@@ -105,6 +105,9 @@ class ReplyRecorder:
             except RelayError:
                 log.warning("reports inbox unavailable; recorder retrying", exc_info=True)
                 await asyncio.sleep(1.0)
+            except Exception:  # (an inbox refusing a command): the recorder must outlive it
+                log.exception("recorder failed; retrying")
+                await asyncio.sleep(1.0)
 
     async def _next(self) -> list[Delivery]:
         """Reports left unacknowledged for retry_after_s, if it is time to look for them; else new
@@ -144,16 +147,22 @@ class ReplyRecorder:
         await self.inbox.ack(REPORTS_INBOX, deliveries)
 
     async def record_many(self, reports: list[ReplyReport]) -> None:
-        """Write the reports (a report's own bad data is logged and skipped); raises if the store
-        or a hook failed, having written what it could."""
+        """Write the reports (a report's own bad data is logged and skipped). Every step runs
+        even if one before it failed; then the first failure is raised."""
+        failed: list[Exception] = []
+
+        async def step(write: Awaitable[object]) -> None:
+            try:
+                await write
+            except Exception as exc:
+                failed.append(exc)
+
         started = [(r.reply_id, r.replica_id) for r in reports if r.kind == "started"]
         if started:
             # A reply whose "finished" report (or relaying gateway) got there first stays final.
-            await self.store.mark_running_many(started)
+            await step(self.store.mark_running_many(started))
         finished = [r for r in reports if r.kind != "started"]
-        if not finished:
-            return
-        endings, shed = [], []
+        endings = []
         for report in finished:
             try:
                 final = _final_of(report)
@@ -162,19 +171,14 @@ class ReplyRecorder:
                 log.exception("could not record report %r", report)
                 continue
             if ending is None:  # (shed: no message)
-                shed.append((report, final))
+                await step(save_final(self.store, report.reply_id, report.text, final))
             else:
                 endings.append(ending)
-        for report, final in shed:
-            await save_final(self.store, report.reply_id, report.text, final)
-        # Mostly saved already by the gateways that relayed them: one round trip finds that out.
-        await self.store.finish_replies(endings)
-        failed: list[Exception] = []
-        for hook in self.on_finished:
-            try:
-                await hook(finished)
-            except Exception as exc:  # one failing hook must not keep the others from running
-                failed.append(exc)
+        if finished:
+            # Mostly saved already by the gateways that relayed them: one round trip finds that out.
+            await step(self.store.finish_replies(endings))
+            for hook in self.on_finished:
+                await step(hook(finished))
         if failed:
             raise failed[0]
 
