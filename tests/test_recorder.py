@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -201,5 +202,40 @@ async def test_reports_a_killed_gateway_had_taken_are_recorded_by_another(store:
         assert [(m.text, m.status) for m in messages] == [("hello", MessageStatus.COMPLETE)]
         assert await inbox.reclaim(REPORTS_INBOX, "check", min_idle_s=0, max_count=10) == []  # acknowledged
     finally:
+        await delete_prefixed(REDIS_URL, prefix)
+        await inbox.close()
+
+
+async def test_the_recorder_carries_on_when_redis_lost_its_inbox(store: ConversationStore,
+                                                                   caplog: pytest.LogCaptureFixture) -> None:
+    """Redis restarted without its data (this deployment keeps none on disk): the inbox's stream
+    and group are gone under a running recorder, which makes them again and records what comes,
+    without an error."""
+    from fairway.relay.redis_log import RedisTokenLog
+
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    inbox = RedisTokenLog(REDIS_URL, prefix=prefix, block_s=0.2)
+    try:
+        await inbox.ping()
+    except RelayUnavailable:
+        await inbox.close()
+        pytest.skip(f"no Redis at {REDIS_URL}")
+    recorder = ReplyRecorder(store, inbox, linger_s=0.01)
+    task = asyncio.create_task(recorder.run())
+    try:
+        for _ in range(2):
+            reply_id = await _reply(store, {})
+            await inbox.post(REPORTS_INBOX, _finished(reply_id))
+            deadline = time.monotonic() + 20
+            while (await store.get_reply(reply_id)).state is not ReplyState.FINISHED:
+                assert time.monotonic() < deadline, "the report was not recorded"
+                await asyncio.sleep(0.02)
+            await delete_prefixed(REDIS_URL, prefix)  # the stream and its group, gone
+            await asyncio.sleep(0.3)  # (the recorder's blocking read runs into the missing group)
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
         await delete_prefixed(REDIS_URL, prefix)
         await inbox.close()

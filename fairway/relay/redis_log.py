@@ -635,9 +635,11 @@ class RedisTokenLog(TokenLog):
                     reply = await self._wait_for(
                         lambda wait: [*read, "BLOCK", max(1, int(wait * 1000)), "STREAMS", key, ">"], timeout)
             except ResponseError as exc:
-                if attempt or not str(exc).startswith("NOGROUP"):
+                # NOGROUP: first use, or a Redis that lost it (a restart); UNBLOCKED: the stream was
+                # deleted under a blocked read.
+                if attempt or not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                     raise
-                await self._create_group(key)  # (first use, or a Redis that lost it: a restart)
+                await self._create_group(key)
                 continue
             return [_delivery(entry_id, flat, 1) for entry_id, flat in reply[0][1]] if reply else []
         raise AssertionError("unreachable")
