@@ -29,7 +29,8 @@ figure by +-10%.
 
 Part 2, model: `fairway serve` (bundled model, bf16, CPU) with 1, 16 and 64 concurrent chats of
 128 tokens (distinct prompts, ignore_eos): TTFT p50/p99, inter-token latency p50/p99, aggregate
-tokens/s.
+tokens/s. Then its peer, side by side in the same run: `transformers serve --continuous-batching`
+on the same GGUF file, bf16 on the CPU, through the same client (--no-peer skips it).
 
     .venv/bin/python bench/relay.py                  # both parts (several minutes)
     .venv/bin/python bench/relay.py --part relay     # relay only
@@ -102,11 +103,13 @@ def raise_fd_limit() -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # children (gateway) inherit it
 
 
-def spawn(args: list[str], log: Path, env: dict[str, str] | None = None, root: Path = ROOT) -> subprocess.Popen:
-    """A Python process of the tree at root (its fairway, its bench scripts)."""
+def spawn(args: list[str], log: Path, env: dict[str, str] | None = None, root: Path = ROOT,
+          exe: bool = True) -> subprocess.Popen:
+    """A Python process of the tree at root (its fairway, its bench scripts); with exe=False, the
+    command args as they are."""
     out = open(log, "wb")  # noqa: SIM115  lives as long as the process
-    return subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT, cwd=root,
-                            env=os.environ | (env or {}))
+    return subprocess.Popen([sys.executable, *args] if exe else args, stdout=out, stderr=subprocess.STDOUT,
+                            cwd=root, env=os.environ | (env or {}))
 
 
 # The load is this benchmark's own client: limits high enough that no request is throttled.
@@ -125,14 +128,14 @@ def create_key(database: str, root: Path = ROOT) -> str:
 API_KEY = {"value": ""}  # set once the gateway's store has a key
 
 
-async def wait_ready(url: str, timeout: float = 180.0) -> None:
+async def wait_ready(url: str, timeout: float = 180.0, path: str = "/ready") -> None:
     import httpx
 
     deadline = time.monotonic() + timeout
     async with httpx.AsyncClient() as client:
         while time.monotonic() < deadline:
             try:
-                if (await client.get(f"{url}/ready", timeout=2)).status_code == 200:
+                if (await client.get(f"{url}{path}", timeout=2)).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -580,20 +583,25 @@ TOPICS = ["the sea", "volcanoes", "the Roman empire", "bread baking", "jazz", "c
           "the moon", "trains", "coffee", "origami", "whales", "deserts", "typography", "bicycles"]
 
 
-async def model_level(port: int, concurrency: int, tokens: int) -> dict[str, Any]:
+async def model_level(port: int, concurrency: int, tokens: int, model: str = MODEL,
+                      extra: dict[str, Any] | None = None) -> dict[str, Any]:
     ttfts: list[float] = []
     gaps: list[float] = []
     counts: list[int] = []
 
     async def one(i: int) -> None:
         topic = TOPICS[i % len(TOPICS)]
-        body = {"model": MODEL, "stream": True, "max_tokens": tokens, "ignore_eos": True, "temperature": 0.7,
-                "seed": i, "messages": [{"role": "user", "content": f"Chat {i}: tell me something about {topic}."}]}
+        body = {"model": model, "stream": True, "max_tokens": tokens, "temperature": 0.7, "seed": i,
+                "messages": [{"role": "user", "content": f"Chat {i}: tell me something about {topic}."}],
+                **(extra or {})}
         sent = time.time()
         times: list[float] = []
 
         def on_event(data: bytes, received: float) -> None:
-            if b'"content":' in data and b'"finish_reason":null' in data:
+            if b'"content"' not in data:
+                return
+            choice = (json.loads(data).get("choices") or [{}])[0]
+            if (choice.get("delta") or {}).get("content") and choice.get("finish_reason") is None:
                 times.append(received)
 
         await stream_chat(port, body, on_event)
@@ -619,28 +627,79 @@ async def model_level(port: int, concurrency: int, tokens: int) -> dict[str, Any
 
 
 async def bench_model(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    port = free_port()
     from fairway.gateway.keys import generate_key
 
-    API_KEY["value"] = generate_key()  # `fairway serve` takes its development key from the environment
-    server = spawn(["-m", "fairway.cli", "serve", "--port", str(port), "--database", f"sqlite:///{workdir}/serve.db",
-                    "--log-level", "warning", *NO_LIMITS], workdir / "serve.log", env={"FAIRWAY_DEV_KEY": API_KEY["value"]})
     levels = [1, 4] if args.quick else [1, 16, 64]
     tokens = 16 if args.quick else 128
+    API_KEY["value"] = generate_key()  # `fairway serve` takes its development key from the environment
+    port = free_port()
+    fairway = spawn(["-m", "fairway.cli", "serve", "--port", str(port), "--database", f"sqlite:///{workdir}/serve.db",
+                     "--log-level", "warning", *NO_LIMITS], workdir / "serve.log",
+                    env={"FAIRWAY_DEV_KEY": API_KEY["value"]})
+    report: dict[str, Any] = {"levels": await model_levels("fairway", fairway, port, levels, tokens,
+                                                           extra={"ignore_eos": True})}
+    if args.peer:
+        # The peer, on the same GGUF file, workload and client: transformers' own OpenAI server
+        # with continuous batching, bf16 on the CPU (it knows no ignore_eos: a chat may end
+        # sooner; its tokens/s counts the tokens it sent).
+        port, model = free_port(), str(peer_model(workdir))
+        peer = spawn([str(Path(sys.executable).with_name("transformers")), "serve", "--continuous-batching",
+                      "--device", "cpu", "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port),
+                      "--log-level", "warning", model], workdir / "peer.log", env=OFFLINE, exe=False)
+        report["peer"] = {"server": "transformers serve --continuous-batching (bf16, CPU)",
+                          "levels": await model_levels("peer", peer, port, levels, tokens, "/health", model)}
+        report["fairway_over_peer_tokens_per_s"] = ratios = {
+            str(ours["concurrency"]): round(ours["aggregate_tokens_per_s"] / theirs["aggregate_tokens_per_s"], 2)
+            for ours, theirs in zip(report["levels"], report["peer"]["levels"], strict=True)
+            if theirs["aggregate_tokens_per_s"]}
+        print("  fairway / peer, aggregate tokens/s: "
+              + ", ".join(f"{c} chats {r}x" for c, r in ratios.items()), flush=True)
+    return report
+
+
+OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+
+# transformers serve reads a GGUF file's config without its architecture and fails, so the peer
+# gets the same file as a model folder: loaded by transformers itself (gguf_file=), saved bf16.
+_PEER_MODEL = """
+import sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from fairway.models.bundled import bundled_model_path
+gguf = bundled_model_path()
+AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(sys.argv[1])
+loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+config = loaded.config
+config.__dict__.pop("quantization_config", None)  # (a GGUF-quantized model refuses to be saved)
+model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+model.load_state_dict(loaded.state_dict())  # the dequantized weights
+model.save_pretrained(sys.argv[1])
+"""
+
+
+def peer_model(workdir: Path) -> Path:
+    out = workdir / "peer-model"
+    subprocess.run([sys.executable, "-c", _PEER_MODEL, str(out)], cwd=ROOT, env=os.environ | OFFLINE, check=True,
+                   capture_output=True)
+    return out
+
+
+async def model_levels(name: str, server: subprocess.Popen, port: int, levels: list[int], tokens: int,
+                       ready_path: str = "/ready", model: str = MODEL,
+                       extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     results = []
     try:
-        await wait_ready(f"http://127.0.0.1:{port}")
-        await model_level(port, 2, 4)  # warm-up
+        await wait_ready(f"http://127.0.0.1:{port}", path=ready_path)
+        await model_level(port, 2, 4, model, extra)  # warm-up (the peer's first request takes seconds)
         for c in levels:
-            level = await model_level(port, c, tokens)
+            level = await model_level(port, c, tokens, model, extra)
             results.append(level)
-            print(f"  model  {c:3d} chats  TTFT p50 {level['ttft_p50_s']:.2f} s p99 {level['ttft_p99_s']:.2f} s  "
+            print(f"  {name:8s} {c:3d} chats  TTFT p50 {level['ttft_p50_s']:.2f} s p99 {level['ttft_p99_s']:.2f} s  "
                   f"ITL p50 {level['itl_p50_ms']:.0f} ms p99 {level['itl_p99_ms']:.0f} ms  "
-                  f"{level['aggregate_tokens_per_s']:.1f} tokens/s", flush=True)
+                  f"{level['aggregate_tokens_per_s']:.1f} tokens/s  ({level['tokens']} tokens)", flush=True)
     finally:
         server.terminate()
         server.wait(timeout=30)
-    return {"levels": results}
+    return results
 
 
 # -- main -----------------------------------------------------------------------------------------
@@ -661,7 +720,8 @@ async def main(args: argparse.Namespace) -> None:
             print("relay: synthetic tokens at 30/s per stream through one gateway process (Redis)", flush=True)
             report["relay"] = await bench_relay(args, workdir)
         if args.part in ("model", "both"):
-            print("model: fairway serve, bundled model bf16 on the CPU", flush=True)
+            print("model: fairway serve, bundled model bf16 on the CPU"
+                  + (", then transformers serve on the same file" if args.peer else ""), flush=True)
             report["model"] = await bench_model(args, workdir)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / ("relay_quick.json" if args.quick else "relay.json")
@@ -709,6 +769,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--producers", type=int, default=2, help="synthetic replica processes")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per stream at each N")
     parser.add_argument("--max-streams", type=int, default=3000)
+    parser.add_argument("--no-peer", dest="peer", action="store_false",
+                        help="model part: skip the peer (transformers serve) run")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of the largest passing steady level; the headline is their median")
     return parser.parse_args()
