@@ -239,3 +239,30 @@ async def test_the_recorder_carries_on_when_redis_lost_its_inbox(store: Conversa
             await task
         await delete_prefixed(REDIS_URL, prefix)
         await inbox.close()
+
+
+async def test_a_finished_report_gets_through_a_redis_restart(store: ConversationStore) -> None:
+    """The replica retries a "finished" report while the inbox is unreachable (Redis restarting),
+    and the recorder then saves the reply; a report that never gets through is said so (False)."""
+    from fairway.replica.worker import post_report
+
+    class Restarting(InProcessTokenLog):
+        down_for = 2  # posts refused before it is back
+
+        async def post(self, inbox: str, item: dict) -> None:
+            if self.down_for:
+                self.down_for -= 1
+                raise RelayUnavailable("Redis unreachable: connection refused")
+            await super().post(inbox, item)
+
+    bus = Restarting()
+    reply_id = await _reply(store, {})
+    report = ReplyReport.from_dict(_finished(reply_id))
+    assert await post_report(bus, report, delays=(0.01, 0.01, 0.01))
+    await _run_until(ReplyRecorder(store, bus), lambda: _finished_in(store, reply_id))
+    bus.down_for = 10
+    assert not await post_report(bus, report, delays=(0.01,))
+
+
+async def _finished_in(store: ConversationStore, reply_id: str) -> bool:
+    return (await store.get_reply(reply_id)).state is ReplyState.FINISHED

@@ -15,11 +15,12 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, Priority, RequestOutput, SamplingParams
-from fairway.relay import FinalEvent, Lane, RelayError, ReplyState, TokenEvent, TokenLog
+from fairway.relay import FinalEvent, Inbox, Lane, RelayError, ReplyState, TokenEvent, TokenLog
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.router.registry import ReplicaInfo, ReplicaRegistry
@@ -327,10 +328,30 @@ class ReplicaWorker:
                 ttft_s=ttft,
                 duration_s=duration,
             )
+        # A "started" report only marks the reply running, and generation waits for it: one try.
+        await post_report(self.log, report, REPORT_RETRY_DELAYS_S if final is not None else ())
+
+
+# A Redis restart takes a second or two; a blip, less (the connection itself retries twice).
+REPORT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+
+
+async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:
+    """Post a report to the recorders, retrying after each delay while the inbox is unreachable:
+    for a reply nobody watched, a "finished" report is the only record of its text and usage.
+    False if it never got through."""
+    for attempt, delay in enumerate((*delays, None)):
         try:
-            await self.log.post(REPORTS_INBOX, report.to_dict())
+            await inbox.post(REPORTS_INBOX, report.to_dict())
+            return True
         except RelayError:
-            log.exception("reply %s: could not report %s", job.reply_id, report.kind)
+            if delay is None:
+                log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
+                              attempt + 1)
+                return False
+            log.warning("reply %s: could not report %s; retrying in %.1f s", report.reply_id, report.kind, delay)
+            await asyncio.sleep(delay)
+    return False
 
 
 def _final(out: RequestOutput, cancelled: CancelCause | None) -> FinalEvent:
