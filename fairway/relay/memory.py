@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +52,32 @@ class _Log:
 
 
 @dataclass
-class _Queue:
-    lanes: dict[Lane, deque[str]] = field(default_factory=lambda: {lane: deque() for lane in LANE_ORDER})
+class _Arrivals:
+    """What a queue's consumers wait on: a signal set, and replaced, whenever something is added."""
+
     arrived: asyncio.Event = field(default_factory=_new_signal)
+
+    def notify(self) -> None:
+        self.arrived.set()
+        self.arrived = asyncio.Event()
+
+    async def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait until ready() (True) or the timeout runs out (False; 0 = don't wait, None = no
+        limit); ready() gets one last look after the timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        while not ready():
+            remaining = None if deadline is None else deadline - loop.time()
+            if remaining is not None and remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.arrived.wait(), remaining)
+        return True
+
+
+@dataclass
+class _Queue(_Arrivals):
+    lanes: dict[Lane, deque[str]] = field(default_factory=lambda: {lane: deque() for lane in LANE_ORDER})
 
 
 @dataclass
@@ -66,10 +89,9 @@ class _Pending:
 
 
 @dataclass
-class _Inbox:
+class _Inbox(_Arrivals):
     waiting: deque[tuple[str, str]] = field(default_factory=deque)  # (id, JSON), oldest first
     pending: dict[str, _Pending] = field(default_factory=dict)  # taken, not acknowledged
-    arrived: asyncio.Event = field(default_factory=_new_signal)
     next_id: int = 0
 
 
@@ -252,27 +274,17 @@ class InProcessTokenLog(TokenLog):
         raw = encode_job(job_id, job)  # JSON round trip: same semantics (and failures) as Redis
         q = self._queues.setdefault(queue, _Queue())
         (q.lanes[lane].appendleft if front else q.lanes[lane].append)(raw)
-        q.arrived.set()
-        q.arrived = asyncio.Event()
+        q.notify()
         return job_id
 
     async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
                          timeout: float | None = 0.0) -> list[ClaimedJob]:
         q = self._queues.setdefault(queue, _Queue())
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while True:
-            for lane in LANE_ORDER:
-                waiting = q.lanes[lane]
-                if waiting:
-                    return [decode_job(waiting.popleft(), lane) for _ in range(min(max_count, len(waiting)))]
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return []
-            try:
-                await asyncio.wait_for(q.arrived.wait(), remaining)
-            except TimeoutError:
-                pass  # one last look at the lanes, then give up
+        if not await q.wait_until(lambda: any(q.lanes.values()), timeout):
+            return []
+        lane = next(lane for lane in LANE_ORDER if q.lanes[lane])
+        waiting = q.lanes[lane]
+        return [decode_job(waiting.popleft(), lane) for _ in range(min(max_count, len(waiting)))]
 
     async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
         q = self._queues.get(queue) or _Queue()
@@ -284,20 +296,13 @@ class InProcessTokenLog(TokenLog):
         box = self._inboxes.setdefault(inbox, _Inbox())
         box.next_id += 1
         box.waiting.append((str(box.next_id), json.dumps(item)))  # JSON: the same values as on Redis
-        box.arrived.set()
-        box.arrived = asyncio.Event()
+        box.notify()
 
     async def take(self, inbox: str, consumer: str, *, max_count: int,
                    timeout: float | None = 0.0) -> list[Delivery]:
         box = self._inboxes.setdefault(inbox, _Inbox())
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while not box.waiting:
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return []
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(box.arrived.wait(), remaining)
+        if not await box.wait_until(lambda: bool(box.waiting), timeout):
+            return []
         taken = []
         for _ in range(min(max_count, len(box.waiting))):
             item_id, raw = box.waiting.popleft()
