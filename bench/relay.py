@@ -511,11 +511,7 @@ async def relay_levels(args: argparse.Namespace, workdir: Path, database: str) -
         for n in levels:
             steady = await churn_level(port, gateway.pid, n, tokens)
             churn.append(steady)
-            print(f"  relay  N={n:5d}  steady arrivals ({steady['requests_per_s']}/s)  p50 "
-                  f"{steady['delay_p50_ms']:7.1f} ms  p99 {steady['delay_p99_ms']:7.1f} ms  events "
-                  f"{steady['events_measured']}/{steady['events_expected']}  errors {steady['errors']}  gateway "
-                  f"{steady['gateway_cpu_s_per_1000_events']} CPU-s/1000 events "
-                  f"(~{steady['implied_streams_per_gateway_core']} streams/core)", flush=True)
+            print_steady(steady, f"({steady['requests_per_s']}/s)")
             if burst_ok:
                 level = await relay_level(port, gateway.pid, n, tokens)
                 results.append(level)
@@ -535,10 +531,7 @@ async def relay_levels(args: argparse.Namespace, workdir: Path, database: str) -
         for i in range(1, args.repeats if churn_best and not args.quick else 1):
             again = await churn_level(port, gateway.pid, churn_best["streams"], tokens)
             repeats.append(again)
-            print(f"  relay  N={again['streams']:5d}  steady arrivals, again ({i + 1}/{args.repeats})  p99 "
-                  f"{again['delay_p99_ms']:7.1f} ms  events {again['events_measured']}/{again['events_expected']}  "
-                  f"gateway {again['gateway_cpu_s_per_1000_events']} CPU-s/1000 events "
-                  f"(~{again['implied_streams_per_gateway_core']} streams/core)", flush=True)
+            print_steady(again, f"again ({i + 1}/{args.repeats})")
     finally:
         for p in procs:
             p.terminate()
@@ -564,6 +557,13 @@ async def relay_levels(args: argparse.Namespace, workdir: Path, database: str) -
             "steady_implied_streams_per_gateway_core": best["steady_implied_streams_per_gateway_core"] if best else None,
             "levels_steady_arrivals": churn,
             "levels": results}
+
+
+def print_steady(level: dict[str, Any], label: str) -> None:
+    print(f"  relay  N={level['streams']:5d}  steady arrivals {label}  p50 {level['delay_p50_ms']:7.1f} ms  p99 "
+          f"{level['delay_p99_ms']:7.1f} ms  events {level['events_measured']}/{level['events_expected']}  errors "
+          f"{level['errors']}  gateway {level['gateway_cpu_s_per_1000_events']} CPU-s/1000 events "
+          f"(~{level['implied_streams_per_gateway_core']} streams/core)", flush=True)
 
 
 async def _clean_redis(url: str, namespace: str) -> None:
