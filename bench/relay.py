@@ -293,14 +293,14 @@ class SyntheticEngine:
 
 async def synthetic_replica(redis: str, namespace: str, rate: float) -> None:
     from fairway.heap import settle_heap
-    from fairway.relay import make_token_log
+    from fairway.relay import make_relay
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
     from fairway.router import make_registry
 
-    token_log = make_token_log(redis, prefix=namespace)
+    relay = make_relay(redis, prefix=namespace)
     registry = make_registry(redis, prefix=namespace)
     settings = ReplicaSettings(model=MODEL, max_inflight=100_000)
-    worker = ReplicaWorker(SyntheticEngine(rate), token_log, registry, settings)  # type: ignore[arg-type]
+    worker = ReplicaWorker(SyntheticEngine(rate), relay, registry, settings)  # type: ignore[arg-type]
     settle_heap()  # as `fairway replica` does once its engine is loaded
     await worker.run()
 

@@ -27,7 +27,7 @@ from fairway.gateway.streaming import ReplyRelay
 from fairway.heap import settle_heap
 from fairway.limits import LimitsConfig, make_limits
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
-from fairway.relay import DEFAULT_TTL_S, TokenLog, make_token_log
+from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.router import ReplicaRegistry, Router, make_registry
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
@@ -122,28 +122,28 @@ def _redis_options(options: StackOptions) -> dict[str, Any]:
     return {"prefix": options.namespace} if options.redis else {}
 
 
-def open_backends(options: StackOptions) -> tuple[TokenLog, ConversationStore, ReplicaRegistry]:
-    token_log = make_token_log(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
+def open_backends(options: StackOptions) -> tuple[Relay, ConversationStore, ReplicaRegistry]:
+    relay = make_relay(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
     registry = make_registry(options.redis, **_redis_options(options))
-    return token_log, make_store(options.database), registry
+    return relay, make_store(options.database), registry
 
 
 def gateway_context(
     options: StackOptions,
-    token_log: TokenLog,
+    relay: Relay,
     store: ConversationStore,
     registry: ReplicaRegistry,
     tokenizers: dict[str, Any],
 ) -> GatewayContext:
     router = Router(registry)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
-    service = ConversationService(store, token_log, router, tokenizers, settings)
+    service = ConversationService(store, relay, router, tokenizers, settings)
     config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
     limits = make_limits(options.redis, config)
     keys = KeyChecker(store, options.auth_cache_s)
-    context = GatewayContext(service, ReplyRelay(token_log, store, service), token_log, store, router, limits, keys)
+    context = GatewayContext(service, ReplyRelay(relay.log, store, service), relay.log, store, router, limits, keys)
     background = Background()
-    recorder = ReplyRecorder(store, token_log)
+    recorder = ReplyRecorder(store, relay.inbox)
     recorder.on_finished.append(Accounting(store, limits, options.pricing).on_finished)
 
     async def store_keys() -> None:
@@ -151,7 +151,7 @@ def gateway_context(
             await ensure_key(store, key, user, tier, name="startup")
 
     context.on_startup += [store.init, limits.ping, store_keys, background.start(recorder.run, "reply-recorder")]
-    context.on_shutdown += [store.close, token_log.close, registry.close, limits.close, background.stop]
+    context.on_shutdown += [store.close, relay.close, registry.close, limits.close, background.stop]
     return context
 
 
@@ -162,13 +162,13 @@ def embedded_app(options: StackOptions, engine: LLMEngine | None = None) -> Fast
 
     engine = engine or build_engine(options)
     name = model_name(options.model)
-    token_log, store, registry = open_backends(options)
+    relay, store, registry = open_backends(options)
     async_engine = AsyncEngine(engine)
     settings = ReplicaSettings(model=name, idle_cancel_s=options.idle_cancel_s)
     if options.replica_id:
         settings.replica_id = options.replica_id
-    worker = ReplicaWorker(async_engine, token_log, registry, settings)
-    context = gateway_context(options, token_log, store, registry, {name: engine.tokenizer})
+    worker = ReplicaWorker(async_engine, relay, registry, settings)
+    context = gateway_context(options, relay, store, registry, {name: engine.tokenizer})
     context.on_startup.append(worker.start)
 
     async def stop_engine() -> None:
@@ -181,9 +181,9 @@ def embedded_app(options: StackOptions, engine: LLMEngine | None = None) -> Fast
 
 def gateway_app(options: StackOptions) -> FastAPI:
     """A stateless gateway process: Redis and a database shared with the other processes."""
-    token_log, store, registry = open_backends(options)
+    relay, store, registry = open_backends(options)
     tokenizers = {model_name(options.model): load_tokenizer(options.model)}
-    return create_app(gateway_context(options, token_log, store, registry, tokenizers))
+    return create_app(gateway_context(options, relay, store, registry, tokenizers))
 
 
 async def run_replica(options: StackOptions, engine: LLMEngine | None = None, settle: bool = False) -> None:
@@ -193,13 +193,13 @@ async def run_replica(options: StackOptions, engine: LLMEngine | None = None, se
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
 
     engine = engine or build_engine(options)
-    token_log = make_token_log(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
+    relay = make_relay(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
     registry = make_registry(options.redis, **_redis_options(options))
     settings = ReplicaSettings(model=model_name(options.model), idle_cancel_s=options.idle_cancel_s)
     if options.replica_id:
         settings.replica_id = options.replica_id
     async_engine = AsyncEngine(engine)
-    worker = ReplicaWorker(async_engine, token_log, registry, settings)
+    worker = ReplicaWorker(async_engine, relay, registry, settings)
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()
@@ -207,5 +207,5 @@ async def run_replica(options: StackOptions, engine: LLMEngine | None = None, se
         await worker.run()
     finally:
         await asyncio.to_thread(async_engine.shutdown)
-        await token_log.close()
+        await relay.close()
         await registry.close()

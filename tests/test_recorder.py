@@ -30,7 +30,7 @@ from fairway.conversation.recorder import ReplyRecorder
 from fairway.conversation.store import ConversationStore, Ending, NewTurn
 from fairway.limits import LimitsConfig, make_limits
 from fairway.limits.quota import Reservation
-from fairway.relay import InProcessTokenLog, RelayUnavailable
+from fairway.relay import InProcessInbox, RelayUnavailable, make_relay
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.usage.accounting import Accounting, reservation_meta
 from fairway.usage.pricing import Pricing
@@ -60,7 +60,7 @@ def _finished(reply_id: str, tokens: int = 7) -> dict:
 
 async def test_a_batch_of_reports_is_recorded_and_accounted_once(store: ConversationStore) -> None:
     limits = make_limits(None, LimitsConfig())
-    bus = InProcessTokenLog()
+    bus = InProcessInbox()
     reservations: dict[str, Reservation] = {}
     replies = []
     for _ in range(4):
@@ -127,7 +127,7 @@ async def test_a_batch_the_store_refused_is_recorded_when_taken_again(store: Con
     """The database away for a moment loses nothing: the batch is not acknowledged, comes back
     retry_after_s later, and is recorded one report at a time; a report the store keeps refusing
     is dropped after max_attempts, without holding up the others."""
-    bus = InProcessTokenLog()
+    bus = InProcessInbox()
     good, poison = await _reply(store, {}), await _reply(store, {})
     real = store.finish_replies
     calls: list[list[str]] = []
@@ -161,25 +161,24 @@ async def test_reports_a_killed_gateway_had_taken_are_recorded_by_another(store:
     """On Redis: a gateway process takes a reply's "finished" report and is killed (SIGKILL)
     before recording it. Another gateway's recorder takes it again and saves the reply and its
     usage, once."""
-    from fairway.relay.redis_log import RedisTokenLog
-
     prefix = f"test:{uuid.uuid4().hex[:12]}:"
-    inbox = RedisTokenLog(REDIS_URL, prefix=prefix)
+    relay = make_relay(REDIS_URL, prefix=prefix)
+    inbox = relay.inbox
     try:
-        await inbox.ping()
+        await relay.ping()
     except RelayUnavailable:
-        await inbox.close()
+        await relay.close()
         pytest.skip(f"no Redis at {REDIS_URL}")
     try:
         reply_id = await _reply(store, {"user": "u1", "tier": "paid"})
         await inbox.post(REPORTS_INBOX, _finished(reply_id))
         dying = textwrap.dedent(f"""
             import asyncio, os, signal
-            from fairway.relay.redis_log import RedisTokenLog
+            from fairway.relay import make_relay
 
             async def main():
-                log = RedisTokenLog({REDIS_URL!r}, prefix={prefix!r})
-                taken = await log.take({REPORTS_INBOX!r}, "dying-gateway", max_count=64, timeout=10)
+                inbox = make_relay({REDIS_URL!r}, prefix={prefix!r}).inbox
+                taken = await inbox.take({REPORTS_INBOX!r}, "dying-gateway", max_count=64, timeout=10)
                 print(len(taken), flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)  # before recording or acknowledging anything
 
@@ -203,7 +202,7 @@ async def test_reports_a_killed_gateway_had_taken_are_recorded_by_another(store:
         assert await inbox.reclaim(REPORTS_INBOX, "check", min_idle_s=0, max_count=10) == []  # acknowledged
     finally:
         await delete_prefixed(REDIS_URL, prefix)
-        await inbox.close()
+        await relay.close()
 
 
 async def test_the_recorder_carries_on_when_redis_lost_its_inbox(store: ConversationStore,
@@ -211,14 +210,13 @@ async def test_the_recorder_carries_on_when_redis_lost_its_inbox(store: Conversa
     """Redis restarted without its data (this deployment keeps none on disk): the inbox's stream
     and group are gone under a running recorder, which makes them again and records what comes,
     without an error."""
-    from fairway.relay.redis_log import RedisTokenLog
-
     prefix = f"test:{uuid.uuid4().hex[:12]}:"
-    inbox = RedisTokenLog(REDIS_URL, prefix=prefix, block_s=0.2)
+    relay = make_relay(REDIS_URL, prefix=prefix, block_s=0.2)
+    inbox = relay.inbox
     try:
-        await inbox.ping()
+        await relay.ping()
     except RelayUnavailable:
-        await inbox.close()
+        await relay.close()
         pytest.skip(f"no Redis at {REDIS_URL}")
     recorder = ReplyRecorder(store, inbox, linger_s=0.01)
     task = asyncio.create_task(recorder.run())
@@ -238,7 +236,7 @@ async def test_the_recorder_carries_on_when_redis_lost_its_inbox(store: Conversa
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await delete_prefixed(REDIS_URL, prefix)
-        await inbox.close()
+        await relay.close()
 
 
 async def test_a_finished_report_gets_through_a_redis_restart(store: ConversationStore) -> None:
@@ -246,7 +244,7 @@ async def test_a_finished_report_gets_through_a_redis_restart(store: Conversatio
     and the recorder then saves the reply; a report that never gets through is said so (False)."""
     from fairway.replica.worker import post_report
 
-    class Restarting(InProcessTokenLog):
+    class Restarting(InProcessInbox):
         down_for = 2  # posts refused before it is back
 
         async def post(self, inbox: str, item: dict) -> None:

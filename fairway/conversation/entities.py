@@ -12,66 +12,13 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from fairway.domain import MessageStatus, ReplyState
+
 
 class Role(StrEnum):
     USER = "user"
     ASSISTANT = "assistant"
     SYSTEM = "system"
-
-
-class MessageStatus(StrEnum):
-    COMPLETE = "complete"
-    STOPPED = "stopped"  # user Stop, or nobody listening for 30 s: the text so far is kept
-    FLAGGED = "flagged"  # the output check stopped it
-
-
-class ReplyState(StrEnum):
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    PREEMPTED = "PREEMPTED"
-    RESUMING = "RESUMING"
-    FINISHED = "FINISHED"
-    STOPPED = "STOPPED"
-    FLAGGED = "FLAGGED"
-    SHED = "SHED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-    def can_become(self, other: ReplyState) -> bool:
-        """Whether the reply state machine allows self → other (staying put is always allowed
-        for a live reply, e.g. a new replica_id or last_event_id on a RUNNING reply)."""
-        if self.terminal:
-            return False
-        return other == self or other in _NEXT[self]
-
-
-TERMINAL_STATES = frozenset({ReplyState.FINISHED, ReplyState.STOPPED, ReplyState.FLAGGED, ReplyState.SHED})
-
-# The seeds' "Reply state machine". Stop is also accepted while a reply waits (queued,
-# preempted, resuming): a user can press Stop, or walk away, before the first token.
-_NEXT: dict[ReplyState, frozenset[ReplyState]] = {
-    ReplyState.QUEUED: frozenset({ReplyState.RUNNING, ReplyState.SHED, ReplyState.STOPPED}),
-    ReplyState.RUNNING: frozenset(
-        {
-            ReplyState.PREEMPTED,
-            ReplyState.RESUMING,
-            ReplyState.FINISHED,
-            ReplyState.STOPPED,
-            ReplyState.FLAGGED,
-        }
-    ),
-    ReplyState.PREEMPTED: frozenset({ReplyState.QUEUED, ReplyState.STOPPED}),
-    ReplyState.RESUMING: frozenset({ReplyState.QUEUED, ReplyState.STOPPED}),
-}
-
-# How an assistant message's status maps onto the reply's final state.
-STATE_FOR_STATUS: dict[MessageStatus, ReplyState] = {
-    MessageStatus.COMPLETE: ReplyState.FINISHED,
-    MessageStatus.STOPPED: ReplyState.STOPPED,
-    MessageStatus.FLAGGED: ReplyState.FLAGGED,
-}
 
 
 def new_id(prefix: str) -> str:

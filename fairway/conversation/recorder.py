@@ -13,19 +13,12 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
-from fairway.conversation.entities import MessageStatus, ReplyState
 from fairway.conversation.store import ConversationStore, Ending, NotFound, ReplyFinished
+from fairway.domain import STATUS_OF_STATE, ReplyState
 from fairway.relay import Delivery, FinalEvent, Inbox, RelayError, TokenEvent, TokenLog
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 
 log = logging.getLogger(__name__)
-
-STATUS_OF_STATE = {
-    ReplyState.FINISHED: MessageStatus.COMPLETE,
-    ReplyState.STOPPED: MessageStatus.STOPPED,
-    ReplyState.FLAGGED: MessageStatus.FLAGGED,
-}
-
 
 def _ending(reply_id: str, text: str, final: FinalEvent) -> Ending | None:
     """What finish_reply stores for this final event; None for a reply that ends without a message."""

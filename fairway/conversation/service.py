@@ -18,11 +18,10 @@ from typing import Any
 from fairway.conversation.context import ChatMessage, ChatTokenizer, Context, ContextBuilder, ContextTooLong
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
-from fairway.relay import Lane, TokenLog
+from fairway.domain import lane_of_tier
+from fairway.relay import Relay
 from fairway.replica.job import GenerationJob
 from fairway.router import ReplicaInfo, Router
-
-LANE_OF_TIER = {"paid": Lane.PAID, "business": Lane.PAID, "free": Lane.FREE, "background": Lane.BACKGROUND}
 
 
 class NothingToResume(NotFound):
@@ -91,13 +90,13 @@ class ConversationService:
     def __init__(
         self,
         store: ConversationStore,
-        token_log: TokenLog,
+        relay: Relay,
         router: Router,
         tokenizers: dict[str, ChatTokenizer],
         settings: ServiceSettings | None = None,
     ) -> None:
         self.store = store
-        self.log = token_log
+        self.relay = relay
         self.router = router
         self.tokenizers = tokenizers  # model name -> its tokenizer: the models this gateway serves
         self.settings = settings or ServiceSettings()
@@ -152,7 +151,7 @@ class ConversationService:
                 model=req.model,
                 prompt_token_ids=context.prompt_token_ids,
                 sampling={**req.sampling, "max_tokens": max_tokens},
-                lane=LANE_OF_TIER.get(conversation.tier, Lane.FREE).value,
+                lane=lane_of_tier(conversation.tier).value,
                 tier=conversation.tier,
             )
             info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
@@ -237,7 +236,7 @@ class ConversationService:
         """Open the reply's token log and hand its job to the replica."""
         job.submitted_at = time.time()
         job.reply_id = reply.id
-        await self.log.launch(reply.id, job.to_dict(), job.lane, queue=replica.queue)
+        await self.relay.launch(reply.id, job.to_dict(), job.lane, queue=replica.queue)
 
     # -- existing replies --------------------------------------------------------------------
 
@@ -253,13 +252,13 @@ class ConversationService:
         False if another gateway restarted it first (its log exists again)."""
         if reply.finished or reply.prompt_token_ids is None or not reply.job:
             return False
-        if not await self.log.create(reply.id):
+        if not await self.relay.log.create(reply.id):
             return False
         job = GenerationJob.from_dict({**reply.job, "reply_id": reply.id, "prompt_token_ids": reply.prompt_token_ids})
         job.submitted_at = time.time()
         replica = await self.router.place(job.model)
         await self.store.update_reply(reply.id, replica_id=replica.id)
-        await self.log.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)
+        await self.relay.jobs.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)
         return True
 
 

@@ -25,8 +25,9 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
 from sqlalchemy.pool import StaticPool
 
+from fairway.domain import STATE_OF_STATUS
+
 from .entities import (
-    STATE_FOR_STATUS,
     ApiKey,
     Conversation,
     Message,
@@ -246,7 +247,7 @@ def _ending(ending: Ending) -> tuple[dict[str, Any], Message]:
     if finish_reason is None and ending.status is MessageStatus.FLAGGED:
         finish_reason = "content_filter"  # what the OpenAI API reports for a filtered reply
     ts = now()
-    final = {"state": STATE_FOR_STATUS[ending.status].value, "finish_reason": finish_reason, "finished_at": ts}
+    final = {"state": STATE_OF_STATUS[ending.status].value, "finish_reason": finish_reason, "finished_at": ts}
     if ending.last_event_id is not None:
         final["last_event_id"] = ending.last_event_id
     msg = Message(id=new_id("msg"), conversation_id="", role=Role.ASSISTANT, text=ending.text, status=ending.status,

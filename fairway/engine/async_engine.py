@@ -13,10 +13,10 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from fairway.domain import Priority
 from fairway.engine.llm_engine import LLMEngine
 from fairway.engine.outputs import RequestOutput
 from fairway.engine.sampling_params import SamplingParams
-from fairway.engine.sequence import Priority
 from fairway.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)

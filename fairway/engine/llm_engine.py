@@ -5,13 +5,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from fairway.domain import Priority
 from fairway.engine.block_pool import BLOCK_SIZE
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.model_runner import ModelRunner
 from fairway.engine.outputs import FinishReason, RequestOutput
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.scheduler import Scheduler, SchedulerConfig
-from fairway.engine.sequence import Priority, Sequence, SequenceStatus
+from fairway.engine.sequence import Sequence, SequenceStatus
 from fairway.engine.stats import EngineStats
 from fairway.engine.stop_checker import StopChecker
 from fairway.models.llama import LlamaModel

@@ -3,13 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 
-
-class FinishReason(StrEnum):
-    STOP = "stop"  # a stop token or stop string
-    LENGTH = "length"  # max_tokens or the context window
-    ABORT = "abort"  # cancelled by the caller
+from fairway.domain import FinishReason
 
 
 @dataclass

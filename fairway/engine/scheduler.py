@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from fairway.domain import Priority
 from fairway.engine.kv_cache_manager import KVCacheManager
-from fairway.engine.sequence import Priority, Sequence, SequenceStatus
+from fairway.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass

@@ -8,8 +8,8 @@ from enum import StrEnum
 
 import torch
 
+from fairway.domain import FinishReason, Priority
 from fairway.engine.block_pool import KVBlock
-from fairway.engine.outputs import FinishReason
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.stop_checker import StopChecker
 
@@ -18,14 +18,6 @@ class SequenceStatus(StrEnum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class Priority:
-    """Lower runs first: the tier lanes."""
-
-    PAID = 0
-    FREE = 1
-    BACKGROUND = 2
 
 
 @dataclass(eq=False)

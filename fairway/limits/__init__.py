@@ -36,7 +36,7 @@ from fairway.limits.singleflight import (
     is_cacheable,
 )
 from fairway.limits.window import Denied, InProcessWindow, RedisWindow, WindowCounter, WindowState
-from fairway.redis_mux import RedisMux
+from fairway.redis_client import RedisMux
 
 
 @dataclass

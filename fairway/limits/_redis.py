@@ -14,7 +14,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.limits.errors import LimitsUnavailable
-from fairway.redis_pool import redis_client
+from fairway.redis_client import redis_py
 
 Redis = aioredis.Redis
 
@@ -22,7 +22,7 @@ Redis = aioredis.Redis
 def connect(url: str, *, connect_timeout_s: float = 0.5, socket_timeout_s: float = 1.0,
             max_connections: int = 64) -> Redis:
     # A burst of admissions queues for a connection (at most one socket timeout) instead of failing.
-    return redis_client(url, max_connections=max_connections, wait_s=socket_timeout_s,
+    return redis_py(url, max_connections=max_connections, wait_s=socket_timeout_s,
                         connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
                         # One quick retry rides out a blip; beyond that the caller gets LimitsUnavailable.
                         retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1))

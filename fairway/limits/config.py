@@ -4,14 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 
-
-class Tier(StrEnum):
-    PAID = "paid"
-    FREE = "free"
-    BUSINESS = "business"
-    BACKGROUND = "background"
+from fairway.domain import Tier
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fairway.limits import _redis
-from fairway.redis_mux import RedisMux
-from fairway.redis_pool import run_scripts
+from fairway.redis_client import RedisMux, run_scripts
 
 LimitType = Literal["tokens", "requests"]
 

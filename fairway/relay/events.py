@@ -8,31 +8,8 @@ while one that dropped just before it still gets it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import StrEnum
-from typing import Literal
 
-FinishReason = Literal["stop", "length", "content_filter", "abort"]
-FINISH_REASONS: tuple[str, ...] = ("stop", "length", "content_filter", "abort")
-
-
-class ReplyState(StrEnum):
-    """Reply states from the design's state machine; only the terminal ones end a log."""
-
-    QUEUED = "QUEUED"
-    RUNNING = "RUNNING"
-    PREEMPTED = "PREEMPTED"
-    RESUMING = "RESUMING"
-    FINISHED = "FINISHED"
-    STOPPED = "STOPPED"
-    FLAGGED = "FLAGGED"
-    SHED = "SHED"
-
-    @property
-    def terminal(self) -> bool:
-        return self in TERMINAL_STATES
-
-
-TERMINAL_STATES = frozenset({ReplyState.FINISHED, ReplyState.STOPPED, ReplyState.FLAGGED, ReplyState.SHED})
+from fairway.domain import FinishReason, ReplyState
 
 
 @dataclass(frozen=True)
@@ -52,7 +29,7 @@ class FinalEvent:
     """The terminal event: why the reply ended, its state and its usage. Nothing follows it."""
 
     n: int  # 0 asks finish() to assign the next number
-    finish_reason: FinishReason
+    finish_reason: FinishReason | str
     state: ReplyState
     prompt_tokens: int = 0
     cached_tokens: int = 0
@@ -61,8 +38,7 @@ class FinalEvent:
 
     def __post_init__(self) -> None:
         # Validate here so a bad terminal event fails at the producer, not in every client.
-        if self.finish_reason not in FINISH_REASONS:
-            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        object.__setattr__(self, "finish_reason", FinishReason(self.finish_reason))  # ValueError if not one
         state = ReplyState(self.state)
         if not state.terminal:
             raise ValueError(f"a final event needs a terminal state, got {state}")
@@ -72,7 +48,7 @@ class FinalEvent:
         fields = {
             "k": "f",
             "n": str(self.n),
-            "reason": self.finish_reason,
+            "reason": str(self.finish_reason),
             "state": str(self.state),
             "prompt": str(self.prompt_tokens),
             "cached": str(self.cached_tokens),
@@ -113,7 +89,7 @@ def event_from_fields(fields: dict[str, str]) -> Event:
     if kind == "f":
         return FinalEvent(
             n,
-            fields["reason"],  # type: ignore[arg-type]  # validated in __post_init__
+            fields["reason"],
             ReplyState(fields["state"]),
             int(fields.get("prompt", 0)),
             int(fields.get("cached", 0)),

@@ -1,6 +1,6 @@
 """Inboxes: queues whose items stay with the consumer that took them until it acknowledges them.
 
-The reply bus hands a job over once (a claim pops it). That suits jobs, but not the replicas'
+The job queue hands a job over once (a claim pops it). That suits jobs, but not the replicas'
 reports: the gateway whose recorder took a reply's "finished" report may die before it has
 saved the reply and its usage, and nobody else would ever see that report. So reports go
 through an inbox: take() leaves each item pending with its consumer; ack() after the work is
@@ -37,7 +37,7 @@ class Inbox(ABC):
     async def take(self, inbox: str, consumer: str, *, max_count: int,
                    timeout: float | None = 0.0) -> list[Delivery]:
         """Up to max_count items nobody has taken yet, oldest first, now pending with consumer.
-        timeout as ReplyBus.claim(): 0 = don't wait, None = until there is one, else seconds."""
+        timeout as JobQueue.claim(): 0 = don't wait, None = until there is one, else seconds."""
 
     @abstractmethod
     async def ack(self, inbox: str, deliveries: Sequence[Delivery]) -> None:
@@ -48,3 +48,6 @@ class Inbox(ABC):
                       max_count: int) -> list[Delivery]:
         """Up to max_count items taken at least min_idle_s ago and not acknowledged (by any
         consumer, this one included), now pending with consumer, their attempts counted."""
+
+    async def close(self) -> None:  # noqa: B027  (only a Redis inbox holds connections)
+        """Release connections."""

@@ -28,17 +28,15 @@ from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.asyncio.connection import AbstractConnection, ConnectionPool
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from fairway.redis_client import RawConnection, RedisClient
 from fairway.relay.errors import RelayUnavailable, ReplyNotFound
 from fairway.relay.events import Event, TokenEvent, event_from_fields
 from fairway.relay.live_fast import dispatcher_class, is_tap
 from fairway.relay.token_log import TokenSink
-
-_READ_SIZE = 1 << 16
 
 _IDS_END = "\x1f"  # never in a list of token ids, so the text after it may hold anything
 
@@ -178,18 +176,19 @@ class LiveEvents:
     (they would have missed events); the next subscription connects afresh.
     """
 
-    def __init__(self, pool: ConnectionPool, sweep_s: float, exists: Exists) -> None:
-        self._pool = pool
+    def __init__(self, client: RedisClient, sweep_s: float, exists: Exists) -> None:
+        self._client = client
         self._sweep_s = sweep_s
         self._exists = exists
         self._channels: dict[str, _Channel] = {}
         self._taps: dict[str, Any] = {}  # channel -> Tap, written by the dispatcher (see LiveSubscriber)
         self._confirming: dict[str, deque[asyncio.Future[None]]] = {}  # per channel, in sending order
         self._outbox: list[tuple[str, str]] = []
-        self._flushing: asyncio.Task | None = None
-        self._conn: AbstractConnection | None = None
+        self._flushing = False  # a flush of the outbox is scheduled
+        self._conn: RawConnection | None = None
+        self._dispatcher: Any = None  # the current connection's
         self._connecting = asyncio.Lock()
-        self._tasks: list[asyncio.Task] = []  # the reader and the sweep of the current connection
+        self._tasks: list[asyncio.Task] = []  # the sweep of the current connection
 
     async def add(self, key: str, channel: str, idle_s: float | None) -> LiveSubscriber:
         """A subscriber of channel (the live side of stream key), once Redis confirmed it."""
@@ -223,68 +222,59 @@ class LiveEvents:
     async def close(self) -> None:
         conn = self._fail_all(RelayUnavailable("the token log was closed"))
         if conn is not None:
-            with suppress(Exception):
-                await conn.disconnect()
+            conn.close()
 
     # -- the connection ----------------------------------------------------------------------
 
-    async def _connection(self) -> AbstractConnection:
+    async def _connection(self) -> RawConnection:
         if self._conn is not None:
             return self._conn
         async with self._connecting:
             if self._conn is None:
-                # Its own connection: a subscribed one takes no other commands. RESP2, where messages
-                # are plain arrays: RESP3 pushes go through redis-py's push handlers, which format
-                # every message for a debug log.
-                conn = self._pool.connection_class(**{**self._pool.connection_kwargs, "protocol": 2})
+                # Its own connection (a subscribed one takes no other commands), in RESP2, whose
+                # bytes go to the dispatcher whole: one socket read brings hundreds of messages
+                # under load.
                 try:
-                    await conn.connect()
+                    conn = await self._client.connect_raw(self._on_data)
                 except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                     raise RelayUnavailable(f"Redis unreachable: {exc}") from exc
                 self._conn = conn
-                self._tasks = [asyncio.create_task(self._read(conn), name="redis-token-log-live"),
-                               asyncio.create_task(self._sweep(), name="redis-token-log-sweep")]
+                self._dispatcher = dispatcher_class()(self._taps, ResponseError)
+                conn.closed.add_done_callback(lambda _: self._lost(conn))
+                self._tasks = [asyncio.create_task(self._sweep(), name="redis-token-log-sweep")]
         assert self._conn is not None
         return self._conn
 
+    def _lost(self, conn: RawConnection) -> None:
+        if self._conn is conn:
+            self._failed(RelayUnavailable("Redis unreachable: the live events connection was lost"))
+
     def _send(self, command: str, channel: str) -> None:
+        """Queue a (un)subscription; the commands of one loop iteration go out in one write."""
         if self._conn is None:
             return  # failed meanwhile: nothing is subscribed any more
         self._outbox.append((command, channel))
-        if self._flushing is None:
-            self._flushing = asyncio.get_running_loop().create_task(self._flush())
+        if not self._flushing:
+            self._flushing = True
+            asyncio.get_running_loop().call_soon(self._flush)
 
-    async def _flush(self) -> None:
+    def _flush(self) -> None:
+        self._flushing = False
+        commands, self._outbox = self._outbox, []
+        if not commands or self._conn is None:
+            return
         try:
-            while self._outbox and self._conn is not None:
-                conn, commands, self._outbox = self._conn, self._outbox, []
-                await conn.send_packed_command(conn.pack_commands(commands), check_health=False)
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            self._conn.send([list(command) for command in commands])
+        except (RedisConnectionError, OSError) as exc:
             self._failed(RelayUnavailable(f"Redis unreachable: {exc}"))
-        finally:
-            self._flushing = None
 
-    async def _read(self, conn: AbstractConnection) -> None:
-        loop = asyncio.get_running_loop()
-        # One socket read brings hundreds of messages under load: its bytes go to the dispatcher
-        # whole, from redis-py's stream reader (private; redis-py is pinned), not message by message
-        # through read_response()'s coroutine layers.
-        reader: asyncio.StreamReader = conn._reader  # type: ignore[attr-defined]
-        dispatcher = dispatcher_class()(self._taps, ResponseError)
+    def _on_data(self, data: bytes) -> None:
+        now = asyncio.get_running_loop().time()  # (one clock read per socket read: it only times keepalives)
         try:
-            while True:
-                data = await reader.read(_READ_SIZE)
-                if not data:
-                    raise RedisConnectionError("Redis closed the connection")
-                now = loop.time()  # (one clock read per socket read: it only times keepalives)
-                for message in dispatcher.feed(data, now):
-                    if isinstance(message, Exception):
-                        raise message
-                    self._on_message(message, now)
-        except asyncio.CancelledError:
-            raise
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            self._failed(RelayUnavailable(f"Redis unreachable: {exc}"))
+            for message in self._dispatcher.feed(data, now):
+                if isinstance(message, Exception):
+                    raise message
+                self._on_message(message, now)
         except Exception as exc:  # e.g. a Redis without sharded Pub/Sub (< 7.0); never leave subscribers waiting
             self._failed(RelayUnavailable(f"live events failed: {exc!r}"))
 
@@ -341,11 +331,9 @@ class LiveEvents:
     def _failed(self, error: Exception) -> None:
         conn = self._fail_all(error)
         if conn is not None:
-            task = asyncio.get_running_loop().create_task(conn.disconnect(nowait=True))
-            _closing.add(task)
-            task.add_done_callback(_closing.discard)
+            conn.close()
 
-    def _fail_all(self, error: Exception) -> AbstractConnection | None:
+    def _fail_all(self, error: Exception) -> RawConnection | None:
         """Fail every subscriber and forget the connection, which the caller closes."""
         conn, self._conn = self._conn, None
         current = asyncio.current_task()
@@ -365,5 +353,3 @@ class LiveEvents:
         self._outbox.clear()
         return conn
 
-
-_closing: set[asyncio.Task] = set()  # strong references to disconnects in flight

@@ -2,30 +2,29 @@
 
 The flow it serves (design seed "Wi-Fi drops at token 212, then Stop at 260"):
 
-* the gateway create()s the reply's log, submits the job, then subscribe()s (its SSE writer uses
-  subscribe_batches(): the events that arrived together, and empty batches for keepalives);
+* the gateway create()s the reply's log, submits the job (job_queue.py), then subscribe()s (its
+  SSE writer uses subscribe_batches(): the events that arrived together, and empty batches for
+  keepalives);
 * the replica append()s token n = 1, 2, 3, ... (append_many(): one step's tokens of all its
   replies at once) and finally finish()es with the terminal event;
 * a client that reconnects anywhere with Last-Event-ID 212 gets subscribe(after=212): 213
   onwards from the log at once, then live, with no gap and no repeat;
 * Stop at any gateway is request_stop(); the replica owning the reply sees it through
   watch_stops() (or stop_requested()) and finishes with state STOPPED, keeping the text;
-* every subscriber counts as a listener while it iterates; when listener_idle_s() passes 30 s
-  the replica cancels the reply ("nobody is listening"), checking all its replies at once with
+* every subscriber counts as a listener while it iterates; when nobody has listened for 30 s the
+  replica cancels the reply ("nobody is listening"), checking all its replies at once with
   listener_idle_many().
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from fairway.relay.bus import DEFAULT_QUEUE, Lane, ReplyBus
 from fairway.relay.errors import EventIdOutOfRange
 from fairway.relay.events import Event, FinalEvent, TokenEvent
-from fairway.relay.inbox import Inbox
 
 DEFAULT_TTL_S = 1800.0  # 30 minutes: long enough for any reconnect, short enough to stay small
 LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for this long is gone
@@ -65,8 +64,8 @@ def raise_if_error(result: T | Exception) -> T:
     return result
 
 
-class TokenLog(ReplyBus, Inbox):
-    """One small async interface over the in-process and Redis backends (see make_token_log)."""
+class TokenLog(ABC):
+    """One small async interface over the in-process and Redis backends (see make_relay)."""
 
     ttl_s: float
 
@@ -76,14 +75,6 @@ class TokenLog(ReplyBus, Inbox):
     async def create(self, reply_id: str) -> bool:
         """Open an empty log so subscribers can attach before the first token; also starts the
         listener idle clock. Returns False (and changes nothing) if the log already exists."""
-
-    async def launch(self, reply_id: str, job: dict[str, Any], lane: Lane | str = Lane.FREE, *,
-                     queue: str = DEFAULT_QUEUE) -> str:
-        """create() the reply's log, then submit() its job (the log first, so listeners may attach
-        before token 1): a new reply's start, in one round trip where the backend has them.
-        Returns the job id."""
-        await self.create(reply_id)
-        return await self.submit(job, lane, queue=queue)
 
     async def append(self, reply_id: str, event: TokenEvent) -> int:
         """Append one token event and return its n. event.n == 0 takes the next number; any other
@@ -145,18 +136,15 @@ class TokenLog(ReplyBus, Inbox):
         """Subscribers iterating this reply now, across all gateways."""
 
     @abstractmethod
-    async def last_listened_at(self, reply_id: str) -> float | None:
-        """Wall-clock time (epoch s) a listener was last seen: now while one listens, else when the
-        last one left (or create() time if nobody came). None if never created/listened."""
-
-    @abstractmethod
-    async def listener_idle_s(self, reply_id: str) -> float | None:
-        """Seconds nobody has been listening: 0.0 while someone does. Measured on one clock (the
-        Redis server's for Redis), so the replica's "30 s" is immune to skew between machines."""
-
     async def listener_idle_many(self, reply_ids: Sequence[str]) -> list[float | None]:
-        """listener_idle_s() of each reply (one round trip for all where the backend has them)."""
-        return [await self.listener_idle_s(reply_id) for reply_id in reply_ids]
+        """Seconds nobody has been listening to each reply (0.0 while someone does; None for an
+        unknown reply), in one round trip for all where the backend has them. Measured on one
+        clock (the Redis server's for Redis), so the replica's "30 s" is immune to skew between
+        machines."""
+
+    async def listener_idle_s(self, reply_id: str) -> float | None:
+        """listener_idle_many() of one reply."""
+        return (await self.listener_idle_many([reply_id]))[0]
 
     # -- control -----------------------------------------------------------------------------
 
@@ -175,5 +163,5 @@ class TokenLog(ReplyBus, Inbox):
         gateway. A replica filters for its own replies; for replies it adopted earlier (e.g. after
         failover) it checks stop_requested() once."""
 
-    async def close(self) -> None:
-        """Release connections; the in-process backend has none."""
+    async def close(self) -> None:  # noqa: B027  (only the Redis log has tasks to stop)
+        """Stop what the log runs in the background; the in-process log runs nothing."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairway.relay import Lane
+from fairway.domain import Lane
 
 
 def replica_queue(replica_id: str) -> str:

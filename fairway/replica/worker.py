@@ -19,16 +19,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fairway.engine import AsyncEngine, EngineDead, FinishReason, Priority, RequestOutput, SamplingParams
-from fairway.relay import FinalEvent, Inbox, Lane, RelayError, ReplyState, TokenEvent, TokenLog
+from fairway.domain import PRIORITY_OF_LANE, Lane, Priority
+from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
+from fairway.relay import FinalEvent, Inbox, Relay, RelayError, ReplyState, TokenEvent, TokenLog
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.router.registry import ReplicaInfo, ReplicaRegistry
 from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
-
-PRIORITY_OF_LANE = {Lane.PAID: Priority.PAID, Lane.FREE: Priority.FREE, Lane.BACKGROUND: Priority.BACKGROUND}
 
 CancelCause = Literal["stop", "idle", "shutdown"]
 
@@ -102,15 +101,15 @@ class _Running:
 
 class ReplicaWorker:
     def __init__(
-        self, engine: AsyncEngine, token_log: TokenLog, registry: ReplicaRegistry, settings: ReplicaSettings
+        self, engine: AsyncEngine, relay: Relay, registry: ReplicaRegistry, settings: ReplicaSettings
     ) -> None:
         self.engine = engine
-        self.log = token_log
+        self.relay = relay
         self.registry = registry
         self.settings = settings
         self.queue = replica_queue(settings.replica_id)
         self._running: dict[str, _Running] = {}
-        self._appender = _Appender(token_log)
+        self._appender = _Appender(relay.log)
         self._capacity = asyncio.Semaphore(settings.max_inflight)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
@@ -171,7 +170,7 @@ class ReplicaWorker:
         while True:
             await self._capacity.acquire()  # claim only what we can run: the rest stays for others
             try:
-                claimed = await self.log.claim(queue=self.queue, timeout=None)
+                claimed = await self.relay.jobs.claim(queue=self.queue, timeout=None)
             except BaseException:
                 self._capacity.release()
                 raise
@@ -189,7 +188,7 @@ class ReplicaWorker:
     async def _stop_loop(self) -> None:
         while True:
             try:
-                async for reply_id in self.log.watch_stops():
+                async for reply_id in self.relay.log.watch_stops():
                     if reply_id in self._running:
                         self._cancel(reply_id, "stop")
             except RelayError:
@@ -201,7 +200,7 @@ class ReplicaWorker:
             await asyncio.sleep(self.settings.idle_check_s)
             reply_ids = list(self._running)
             try:
-                idles = await self.log.listener_idle_many(reply_ids)  # one round trip for all
+                idles = await self.relay.log.listener_idle_many(reply_ids)  # one round trip for all
             except RelayError:
                 continue
             for reply_id, idle in zip(reply_ids, idles, strict=True):
@@ -253,7 +252,7 @@ class ReplicaWorker:
 
     async def _generate(self, running: _Running) -> FinalEvent:
         job = running.job
-        if await self.log.stop_requested(job.reply_id):  # stopped while it waited in the queue
+        if await self.relay.log.stop_requested(job.reply_id):  # stopped while it waited in the queue
             return FinalEvent(0, "stop", ReplyState.STOPPED)
         try:
             params = SamplingParams(**job.sampling)
@@ -299,7 +298,7 @@ class ReplicaWorker:
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
-            return await self.log.finish(reply_id, final)
+            return await self.relay.log.finish(reply_id, final)
         except RelayError:
             log.exception("reply %s: could not write its final event", reply_id)
             return 0
@@ -329,7 +328,7 @@ class ReplicaWorker:
                 duration_s=duration,
             )
         # A "started" report only marks the reply running, and generation waits for it: one try.
-        await post_report(self.log, report, REPORT_RETRY_DELAYS_S if final is not None else ())
+        await post_report(self.relay.inbox, report, REPORT_RETRY_DELAYS_S if final is not None else ())
 
 
 # A Redis restart takes a second or two; a blip, less (the connection itself retries twice).

@@ -74,11 +74,11 @@ class RedisRegistry(ReplicaRegistry):
     ids so listing needs no SCAN; ids whose key expired are pruned from the set when seen."""
 
     def __init__(self, url: str, *, prefix: str = "fairway:", ttl_s: float = DEFAULT_TTL_S) -> None:
-        from fairway.redis_pool import redis_client
+        from fairway.redis_client import redis_py
 
         self.ttl_s = ttl_s
         self._prefix = prefix
-        self._r = redis_client(url, max_connections=16, wait_s=5.0, connect_timeout_s=2.0, socket_timeout_s=5.0)
+        self._r = redis_py(url, max_connections=16, wait_s=5.0, connect_timeout_s=2.0, socket_timeout_s=5.0)
 
     def _key(self, replica_id: str) -> str:
         return f"{self._prefix}replica:{replica_id}"

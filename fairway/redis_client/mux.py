@@ -1,21 +1,20 @@
 """One multiplexed Redis connection for the commands every chat request sends.
 
-redis-py's asyncio client spends ~100-160 us of CPU per command on this kind of machine (a
-connection checked out of the pool, an asyncio stream, a timeout scope, several coroutine layers
-for the read), where the round trip itself (a write, an epoll wake-up, a read, parsing) costs
-~50 us. A gateway sends a dozen per chat request, so that was ~1.5 ms of its CPU per request.
-
-Here every caller shares one connection: a command's bytes are written at once, its future waits
-in a FIFO, and replies are parsed (hiredis) as they arrive and handed out in order. Commands from
-concurrent requests share reads and wake-ups: ~10 us each with ten in flight. A batch (a
-pipeline, or MULTI ... EXEC) is written in one piece, so no other caller's command lands inside it.
+Every caller shares one connection: a command's bytes are written at once, its future waits in
+a FIFO, and replies are parsed (hiredis) as they arrive and handed out in order, so commands
+from concurrent requests share reads and wake-ups. redis-py's asyncio client checks a
+connection out of its pool and runs several coroutine layers per command; bench/README.md has
+the measured difference. A batch (a pipeline, or MULTI ... EXEC) is written in one piece, so no
+other caller's command lands inside it.
 
 Failures: a lost connection fails every command in flight with redis-py's ConnectionError, and
 the next command connects afresh; a reply overdue by socket_timeout_s fails them all with its
 TimeoutError (and drops the connection, whose replies would no longer match). Error replies come
 back as redis-py's ResponseError (NoScriptError for NOSCRIPT), so callers handle both clients alike.
-Blocking commands (BLMPOP, XREAD BLOCK) and Pub/Sub do not belong here: they would hold up
-everyone behind them.
+Blocking commands (BLMPOP, XREAD BLOCK) do not belong on the shared connection: they would hold
+up everyone behind it (RedisClient gives them connections of their own). A connection can also
+be handed over raw (connect_raw): after its setup, its bytes go to a callback unparsed, which is
+how the Pub/Sub connection feeds the relay's dispatcher.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import hiredis
@@ -75,6 +74,7 @@ def pack(command: Command) -> bytes:
 class _Protocol(asyncio.Protocol):
     def __init__(self) -> None:
         self.reader = hiredis.Reader(encoding="utf-8", replyError=_Reply)
+        self.raw: Callable[[bytes], None] | None = None  # set: bytes go there unparsed (connect_raw)
         # One entry per batch written: (future, how many replies it takes, when it was written).
         self.waiting: deque[tuple[asyncio.Future[list[Any]], int, float]] = deque()
         self.replies: list[Any] = []  # of the batch at the head, so far
@@ -85,6 +85,9 @@ class _Protocol(asyncio.Protocol):
         self.transport = transport  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
+        if self.raw is not None:
+            self.raw(data)
+            return
         self.reader.feed(data)
         while (reply := self.reader.gets()) is not False:
             if not self.waiting:  # a reply nobody asked for: the stream cannot be trusted
@@ -223,6 +226,13 @@ class RedisMux:
                 raise RedisConnectionError(f"Redis refused the connection setup: {errors[0]}")
         return protocol
 
+    async def connect_raw(self, on_data: Callable[[bytes], None]) -> RawConnection:
+        """A connection of its own, set up like this client's (AUTH, SELECT), whose bytes then go
+        to on_data as they arrive, unparsed (for a Pub/Sub connection, in RESP2)."""
+        protocol = await self._connect()
+        protocol.raw = on_data
+        return RawConnection(protocol)
+
     def _arm_watchdog(self) -> None:
         if self._watchdog is None:
             self._watchdog = asyncio.get_running_loop().call_later(self._socket_timeout_s / 2, self._check)
@@ -238,3 +248,24 @@ class RedisMux:
             protocol.fail(RedisTimeoutError(f"Redis did not answer within {self._socket_timeout_s} s"))
             return
         self._arm_watchdog()
+
+
+class RawConnection:
+    """A connection handed over raw (RedisMux.connect_raw): commands written, replies not read."""
+
+    def __init__(self, protocol: _Protocol) -> None:
+        self._protocol = protocol
+
+    @property
+    def closed(self) -> asyncio.Future[None]:
+        """Done once the connection is lost or closed."""
+        return self._protocol.closed
+
+    def send(self, commands: Sequence[Command]) -> None:
+        transport = self._protocol.transport
+        if transport is None or transport.is_closing():
+            raise RedisConnectionError("the connection is closed")
+        transport.write(b"".join(pack(c) for c in commands))
+
+    def close(self) -> None:
+        self._protocol.fail(RedisConnectionError("the connection was closed"))

@@ -1,8 +1,8 @@
-"""The reply bus: gateways submit generation jobs, replica workers claim them, paid lane first.
+"""The job queue: gateways submit generation jobs, replica workers claim them, paid lane first.
 
 A queue is named by its consumer (a replica id, or a model pool the router chose); inside a
-queue there is one lane per tier. claim() always drains paid before free before background, so a
-free burst can delay background work but never a paid request.
+queue there is one lane per tier (fairway.domain.Lane). claim() always drains paid before free
+before background, so a free burst can delay background work but never a paid request.
 """
 
 from __future__ import annotations
@@ -10,17 +10,9 @@ from __future__ import annotations
 import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
-
-class Lane(StrEnum):
-    PAID = "paid"
-    FREE = "free"
-    BACKGROUND = "background"
-
-
-LANE_ORDER: tuple[Lane, ...] = (Lane.PAID, Lane.FREE, Lane.BACKGROUND)  # claim priority, highest first
+from fairway.domain import Lane
 
 DEFAULT_QUEUE = "default"
 
@@ -42,18 +34,12 @@ def decode_job(raw: str, lane: Lane) -> ClaimedJob:
     return ClaimedJob(data["id"], lane, data["job"])
 
 
-class ReplyBus(ABC):
+class JobQueue(ABC):
     """Work submission between gateways (producers of jobs) and replicas (consumers)."""
 
     @abstractmethod
-    async def submit(
-        self,
-        job: dict[str, Any],
-        lane: Lane | str = Lane.FREE,
-        *,
-        queue: str = DEFAULT_QUEUE,
-        front: bool = False,
-    ) -> str:
+    async def submit(self, job: dict[str, Any], lane: Lane | str = Lane.FREE, *, queue: str = DEFAULT_QUEUE,
+                     front: bool = False) -> str:
         """Queue a JSON-able job; returns its id. front=True puts it at the head of its lane
         (failover continuations go there so the client's pause stays short)."""
 
@@ -68,9 +54,11 @@ class ReplyBus(ABC):
                          timeout: float | None = 0.0) -> list[ClaimedJob]:
         """Take up to max_count jobs waiting in the first lane that has any (paid before free
         before background), waiting as claim() does for there to be one; [] when the wait ran
-        out. A consumer with a batch's worth of work (a busy gateway's reply recorder) takes it
-        in one round trip."""
+        out."""
 
     @abstractmethod
-    async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
-        """Jobs waiting per lane (for shedding free work at capacity and for metrics)."""
+    async def depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
+        """Jobs waiting per lane (for shedding free work at capacity, and for metrics)."""
+
+    async def close(self) -> None:  # noqa: B027  (only a Redis queue holds connections)
+        """Release connections."""

@@ -1,4 +1,4 @@
-"""InProcessTokenLog: the embedded backend (one process, `make serve`), plain asyncio.
+"""InProcessTokenLog: the embedded token log (one process, `make serve`), plain asyncio.
 
 Logs are lists in a dict; each log has an asyncio.Event that is set and replaced on every append,
 so waiting subscribers wake exactly when there is something new. Expiry is by timestamp, checked
@@ -8,24 +8,14 @@ on access and swept lazily, so no background task is needed.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import time
-import uuid
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from fairway.relay.bus import DEFAULT_QUEUE, LANE_ORDER, ClaimedJob, Lane, decode_job, encode_job
+from fairway.relay.arrivals import new_signal
 from fairway.relay.errors import EventOutOfOrder, RelayError, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, with_n
-from fairway.relay.inbox import Delivery
 from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink, check_after, check_token_events
-
-
-def _new_signal() -> asyncio.Event:
-    return asyncio.Event()
 
 
 @dataclass
@@ -33,7 +23,7 @@ class _Log:
     touched: float  # monotonic time of the last event (or create): retention counts from here
     listened_at: float  # wall time the last listener left (or create)
     events: list[Event] = field(default_factory=list)  # events[i].n == i + 1
-    changed: asyncio.Event = field(default_factory=_new_signal)
+    changed: asyncio.Event = field(default_factory=new_signal)
     listeners: int = 0
     stop: bool = False
 
@@ -51,50 +41,6 @@ class _Log:
         self.changed = asyncio.Event()
 
 
-@dataclass
-class _Arrivals:
-    """What a queue's consumers wait on: a signal set, and replaced, whenever something is added."""
-
-    arrived: asyncio.Event = field(default_factory=_new_signal)
-
-    def notify(self) -> None:
-        self.arrived.set()
-        self.arrived = asyncio.Event()
-
-    async def wait_until(self, ready: Callable[[], bool], timeout: float | None) -> bool:
-        """Wait until ready() (True) or the timeout runs out (False; 0 = don't wait, None = no
-        limit); ready() gets one last look after the timeout."""
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        while not ready():
-            remaining = None if deadline is None else deadline - loop.time()
-            if remaining is not None and remaining <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.arrived.wait(), remaining)
-        return True
-
-
-@dataclass
-class _Queue(_Arrivals):
-    lanes: dict[Lane, deque[str]] = field(default_factory=lambda: {lane: deque() for lane in LANE_ORDER})
-
-
-@dataclass
-class _Pending:
-    raw: str
-    consumer: str
-    taken_at: float  # monotonic
-    attempts: int
-
-
-@dataclass
-class _Inbox(_Arrivals):
-    waiting: deque[tuple[str, str]] = field(default_factory=deque)  # (id, JSON), oldest first
-    pending: dict[str, _Pending] = field(default_factory=dict)  # taken, not acknowledged
-    next_id: int = 0
-
-
 class InProcessTokenLog(TokenLog):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S, *, poll_s: float = 1.0) -> None:
         self.ttl_s = ttl_s
@@ -102,8 +48,6 @@ class InProcessTokenLog(TokenLog):
         self._logs: dict[str, _Log] = {}
         self._last_sweep = time.monotonic()
         self._stop_watchers: set[asyncio.Queue[str]] = set()
-        self._queues: dict[str, _Queue] = {}
-        self._inboxes: dict[str, _Inbox] = {}
 
     # -- storage helpers ---------------------------------------------------------------------
 
@@ -223,17 +167,10 @@ class InProcessTokenLog(TokenLog):
         log = self._get(reply_id)
         return log.listeners if log else 0
 
-    async def last_listened_at(self, reply_id: str) -> float | None:
-        log = self._get(reply_id)
-        if log is None:
-            return None
-        return time.time() if log.listeners else log.listened_at
-
-    async def listener_idle_s(self, reply_id: str) -> float | None:
-        log = self._get(reply_id)
-        if log is None:
-            return None
-        return 0.0 if log.listeners else max(0.0, time.time() - log.listened_at)
+    async def listener_idle_many(self, reply_ids: Sequence[str]) -> list[float | None]:
+        now = time.time()
+        logs = [self._get(reply_id) for reply_id in reply_ids]
+        return [None if log is None else 0.0 if log.listeners else max(0.0, now - log.listened_at) for log in logs]
 
     # -- control -----------------------------------------------------------------------------
 
@@ -258,74 +195,3 @@ class InProcessTokenLog(TokenLog):
                 yield await inbox.get()
         finally:
             self._stop_watchers.discard(inbox)
-
-    # -- reply bus ---------------------------------------------------------------------------
-
-    async def submit(
-        self,
-        job: dict[str, Any],
-        lane: Lane | str = Lane.FREE,
-        *,
-        queue: str = DEFAULT_QUEUE,
-        front: bool = False,
-    ) -> str:
-        lane = Lane(lane)
-        job_id = uuid.uuid4().hex
-        raw = encode_job(job_id, job)  # JSON round trip: same semantics (and failures) as Redis
-        q = self._queues.setdefault(queue, _Queue())
-        (q.lanes[lane].appendleft if front else q.lanes[lane].append)(raw)
-        q.notify()
-        return job_id
-
-    async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
-                         timeout: float | None = 0.0) -> list[ClaimedJob]:
-        q = self._queues.setdefault(queue, _Queue())
-        if not await q.wait_until(lambda: any(q.lanes.values()), timeout):
-            return []
-        lane = next(lane for lane in LANE_ORDER if q.lanes[lane])
-        waiting = q.lanes[lane]
-        return [decode_job(waiting.popleft(), lane) for _ in range(min(max_count, len(waiting)))]
-
-    async def queue_depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
-        q = self._queues.get(queue) or _Queue()
-        return {lane: len(q.lanes[lane]) for lane in LANE_ORDER}
-
-    # -- inboxes -----------------------------------------------------------------------------
-
-    async def post(self, inbox: str, item: dict[str, Any]) -> None:
-        box = self._inboxes.setdefault(inbox, _Inbox())
-        box.next_id += 1
-        box.waiting.append((str(box.next_id), json.dumps(item)))  # JSON: the same values as on Redis
-        box.notify()
-
-    async def take(self, inbox: str, consumer: str, *, max_count: int,
-                   timeout: float | None = 0.0) -> list[Delivery]:
-        box = self._inboxes.setdefault(inbox, _Inbox())
-        if not await box.wait_until(lambda: bool(box.waiting), timeout):
-            return []
-        taken = []
-        for _ in range(min(max_count, len(box.waiting))):
-            item_id, raw = box.waiting.popleft()
-            box.pending[item_id] = _Pending(raw, consumer, time.monotonic(), 1)
-            taken.append(Delivery(item_id, json.loads(raw), 1))
-        return taken
-
-    async def ack(self, inbox: str, deliveries: Sequence[Delivery]) -> None:
-        box = self._inboxes.get(inbox)
-        if box is None:
-            return
-        for delivery in deliveries:
-            box.pending.pop(delivery.id, None)
-
-    async def reclaim(self, inbox: str, consumer: str, *, min_idle_s: float,
-                      max_count: int) -> list[Delivery]:
-        box = self._inboxes.get(inbox)
-        if box is None:
-            return []
-        now = time.monotonic()
-        idle = [(i, p) for i, p in box.pending.items() if now - p.taken_at >= min_idle_s]
-        reclaimed = []
-        for item_id, pending in idle[:max_count]:
-            pending.consumer, pending.taken_at, pending.attempts = consumer, now, pending.attempts + 1
-            reclaimed.append(Delivery(item_id, json.loads(pending.raw), pending.attempts))
-        return reclaimed
