@@ -12,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+from fairway.domain import Tier
 from fairway.heap import settle_heap
 from fairway.models.bundled import ModelFileError
 
@@ -362,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     database_help = "database URL (default: $FAIRWAY_DATABASE_URL, else SQLite in ./.fairway/)"
     kc = ksub.add_parser("create", help="a new key for a user; prints the key as its last line")
     kc.add_argument("--user", required=True)
-    kc.add_argument("--tier", default="free", choices=["paid", "free", "business", "background"])
+    kc.add_argument("--tier", default=Tier.FREE.value, choices=[tier.value for tier in Tier])
     kc.add_argument("--name", default="", help="a note to tell keys apart")
     kc.add_argument("--database", default=None, help=database_help)
     kr = ksub.add_parser("revoke", help="revoke a key, given the key itself or its id (key_...)")
