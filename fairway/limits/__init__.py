@@ -36,7 +36,7 @@ from fairway.limits.singleflight import (
     is_cacheable,
 )
 from fairway.limits.window import Denied, InProcessWindow, RedisWindow, WindowCounter, WindowState
-from fairway.redis_client import RedisMux
+from fairway.redis_client import RedisClient
 
 
 @dataclass
@@ -47,8 +47,7 @@ class Limits:
     idempotency: IdempotencyStore
     admission: Admission
     flights: SingleFlight
-    _redis: _redis.Redis | None = None
-    _mux: RedisMux | None = None
+    _redis: RedisClient | None = None
 
     async def headers(self, user: str, model: str, tier: str) -> dict[str, str]:
         """The six x-ratelimit-* headers from the current state (two reads). On the request path
@@ -63,10 +62,8 @@ class Limits:
                 await self._redis.ping()
 
     async def close(self) -> None:
-        if self._mux is not None:
-            await self._mux.close()
         if self._redis is not None:
-            await self._redis.aclose()
+            await self._redis.close()
 
 
 def make_limits(redis_url: str | None, config: LimitsConfig | None = None) -> Limits:
@@ -87,8 +84,7 @@ def make_limits(redis_url: str | None, config: LimitsConfig | None = None) -> Li
         raise ValueError(f"unsupported limits URL {redis_url!r}: use memory:// or redis://host:port/db")
     client = _redis.connect(redis_url, connect_timeout_s=config.connect_timeout_s,
                             socket_timeout_s=config.socket_timeout_s)
-    mux = RedisMux(redis_url, connect_timeout_s=config.connect_timeout_s, socket_timeout_s=config.socket_timeout_s)
-    counter = RedisWindow(client, mux, config.window_s, config.buckets, config.clock)
+    counter = RedisWindow(client, config.window_s, config.buckets, config.clock)
     return Limits(
         config,
         TokenQuota(counter, config),
@@ -97,7 +93,6 @@ def make_limits(redis_url: str | None, config: LimitsConfig | None = None) -> Li
         admission,
         RedisSingleFlight(client, config.flight_ttl_s, config.flight_wait_s, prefix=config.prefix),
         client,
-        mux,
     )
 
 

@@ -3,29 +3,29 @@ LimitsUnavailable. Nothing here blocks server-side, so short socket timeouts are
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import quote
 
-import redis.asyncio as aioredis
-from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.limits.errors import LimitsUnavailable
-from fairway.redis_client import redis_py
-
-Redis = aioredis.Redis
+from fairway.redis_client import RedisClient, Script
 
 
-def connect(url: str, *, connect_timeout_s: float = 0.5, socket_timeout_s: float = 1.0,
-            max_connections: int = 64) -> Redis:
-    # A burst of admissions queues for a connection (at most one socket timeout) instead of failing.
-    return redis_py(url, max_connections=max_connections, wait_s=socket_timeout_s,
-                        connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s,
-                        # One quick retry rides out a blip; beyond that the caller gets LimitsUnavailable.
-                        retry=Retry(ExponentialBackoff(cap=0.1, base=0.02), 1))
+def connect(url: str, *, connect_timeout_s: float = 0.5, socket_timeout_s: float = 1.0) -> RedisClient:
+    # One quick retry rides out a blip; beyond that the caller gets LimitsUnavailable.
+    return RedisClient(url, connect_timeout_s=connect_timeout_s, socket_timeout_s=socket_timeout_s, retries=1)
+
+
+async def run(client: RedisClient, script: Script, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    """One call of script: its reply, or its error raised."""
+    (result,) = await client.run_scripts(script, [(keys, args)])
+    if isinstance(result, Exception):
+        raise result
+    return result
 
 
 @contextmanager

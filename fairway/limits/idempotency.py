@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 from fairway.limits import _redis
+from fairway.redis_client import RedisClient, Script
 
 MAX_KEY_LENGTH = 255
 DEFAULT_TTL_S = 24 * 3600.0
@@ -195,12 +196,12 @@ return 1
 
 
 class RedisIdempotency(IdempotencyStore):
-    def __init__(self, client: _redis.Redis, ttl_s: float = DEFAULT_TTL_S, prefix: str = "fairway:") -> None:
+    def __init__(self, client: RedisClient, ttl_s: float = DEFAULT_TTL_S, prefix: str = "fairway:") -> None:
         super().__init__(ttl_s)
         self._r = client
         self._prefix = prefix
-        self._claim = client.register_script(_CLAIM)
-        self._update = client.register_script(_UPDATE)
+        self._claim = Script(_CLAIM)
+        self._update = Script(_UPDATE)
 
     def _key(self, user: str, key: str) -> str:
         check_key(key)
@@ -211,26 +212,26 @@ class RedisIdempotency(IdempotencyStore):
         ttl_ms = max(1, int((self.ttl_s if ttl_s is None else ttl_s) * 1000))
         value = json.dumps({"f": body_fingerprint, "r": "", "s": "claimed"})
         with _redis.guard():
-            raw = await self._claim(keys=[self._key(user, key)], args=[value, ttl_ms])
+            raw = await _redis.run(self._r, self._claim, [self._key(user, key)], [value, ttl_ms])
         return Claimed() if raw is None else _decode(raw, body_fingerprint)
 
     async def attach(self, user: str, key: str, reply_id: str) -> bool:
         if not reply_id:
             raise ValueError("reply_id must not be empty")
         with _redis.guard():
-            return bool(await self._update(keys=[self._key(user, key)], args=["running", reply_id]))
+            return bool(await _redis.run(self._r, self._update, [self._key(user, key)], ["running", reply_id]))
 
     async def complete(self, user: str, key: str) -> bool:
         with _redis.guard():
-            return bool(await self._update(keys=[self._key(user, key)], args=["complete", ""]))
+            return bool(await _redis.run(self._r, self._update, [self._key(user, key)], ["complete", ""]))
 
     async def release(self, user: str, key: str) -> None:
         with _redis.guard():
-            await self._r.delete(self._key(user, key))
+            await self._r.execute("DEL", self._key(user, key))
 
     async def get(self, user: str, key: str, body_fingerprint: str | None = None) -> Existing | None:
         with _redis.guard():
-            raw = await self._r.get(self._key(user, key))
+            raw = await self._r.execute("GET", self._key(user, key))
         return None if raw is None else _decode(raw, body_fingerprint)
 
 

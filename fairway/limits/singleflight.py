@@ -28,6 +28,7 @@ from typing import Any
 
 from fairway.limits import _redis
 from fairway.limits.errors import LimitsUnavailable
+from fairway.redis_client import RedisClient, Script
 
 PENDING_TTL_S = 30.0  # longest a leader may take to start a reply before others stop waiting on it
 
@@ -199,12 +200,12 @@ class RedisSingleFlight(SingleFlight):
     """Followers on other gateways poll (10 ms doubling to 100 ms) for the leader's reply id: a
     follower waits once per flight, for about the time it takes to create a reply."""
 
-    def __init__(self, client: _redis.Redis, ttl_s: float = 120.0, wait_s: float = 10.0,
+    def __init__(self, client: RedisClient, ttl_s: float = 120.0, wait_s: float = 10.0,
                  pending_ttl_s: float = PENDING_TTL_S, prefix: str = "fairway:") -> None:
         super().__init__(ttl_s, wait_s, pending_ttl_s)
         self._r = client
         self._prefix = prefix
-        self._swap = client.register_script(_SWAP)
+        self._swap = Script(_SWAP)
 
     def _key(self, fingerprint: str) -> str:
         return f"{self._prefix}flight:{fingerprint}"
@@ -214,25 +215,25 @@ class RedisSingleFlight(SingleFlight):
 
     async def _lead(self, fingerprint: str, token: str) -> bool:
         with _redis.guard():
-            return bool(await self._r.set(self._key(fingerprint), f"pending:{token}", nx=True,
-                                          px=self._ms(self.pending_ttl_s)))
+            return bool(await self._r.execute("SET", self._key(fingerprint), f"pending:{token}", "NX", "PX",
+                                              self._ms(self.pending_ttl_s)))
 
     async def _publish(self, fingerprint: str, token: str, reply_id: str) -> None:
         with _redis.guard():
-            await self._swap(keys=[self._key(fingerprint)],
-                             args=[f"pending:{token}", f"reply:{reply_id}", self._ms(self.ttl_s)])
+            await _redis.run(self._r, self._swap, [self._key(fingerprint)],
+                             [f"pending:{token}", f"reply:{reply_id}", self._ms(self.ttl_s)])
 
     async def _abandon(self, fingerprint: str, token: str) -> None:
         with _redis.guard():
-            await self._swap(keys=[self._key(fingerprint)], args=[f"pending:{token}", "", 0])
+            await _redis.run(self._r, self._swap, [self._key(fingerprint)], [f"pending:{token}", "", 0])
 
     async def _peek(self, fingerprint: str) -> str | None:
         with _redis.guard():
-            return await self._r.get(self._key(fingerprint))
+            return await self._r.execute("GET", self._key(fingerprint))
 
     async def _wait(self, fingerprint: str, timeout: float, attempt: int) -> None:
         await asyncio.sleep(min(0.01 * 2 ** min(attempt, 4), 0.1, timeout))
 
     async def finish(self, fingerprint: str, reply_id: str) -> None:
         with _redis.guard():
-            await self._swap(keys=[self._key(fingerprint)], args=[f"reply:{reply_id}", "", 0])
+            await _redis.run(self._r, self._swap, [self._key(fingerprint)], [f"reply:{reply_id}", "", 0])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from fairway.limits import _redis
-from fairway.redis_client import RedisMux, run_scripts
+from fairway.redis_client import RedisClient, Script
 
 LimitType = Literal["tokens", "requests"]
 
@@ -240,15 +240,15 @@ return 1
 
 
 class RedisWindow(WindowCounter):
-    """Checked on every chat request: its scripts go over a RedisMux (client only registers them)."""
+    """Checked on every chat request: one pipelined round trip for all of a request's windows."""
 
-    def __init__(self, client: _redis.Redis, mux: RedisMux, window_s: float = 60.0, buckets: int = 60,
+    def __init__(self, client: RedisClient, window_s: float = 60.0, buckets: int = 60,
                  clock: Callable[[], float] | None = None) -> None:
         super().__init__(window_s, buckets)
-        self._mux = mux
+        self._client = client
         self._clock = clock
-        self._add = client.register_script(_ADD)
-        self._adjust = client.register_script(_ADJUST)
+        self._add = Script(_ADD)
+        self._adjust = Script(_ADJUST)
         # The hash outlives its newest bucket by a margin, then Redis drops it: no sweeper.
         self._ttl_ms = int((window_s + self.bucket_s) * 1000) + 1000
 
@@ -259,7 +259,7 @@ class RedisWindow(WindowCounter):
         clock, bucket_s = _redis.clock_arg(self._clock), repr(self.bucket_s)
         calls = [([key], [amount, limit, bucket_s, self.buckets, self._ttl_ms, clock]) for key, amount, limit in adds]
         with _redis.guard():
-            results = await run_scripts(self._mux, self._add, calls)
+            results = await self._client.run_scripts(self._add, calls)
         added = []
         for (_, _, limit), result in zip(adds, results, strict=True):
             if isinstance(result, Exception):
@@ -273,6 +273,4 @@ class RedisWindow(WindowCounter):
             return
         args = [bucket, delta, repr(self.bucket_s), self.buckets, _redis.clock_arg(self._clock)]
         with _redis.guard():
-            (result,) = await run_scripts(self._mux, self._adjust, [([key], args)])
-        if isinstance(result, Exception):
-            raise result
+            await _redis.run(self._client, self._adjust, [key], args)

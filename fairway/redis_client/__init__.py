@@ -9,7 +9,9 @@ registry) gets a RedisClient and never builds protocol bytes or reaches into a l
 * Lua scripts run by their sha, reloaded when Redis lost them (scripts.run_scripts);
 * the relay's live events come over a connection handed over raw (connect_raw()), its bytes
   fed to the relay's dispatcher unparsed;
-* the redis-py client (redis_py()) is there for the parts whose few commands a pool serves well.
+* the same calls work on a single Redis and on a Redis Cluster: the first call asks the server
+  (INFO cluster) and, on a cluster, every command goes to the master of its key's slot
+  (cluster.ClusterMux); Fairway's keys carry hash tags so that one call never spans slots.
 
 Transport failures surface as redis-py's ConnectionError / TimeoutError; each part turns them
 into its own "unavailable" error.
@@ -23,10 +25,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
-from redis.backoff import ExponentialBackoff
 
+from fairway.redis_client.cluster import ClusterMux, command_key
 from fairway.redis_client.mux import Command, RawConnection, RedisMux, pack
 from fairway.redis_client.scripts import Script, pack_call, run_packed_scripts, run_scripts
+
+Mux = RedisMux | ClusterMux
 
 SCHEMES = ("redis://", "rediss://", "unix://")
 
@@ -52,38 +56,69 @@ def redis_py(url: str, *, max_connections: int = 64, wait_s: float, connect_time
 
 
 class RedisClient:
-    """The connections of one part of a process to the Redis at url (see the module docstring).
-    block_s bounds one blocking wait on the server, so the socket timeout never fires on it."""
+    """The connections of one part of a process to the Redis (or Redis Cluster) at url (see the
+    module docstring). block_s bounds one blocking wait on the server, so the socket timeout never
+    fires on it."""
 
-    def __init__(self, url: str, *, connect_timeout_s: float = 2.0, socket_timeout_s: float = 6.0,
+    def __init__(self, url: str, *, connect_timeout_s: float = 2.0, socket_timeout_s: float = 5.0,
                  block_s: float = 1.0, retries: int = 2) -> None:
         self.url = url
         self.block_s = block_s
-        self._options = {"connect_timeout_s": connect_timeout_s,
-                         "socket_timeout_s": max(socket_timeout_s, block_s + 5.0), "retries": retries}
-        self.mux = RedisMux(url, **self._options)
-        self._waiting: list[RedisMux] = []  # idle connections for blocking commands
-        self._py: aioredis.Redis | None = None
+        self._options = {"connect_timeout_s": connect_timeout_s, "socket_timeout_s": socket_timeout_s,
+                         "retries": retries}
+        # A blocking command's reply may take block_s: its connection's timeout allows for that.
+        self._blocking_options = {**self._options, "socket_timeout_s": block_s + socket_timeout_s}
+        self._seed = RedisMux(url, **self._options)
+        self._mux: Mux = self._seed  # a ClusterMux once the server said it is a cluster node
+        self._known = False  # whether the server was asked
+        self._asking = asyncio.Lock()
+        self._waiting: dict[str, list[RedisMux]] = {}  # per node url: idle connections for blocking commands
+
+    async def mux(self) -> Mux:
+        """The connection commands go over: the single server's, or the cluster's router."""
+        if self._known:
+            return self._mux
+        async with self._asking:
+            if not self._known:
+                info = await self._seed.execute("INFO", "cluster")
+                if "cluster_enabled:1" in str(info):
+                    cluster = ClusterMux(self.url, self._seed, lambda url: RedisMux(url, **self._options))
+                    await cluster.refresh()
+                    self._mux = cluster
+                self._known = True
+        return self._mux
+
+    @property
+    def is_cluster(self) -> bool:
+        return isinstance(self._mux, ClusterMux)
 
     async def execute(self, *command: Any) -> Any:
-        return await self.mux.execute(*command)
+        return await (self._mux if self._known else await self.mux()).execute(*command)
 
-    async def batch(self, commands: Sequence[Command]) -> list[Any]:
-        return await self.mux.batch(commands)
+    async def batch(self, commands: Sequence[Command], *, ordered: bool = False) -> list[Any]:
+        """Replies in order, errors in place. On a cluster the commands of different nodes run
+        concurrently unless ordered (each node's in order either way)."""
+        mux = self._mux if self._known else await self.mux()
+        if isinstance(mux, ClusterMux):
+            return await mux.batch(commands, ordered=ordered)
+        return await mux.batch(commands)
 
     async def batch_packed(self, packed: Sequence[bytes]) -> list[Any]:
-        return await self.mux.batch_packed(packed)
+        return await (self._mux if self._known else await self.mux()).batch_packed(packed)
 
     async def run_scripts(self, script: Script, calls: Sequence[tuple[Sequence[str], Sequence[Any]]]) -> list[Any]:
-        return await run_scripts(self.mux, script, calls)
+        return await run_scripts(self._mux if self._known else await self.mux(), script, calls)
 
     async def run_packed_scripts(self, script: Script, calls: Sequence[bytes]) -> list[Any]:
-        return await run_packed_scripts(self.mux, script, calls)
+        return await run_packed_scripts(self._mux if self._known else await self.mux(), script, calls)
 
     async def blocking(self, command: Callable[[float], list[Any]], timeout: float | None) -> Any:
         """Run a blocking command (command(seconds to wait) builds it) until it returns something
-        or the timeout (None: no limit) runs out; None then. It waits on a connection of its own,
-        in slices no longer than block_s."""
+        or the timeout (None: no limit) runs out; None then. It waits on a connection of its own
+        (to its key's node), in slices no longer than block_s."""
+        mux = await self.mux()
+        node = mux.node_of(command_key(command(1.0))) if isinstance(mux, ClusterMux) else self.url
+        idle = self._waiting.setdefault(node, [])
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         while True:
@@ -91,40 +126,42 @@ class RedisClient:
             if remaining is not None and remaining <= 0:
                 return None  # (the blocking read waited until the deadline)
             wait = self.block_s if remaining is None else min(remaining, self.block_s)
-            mux = self._waiting.pop() if self._waiting else RedisMux(self.url, **self._options)
+            conn = idle.pop() if idle else RedisMux(node, **self._blocking_options)
             try:
-                reply = await mux.execute(*command(max(wait, 0.01)))
+                reply = await conn.execute(*command(max(wait, 0.01)))
             except BaseException:
-                await mux.close()  # (cancelled mid-wait, its reply would come to the next caller)
+                await conn.close()  # (cancelled mid-wait, its reply would come to the next caller)
                 raise
-            self._waiting.append(mux)
+            idle.append(conn)
             if reply:
                 return reply
 
-    async def connect_raw(self, on_data: Callable[[bytes], None]) -> RawConnection:
-        """A connection of its own whose bytes go to on_data unparsed (see RedisMux.connect_raw)."""
-        return await self.mux.connect_raw(on_data)
+    async def connect_raw(self, on_data: Callable[[bytes], None], key: str | None = None) -> RawConnection:
+        """A connection of its own (to key's node, on a cluster) whose bytes go to on_data
+        unparsed (see RedisMux.connect_raw)."""
+        mux = await self.mux()
+        if isinstance(mux, ClusterMux):
+            return await mux.connect_raw(on_data, key)
+        return await mux.connect_raw(on_data)
 
-    def redis_py(self) -> aioredis.Redis:
-        """redis-py's client for the same server (made on first use)."""
-        if self._py is None:
-            timeout = self._options["socket_timeout_s"]
-            self._py = redis_py(self.url, wait_s=timeout, connect_timeout_s=self._options["connect_timeout_s"],
-                                socket_timeout_s=timeout, retry=Retry(ExponentialBackoff(cap=0.25, base=0.05), 2))
-        return self._py
+    async def node_of(self, key: str) -> str:
+        """Which server holds key: the url of its node (the one server's url if not a cluster)."""
+        mux = await self.mux()
+        return mux.node_of(key) if isinstance(mux, ClusterMux) else self.url
 
     async def ping(self) -> None:
-        await self.mux.execute("PING")
+        await self.execute("PING")
 
     async def close(self) -> None:
-        await self.mux.close()
-        for mux in self._waiting:
-            await mux.close()
+        await self._seed.close()
+        if isinstance(self._mux, ClusterMux):
+            await self._mux.close()
+        for idle in self._waiting.values():
+            for conn in idle:
+                await conn.close()
         self._waiting.clear()
-        if self._py is not None:
-            await self._py.aclose()
-            self._py = None
+        self._mux, self._known = self._seed, False
 
 
-__all__ = ["Command", "RawConnection", "RedisClient", "RedisMux", "Script", "is_redis_url", "pack", "pack_call",
-           "redis_py", "run_packed_scripts", "run_scripts"]
+__all__ = ["ClusterMux", "Command", "RawConnection", "RedisClient", "RedisMux", "Script", "command_key",
+           "is_redis_url", "pack", "pack_call", "redis_py", "run_packed_scripts", "run_scripts"]

@@ -67,7 +67,8 @@ class RedisRelay(Relay):
         # One pipeline, run in order: the log, then the job (one round trip for a new reply).
         job_id, submit = self.jobs.submit_command(job, lane, queue)  # type: ignore[attr-defined]
         with guard():
-            results = await self.client.batch([self.log.create_command(reply_id), submit])  # type: ignore[attr-defined]
+            results = await self.client.batch([self.log.create_command(reply_id), submit],  # type: ignore[attr-defined]
+                                              ordered=True)
         for result in results:
             raise_if_error(result)
         return job_id

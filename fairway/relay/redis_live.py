@@ -85,6 +85,7 @@ class LiveSubscriber:
     cursor: int = 0  # n of the last event handed out, by its iterator or to direct
     direct: TokenSink | None = None  # takes the next token event while the iterator waits (see TokenLog)
     tapped: bool = False  # direct is in taps: the dispatcher took what it could; cursor is direct's
+    events: LiveEvents | None = None  # the connection's fan-out it came from
 
     def deliver_token(self, n: int, text: str, ids: str, now: float) -> None:
         """A token event as published (ids still the published string)."""
@@ -164,6 +165,7 @@ class _Channel:
 
 
 Exists = Callable[[list[str]], Awaitable[list[bool]]]
+Connect = Callable[[Callable[[bytes], None]], Awaitable[RawConnection]]
 
 
 class LiveEvents:
@@ -176,8 +178,8 @@ class LiveEvents:
     (they would have missed events); the next subscription connects afresh.
     """
 
-    def __init__(self, client: RedisClient, sweep_s: float, exists: Exists) -> None:
-        self._client = client
+    def __init__(self, connect: Connect, sweep_s: float, exists: Exists) -> None:
+        self._connect = connect
         self._sweep_s = sweep_s
         self._exists = exists
         self._channels: dict[str, _Channel] = {}
@@ -201,7 +203,7 @@ class LiveEvents:
             self._send("SSUBSCRIBE", channel)
         else:
             self._taps.pop(channel, None)  # a second listener: the Python path serves both
-        sub = LiveSubscriber(channel, idle_s, loop.time(), self._taps, entry)
+        sub = LiveSubscriber(channel, idle_s, loop.time(), self._taps, entry, events=self)
         entry.subscribers.add(sub)
         try:
             await asyncio.shield(entry.ready)  # shared: one subscriber giving up must not cancel it
@@ -235,7 +237,7 @@ class LiveEvents:
                 # bytes go to the dispatcher whole: one socket read brings hundreds of messages
                 # under load.
                 try:
-                    conn = await self._client.connect_raw(self._on_data)
+                    conn = await self._connect(self._on_data)
                 except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
                     raise RelayUnavailable(f"Redis unreachable: {exc}") from exc
                 self._conn = conn
@@ -353,3 +355,35 @@ class LiveEvents:
         self._outbox.clear()
         return conn
 
+
+class LiveRouter:
+    """LiveEvents per Redis node: on a single server one connection for every channel; on a
+    Redis Cluster one per master, each channel subscribed where its slot lives."""
+
+    def __init__(self, client: RedisClient, sweep_s: float, exists: Exists) -> None:
+        self._client = client
+        self._sweep_s = sweep_s
+        self._exists = exists
+        self._nodes: dict[str, LiveEvents] = {}
+
+    async def add(self, key: str, channel: str, idle_s: float | None) -> LiveSubscriber:
+        try:
+            node = await self._client.node_of(channel)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise RelayUnavailable(f"Redis unreachable: {exc}") from exc
+        events = self._nodes.get(node)
+        if events is None:
+            async def connect(on_data: Callable[[bytes], None]) -> RawConnection:
+                return await self._client.connect_raw(on_data, channel)
+
+            events = self._nodes[node] = LiveEvents(connect, self._sweep_s, self._exists)
+        return await events.add(key, channel, idle_s)
+
+    def remove(self, sub: LiveSubscriber) -> None:
+        if sub.events is not None:
+            sub.events.remove(sub)
+
+    async def close(self) -> None:
+        for events in self._nodes.values():
+            await events.close()
+        self._nodes.clear()

@@ -35,7 +35,7 @@ from fairway.redis_client.scripts import pack_call_bytes
 from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
 from fairway.relay.redis_guard import guard
-from fairway.relay.redis_live import LiveEvents, live_payload
+from fairway.relay.redis_live import LiveRouter, live_payload
 from fairway.relay.token_log import (
     DEFAULT_TTL_S,
     LISTENER_STALE_S,
@@ -214,7 +214,7 @@ class RedisTokenLog(TokenLog):
         self._control_maxlen = control_maxlen
         # How often live subscribers are checked for idleness (keepalives) and expired logs: one
         # blocking wait's length.
-        self._live = LiveEvents(client, client.block_s, self._exist)
+        self._live = LiveRouter(client, client.block_s, self._exist)
         self._heartbeats = _Heartbeats(self, heartbeat_s)
         self._create = Script(_CREATE)
         self._append = Script(_APPEND)

@@ -74,11 +74,11 @@ class RedisRegistry(ReplicaRegistry):
     ids so listing needs no SCAN; ids whose key expired are pruned from the set when seen."""
 
     def __init__(self, url: str, *, prefix: str = "fairway:", ttl_s: float = DEFAULT_TTL_S) -> None:
-        from fairway.redis_client import redis_py
+        from fairway.redis_client import RedisClient
 
         self.ttl_s = ttl_s
         self._prefix = prefix
-        self._r = redis_py(url, max_connections=16, wait_s=5.0, connect_timeout_s=2.0, socket_timeout_s=5.0)
+        self._r = RedisClient(url)
 
     def _key(self, replica_id: str) -> str:
         return f"{self._prefix}replica:{replica_id}"
@@ -88,29 +88,32 @@ class RedisRegistry(ReplicaRegistry):
         return f"{self._prefix}replicas"
 
     async def announce(self, info: ReplicaInfo) -> None:
-        async with self._r.pipeline(transaction=False) as pipe:
-            pipe.set(self._key(info.id), info.to_json(), px=int(self.ttl_s * 1000))
-            pipe.sadd(self._set, info.id)
-            await pipe.execute()
+        _raise_errors(await self._r.batch([["SET", self._key(info.id), info.to_json(), "PX", int(self.ttl_s * 1000)],
+                                           ["SADD", self._set, info.id]]))
 
     async def withdraw(self, replica_id: str) -> None:
-        async with self._r.pipeline(transaction=False) as pipe:
-            pipe.delete(self._key(replica_id))
-            pipe.srem(self._set, replica_id)
-            await pipe.execute()
+        _raise_errors(await self._r.batch([["DEL", self._key(replica_id)], ["SREM", self._set, replica_id]]))
 
     async def live(self) -> list[ReplicaInfo]:
-        ids = sorted(await self._r.smembers(self._set))
+        ids = sorted(await self._r.execute("SMEMBERS", self._set))
         if not ids:
             return []
-        raws = await self._r.mget([self._key(i) for i in ids])
+        # GETs, not one MGET: on a Redis Cluster the replicas' keys live in different slots.
+        raws = await self._r.batch([["GET", self._key(i)] for i in ids])
+        _raise_errors(raws)
         gone = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
         if gone:
-            await self._r.srem(self._set, *gone)
+            await self._r.execute("SREM", self._set, *gone)
         return [ReplicaInfo.from_json(raw) for raw in raws if raw is not None]
 
     async def close(self) -> None:
-        await self._r.aclose()
+        await self._r.close()
+
+
+def _raise_errors(results: list[Any]) -> None:
+    for result in results:
+        if isinstance(result, Exception):
+            raise result
 
 
 def make_registry(url: str | None = None, **options: Any) -> ReplicaRegistry:
