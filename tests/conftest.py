@@ -51,3 +51,20 @@ def hf_model(model_path):
 @pytest.fixture
 def tiny_model():
     return random_model(LlamaConfig.tiny())
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url():
+    """A local three-master Redis Cluster for the session (tests/redis_cluster.py)."""
+    import subprocess
+
+    from redis_cluster import start_cluster
+
+    try:
+        cluster = start_cluster()
+    except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
+        if os.environ.get("FAIRWAY_REQUIRE_BACKENDS") == "1":
+            pytest.fail(f"FAIRWAY_REQUIRE_BACKENDS=1 and no local Redis Cluster could start: {exc}")
+        pytest.skip(f"no local Redis Cluster: {exc}")
+    yield cluster.url
+    cluster.stop()

@@ -11,7 +11,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from redis_keys import delete_prefixed
@@ -60,8 +59,9 @@ class Gateways:
     """Opens Limits the way gateways would: in process there is one shared object (one process);
     on Redis each open() is a separate client, as a separate gateway process would have."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, kind: str, url: str | None = None) -> None:
+        self.kind = kind  # memory, redis or cluster (a local Redis Cluster of three masters)
+        self.url = url or REDIS_URL
         self.prefix = f"test:{uuid.uuid4().hex[:12]}:"
         self._opened: list[Limits] = []
 
@@ -69,7 +69,7 @@ class Gateways:
         if self.kind == "memory" and self._opened:
             return self._opened[0]
         config = LimitsConfig(**{"tiers": TIERS, "prefix": self.prefix, **overrides})
-        limits = make_limits(None if self.kind == "memory" else REDIS_URL, config)
+        limits = make_limits(None if self.kind == "memory" else self.url, config)
         self._opened.append(limits)
         return limits
 
@@ -80,9 +80,10 @@ class Gateways:
             await limits.close()
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "cluster"])
 async def gateways(request: pytest.FixtureRequest) -> AsyncIterator[Gateways]:
-    gw = Gateways(request.param)
+    url = request.getfixturevalue("redis_cluster_url") if request.param == "cluster" else None
+    gw = Gateways(request.param, url)
     yield gw
     await gw.cleanup()
 
@@ -243,10 +244,10 @@ async def test_limits_survive_redis_losing_their_scripts(gateways: Gateways) -> 
     """After a Redis restart (or SCRIPT FLUSH) the scripts are loaded again, and counting goes on."""
     limits = gateways.open(clock=FakeClock())
     assert isinstance(await limits.requests.hit("u", "free", ip="10.0.0.3"), Allowed)
-    if gateways.kind == "redis":
-        client = aioredis.from_url(REDIS_URL)
-        await client.script_flush()
-        await client.aclose()
+    if gateways.kind != "memory":
+        from redis_cluster import flush_scripts
+
+        await flush_scripts(gateways.url)
     second = await limits.requests.hit("u", "free", ip="10.0.0.3")
     assert isinstance(second, Allowed) and second.state.used == 2
 
