@@ -100,11 +100,17 @@ def herd_limit() -> int:
     return tight_limit()
 
 
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def redis_url(request):
+    """The Redis the processes share: one server, or a local three-master Redis Cluster."""
+    return request.getfixturevalue("redis_cluster_url") if request.param == "cluster" else REDIS_URL
+
+
 @pytest.fixture(scope="module")
-def gateways(tmp_path_factory, database, namespace, herd_limit):
+def gateways(tmp_path_factory, database, namespace, herd_limit, redis_url):
     """URLs of two gateway processes sharing one replica process (and their users' keys)."""
     procs = Processes(tmp_path_factory.mktemp("procs"))
-    shared = ["--redis", REDIS_URL, "--namespace", namespace]
+    shared = ["--redis", redis_url, "--namespace", namespace]
     procs.start("replica", "replica", *shared, "--idle-cancel", str(IDLE_CANCEL_S), "--max-model-len", "1024",
                 "--log-level", "warning")
     KEYS["resume-user"] = create_key(database, "resume-user", "paid")

@@ -18,7 +18,7 @@ from typing import Any
 from fairway.conversation.context import ChatMessage, ChatTokenizer, Context, ContextBuilder, ContextTooLong
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
-from fairway.domain import lane_of_tier
+from fairway.domain import Tier, lane_of_tier
 from fairway.relay import Relay
 from fairway.replica.job import GenerationJob
 from fairway.router import ReplicaInfo, Router
@@ -37,7 +37,7 @@ class UnknownModel(LookupError):
 @dataclass
 class ServiceSettings:
     default_max_tokens: int = 512  # when the request sets none
-    default_tier: str = "free"  # for requests that name no tier
+    default_tier: str = Tier.FREE.value  # for requests that name no tier
 
 
 @dataclass

@@ -253,7 +253,7 @@ class ReplicaWorker:
     async def _generate(self, running: _Running) -> FinalEvent:
         job = running.job
         if await self.relay.log.stop_requested(job.reply_id):  # stopped while it waited in the queue
-            return FinalEvent(0, "stop", ReplyState.STOPPED)
+            return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED)
         try:
             params = SamplingParams(**job.sampling)
         except (TypeError, ValueError) as exc:
@@ -359,12 +359,12 @@ def _final(out: RequestOutput, cancelled: CancelCause | None) -> FinalEvent:
         if cancelled == "shutdown":
             return _failed("the replica shut down", out)
         # Stop and "nobody listening" both keep the text: finish_reason stop, state STOPPED.
-        return FinalEvent(0, "stop", ReplyState.STOPPED, *usage)
-    reason = "length" if out.finish_reason == FinishReason.LENGTH else "stop"
+        return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED, *usage)
+    reason = FinishReason.LENGTH if out.finish_reason == FinishReason.LENGTH else FinishReason.STOP
     return FinalEvent(0, reason, ReplyState.FINISHED, *usage)
 
 
 def _failed(error: str, out: RequestOutput | None = None) -> FinalEvent:
     """An error ends the reply like a stop (the text so far is kept) and says why."""
     usage = (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens) if out else (0, 0, 0)
-    return FinalEvent(0, "abort", ReplyState.STOPPED, *usage, error=error)
+    return FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, *usage, error=error)
