@@ -48,8 +48,15 @@ def create_key(database: str, user: str, tier: str) -> str:
 
 
 
+@pytest.fixture(scope="module", params=["redis", "cluster"])
+def redis_url(request):
+    """The Redis the processes share: one server, or a local three-master Redis Cluster."""
+    return request.getfixturevalue("redis_cluster_url") if request.param == "cluster" else REDIS_URL
+
+
 @pytest.fixture(scope="module")
-def database():
+def database(redis_url):
+    """A database of its own for each Redis the module runs on (its replies' ids are fixed)."""
     name = f"fairway_test_{uuid.uuid4().hex[:12]}"
     try:
         asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
@@ -98,12 +105,6 @@ class Processes:
 @pytest.fixture(scope="module")
 def herd_limit() -> int:
     return tight_limit()
-
-
-@pytest.fixture(scope="module", params=["redis", "cluster"])
-def redis_url(request):
-    """The Redis the processes share: one server, or a local three-master Redis Cluster."""
-    return request.getfixturevalue("redis_cluster_url") if request.param == "cluster" else REDIS_URL
 
 
 @pytest.fixture(scope="module")
