@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from fairway.block_hash import BLOCK_SIZE
 from fairway.domain import Priority
-from fairway.engine.block_pool import BLOCK_SIZE
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.model_runner import ModelRunner
 from fairway.engine.outputs import FinishReason, RequestOutput
