@@ -28,7 +28,8 @@ from fairway.heap import settle_heap
 from fairway.limits import LimitsConfig, make_limits
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
-from fairway.router import ReplicaRegistry, Router, make_registry
+from fairway.replica.registry import ReplicaRegistry, make_registry
+from fairway.router import Router
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
 

@@ -21,7 +21,8 @@ from fairway.conversation.store import ConversationStore, DuplicateClientKey, Ne
 from fairway.domain import lane_of_tier
 from fairway.relay import Relay
 from fairway.replica.job import GenerationJob
-from fairway.router import ReplicaInfo, Router
+from fairway.replica.registry import ReplicaInfo
+from fairway.router import Router
 
 
 class NothingToResume(NotFound):
