@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 
 from fairway.domain import Tier
-from fairway.heap import settle_heap
 from fairway.models.bundled import ModelFileError
+from fairway.server_gc import settle_heap
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -145,7 +145,7 @@ def _serve_app(app, args: argparse.Namespace) -> int:
     from fairway.gateway.http_protocol import server_config
 
     server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
-    settle_heap()  # a server process from here on (fairway/heap.py)
+    settle_heap()  # a server process from here on (fairway/server_gc.py)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn re-raises it once shut down
         server.run()
     return 0 if server.started else 3  # 3: did not start (e.g. the port is taken), as uvicorn.run() exits

@@ -24,12 +24,12 @@ from fairway.conversation.service import ConversationService, ServiceSettings
 from fairway.gateway import GatewayContext, create_app
 from fairway.gateway.keys import KeyChecker, ensure_key
 from fairway.gateway.streaming import ReplyRelay
-from fairway.heap import settle_heap
 from fairway.limits import LimitsConfig, make_limits
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
 from fairway.router import Router
+from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
 
@@ -189,7 +189,7 @@ def gateway_app(options: StackOptions) -> FastAPI:
 
 async def run_replica(options: StackOptions, engine: LLMEngine | None = None, settle: bool = False) -> None:
     """A replica process: the engine, claiming jobs from its queue until cancelled. settle: this is
-    the process's whole job, so once the engine is loaded the heap is settled (fairway/heap.py)."""
+    the process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
 

@@ -22,7 +22,7 @@ LAYERS = [
     "fairway.domain",  # the domain's words: reply states, finish reasons, tiers, lanes, priorities
     "fairway.cache_dir",  # the cache folder (models' weights and tokenizers, compiled C)
     "fairway.block_hash",  # KV block prefix hashes: the engine's prefix cache, the router's affinity
-    "fairway.heap",  # the garbage collector set for a long-running server process
+    "fairway.server_gc",  # the garbage collector set for a long-running server process
     "fairway.native_build",  # compiling the C sources (the models' kernels, the relay's fast path)
     "fairway.usage.metrics",  # the Prometheus metrics: a leaf that replica and gateway both count in
     "fairway.redis_mux",  # Redis connections (the relay, the replica registry and the limits use them)
