@@ -120,9 +120,9 @@ def _pricing(args: argparse.Namespace):
 
 
 def _stack_options(args: argparse.Namespace):
-    from fairway.stack import StackOptions
+    from fairway.assembly import ServerOptions
 
-    return StackOptions(
+    return ServerOptions(
         model=getattr(args, "model", None),
         dtype=getattr(args, "dtype", "bfloat16"),
         device=getattr(args, "device", "cpu"),
@@ -177,7 +177,7 @@ def _dev_key() -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fairway.stack import embedded_app
+    from fairway.assembly import embedded_app
 
     options = _stack_options(args)
     key = _dev_key()
@@ -192,13 +192,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from fairway.stack import gateway_app
+    from fairway.assembly import gateway_app
 
     return _serve_app(gateway_app(_stack_options(args)), args)
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
-    from fairway.stack import run_replica
+    from fairway.assembly import run_replica
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 

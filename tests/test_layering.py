@@ -40,7 +40,7 @@ LAYERS = [
     # the edge and the processes
     "fairway.web",  # the chat page's static files, served by the gateway
     "fairway.gateway",
-    "fairway.stack",  # putting the parts together: embedded, gateway and replica processes
+    "fairway.assembly",  # putting the parts together: embedded, gateway and replica processes
     "fairway.cli",
 ]
 
@@ -108,7 +108,7 @@ def test_no_part_imports_a_higher_one():
 def test_a_gateway_loads_no_torch():
     """What a gateway process imports (and the block hash the router will match) stays light:
     torch is for replicas alone."""
-    code = ("import sys, fairway.block_hash, fairway.router, fairway.gateway, fairway.stack; "
+    code = ("import sys, fairway.block_hash, fairway.router, fairway.gateway, fairway.assembly; "
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
