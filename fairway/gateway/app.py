@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from fairway.gateway import chat, conversations, errors, health, replies, usage, web
+from fairway.gateway.body_size import MAX_BODY_BYTES, BodySizeLimit
 from fairway.gateway.context import GatewayContext
 from fairway.gateway.edge import MAX_HEADER_BYTES, EdgeMiddleware
-from fairway.gateway.limits import MAX_BODY_BYTES, BodySizeLimit
 
 
 def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
