@@ -30,7 +30,7 @@ from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
 from fairway.gateway.errors import ApiError, invalid, not_found, unavailable
 from fairway.gateway.http_protocol import write_now_of
 from fairway.gateway.keys import Principal
-from fairway.gateway.quotas import check_max_tokens, denied_error, guarded, overloaded_error
+from fairway.gateway.limit_errors import check_max_tokens, denied_error, guarded, overloaded_error
 from fairway.gateway.schemas import ChatCompletionRequest, chat_messages, max_tokens_of, parse_chat, sampling
 from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.limits import (
