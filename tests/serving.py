@@ -146,7 +146,7 @@ def herd_prompt(i: int) -> str:
 def herd_reservation(window: int = 1024) -> int:
     """What each herd request reserves: its prompt (built as the gateway builds it) + max_tokens."""
     from fairway.assembly import load_tokenizer
-    from fairway.conversation.context import ContextBuilder
+    from fairway.conversation.context_builder import ContextBuilder
 
     builder = ContextBuilder(load_tokenizer(None), window)
     sizes = {builder.build([], [], [{"role": "user", "content": herd_prompt(i)}], HERD_MAX_TOKENS).num_tokens

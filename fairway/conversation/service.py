@@ -15,7 +15,13 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairway.conversation.context import ChatMessage, ChatTokenizer, Context, ContextBuilder, ContextTooLong
+from fairway.conversation.context_builder import (
+    ChatMessage,
+    ChatTokenizer,
+    Context,
+    ContextBuilder,
+    ContextTooLong,
+)
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
 from fairway.domain import lane_of_tier

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from fairway.conversation import NotFound, Reply
-from fairway.conversation.context import ContextTooLong
+from fairway.conversation.context_builder import ContextTooLong
 from fairway.conversation.service import Admitted, NothingToResume, Turn, TurnRequest, UnknownModel
 from fairway.gateway.auth import authenticate
 from fairway.gateway.context import GatewayContext, gateway
