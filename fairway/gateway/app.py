@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI
 
 from fairway.gateway import chat, conversations, errors, health, replies, usage_routes, web
+from fairway.gateway.app_state import GatewayContext
 from fairway.gateway.body_size import MAX_BODY_BYTES, BodySizeLimit
-from fairway.gateway.context import GatewayContext
 from fairway.gateway.edge import MAX_HEADER_BYTES, EdgeMiddleware
 
 

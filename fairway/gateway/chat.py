@@ -24,8 +24,8 @@ from fastapi.responses import JSONResponse
 from fairway.conversation import NotFound, Reply
 from fairway.conversation.context_builder import ContextTooLong
 from fairway.conversation.service import Admitted, NothingToResume, Turn, TurnRequest, UnknownModel
+from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import authenticate
-from fairway.gateway.context import GatewayContext, gateway
 from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
 from fairway.gateway.errors import ApiError, invalid, not_found, unavailable
 from fairway.gateway.http_protocol import write_now_of
