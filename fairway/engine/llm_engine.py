@@ -60,7 +60,7 @@ class LLMEngine:
             raise ValueError("prompt contains token ids outside the vocabulary")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
                        arrival=arrival if arrival is not None else time.monotonic())
-        seq.stop_checker = StopChecker(params, self.tokenizer, prompt_token_ids)
+        seq.stop_checker = StopChecker(params, self.tokenizer)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
