@@ -1,6 +1,6 @@
 """The conversation service: turns a chat request into a running reply.
 
-It finds or creates the conversation, builds the context (context.py), stores the user message
+It finds or creates the conversation, builds the context (context_builder.py), stores the user message
 before generation starts, asks the router for a replica, opens the reply's token log and
 submits the job. A resent message (same client key) attaches to the reply already running for
 it instead of starting a second one. The gateway only speaks HTTP around this.
