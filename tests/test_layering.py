@@ -25,8 +25,7 @@ LAYERS = [
     "fairway.server_gc",  # the garbage collector set for a long-running server process
     "fairway.native_build",  # compiling the C sources (the models' kernels, the relay's fast path)
     "fairway.usage.metrics",  # the Prometheus metrics: a leaf that replica and gateway both count in
-    "fairway.redis_mux",  # Redis connections (the relay, the replica registry and the limits use them)
-    "fairway.redis_pool",
+    "fairway.redis_client",  # Redis connections (the relay, the replica registry and the limits use them)
     # one replica's model and engine
     "fairway.models",
     "fairway.engine",
