@@ -119,7 +119,7 @@ def _pricing(args: argparse.Namespace):
                          base.cached_prompt_per_1k if cached is None else cached))
 
 
-def _stack_options(args: argparse.Namespace):
+def _server_options(args: argparse.Namespace):
     from fairway.assembly import ServerOptions
 
     return ServerOptions(
@@ -179,7 +179,7 @@ def _dev_key() -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from fairway.assembly import embedded_app
 
-    options = _stack_options(args)
+    options = _server_options(args)
     key = _dev_key()
     options.api_keys.append((key, DEV_USER, "paid"))
     print(f"Fairway: loading {options.model or 'the bundled model'} ...", file=sys.stderr)
@@ -194,7 +194,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from fairway.assembly import gateway_app
 
-    return _serve_app(gateway_app(_stack_options(args)), args)
+    return _serve_app(gateway_app(_server_options(args)), args)
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
@@ -218,7 +218,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_replica(_stack_options(args), settle=True)
+            await run_replica(_server_options(args), settle=True)
 
     asyncio.run(main())
     return 0
