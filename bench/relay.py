@@ -292,10 +292,10 @@ class SyntheticEngine:
 
 
 async def synthetic_replica(redis: str, namespace: str, rate: float) -> None:
-    from fairway.heap import settle_heap
     from fairway.relay import make_relay
+    from fairway.replica.registry import make_registry
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
-    from fairway.router import make_registry
+    from fairway.server_gc import settle_heap
 
     relay = make_relay(redis, prefix=namespace)
     registry = make_registry(redis, prefix=namespace)

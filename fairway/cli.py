@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 
 from fairway.domain import Tier
-from fairway.heap import settle_heap
 from fairway.models.bundled import ModelFileError
+from fairway.server_gc import settle_heap
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -119,10 +119,10 @@ def _pricing(args: argparse.Namespace):
                          base.cached_prompt_per_1k if cached is None else cached))
 
 
-def _stack_options(args: argparse.Namespace):
-    from fairway.stack import StackOptions
+def _server_options(args: argparse.Namespace):
+    from fairway.assembly import ServerOptions
 
-    return StackOptions(
+    return ServerOptions(
         model=getattr(args, "model", None),
         dtype=getattr(args, "dtype", "bfloat16"),
         device=getattr(args, "device", "cpu"),
@@ -145,7 +145,7 @@ def _serve_app(app, args: argparse.Namespace) -> int:
     from fairway.gateway.http_protocol import server_config
 
     server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
-    settle_heap()  # a server process from here on (fairway/heap.py)
+    settle_heap()  # a server process from here on (fairway/server_gc.py)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn re-raises it once shut down
         server.run()
     return 0 if server.started else 3  # 3: did not start (e.g. the port is taken), as uvicorn.run() exits
@@ -177,9 +177,9 @@ def _dev_key() -> str:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from fairway.stack import embedded_app
+    from fairway.assembly import embedded_app
 
-    options = _stack_options(args)
+    options = _server_options(args)
     key = _dev_key()
     options.api_keys.append((key, DEV_USER, "paid"))
     print(f"Fairway: loading {options.model or 'the bundled model'} ...", file=sys.stderr)
@@ -192,13 +192,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
-    from fairway.stack import gateway_app
+    from fairway.assembly import gateway_app
 
-    return _serve_app(gateway_app(_stack_options(args)), args)
+    return _serve_app(gateway_app(_server_options(args)), args)
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
-    from fairway.stack import run_replica
+    from fairway.assembly import run_replica
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
@@ -218,7 +218,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, task.cancel)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_replica(_stack_options(args), settle=True)
+            await run_replica(_server_options(args), settle=True)
 
     asyncio.run(main())
     return 0

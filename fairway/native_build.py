@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-from fairway.models.cache import cache_dir
+from fairway.cache_dir import cache_dir
 
 
 def compiler() -> str | None:

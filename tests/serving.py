@@ -20,7 +20,7 @@ MODEL = "smollm2-135m-instruct"
 API_KEY = "sk-test-user-1"
 OTHER_KEY = "sk-test-user-2"
 USER, OTHER_USER = "test-user-1", "test-user-2"
-# What the embedded test servers store at startup (StackOptions.api_keys): (key, user, tier).
+# What the embedded test servers store at startup (ServerOptions.api_keys): (key, user, tier).
 TEST_KEYS = [(API_KEY, USER, "paid"), (OTHER_KEY, OTHER_USER, "paid")]
 
 
@@ -145,8 +145,8 @@ def herd_prompt(i: int) -> str:
 
 def herd_reservation(window: int = 1024) -> int:
     """What each herd request reserves: its prompt (built as the gateway builds it) + max_tokens."""
-    from fairway.conversation.context import ContextBuilder
-    from fairway.stack import load_tokenizer
+    from fairway.assembly import load_tokenizer
+    from fairway.conversation.context_builder import ContextBuilder
 
     builder = ContextBuilder(load_tokenizer(None), window)
     sizes = {builder.build([], [], [{"role": "user", "content": herd_prompt(i)}], HERD_MAX_TOKENS).num_tokens

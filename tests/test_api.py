@@ -37,10 +37,10 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from fairway.stack import StackOptions, embedded_app
+    from fairway.assembly import ServerOptions, embedded_app
 
     db = tmp_path_factory.mktemp("api") / "fairway.db"
-    options = StackOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, idle_cancel_s=IDLE_CANCEL_S,
+    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, idle_cancel_s=IDLE_CANCEL_S,
                            api_keys=list(TEST_KEYS))
     app = embedded_app(options)
     server = ThreadServer(app).start()

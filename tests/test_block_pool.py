@@ -8,7 +8,8 @@ from collections import Counter
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fairway.engine.block_pool import BlockPool, prefix_block_hashes
+from fairway.block_hash import prefix_block_hashes
+from fairway.engine.block_pool import BlockPool
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.scheduler import Scheduler, SchedulerConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fairway.conversation.context import ContextBuilder, ContextTooLong, split_turns
+from fairway.conversation.context_builder import ContextBuilder, ContextTooLong, split_turns
 
 SYSTEM = {"role": "system", "content": "You are a careful assistant. " * 4}
 

@@ -35,13 +35,13 @@ RPM = 3
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from fairway.assembly import ServerOptions, embedded_app
     from fairway.limits import LimitsConfig, TierLimits
     from fairway.limits.config import default_tiers
-    from fairway.stack import StackOptions, embedded_app
 
     db = tmp_path_factory.mktemp("edge") / "fairway.db"
     tiers = {**default_tiers(), "free": TierLimits(herd_limit(), 1000), "background": TierLimits(100_000, RPM)}
-    options = StackOptions(database=f"sqlite:///{db}", max_model_len=1024, limits=LimitsConfig(tiers=tiers),
+    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=1024, limits=LimitsConfig(tiers=tiers),
                            api_keys=[*TEST_KEYS, (HERD_KEY, "herd-user", "free"), (RPM_KEY, "rpm-user", "background")],
                            auth_cache_s=0.2)
     app = embedded_app(options)

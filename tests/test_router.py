@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from fairway.router import NoReplica, ReplicaInfo, Router
-from fairway.router.registry import InProcessRegistry
+from fairway.replica.registry import InProcessRegistry, ReplicaInfo
+from fairway.router import NoReplica, Router
 
 
 class CountingRegistry(InProcessRegistry):

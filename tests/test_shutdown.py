@@ -20,7 +20,7 @@ import httpx
 import pytest
 from serving import free_port, wait_for
 
-from fairway.stack import Background
+from fairway.assembly import Background
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 

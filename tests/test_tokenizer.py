@@ -288,13 +288,6 @@ def test_detokenizer_special_tokens(tok: Tokenizer) -> None:
     assert "".join(stream(tok, ids, skip_special_tokens=True)) == tok.decode(ids, skip_special_tokens=True) == "Hi\n"
 
 
-def test_detokenizer_ignores_prompt(tok: Tokenizer) -> None:
-    prompt = tok.chat_prompt_ids(CONVERSATIONS["single_user"])
-    ids = tok.encode(" Four.")
-    detok = IncrementalDetokenizer(tok, prompt_token_ids=prompt)
-    assert "".join(detok.add(i) for i in ids) + detok.flush() == " Four."
-
-
 def check_stream(tok: Tokenizer, ids: list[int], skip_special_tokens: bool = False) -> None:
     deltas = stream(tok, ids, skip_special_tokens=skip_special_tokens)
     full = tok.decode(ids, skip_special_tokens=skip_special_tokens)

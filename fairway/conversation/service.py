@@ -1,6 +1,6 @@
 """The conversation service: turns a chat request into a running reply.
 
-It finds or creates the conversation, builds the context (context.py), stores the user message
+It finds or creates the conversation, builds the context (context_builder.py), stores the user message
 before generation starts, asks the router for a replica, opens the reply's token log and
 submits the job. A resent message (same client key) attaches to the reply already running for
 it instead of starting a second one. The gateway only speaks HTTP around this.
@@ -15,13 +15,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairway.conversation.context import ChatMessage, ChatTokenizer, Context, ContextBuilder, ContextTooLong
+from fairway.conversation.context_builder import (
+    ChatMessage,
+    ChatTokenizer,
+    Context,
+    ContextBuilder,
+    ContextTooLong,
+)
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
 from fairway.domain import Tier, lane_of_tier
 from fairway.relay import Relay
 from fairway.replica.job import GenerationJob
-from fairway.router import ReplicaInfo, Router
+from fairway.replica.registry import ReplicaInfo
+from fairway.router import Router
 
 
 class NothingToResume(NotFound):

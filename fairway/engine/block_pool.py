@@ -6,30 +6,10 @@ request with the same prefix can take it back; it loses them only when its memor
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
-
-BLOCK_SIZE = 16
-
-
-def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
-    """Hash of a full block, chained with its prefix; stable across processes (the router uses it)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update((parent or 0).to_bytes(8, "little"))
-    h.update(np.asarray(tokens, dtype=np.int64).tobytes())
-    return int.from_bytes(h.digest(), "little")
-
-
-def prefix_block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> list[int]:
-    hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, tuple(token_ids[start:start + block_size]))
-        hashes.append(parent)
-    return hashes
+from fairway.block_hash import BLOCK_SIZE
 
 
 @dataclass

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fairway.engine.block_pool import BLOCK_SIZE, BlockPool, block_hash, prefix_block_hashes
+from fairway.block_hash import BLOCK_SIZE, block_hash, prefix_block_hashes
+from fairway.engine.block_pool import BlockPool
 from fairway.engine.sequence import Sequence
 
 

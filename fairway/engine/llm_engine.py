@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from fairway.block_hash import BLOCK_SIZE
 from fairway.domain import Priority
-from fairway.engine.block_pool import BLOCK_SIZE
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.model_runner import ModelRunner
 from fairway.engine.outputs import FinishReason, RequestOutput
@@ -60,7 +60,7 @@ class LLMEngine:
             raise ValueError("prompt contains token ids outside the vocabulary")
         seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
                        arrival=arrival if arrival is not None else time.monotonic())
-        seq.stop_checker = StopChecker(params, self.tokenizer, prompt_token_ids)
+        seq.stop_checker = StopChecker(params, self.tokenizer)
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

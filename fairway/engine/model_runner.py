@@ -37,7 +37,7 @@ class ModelRunner:
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Run one forward pass; returns the sampled token for each sequence that reached its end."""
-        ids, positions, slots, meta, sample_rows, samplers = self._prepare(batch)
+        ids, positions, meta, sample_rows, samplers = self._prepare(batch)
         t0 = time.perf_counter()
         hidden = self.model(ids, positions, self.kv, meta)
         tokens: dict[Sequence, int] = {}
@@ -81,7 +81,7 @@ class ModelRunner:
         else:
             meta.decodes = [self._decode_group(decode_seqs, a, b) for a, b in _length_groups(decode_seqs)]
         return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), slots, meta,
+                torch.tensor(positions, dtype=torch.long, device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers)
 
     def _decode_tables(self, seqs: list[Sequence]) -> DecodeTables:

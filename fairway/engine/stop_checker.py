@@ -9,13 +9,13 @@ from fairway.engine.sampling_params import SamplingParams
 
 
 class StopChecker:
-    def __init__(self, params: SamplingParams, tokenizer=None, prompt_token_ids: list[int] | None = None) -> None:
+    def __init__(self, params: SamplingParams, tokenizer=None) -> None:
         self.stops = list(params.stop)
         self.detok = None
         if tokenizer is not None:
             from fairway.models.detokenizer import IncrementalDetokenizer
 
-            self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+            self.detok = IncrementalDetokenizer(tokenizer)
         self.pending = ""  # decoded but not yet emitted
 
     def add(self, token: int, is_stop_token: bool = False) -> tuple[str, bool]:

@@ -2,6 +2,6 @@
 stop, conversations). Stateless: any gateway can serve any request or reconnect."""
 
 from fairway.gateway.app import create_app
-from fairway.gateway.context import GatewayContext
+from fairway.gateway.app_state import GatewayContext
 
 __all__ = ["GatewayContext", "create_app"]

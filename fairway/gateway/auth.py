@@ -11,7 +11,7 @@ import logging
 
 from fastapi import Request
 
-from fairway.gateway.context import gateway
+from fairway.gateway.app_state import gateway
 from fairway.gateway.errors import ApiError
 from fairway.gateway.keys import InvalidKey, Principal
 

@@ -22,15 +22,15 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from fairway.conversation import NotFound, Reply
-from fairway.conversation.context import ContextTooLong
+from fairway.conversation.context_builder import ContextTooLong
 from fairway.conversation.service import Admitted, NothingToResume, Turn, TurnRequest, UnknownModel
+from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import authenticate
-from fairway.gateway.context import GatewayContext, gateway
 from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
 from fairway.gateway.errors import ApiError, invalid, not_found, unavailable
 from fairway.gateway.http_protocol import write_now_of
 from fairway.gateway.keys import Principal
-from fairway.gateway.quotas import check_max_tokens, denied_error, guarded, overloaded_error
+from fairway.gateway.limit_errors import check_max_tokens, denied_error, guarded, overloaded_error
 from fairway.gateway.schemas import ChatCompletionRequest, chat_messages, max_tokens_of, parse_chat, sampling
 from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.limits import (

@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request
 
 from fairway.conversation import Conversation, Message
+from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
-from fairway.gateway.context import gateway
 from fairway.gateway.errors import not_found
 
 router = APIRouter(dependencies=[Depends(authenticated)])

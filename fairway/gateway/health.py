@@ -7,8 +7,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 
+from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated
-from fairway.gateway.context import gateway
 
 router = APIRouter()
 

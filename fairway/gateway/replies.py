@@ -10,9 +10,9 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 
 from fairway.conversation import NotFound, Reply
+from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.chat import SSE_HEADERS
-from fairway.gateway.context import GatewayContext, gateway
 from fairway.gateway.edge import add_cleanup
 from fairway.gateway.errors import invalid, not_found
 from fairway.gateway.http_protocol import write_now_of

@@ -81,10 +81,6 @@ def parse_json(body: bytes) -> Any:
         raise invalid(f"The request body is not valid JSON: {exc}") from None
 
 
-def parse_chat_request(body: bytes) -> ChatCompletionRequest:
-    return parse_chat(body)[1]
-
-
 def parse_chat(body: bytes) -> tuple[dict[str, Any], ChatCompletionRequest]:
     """The body as parsed JSON (for idempotency fingerprints) and as a validated request."""
     data = parse_json(body)

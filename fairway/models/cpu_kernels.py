@@ -2,18 +2,12 @@
 
 Six things portable PyTorch does badly on a CPU:
   * decode attention over a paged cache (paged_decode.c): PyTorch must first gather every
-    context into a padded copy (which cost ~36% of a batch-64 decode step);
+    context into a padded copy;
   * bf16 matmuls on a CPU with AVX512-BF16 (bf16_linear.c, VDPBF16PS on weights packed at load):
-    oneDNN's bf16 GEMM is far from both bounds at decode sizes. The 121 linears of a SmolLM2-135M
-    decode step (269 MB of weights; 2 Zen 4 cores, 28-34 GB/s from DRAM): 1 row 14-17 -> 8.7-10 ms
-    (DRAM floor 7.9-9.6 ms), 16 rows 19-20 -> 12.6-13.5 ms (floor ~10.5 ms: the dot products at
-    the ~420 GFLOP/s the kernel reaches from cache take as long as the DRAM read), 64 rows 52 ->
-    43 ms, 512 rows 359-390 -> 342-364 ms. Without AVX512-BF16 it compiles to a stub that says so,
-    and the bf16 layers keep oneDNN;
+    at decode sizes oneDNN's bf16 GEMM is far from both the DRAM and the arithmetic bound. Without
+    AVX512-BF16 it compiles to a stub that says so, and the bf16 layers keep oneDNN;
   * the same on a CPU with AMX (amx_linear.c, TDPBF16PS on the same packed weights) for the few
-    dozen rows of a decode step, where oneDNN's AMX GEMM spends its time in per-call setup: the 121
-    linears on 2 Sapphire Rapids cores (~18 GB/s from DRAM, floor ~15 ms), 1 row 22.9 (AVX512-BF16
-    kernel) / 28.9 (oneDNN) -> 17.2 ms, 16 rows 41.5 / 30.3 -> 20.5 ms, 32 rows 68.8 / 47.6 -> 24.7 ms;
+    dozen rows of a decode step, where oneDNN's AMX GEMM spends its time in per-call setup;
   * a matmul of a few rows with bf16 weights on a CPU without bf16 instructions
     (skinny_linear.c): PyTorch's emulation runs at a fraction of the memory bandwidth that
     bounds it;
@@ -22,6 +16,8 @@ Six things portable PyTorch does badly on a CPU:
   * temperature sampling over a large vocabulary (sample.c): one pass per row instead of ~8 ops.
 And one thing the interpreter does badly: calling those kernels ~9 times a layer at decode
 (decode_forward.c runs a bf16 decode step's layers in one call; fairway/models/native_decode.py).
+The measurements behind these choices are in bench/README.md ("CPU kernels").
+
 The build takes a few seconds and is cached per source, compiler and CPU under the Fairway cache
 directory; a machine without a compiler, or FAIRWAY_NATIVE_KERNELS=0, keeps the portable
 PyTorch paths (same results, slower). PyTorch ships libgomp under the same soname,
@@ -165,15 +161,12 @@ class Bf16Linear:
 
     @staticmethod
     def tile_for(rows: int) -> tuple[int, int, bool]:
-        """(panels, rows, prefetch) of a tile for this many rows, measured on the model's 121 linears
-        (2 Zen 4 cores). Up to 3 rows the weights are only streamed: one panel a tile, which the
-        hardware prefetcher follows best there. Not on an Intel core (2 AVX512-BF16 Xeon cores, the
-        120 linears of the layers, distinct weights): 1-3 rows 13.6-14.8 ms so, 8.5-9.5 with 2x12
-        tiles that prefetch (the read floor at its 24.5 GB/s is 8.2 ms). From 4 rows the arithmetic
-        counts and the next panels are prefetched while the current ones are multiplied (8 rows
-        10.8 -> 9.3 ms). Up to 14 rows fit one 2-panel tile (14 rows 12.0 ms in 4x4 tiles, 10.6 in
-        one 2x14); past that 4x4 tiles led (16 rows 12.7 vs 12.9-13.4 ms for 2x8, 3x8, 4x6; 24 rows
-        19.5 vs 20-21.4)."""
+        """(panels, rows, prefetch) of a tile for this many rows, the fastest measured on the model's
+        linears (bench/README.md, "CPU kernels"). Up to 3 rows the weights are only streamed, one
+        panel a tile, which the hardware prefetcher follows best there; an Intel core does better
+        with 2x12 tiles that prefetch. From 4 rows the arithmetic counts and the next panels are
+        prefetched while the current ones are multiplied; up to 14 rows fit one 2-panel tile, past
+        that 4x4 tiles lead."""
         if rows <= 3:
             return (2, 12, True) if _intel() else (1, 16, False)
         if rows <= 14:

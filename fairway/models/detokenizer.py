@@ -17,13 +17,10 @@ from fairway.models.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
-    """Streams the text of one generated sequence, one token at a time."""
+    """Streams the text of one generated sequence, one token at a time. Byte-level tokens need no
+    left context (no prompt, unlike window-based detokenizers): the text is decode(generated ids)."""
 
-    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int] | None = None, *,
-                 skip_special_tokens: bool = False) -> None:
-        # prompt_token_ids is accepted for interface parity with window-based detokenizers: byte-level
-        # tokens need no left context, and the output must equal decode(generated ids) on its own.
-        del prompt_token_ids
+    def __init__(self, tokenizer: Tokenizer, *, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")

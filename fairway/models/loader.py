@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fairway.cache_dir import cache_dir
 from fairway.models.bundled import ModelFileError
-from fairway.models.cache import cache_dir
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
 from fairway.models.packed_linear import pack_linears, packing_supported

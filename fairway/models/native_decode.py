@@ -2,10 +2,9 @@
 
 The layer-by-layer path (llama.py) calls ~9 kernels a layer from Python; at decode, with a few
 rows, the interpreter, module calls, ctypes and allocations around them cost about as much as the
-kernels (on 2 Sapphire Rapids cores ~10 ms of a 30-layer step). A step qualifies when every row
-is a sequence's single new token read through the native attention kernel, the model, its cache
-and RoPE tables are bf16, and every linear runs on one native kernel (AMX or AVX512-BF16) for
-this many rows. The C side calls the same kernels in the same order, so hidden states are
+kernels (bench/README.md, "CPU kernels"). A step qualifies when every row is a sequence's single
+new token read through the native attention kernel, the model, its cache and RoPE tables are
+bf16, and every linear runs on one native kernel (AMX or AVX512-BF16) for this many rows. The C side calls the same kernels in the same order, so hidden states are
 bit-identical to the layer-by-layer path; anything else keeps that path.
 """
 

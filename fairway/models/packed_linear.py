@@ -1,26 +1,17 @@
-"""Linear layers with weights pre-packed once at load, for oneDNN or the native bf16 kernel, on CPU.
+"""Linear layers with weights pre-packed once at load, for oneDNN or the native bf16 kernels, on CPU.
 
 A plain `F.linear` re-lays the weight out (bf16) or goes through MKL's generic GEMM (float32) on
-every call; packing it once into oneDNN's blocked format is faster for every batch size measured.
-bf16 on an AVX512-BF16 CPU, 3072x576: M=1 400 -> 270 us, M=64 900 -> 680 us, M=512 5.6 -> 4.7 ms.
-float32 on an AVX2 CPU, 3072x576: M=16 2.4 -> 0.69 ms, M=64 4.3 -> 2.3 ms, M=512 20 -> 14 ms.
+every call; packing it once into oneDNN's blocked format was faster at every batch size measured.
 
-bf16 weights on a CPU with AVX512-BF16 go instead to the native kernel (cpu_kernels.bf16_linear,
-csrc/bf16_linear.c), packed into 16-column panels (~0.2 s for the whole model). It beat oneDNN at
-every row count measured (2 Zen 4 cores, the 121 linears of a SmolLM2-135M step): 1 row 14-17 ->
-8.7-10 ms, 16 rows 19-20 -> 12.6-13.5 ms, 64 rows 52 -> 43 ms, 128 rows 96-99 -> 89-94 ms, 512 rows
-(the scheduler's prefill budget) 359-390 -> 342-364 ms, 1024 rows 751 -> 719 ms; so there it takes
-every row count and the layer keeps no oneDNN copy of the weight.
-
-A CPU with AMX is different: oneDNN multiplies bf16 on its tile units. On 2 Sapphire Rapids cores,
-the 211 linears of a step (distinct weights, as in the model): 1 row native 17.3 vs oneDNN 22.7 ms,
-8 rows 21.8 vs 25.2, 16 rows 31.4 vs 23.9, 64 rows 101 vs 31, 512 rows 823 vs 152 ms. There the
-few rows of a decode step go to the AMX kernel (cpu_kernels.amx_linear, csrc/amx_linear.c), which
-reads the same panels: the 121 linears of a step, AMX / AVX512-BF16 kernel / oneDNN, 1 row 17.2 /
-22.9 / 28.9 ms, 16 rows 20.5 / 41.5 / 30.3, 32 rows 24.7 / 68.8 / 47.6, 64 rows 38 / 172 / 42,
-512 rows 283 / 1595 / 267. So the layer keeps both copies (twice the weight memory) and gives
-the AMX kernel up to AMX_KERNEL_MAX_ROWS rows, oneDNN the rest (prefill). Without the AMX kernel
-(a weight width not a multiple of 32) the AVX512-BF16 kernel takes up to NATIVE_ROWS_WITH_AMX.
+Where a CPU has AVX512-BF16, bf16 weights go instead to the native kernel (cpu_kernels.bf16_linear,
+csrc/bf16_linear.c), packed into 16-column panels; it beat oneDNN at every row count, so the
+layer keeps no oneDNN copy. A CPU with AMX is different: oneDNN multiplies bf16 on its tile units
+and wins from a few dozen rows (prefill), while the few rows of a decode step go to the AMX
+kernel (cpu_kernels.amx_linear, csrc/amx_linear.c, the same panels). There the layer keeps both
+copies (twice the weight memory) and gives the AMX kernel up to AMX_KERNEL_MAX_ROWS rows, oneDNN
+the rest; without the AMX kernel (a weight width not a multiple of 32) the AVX512-BF16 kernel
+takes up to NATIVE_ROWS_WITH_AMX. The measurements behind the thresholds are in bench/README.md
+("CPU kernels").
 """
 
 from __future__ import annotations
@@ -37,8 +28,8 @@ _BATCH_HINT = 64
 NATIVE_ROWS_WITH_AMX = 8
 # ... and the AMX kernel (even with oneDNN at 40-64 rows, which leads from there).
 AMX_KERNEL_MAX_ROWS = 64
-# Up to this many rows the bf16 copy (when there is one) beats the packed float32 weights: measured
-# on 30 distinct 3072x576 weights (DRAM-bound, as in decode), 1 row 8.9 vs 20 ms, 8 rows 20 vs 26 ms.
+# Up to this many rows the bf16 copy (when there is one) beats the packed float32 weights: a few
+# rows are bound by reading the weights, and the copy is half the bytes.
 SKINNY_ROWS = SKINNY_MAX_ROWS
 
 

@@ -24,7 +24,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from fairway.models.cache import cache_dir
+from fairway.cache_dir import cache_dir
 
 # Bump when the build below changes, so stale cached tokenizers are rebuilt rather than reused.
 _BUILD_VERSION = 1

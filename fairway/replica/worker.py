@@ -23,8 +23,8 @@ from fairway.domain import PRIORITY_OF_LANE, Lane, Priority
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
 from fairway.relay import FinalEvent, Inbox, Relay, RelayError, ReplyState, TokenEvent, TokenLog
 from fairway.replica.job import GenerationJob, replica_queue
+from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
-from fairway.router.registry import ReplicaInfo, ReplicaRegistry
 from fairway.usage import metrics
 
 log = logging.getLogger(__name__)

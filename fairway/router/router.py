@@ -8,7 +8,7 @@ import asyncio
 import itertools
 import time
 
-from fairway.router.registry import ReplicaInfo, ReplicaRegistry
+from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 
 
 class NoReplica(RuntimeError):

@@ -24,11 +24,12 @@ from fairway.conversation.service import ConversationService, ServiceSettings
 from fairway.gateway import GatewayContext, create_app
 from fairway.gateway.keys import KeyChecker, ensure_key
 from fairway.gateway.streaming import ReplyRelay
-from fairway.heap import settle_heap
 from fairway.limits import LimitsConfig, make_limits
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
-from fairway.router import ReplicaRegistry, Router, make_registry
+from fairway.replica.registry import ReplicaRegistry, make_registry
+from fairway.router import Router
+from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
 
@@ -40,7 +41,9 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class StackOptions:
+class ServerOptions:
+    """What a server process (embedded, gateway or replica) is built from."""
+
     model: str | None = None  # a .gguf file or Hugging Face folder; None: the bundled model
     dtype: str = "bfloat16"
     device: str = "cpu"
@@ -73,7 +76,7 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
 
 
-def build_engine(options: StackOptions) -> LLMEngine:
+def build_engine(options: ServerOptions) -> LLMEngine:
     """The engine for an AsyncEngine, loaded in a passing thread (factory.in_passing_thread) since
     its steps will run in the AsyncEngine's own thread."""
     from fairway.engine import EngineConfig
@@ -118,18 +121,18 @@ class Background:
         self._tasks.clear()
 
 
-def _redis_options(options: StackOptions) -> dict[str, Any]:
+def _redis_options(options: ServerOptions) -> dict[str, Any]:
     return {"prefix": options.namespace} if options.redis else {}
 
 
-def open_backends(options: StackOptions) -> tuple[Relay, ConversationStore, ReplicaRegistry]:
+def open_backends(options: ServerOptions) -> tuple[Relay, ConversationStore, ReplicaRegistry]:
     relay = make_relay(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
     registry = make_registry(options.redis, **_redis_options(options))
     return relay, make_store(options.database), registry
 
 
 def gateway_context(
-    options: StackOptions,
+    options: ServerOptions,
     relay: Relay,
     store: ConversationStore,
     registry: ReplicaRegistry,
@@ -155,7 +158,7 @@ def gateway_context(
     return context
 
 
-def embedded_app(options: StackOptions, engine: LLMEngine | None = None) -> FastAPI:
+def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> FastAPI:
     """One process: gateway, recorder and a replica on the engine (built here unless given)."""
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
@@ -179,16 +182,16 @@ def embedded_app(options: StackOptions, engine: LLMEngine | None = None) -> Fast
     return create_app(context)
 
 
-def gateway_app(options: StackOptions) -> FastAPI:
+def gateway_app(options: ServerOptions) -> FastAPI:
     """A stateless gateway process: Redis and a database shared with the other processes."""
     relay, store, registry = open_backends(options)
     tokenizers = {model_name(options.model): load_tokenizer(options.model)}
     return create_app(gateway_context(options, relay, store, registry, tokenizers))
 
 
-async def run_replica(options: StackOptions, engine: LLMEngine | None = None, settle: bool = False) -> None:
+async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, settle: bool = False) -> None:
     """A replica process: the engine, claiming jobs from its queue until cancelled. settle: this is
-    the process's whole job, so once the engine is loaded the heap is settled (fairway/heap.py)."""
+    the process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaSettings, ReplicaWorker
 

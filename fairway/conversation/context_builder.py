@@ -57,11 +57,6 @@ class Context:
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
-    @property
-    def prompt_text_hint(self) -> str:
-        """The last message's text: what a human looking at the stored reply wants to see."""
-        return str(self.messages[-1].get("content", "")) if self.messages else ""
-
 
 def split_turns(history: Sequence[ChatMessage]) -> list[list[ChatMessage]]:
     """Whole turns: each starts at a user message and runs to the next one. Anything before the

@@ -1,6 +1,8 @@
 """The replica registry: each replica announces itself (model, window, load) every heartbeat;
 an announcement expires after ttl_s, so a replica that stops heartbeating drops out of routing
 without anyone having to notice it died.
+
+The replica writes it and the router reads it, so it lives with the replica (the lower part).
 """
 
 from __future__ import annotations

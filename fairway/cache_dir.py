@@ -1,4 +1,5 @@
-"""Where dequantized weights and built tokenizers are kept so later loads are fast."""
+"""Fairway's cache folder: dequantized weights and built tokenizers (the models), compiled C
+sources (native_build), kept so a later start is fast. A bottom module: both sides import it."""
 
 from __future__ import annotations
 

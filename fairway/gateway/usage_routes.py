@@ -13,8 +13,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
+from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
-from fairway.gateway.context import gateway
 from fairway.gateway.errors import invalid, not_found
 
 router = APIRouter()
