@@ -434,7 +434,7 @@ def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
         job = {"model": MODEL, "sampling": {"max_tokens": 4, "temperature": 0}, "lane": "free"}
         _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, "Say yes.")],
                                                   prompt_token_ids=prompt, job=job))
-        await store.mark_running(reply.id, "a-replica-that-died")
+        await store.mark_running_many([(reply.id, "a-replica-that-died")])
         return conversation.id, reply.id
 
     conversation_id, reply_id = server.call(orphan())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
 import asyncpg
@@ -28,6 +28,7 @@ from fairway.conversation import (
     ReplyFinished,
     ReplyState,
     Role,
+    StoreUnavailable,
     UsageRecord,
     database_url,
     make_store,
@@ -305,18 +306,17 @@ async def test_final_states_are_final(store: ConversationStore) -> None:
 async def test_a_started_reply_runs_unless_it_is_final_and_its_job_reads_alone(store: ConversationStore) -> None:
     job = {"model": "smollm2", "meta": {"user": "u1", "tier": "paid"}}
     _, _, reply = await _turn(store, prompt_token_ids=list(range(3000)), job=job)
-    assert await store.get_reply_job(reply.id) == job
-    assert await store.get_reply_job("rep_missing") is None
-    assert await store.mark_running(reply.id, "replica-7") is True
+    assert await store.get_reply_jobs([reply.id, "rep_missing"]) == {reply.id: job}
+    assert await store.mark_running_many([(reply.id, "replica-7")]) == 1
     running = await store.get_reply(reply.id)
     assert (running.state, running.replica_id, running.prompt_token_ids) == (ReplyState.RUNNING, "replica-7",
                                                                               list(range(3000)))
     await store.finish_reply(reply.id, "done", MessageStatus.COMPLETE, "stop")
     # A late "started" report (the finished one got there first) changes nothing.
-    assert await store.mark_running(reply.id, "replica-8") is False
+    assert await store.mark_running_many([(reply.id, "replica-8")]) == 0
     final = await store.get_reply(reply.id)
     assert (final.state, final.replica_id) == (ReplyState.FINISHED, "replica-7")
-    assert await store.mark_running("rep_missing", "replica-7") is False
+    assert await store.mark_running_many([("rep_missing", "replica-7")]) == 0
 
 
 async def test_batches_of_ended_and_started_replies_take_one_call_each(store: ConversationStore) -> None:
@@ -338,12 +338,12 @@ async def test_batches_of_ended_and_started_replies_take_one_call_each(store: Co
         return UsageRecord(id=new_id("usage"), reply_id=reply.id, user_id="u", model="m", tier="paid", cost=cost,
                            created_at=now(), day="2026-11-30")
 
-    assert await store.add_usage(record(done, 1.0)) is True
+    assert await store.add_usage_many([record(done, 1.0)]) == {done.id}
     stored = await store.add_usage_many([record(done, 2.0), record(running, 3.0), record(fresh, 4.0)])
     assert stored == {running.id, fresh.id}
     assert [(await store.get_usage(r.id)).cost for r in replies] == [1.0, 3.0, 4.0]  # the first record stays
     assert await store.add_usage_many([]) == set()
-    assert await store.add_usage(record(fresh, 5.0)) is False
+    assert await store.add_usage_many([record(fresh, 5.0)]) == set()
 
     # Ended replies saved together: the one saved already keeps its message, the others get theirs.
     await store.finish_replies([Ending(r.id, f"text {r.id}", MessageStatus.COMPLETE, "length", 3, 5, 1, 6)
@@ -456,13 +456,13 @@ async def test_messages_are_hash_partitioned_on_postgres(store: SqlConversationS
 async def test_connections_the_server_closed_are_replaced_without_failing_a_request(
     store: SqlConversationStore, pg_database: str | None
 ) -> None:
-    """PostgreSQL restarted, or killed idle connections: the pool still holds them, and the next
+    """PostgreSQL restarted, or killed idle connections: the pools still hold them, and the next
     requests get new ones instead of an error (checked at checkout, without a round trip)."""
     if store._dialect != "postgresql":
         pytest.skip("pooled server connections are PostgreSQL only")
     conv, _, _ = await _turn(store)
     # Hold several connections at once so both pools keep more than one: the chat path's own
-    # (pg_direct: history, conversation) and the engine's (listing conversations).
+    # (hot_path: history, conversation) and the engine's (listing conversations).
     await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)),
                          *(store.list_conversations("u1") for _ in range(4)))
     assert pg_database is not None
@@ -475,26 +475,96 @@ async def test_connections_the_server_closed_are_replaced_without_failing_a_requ
         assert [c.id for c in await store.list_conversations("u1")] == [conv.id]
 
 
-async def test_chat_path_statements_share_a_bounded_set_of_connections_and_drop_a_cancelled_one(
+async def test_chat_path_statements_share_a_bounded_pool_and_drop_a_cancelled_one(
     store: SqlConversationStore,
 ) -> None:
-    """On PostgreSQL the chat path's statements run on asyncpg directly (pg_direct): many at once
+    """On PostgreSQL the chat path's statements run on asyncpg's pool (hot_path): many at once
     queue for at most its connections; a statement cancelled midway (a client gone, a timeout)
     leaves no half-used connection behind, and the next ones run."""
     if store._dialect != "postgresql":
-        pytest.skip("the direct path is PostgreSQL only")
-    direct = store._direct
-    assert direct is not None
+        pytest.skip("the hot path is PostgreSQL only")
+    hot = store._hot_path
+    assert hot is not None
     conv, _, reply = await _turn(store)
-    replies = await asyncio.gather(*(store.get_reply(reply.id) for _ in range(3 * direct._size)))
+    replies = await asyncio.gather(*(store.get_reply(reply.id) for _ in range(3 * hot._size)))
     assert {r.id for r in replies} == {reply.id}
-    assert 1 <= len(direct._idle) <= direct._size
+    pool = hot._pool
+    assert pool is not None and 1 <= pool.get_size() <= hot._size
     with pytest.raises(TimeoutError):
-        await asyncio.wait_for(direct.fetch(sa.select(sa.func.pg_sleep(5)), {}), 0.2)
-    assert all(not conn.is_closed() for conn in direct._idle)
+        await asyncio.wait_for(hot.fetch(sa.select(sa.func.pg_sleep(5)), {}), 0.2)
     assert (await store.get_conversation(conv.id, "u1")) is not None
-    assert direct._slots is not None and direct._slots._value == direct._size  # every slot given back
     await asyncio.gather(*(store.list_messages(conv.id) for _ in range(4)))
+    for _ in range(100):  # the cancelled one comes back once PostgreSQL confirms the cancel
+        if pool.get_idle_size() == pool.get_size():
+            break
+        await asyncio.sleep(0.02)
+    assert pool.get_idle_size() == pool.get_size()  # every connection given back
+    assert hot._pool is pool  # the same pool throughout
+
+
+async def _terminate_lock_waiters(admin: asyncpg.Connection) -> None:
+    """Kill the backends of this database that wait for a lock: a store's call blocked midway."""
+    for _ in range(200):
+        killed = await admin.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                      "WHERE datname = current_database() AND wait_event_type = 'Lock'")
+        if killed:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("no store call ever waited for the lock")
+
+
+async def _killed_midway(admin: asyncpg.Connection, lock_row: str, call: Awaitable[Any]) -> None:
+    """Run call while admin holds the row it needs (so it waits on its connection), kill the
+    connection under it, and expect StoreUnavailable, in bounded time."""
+    async with admin.transaction():
+        await admin.execute(f"{lock_row} FOR UPDATE")
+        blocked = asyncio.ensure_future(asyncio.wait_for(call, 10))
+        await _terminate_lock_waiters(admin)
+        with pytest.raises(StoreUnavailable):
+            await blocked
+
+
+async def test_a_connection_killed_mid_call_fails_that_call_as_unavailable_and_the_next_succeeds(
+    store: SqlConversationStore, pg_database: str | None
+) -> None:
+    """PostgreSQL drops a connection while a call runs on it (an admin's pg_terminate_backend, a
+    failover): that call fails at once with StoreUnavailable (the gateway answers 503) and never
+    hangs; the next call gets a new connection and succeeds. Both pools: the chat path's
+    (finish_reply, one statement) and the engine's transactions (delete_conversation)."""
+    if store._dialect != "postgresql":
+        pytest.skip("server connections are PostgreSQL only")
+    assert pg_database is not None
+    conv, msg, reply = await _turn(store)
+    async with store._engine.connect() as probe:
+        schema = await probe.scalar(sa.text("SELECT current_schema()"))
+    admin = await asyncpg.connect(pg_database, server_settings={"search_path": schema})
+    try:
+        await _killed_midway(admin, f"SELECT 1 FROM replies WHERE id = '{reply.id}'",
+                             store.finish_reply(reply.id, "lost", MessageStatus.COMPLETE, "stop"))
+        assert (await store.get_reply(reply.id)).state is ReplyState.QUEUED  # nothing of it stored
+        answer = await store.finish_reply(reply.id, "answer", MessageStatus.COMPLETE, "stop")
+        assert await store.list_messages(conv.id) == [msg, answer]
+
+        await _killed_midway(admin, f"SELECT 1 FROM conversations WHERE id = '{conv.id}'",
+                             store.delete_conversation(conv.id, "u1"))
+        assert await store.get_conversation(conv.id, "u1") is not None
+        assert await store.delete_conversation(conv.id, "u1") is True
+        assert await store.get_conversation(conv.id, "u1") is None
+    finally:
+        await admin.close()
+
+
+async def test_an_unreachable_database_fails_fast_as_unavailable() -> None:
+    """Nothing listens where the store points (PostgreSQL down): every call raises StoreUnavailable
+    at once, the chat path's and the engine's alike, and init too."""
+    store = make_store("postgresql://postgres@127.0.0.1:1/fairway")
+    try:
+        for call in (store.init(), store.get_conversation("conv_x", "u1"), store.list_conversations("u1"),
+                     store.finish_replies([Ending("rep_x", "x", MessageStatus.COMPLETE)])):
+            with pytest.raises(StoreUnavailable):
+                await asyncio.wait_for(call, 10)
+    finally:
+        await store.close()
 
 
 def test_database_urls(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,15 @@ from sqlalchemy.engine import make_url
 
 from .entities import ApiKey, Conversation, Message, MessageStatus, Reply, ReplyState, Role, UsageRecord
 from .sql_store import SqlConversationStore
-from .store import ConversationStore, DuplicateClientKey, DuplicateKey, NotFound, ReplyFinished, StoreError
+from .store import (
+    ConversationStore,
+    DuplicateClientKey,
+    DuplicateKey,
+    NotFound,
+    ReplyFinished,
+    StoreError,
+    StoreUnavailable,
+)
 
 __all__ = [
     "ApiKey",
@@ -25,6 +33,7 @@ __all__ = [
     "Role",
     "SqlConversationStore",
     "StoreError",
+    "StoreUnavailable",
     "UsageRecord",
     "database_url",
     "make_store",

@@ -1,8 +1,7 @@
 """The conversation store on SQLAlchemy 2 (asyncio): one set of queries for SQLite (aiosqlite,
 the embedded default) and PostgreSQL (asyncpg, at scale). The schema comes from the Alembic
 migrations next to this file, on both. On PostgreSQL the chat path's single statements, still
-built here, skip the engine and run on asyncpg directly (pg_direct.py: ~5 -> ~3 ms of gateway
-CPU per chat request)."""
+built here, skip the engine and run on asyncpg's own pool (hot_path.py)."""
 
 from __future__ import annotations
 
@@ -10,12 +9,12 @@ import asyncio
 import contextlib
 import functools
 import weakref
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
@@ -39,7 +38,7 @@ from .entities import (
     new_id,
     now,
 )
-from .pg_direct import DirectPostgres
+from .hot_path import PostgresHotPath
 from .schema import api_keys, conversations, messages, replies, usage_records
 from .store import (
     REPLY_UPDATABLE,
@@ -50,6 +49,8 @@ from .store import (
     NewTurn,
     NotFound,
     ReplyFinished,
+    StoreError,
+    StoreUnavailable,
 )
 
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -127,6 +128,34 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
     cursor.execute("PRAGMA busy_timeout=30000")  # wait for the writer instead of failing
     cursor.close()
+
+
+# What asyncpg raises when the server is away: refused or lost sockets, a shutdown or restart in
+# progress (57...), no connection slots left (53...).
+_UNREACHABLE = (OSError, asyncpg.PostgresConnectionError, asyncpg.OperatorInterventionError,
+                asyncpg.InsufficientResourcesError)
+
+
+def _unreachable(exc: BaseException) -> bool:
+    """Whether exc says the database cannot be reached, as asyncpg raises it or as SQLAlchemy
+    wraps it (a disconnect it detected, or the asyncpg error behind its adapter's)."""
+    if isinstance(exc, sa.exc.DBAPIError):
+        behind = exc.orig.__cause__ or exc.orig if exc.orig is not None else None
+        return exc.connection_invalidated or (behind is not None and _unreachable(behind))
+    return isinstance(exc, _UNREACHABLE)
+
+
+@contextlib.contextmanager
+def _reaching_database() -> Iterator[None]:
+    """Errors of an unreachable database as StoreUnavailable; everything else as it is."""
+    try:
+        yield
+    except StoreError:
+        raise
+    except Exception as exc:
+        if _unreachable(exc):
+            raise StoreUnavailable(f"the database is unavailable: {exc}") from exc
+        raise
 
 
 def _values(entity: object) -> dict[str, Any]:
@@ -279,27 +308,30 @@ class SqlConversationStore(ConversationStore):
         # SQLite opens no transaction for a read anyway, and switching its mode costs a thread hop.
         self._autocommit = (self._engine.execution_options(isolation_level="AUTOCOMMIT")
                             if self._dialect == "postgresql" else None)
-        # The chat path's single statements skip the engine on PostgreSQL (pg_direct).
-        self._direct: DirectPostgres | None = None
+        # The chat path's single statements skip the engine on PostgreSQL (hot_path.py).
+        self._hot_path: PostgresHotPath | None = None
         if self._dialect == "postgresql":
             _, url_kwargs = self._engine.dialect.create_connect_args(self._engine.url)
-            self._direct = DirectPostgres({**url_kwargs, **engine_kwargs.get("connect_args", {})}, self._engine.dialect)
+            self._hot_path = PostgresHotPath({**url_kwargs, **engine_kwargs.get("connect_args", {})},
+                                             self._engine.dialect)
 
     async def _rows(self, statement: sa.Executable, params: Mapping[str, Any],
                     write: bool = False) -> Sequence[Mapping[str, Any]]:
         """One statement, alone (a read, or a write PostgreSQL runs atomically by itself): its rows.
-        On asyncpg directly on PostgreSQL; through the engine on SQLite, a write after this
+        On asyncpg's pool on PostgreSQL; through the engine on SQLite, a write after this
         process's earlier writers."""
-        if self._direct is not None:
-            return await self._direct.fetch(statement, params)
+        if self._hot_path is not None:
+            with _reaching_database():
+                return await self._hot_path.fetch(statement, params)
         return await self._rows_many(statement, [params], write)
 
     async def _rows_many(self, statement: sa.Executable, params_list: Sequence[Mapping[str, Any]],
                          write: bool = False) -> Sequence[Mapping[str, Any]]:
         """One statement per set of parameters, in one round trip on PostgreSQL (pipelined, in one
         transaction); in one transaction on SQLite. The rows of all, in order."""
-        if self._direct is not None:
-            return await self._direct.fetch_many(statement, params_list)
+        if self._hot_path is not None:
+            with _reaching_database():
+                return await self._hot_path.fetch_many(statement, params_list)
         if not params_list:
             return []
         rows: list[Mapping[str, Any]] = []
@@ -310,22 +342,30 @@ class SqlConversationStore(ConversationStore):
                     rows += result.mappings().all()
         return rows
 
-    def _one_statement(self) -> AbstractAsyncContextManager[AsyncConnection]:
+    @contextlib.asynccontextmanager
+    async def _one_statement(self) -> AsyncIterator[AsyncConnection]:
         """A connection for a single read (a single write goes through _rows)."""
-        return self._autocommit.connect() if self._autocommit is not None else self._engine.begin()
+        with _reaching_database():
+            async with self._autocommit.connect() if self._autocommit is not None else self._engine.begin() as conn:
+                yield conn
 
     @contextlib.asynccontextmanager
     async def _writing(self) -> AsyncIterator[AsyncConnection]:
         """A transaction that writes, committed at the end. On SQLite, after this process's
         earlier writers (_sqlite_write_lock)."""
-        if self._dialect != "sqlite":
-            async with self._engine.begin() as conn:
+        with _reaching_database():
+            if self._dialect != "sqlite":
+                async with self._engine.begin() as conn:
+                    yield conn
+                return
+            async with _sqlite_write_lock(self.url), self._engine.begin() as conn:
                 yield conn
-            return
-        async with _sqlite_write_lock(self.url), self._engine.begin() as conn:
-            yield conn
 
     async def init(self) -> None:
+        with _reaching_database():
+            await self._migrate()
+
+    async def _migrate(self) -> None:
         # Alembic keeps the running migration in a module-global context, so two upgrades in one
         # process must not interleave (the database lock below only orders separate processes).
         async with _migration_lock(), self._engine.begin() as conn:
@@ -336,8 +376,8 @@ class SqlConversationStore(ConversationStore):
             await conn.run_sync(_upgrade_to_head)
 
     async def close(self) -> None:
-        if self._direct is not None:
-            await self._direct.close()
+        if self._hot_path is not None:
+            await self._hot_path.close()
         await self._engine.dispose()
 
     # conversations

@@ -37,6 +37,13 @@ class NotFound(StoreError):
     pass
 
 
+class StoreUnavailable(StoreError):
+    """The database cannot be reached right now (down, restarting, out of connections, or a
+    connection lost mid-call): not the caller's fault; retry shortly. A write that failed so may
+    or may not have been committed; the store's writes are safe to repeat (client keys, first
+    writer wins, one usage record per reply)."""
+
+
 class DuplicateKey(StoreError):
     """An API key with this hash is already stored."""
 
@@ -133,14 +140,10 @@ class ConversationStore(ABC):
     @abstractmethod
     async def get_reply(self, id: str) -> Reply | None: ...
 
-    async def get_reply_job(self, id: str) -> dict[str, Any] | None:
-        """The reply's stored job (model, sampling, the gateway's meta) alone, without its
-        context; None if no such reply (or it has no job)."""
-        return (await self.get_reply_jobs([id])).get(id)
-
     @abstractmethod
     async def get_reply_jobs(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
-        """get_reply_job of several replies at once (the ones with a job): what accounting reads
+        """The stored jobs (model, sampling, the gateway's meta) of these replies, without their
+        context, by reply id; a reply unknown or without a job is left out. What accounting reads
         for each batch of ended replies, in one round trip."""
 
     @abstractmethod
@@ -154,16 +157,12 @@ class ConversationStore(ABC):
         the live transitions (QUEUED → RUNNING …): components may skip writing them; see
         ReplyState.can_become for the full machine."""
 
-    async def mark_running(self, reply_id: str, replica_id: str) -> bool:
-        """A replica started the reply: RUNNING, on replica_id, unless it is final already (False
-        then, as for an unknown reply). Reads nothing back: update_reply returns the whole reply,
-        whose stored context (thousands of token ids) the replica's report has no use for."""
-        return await self.mark_running_many([(reply_id, replica_id)]) == 1
-
     @abstractmethod
     async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
-        """mark_running of several (reply id, replica id) at once, in one round trip; how many
-        changed."""
+        """Replicas started these (reply id, replica id): each RUNNING on its replica unless it is
+        final already (or unknown), in one round trip; how many changed. Reads nothing back:
+        update_reply returns the whole reply, whose stored context (thousands of token ids) the
+        replica's report has no use for."""
 
     async def finish_replies(self, endings: Sequence[Ending]) -> None:
         """finish_reply(look_up_existing=False) of several replies (a batch of replicas' reports,
@@ -221,15 +220,11 @@ class ConversationStore(ABC):
 
     # usage
 
-    async def add_usage(self, record: UsageRecord) -> bool:
-        """Store the reply's usage record; False (and nothing changes) if the reply already has
-        one, so a report delivered twice is counted once."""
-        return record.reply_id in await self.add_usage_many([record])
-
     @abstractmethod
     async def add_usage_many(self, records: Sequence[UsageRecord]) -> set[str]:
-        """add_usage of several records at once, in one round trip: the reply ids whose record
-        this stored (the others had one)."""
+        """Store these replies' usage records in one round trip; the reply ids whose record this
+        stored. A reply that has one already keeps it, so a report delivered twice is counted
+        once."""
 
     @abstractmethod
     async def get_usage(self, reply_id: str) -> UsageRecord | None: ...

@@ -1,20 +1,19 @@
-"""The chat path's single statements on PostgreSQL, run on asyncpg directly.
+"""The chat path's single statements on PostgreSQL, run on asyncpg's own pool.
 
-Through SQLAlchemy's async engine one prebuilt statement costs a gateway ~220-310 us of CPU here
-(pool checkout and its events, the autocommit switch and its reset, the greenlet hop, the
-execution context, result rows); the same statement on an asyncpg connection taken from a plain
-free list costs ~35-50 us, and a chat request runs six or more (its turn, the replica's start,
-both saves of the reply, its job for accounting, its usage record; a later turn also reads its
-conversation and history). The statements stay SQLAlchemy's, built once in sql_store.py: each is
-compiled once for PostgreSQL ($n parameters, typed) and run through asyncpg's own per-connection
+Through SQLAlchemy's async engine each statement also pays for the pool's checkout events, the
+autocommit switch and its reset, a greenlet hop and an execution context, and a chat request
+runs six or more (its turn, the replica's start, both saves of the reply, its job for accounting,
+its usage record; a later turn also reads its conversation and history): bench/store_requests.py
+measures the difference. The statements stay SQLAlchemy's, built once in sql_store.py: each is
+compiled once for PostgreSQL ($n parameters, typed) and run through asyncpg's per-connection
 prepared-statement cache. Transactions of several statements, migrations and rare reads stay on
 the engine.
 
-Every statement runs alone on an autocommit connection, as on the engine's autocommit path. A
-constraint violation surfaces as SQLAlchemy's IntegrityError (the store's callers handle that);
-other errors as asyncpg raises them. A connection that failed other than by the server refusing
-the statement (a lost socket, a cancelled call) is closed, not reused; one the server closed
-while idle is dropped at checkout.
+Every statement runs alone on an autocommit connection, as on the engine's autocommit path, so
+a connection goes back to the pool without asyncpg's reset query (a round trip that would undo
+nothing). A constraint violation surfaces as SQLAlchemy's IntegrityError (the store's callers
+handle that); other errors as asyncpg raises them (sql_store.py tells the unreachable server
+apart). The pool replaces a connection the server closed, at checkout.
 """
 
 from __future__ import annotations
@@ -44,15 +43,19 @@ async def _setup(conn: asyncpg.Connection) -> None:
         await conn.set_type_codec(name, encoder=_dumps, decoder=json.loads, schema="pg_catalog")
 
 
-class DirectPostgres:
-    """A bounded free list of asyncpg connections and the statements compiled for them."""
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """The pool's reset: nothing to undo. asyncpg still rolls back an open transaction first (a
+    statement cancelled midway leaves none: each runs in its own implicit one)."""
+
+
+class PostgresHotPath:
+    """asyncpg's pool on the store's database, and the statements compiled for it."""
 
     def __init__(self, connect_kwargs: Mapping[str, Any], dialect: Dialect, size: int = 16) -> None:
         self._connect_kwargs = dict(connect_kwargs)  # asyncpg.connect's: what the engine would use
         self._dialect = dialect
         self._size = size
-        self._idle: list[asyncpg.Connection] = []
-        self._slots: asyncio.Semaphore | None = None
+        self._pool: asyncpg.Pool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         # Keyed by the statement object (prebuilt, so it lives as long as the process) and, for a
         # bare INSERT, the columns given.
@@ -74,25 +77,45 @@ class DirectPostgres:
                    many: bool) -> Sequence[asyncpg.Record]:
         sql, names, fixed = self._compile(statement, params_list[0])
         args = [[params[name] if name in params else fixed[name] for name in names] for params in params_list]
-        conn = await self._acquire()
-        slots = self._slots  # (the one acquired: a store used from another loop meanwhile gets new ones)
-        reusable = False
+        pool = await self._connections()
         try:
-            rows = await (conn.fetchmany(sql, args) if many else conn.fetch(sql, *args[0]))
-            reusable = True
-            return rows
+            async with pool.acquire() as conn:
+                return await (conn.fetchmany(sql, args) if many else conn.fetch(sql, *args[0]))
         except asyncpg.IntegrityConstraintViolationError as exc:
-            reusable = True
             raise IntegrityError(sql, args, exc) from exc
-        except asyncpg.PostgresError:
-            reusable = True  # refused by the server: the connection is fine
-            raise
-        finally:
-            self._release(conn, reusable, slots)
+
+    async def _connections(self) -> asyncpg.Pool:
+        loop = asyncio.get_running_loop()
+        if self._pool is not None and self._loop is loop:
+            return self._pool
+        # Connections belong to the loop that opened them: a store used from another loop (a test
+        # client's, a CLI command's) gets a pool of its own there.
+        self._discard()
+        # min_size=0 opens nothing yet (a connection at its first checkout), so creating the pool
+        # does no I/O and cannot fail for an unreachable server. No idle timeout, as the engine's.
+        pool = await asyncpg.create_pool(**self._connect_kwargs, min_size=0, max_size=self._size, init=_setup,
+                                         reset=_keep_session, max_inactive_connection_lifetime=0)
+        if self._pool is not None and self._loop is loop:  # another task opened one meanwhile
+            pool.terminate()
+            return self._pool
+        self._pool, self._loop = pool, loop
+        return pool
+
+    def _discard(self) -> None:
+        pool, self._pool, self._loop = self._pool, None, None
+        if pool is not None:
+            pool.terminate()
 
     async def close(self) -> None:
-        idle, self._idle = self._idle, []
-        await asyncio.gather(*(conn.close(timeout=5) for conn in idle), return_exceptions=True)
+        pool = self._pool
+        if pool is None or self._loop is not asyncio.get_running_loop():
+            self._discard()
+            return
+        self._pool = self._loop = None
+        try:
+            await asyncio.wait_for(pool.close(), 5)  # what is in flight finishes first
+        except TimeoutError:
+            pool.terminate()
 
     def _compile(self, statement: ClauseElement, params: Mapping[str, Any]) -> _Compiled:
         """SQL with $n parameters, the names in their order, and the values the statement carries
@@ -105,35 +128,3 @@ class DirectPostgres:
             fixed = {name: bind.effective_value for name, bind in done.binds.items() if not bind.required}
             compiled = self._compiled[key] = (done.string, tuple(done.positiontup or ()), fixed)
         return compiled
-
-    async def _acquire(self) -> asyncpg.Connection:
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:  # connections belong to the loop that opened them
-            for conn in self._idle:
-                conn.terminate()
-            self._idle, self._loop, self._slots = [], loop, asyncio.Semaphore(self._size)
-        assert self._slots is not None
-        await self._slots.acquire()
-        try:
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.is_closed():  # (a PostgreSQL restart, an idle timeout)
-                    return conn
-            conn = await asyncpg.connect(**self._connect_kwargs)
-            try:
-                await _setup(conn)
-            except BaseException:
-                conn.terminate()
-                raise
-            return conn
-        except BaseException:
-            self._slots.release()
-            raise
-
-    def _release(self, conn: asyncpg.Connection, reusable: bool, slots: asyncio.Semaphore | None) -> None:
-        if reusable and not conn.is_closed() and slots is self._slots:
-            self._idle.append(conn)
-        else:
-            conn.terminate()
-        if slots is not None:
-            slots.release()
