@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 
 PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
@@ -16,3 +17,16 @@ async def pg_admin(sql: str) -> None:
         await conn.execute(sql)
     finally:
         await conn.close()
+
+
+async def terminate_lock_waiters(conn, query_like: str = "%") -> None:
+    """On conn's database, kill the backends waiting for a lock (a call blocked midway by a row
+    the test holds) whose statement is like query_like; waits for one to appear (up to ~4 s)."""
+    for _ in range(200):
+        killed = await conn.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                                     "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+                                     "AND query ILIKE $1", query_like)
+        if killed:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("no call ever waited for the lock")

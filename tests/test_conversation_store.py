@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
-from pg_admin import PG_HOST, PG_USER, pg_admin
+from pg_admin import PG_HOST, PG_USER, pg_admin, terminate_lock_waiters
 
 from fairway.conversation import (
     ConversationStore,
@@ -502,24 +502,13 @@ async def test_chat_path_statements_share_a_bounded_pool_and_drop_a_cancelled_on
     assert hot._pool is pool  # the same pool throughout
 
 
-async def _terminate_lock_waiters(admin: asyncpg.Connection) -> None:
-    """Kill the backends of this database that wait for a lock: a store's call blocked midway."""
-    for _ in range(200):
-        killed = await admin.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                                      "WHERE datname = current_database() AND wait_event_type = 'Lock'")
-        if killed:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("no store call ever waited for the lock")
-
-
 async def _killed_midway(admin: asyncpg.Connection, lock_row: str, call: Awaitable[Any]) -> None:
     """Run call while admin holds the row it needs (so it waits on its connection), kill the
     connection under it, and expect StoreUnavailable, in bounded time."""
     async with admin.transaction():
         await admin.execute(f"{lock_row} FOR UPDATE")
         blocked = asyncio.ensure_future(asyncio.wait_for(call, 10))
-        await _terminate_lock_waiters(admin)
+        await terminate_lock_waiters(admin)
         with pytest.raises(StoreUnavailable):
             await blocked
 

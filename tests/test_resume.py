@@ -13,10 +13,11 @@ import time
 import uuid
 from pathlib import Path
 
+import asyncpg
 import httpx
 import openai
 import pytest
-from pg_admin import PG_HOST, PG_USER, pg_admin
+from pg_admin import PG_HOST, PG_USER, pg_admin, terminate_lock_waiters
 from serving import (
     HERD_MAX_TOKENS,
     MODEL,
@@ -195,6 +196,31 @@ def test_a_reply_resumes_through_the_other_gateway(gateways):
     assert body["messages"][2]["content"] == "And backwards?"
     listed = httpx.get(f"{a}/v1/conversations", headers=headers(), timeout=10).json()["data"]
     assert listed[0]["id"] == conversation_id
+
+
+async def test_a_database_connection_lost_mid_request_is_a_503_and_the_request_again_works(gateways, database):
+    """PostgreSQL drops the connection a request is using (pg_terminate_backend, a failover): the
+    user gets a 503 in OpenAI's shape with Retry-After, at once, and the same request again
+    succeeds on a new connection."""
+    a, _ = gateways
+    async with httpx.AsyncClient(base_url=a, headers=headers(), timeout=30) as client:
+        chat = await client.post("/v1/chat/completions", json=chat_body("Say hi.", max_tokens=2, stream=False))
+        conversation_id, reply_id = chat.json()["conversation_id"], chat.json()["id"]
+        await asyncio.to_thread(stored_message, a, conversation_id, reply_id)  # both saves are done with the row
+        admin = await asyncpg.connect(database)
+        try:
+            async with admin.transaction():  # holds the conversation, so the delete waits midway
+                await admin.execute("SELECT 1 FROM conversations WHERE id = $1 FOR UPDATE", conversation_id)
+                deleting = asyncio.ensure_future(client.delete(f"/v1/conversations/{conversation_id}"))
+                await terminate_lock_waiters(admin, "%FOR UPDATE%")
+                refused = await deleting
+        finally:
+            await admin.close()
+        assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["code"] == "store_unavailable"
+        assert set(refused.json()["error"]) == {"message", "type", "param", "code"}
+        again = await client.delete(f"/v1/conversations/{conversation_id}")
+        assert again.status_code == 200 and again.json()["deleted"] is True
 
 
 def test_stop_through_the_other_gateway(gateways):

@@ -19,6 +19,7 @@ apart). The pool replaces a connection the server closed, at checkout.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -77,17 +78,15 @@ class PostgresHotPath:
                    many: bool) -> Sequence[asyncpg.Record]:
         sql, names, fixed = self._compile(statement, params_list[0])
         args = [[params[name] if name in params else fixed[name] for name in names] for params in params_list]
-        pool = await self._connections()
+        loop = asyncio.get_running_loop()
+        pool = self._pool if self._loop is loop and self._pool is not None else await self._open(loop)
         try:
             async with pool.acquire() as conn:
                 return await (conn.fetchmany(sql, args) if many else conn.fetch(sql, *args[0]))
         except asyncpg.IntegrityConstraintViolationError as exc:
             raise IntegrityError(sql, args, exc) from exc
 
-    async def _connections(self) -> asyncpg.Pool:
-        loop = asyncio.get_running_loop()
-        if self._pool is not None and self._loop is loop:
-            return self._pool
+    async def _open(self, loop: asyncio.AbstractEventLoop) -> asyncpg.Pool:
         # Connections belong to the loop that opened them: a store used from another loop (a test
         # client's, a CLI command's) gets a pool of its own there.
         self._discard()
@@ -104,7 +103,8 @@ class PostgresHotPath:
     def _discard(self) -> None:
         pool, self._pool, self._loop = self._pool, None, None
         if pool is not None:
-            pool.terminate()
+            with contextlib.suppress(RuntimeError):  # its loop closed already: its sockets go with it
+                pool.terminate()
 
     async def close(self) -> None:
         pool = self._pool

@@ -178,7 +178,7 @@ def _reply(row: Mapping[str, Any]) -> Reply:
 # The statements of every chat request, built once and executed with their values as parameters:
 # building one per call (insert(...).values(row) and its cache key) costs SQLAlchemy ~40-200 us,
 # ~1 ms of gateway CPU per request; a prebuilt statement's cache key is memoized.
-_INSERT = {table.name: sa.insert(table) for table in (conversations, messages, replies, usage_records, api_keys)}
+_INSERT = {table.name: sa.insert(table) for table in (conversations, messages, replies, api_keys)}
 _TOUCH = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_id"))
           .values(updated_at=sa.bindparam("b_ts")))
 _REPLY_BY_ID = sa.select(replies).where(replies.c.id == sa.bindparam("b_id"))

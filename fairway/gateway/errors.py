@@ -11,6 +11,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from fairway.conversation import StoreUnavailable
+
 log = logging.getLogger(__name__)
 
 _TYPES = {
@@ -64,6 +66,14 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         return exc.response()
+
+    @app.exception_handler(StoreUnavailable)
+    async def _store_unavailable(_: Request, exc: StoreUnavailable) -> JSONResponse:
+        # PostgreSQL down, restarting or a connection lost midway: not the client's fault, and
+        # the same request shortly after will likely work.
+        log.warning("conversation store unavailable: %s", exc)
+        return ApiError(503, "The conversation store is unavailable right now; retry shortly.",
+                        code="store_unavailable", headers={"Retry-After": "1"}).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
