@@ -84,16 +84,29 @@ def worktree(rev: str, where: Path) -> str:
                           text=True).stdout.strip()
 
 
+def this_tree() -> str:
+    """This working tree's short hash, with " + changes" when tracked files differ from it."""
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                                capture_output=True, text=True).stdout.strip())
+    return f"{head}{' + changes' if dirty else ''}"
+
+
+def comparison_parser(doc: str) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs this tree against --base, round after round."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--base", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
+    parser.add_argument("--rounds", type=int, default=3)
+    return parser
+
+
 async def main(args: argparse.Namespace) -> None:
     relay.raise_fd_limit()
     with tempfile.TemporaryDirectory(prefix="fairway-gw-bench-") as tmp:
         base_root = Path(tmp) / "base"
         base = worktree(args.base, base_root)
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-        this = f"{head}{' + changes' if dirty else ''}"
+        this = this_tree()
         rounds: list[dict[str, float]] = []
         try:
             print(f"gateway CPU per chat request ({args.requests} chats of {args.tokens} tokens, {args.concurrency} "
@@ -124,9 +137,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = comparison_parser(__doc__)
     parser.add_argument("--requests", type=int, default=800)
     parser.add_argument("--concurrency", type=int, default=20)
     parser.add_argument("--tokens", type=int, default=2, help="max_tokens per chat")

@@ -37,7 +37,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
-import gateway_requests  # noqa: E402  (its worktree())
+import gateway_requests  # noqa: E402  (its worktree(), this_tree(), comparison_parser())
 import machine  # noqa: E402
 import relay  # noqa: E402  (the temporary database, the results folder)
 
@@ -125,11 +125,7 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="fairway-store-bench-") as tmp:
         base_root = Path(tmp) / "base"
         base = gateway_requests.worktree(args.base, base_root)
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, check=True, capture_output=True,
-                              text=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
-                                    capture_output=True, text=True).stdout.strip())
-        this = f"{head}{' + changes' if dirty else ''}"
+        this = gateway_requests.this_tree()
         roots = {"base": base_root, "this": ROOT, "engine": ROOT}
         rounds: list[dict[str, dict[str, float]]] = []
         try:
@@ -162,9 +158,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--base", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser = gateway_requests.comparison_parser(__doc__)
     parser.add_argument("--chats", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=20)
     parser.add_argument("--worker", metavar="DATABASE", help=argparse.SUPPRESS)  # one side's run, on this database
