@@ -49,7 +49,6 @@ from .store import (
     NewTurn,
     NotFound,
     ReplyFinished,
-    StoreError,
     StoreUnavailable,
 )
 
@@ -140,7 +139,7 @@ def _unreachable(exc: BaseException) -> bool:
     """Whether exc says the database cannot be reached, as asyncpg raises it or as SQLAlchemy
     wraps it (a disconnect it detected, or the asyncpg error behind its adapter's)."""
     if isinstance(exc, sa.exc.DBAPIError):
-        behind = exc.orig.__cause__ or exc.orig if exc.orig is not None else None
+        behind = (exc.orig.__cause__ or exc.orig) if exc.orig is not None else None
         return exc.connection_invalidated or (behind is not None and _unreachable(behind))
     return isinstance(exc, _UNREACHABLE)
 
@@ -150,8 +149,6 @@ def _reaching_database() -> Iterator[None]:
     """Errors of an unreachable database as StoreUnavailable; everything else as it is."""
     try:
         yield
-    except StoreError:
-        raise
     except Exception as exc:
         if _unreachable(exc):
             raise StoreUnavailable(f"the database is unavailable: {exc}") from exc
