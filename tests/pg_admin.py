@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 
 PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
 PG_USER = os.environ.get("FAIRWAY_TEST_PG_USER", "postgres")
@@ -19,14 +20,16 @@ async def pg_admin(sql: str) -> None:
         await conn.close()
 
 
-async def terminate_lock_waiters(conn, query_like: str = "%") -> None:
+async def terminate_lock_waiters(conn, query_like: str = "%", timeout_s: float = 20.0) -> None:
     """On conn's database, kill the backends waiting for a lock (a call blocked midway by a row
-    the test holds) whose statement is like query_like; waits for one to appear (up to ~4 s)."""
-    for _ in range(200):
+    the test holds) whose statement is like query_like; waits for one to appear (the call may
+    come from another, busy process)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         killed = await conn.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                                      "WHERE datname = current_database() AND wait_event_type = 'Lock' "
                                      "AND query ILIKE $1", query_like)
         if killed:
             return
         await asyncio.sleep(0.02)
-    raise AssertionError("no call ever waited for the lock")
+    raise AssertionError(f"no call waited for the lock within {timeout_s} s")

@@ -210,7 +210,8 @@ async def test_a_database_connection_lost_mid_request_is_a_503_and_the_request_a
         admin = await asyncpg.connect(database)
         try:
             async with admin.transaction():  # holds the conversation, so the delete waits midway
-                await admin.execute("SELECT 1 FROM conversations WHERE id = $1 FOR UPDATE", conversation_id)
+                assert await admin.fetchval("SELECT id FROM conversations WHERE id = $1 FOR UPDATE",
+                                            conversation_id) == conversation_id
                 deleting = asyncio.ensure_future(client.delete(f"/v1/conversations/{conversation_id}"))
                 await terminate_lock_waiters(admin, "%FOR UPDATE%")
                 refused = await deleting
