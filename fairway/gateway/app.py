@@ -29,11 +29,14 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
     # FastAPI's OpenTelemetry hooks are off: Fairway's telemetry is its own Prometheus metrics
     # (/metrics), and the hooks would otherwise look for providers on every request.
     app = FastAPI(title="Fairway", version="0.1.0", lifespan=lifespan,
-                  telemetry={"tracing": False, "metrics": False, "logs": False})
+                  telemetry={"tracing": False, "metrics": False, "logs": False},
+                  responses=errors.error_responses(*errors.EDGE_STATUSES))
     app.state.gateway = context
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(EdgeMiddleware, max_header_bytes=max_header_bytes)  # outermost: sees every response
     for module in (chat, replies, conversations, health, usage_routes, web):
         app.include_router(module.router)
+    app.openapi = errors.document(app.openapi)  # type: ignore[method-assign]
     return app
+

@@ -8,8 +8,10 @@ conversation, reply or usage is simply not found (404): existence does not leak.
 from __future__ import annotations
 
 import logging
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from fairway.gateway.app_state import gateway
 from fairway.gateway.errors import ApiError
@@ -19,6 +21,13 @@ log = logging.getLogger(__name__)
 
 NO_KEY = ("You didn't provide an API key. You need to provide your API key in an Authorization header "
           "using Bearer auth (i.e. Authorization: Bearer YOUR_KEY).")
+
+
+# The bearer scheme as the OpenAPI schema states it; it checks nothing itself (authenticate does,
+# with OpenAI's 401 body).
+BEARER = HTTPBearer(scheme_name="bearer", auto_error=False, description="Authorization: Bearer sk-...")
+# For a route that calls authenticate itself: states the same requirement in the schema.
+BEARER_REQUIRED = {"security": [{"bearer": []}]}
 
 
 def unauthorized(message: str) -> ApiError:
@@ -50,7 +59,8 @@ async def authenticate(request: Request) -> Principal:
     return principal
 
 
-async def authenticated(request: Request) -> Principal:
+async def authenticated(request: Request,
+                        _: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)] = None) -> Principal:
     """The dependency of every /v1 route but chat completions (which calls authenticate itself).
     The edge middleware adds the x-ratelimit-* headers to the response."""
     return await authenticate(request)

@@ -25,13 +25,20 @@ from fairway.conversation import NotFound, Reply
 from fairway.conversation.context_builder import ContextTooLong
 from fairway.conversation.service import Admitted, NothingToResume, Turn, TurnRequest, UnknownModel
 from fairway.gateway.app_state import GatewayContext, gateway
-from fairway.gateway.auth import authenticate
+from fairway.gateway.auth import BEARER_REQUIRED, authenticate
 from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
-from fairway.gateway.errors import ApiError, invalid, not_found, unavailable
+from fairway.gateway.errors import ApiError, error_responses, invalid, not_found, unavailable
 from fairway.gateway.http_protocol import write_now_of
 from fairway.gateway.keys import Principal
 from fairway.gateway.limit_errors import check_max_tokens, denied_error, guarded, overloaded_error
-from fairway.gateway.schemas import ChatCompletionRequest, chat_messages, max_tokens_of, parse_chat, sampling
+from fairway.gateway.schemas import (
+    ChatCompletionRequest,
+    chat_messages,
+    max_tokens_of,
+    parse_chat,
+    request_body,
+    sampling,
+)
 from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.limits import (
     Claimed,
@@ -157,7 +164,41 @@ class Edge:
             await self.limits.idempotency.complete(self.user, self.key)
 
 
-@router.post("/v1/chat/completions")
+# The body is parsed by parse_chat and the headers read from the request, not by FastAPI: stated
+# here for the schema.
+_OPENAPI = {
+    **BEARER_REQUIRED,
+    "requestBody": request_body(ChatCompletionRequest),
+    "parameters": [
+        {"name": "X-Idempotency-Key", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "A resend with the same key attaches to the first request's reply."},
+        {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
+         "description": "With an idempotency key: a duplicate streams the events after this id."},
+    ],
+}
+# One server-sent event (as OpenAPI 3.2's itemSchema describes SSE): a chat.completion.chunk (or an
+# error) as JSON in `data`, numbered by `id` for Last-Event-ID, and "[DONE]" at the end.
+SSE_EVENT = {
+    "type": "object",
+    "required": ["data"],
+    "properties": {
+        "id": {"type": "string", "pattern": "^[0-9]+$"},
+        "event": {"type": "string"},
+        "data": {"anyOf": [
+            {"const": "[DONE]"},
+            {"type": "string", "contentMediaType": "application/json",
+             "contentSchema": {"type": "object", "anyOf": [{"required": ["object", "choices"]}, {"required": ["error"]}]}},
+        ]},
+    },
+}
+SSE_RESPONSE = {"content": {"text/event-stream": {"schema": SSE_EVENT}},
+                "description": "Server-sent events: one chat.completion.chunk per event (id: n), then [DONE]."}
+
+
+@router.post("/v1/chat/completions", openapi_extra=_OPENAPI,
+             responses={200: {**SSE_RESPONSE, "description": "A chat.completion (JSON), or with stream: true "
+                                                             "chat.completion.chunk events (SSE)."},
+                        **error_responses(400, 401, 404, 409, 429, 503)})
 async def chat_completions(request: Request) -> Any:
     principal = await authenticate(request)
     gw = gateway(request)

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fairway.conversation import Conversation, Message
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
-from fairway.gateway.errors import not_found
+from fairway.gateway.errors import error_responses, not_found
 
-router = APIRouter(dependencies=[Depends(authenticated)])
+router = APIRouter(dependencies=[Depends(authenticated)], responses=error_responses(401, 503))
 
 
 def _conversation(c: Conversation) -> dict[str, Any]:
@@ -32,7 +32,7 @@ def _message(m: Message) -> dict[str, Any]:
     return out
 
 
-@router.get("/v1/conversations")
+@router.get("/v1/conversations", responses=error_responses(400))
 async def list_conversations(
     request: Request, limit: int = Query(20, ge=1, le=100), before: float | None = None
 ) -> dict[str, Any]:
@@ -41,7 +41,7 @@ async def list_conversations(
     return {"object": "list", "data": [_conversation(c) for c in found[:limit]], "has_more": len(found) > limit}
 
 
-@router.get("/v1/conversations/{conversation_id}")
+@router.get("/v1/conversations/{conversation_id}", responses=error_responses(404))
 async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
     store = gateway(request).store
     conversation = await store.get_conversation(conversation_id, user_id(request))
@@ -51,7 +51,7 @@ async def get_conversation(conversation_id: str, request: Request) -> dict[str, 
     return {**_conversation(conversation), "messages": [_message(m) for m in messages]}
 
 
-@router.delete("/v1/conversations/{conversation_id}")
+@router.delete("/v1/conversations/{conversation_id}", responses=error_responses(404))
 async def delete_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
     if not await gateway(request).store.delete_conversation(conversation_id, user_id(request)):
         raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")

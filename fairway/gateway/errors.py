@@ -5,10 +5,13 @@ exception classes (400 BadRequestError, 404 NotFoundError, ...)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fairway.conversation import StoreUnavailable
@@ -28,6 +31,68 @@ _TYPES = {
     429: "rate_limit_error",
     503: "server_error",
 }
+
+
+# What each error status means here, for the OpenAPI schema.
+_MEANINGS = {
+    400: "Bad request: a field is missing, of the wrong type or out of range (`param` names it).",
+    401: "No API key, or one that is malformed, unknown or revoked (code invalid_api_key).",
+    404: "Not found: no such model, or no such conversation, reply or event for this user.",
+    409: "The idempotency key was used with another body, or its first request is still starting.",
+    413: "The request body is larger than the gateway accepts.",
+    429: "Over the user's request rate or token quota; Retry-After says when to retry.",
+    431: "The request headers are too large.",
+    503: "Temporarily unavailable (overloaded, no replica, a backend down); Retry-After when known.",
+}
+# Every route can meet these: the body-size and header-size limits apply before any route runs.
+EDGE_STATUSES = (413, 431)
+
+
+class ErrorObject(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    error: ErrorObject
+
+
+_ERROR_REF = {"$ref": "#/components/schemas/ErrorResponse"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """The `responses=` of a route that answers these statuses with an OpenAI error body (always
+    JSON, also on a route whose success is an event stream). document() adds the schema."""
+    return {status: {"description": _MEANINGS[status], "content": {"application/json": {"schema": _ERROR_REF}}}
+            for status in statuses}
+
+
+def document(openapi: Callable[[], dict[str, Any]]) -> Callable[[], dict[str, Any]]:
+    """The app's OpenAPI schema, as this module answers: with the error body's schema, and without
+    the 422 FastAPI lists on every route with parameters (validation errors are 400 here)."""
+
+    def schema() -> dict[str, Any]:
+        document = openapi()
+        for path in document.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        error = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
+        schemas.update(error.pop("$defs", {}))
+        schemas["ErrorResponse"] = error
+        return document
+
+    return schema
 
 
 class ApiError(Exception):

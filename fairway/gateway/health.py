@@ -6,11 +6,20 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated
+from fairway.gateway.errors import error_responses
 
 router = APIRouter()
+
+
+class Readiness(BaseModel):
+    """A probe's answer, not an API error: what each backend said."""
+
+    status: str
+    checks: dict[str, Any]
 
 
 @router.get("/health")
@@ -19,7 +28,8 @@ async def health() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/ready")
+@router.get("/ready", responses={200: {"model": Readiness},
+                                  503: {"model": Readiness, "description": "A backend or every replica is down."}})
 async def ready(request: Request) -> JSONResponse:
     """Ready when the token log and the store answer and some replica serves a model of ours."""
     gw = gateway(request)
@@ -44,7 +54,7 @@ async def ready(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
 
-@router.get("/v1/models", dependencies=[Depends(authenticated)])
+@router.get("/v1/models", dependencies=[Depends(authenticated)], responses=error_responses(401, 503))
 async def models(request: Request) -> dict[str, Any]:
     gw = gateway(request)
     live = await gw.router.live()

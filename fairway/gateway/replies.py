@@ -7,20 +7,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Header, Query, Request
 
 from fairway.conversation import NotFound, Reply
 from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import authenticated, user_id
-from fairway.gateway.chat import SSE_HEADERS
+from fairway.gateway.chat import SSE_HEADERS, SSE_RESPONSE
 from fairway.gateway.edge import add_cleanup
-from fairway.gateway.errors import invalid, not_found
+from fairway.gateway.errors import error_responses, invalid, not_found
 from fairway.gateway.http_protocol import write_now_of
 from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.relay import ReplyNotFound
 from fairway.usage import metrics
 
-router = APIRouter(dependencies=[Depends(authenticated)])
+router = APIRouter(dependencies=[Depends(authenticated)], responses=error_responses(401, 404, 503))
 
 
 async def _reply(gw: GatewayContext, request: Request, reply_id: str) -> Reply:
@@ -30,25 +30,32 @@ async def _reply(gw: GatewayContext, request: Request, reply_id: str) -> Reply:
         raise not_found(f"No reply {reply_id!r}.", "reply_id", "reply_not_found") from None
 
 
-def _last_event_id(request: Request) -> int:
-    raw = request.headers.get("last-event-id") or request.query_params.get("after") or "0"
+def _last_event_id(header: str | None, after: str | None) -> int:
+    raw = header or after or "0"
     if not raw.strip().isdigit():
         raise invalid(f"Last-Event-ID must be a non-negative integer event id, got {raw!r}.", "Last-Event-ID",
                       "invalid_event_id")
     return int(raw)
 
 
-@router.get("/v1/replies/{reply_id}/stream")
-async def stream_reply(reply_id: str, request: Request) -> EventStream:
+@router.get("/v1/replies/{reply_id}/stream", response_class=EventStream, status_code=200,
+            responses={200: SSE_RESPONSE, **error_responses(400)})
+async def stream_reply(
+    reply_id: str,
+    request: Request,
+    last_event_id: str | None = Header(None, alias="Last-Event-ID"),
+    after: str | None = Query(None, description="The same as Last-Event-ID, for clients that cannot set it."),
+    include_usage: str | None = Query(None, description="1 or true: a usage chunk before [DONE]."),
+) -> EventStream:
     """SSE of the reply's events after Last-Event-ID (header, or ?after=): those already in the log
     at once, then the live ones."""
     gw = gateway(request)
     reply = await _reply(gw, request, reply_id)
-    after = _last_event_id(request)
-    await gw.relay.check_after(reply, after)
-    include_usage = request.query_params.get("include_usage", "").lower() in ("1", "true")
+    after_n = _last_event_id(last_event_id, after)
+    await gw.relay.check_after(reply, after_n)
+    wants_usage = (include_usage or "").lower() in ("1", "true")
     view = ReplyView.of(reply)
-    stream = gw.relay.sse(reply, view, after, include_usage, write_now=write_now_of(request.scope))
+    stream = gw.relay.sse(reply, view, after_n, wants_usage, write_now=write_now_of(request.scope))
     streams = metrics.ACTIVE_STREAMS.labels(view.model)
     streams.inc()
     add_cleanup(request, streams.dec)

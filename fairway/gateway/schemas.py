@@ -12,6 +12,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fairway.gateway.errors import ApiError, invalid
+from fairway.models.bundled import BUNDLED_MODEL_NAME
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 UNSUPPORTED_ROLES = {"tool", "function"}
@@ -40,7 +41,9 @@ class ChatMessageIn(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(strict=True, extra="allow")
+    model_config = ConfigDict(strict=True, extra="allow", json_schema_extra={"examples": [
+        {"model": BUNDLED_MODEL_NAME, "messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8,
+         "stream": True}]})
 
     model: str = Field(min_length=1)
     messages: list[ChatMessageIn]
@@ -70,6 +73,25 @@ class ChatCompletionRequest(BaseModel):
             if any(not s for s in stops):
                 raise ValueError("stop sequences must be non-empty")
         return stops
+
+
+def request_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The OpenAPI requestBody of a route that parses its body itself (strictly, with OpenAI's 400s)
+    rather than through FastAPI: the model's schema, inlined (no components to register)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            if ref.startswith("#/$defs/"):
+                return inline(defs[ref.removeprefix("#/$defs/")])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"required": True, "content": {"application/json": {"schema": inline(schema)}}}
 
 
 def parse_json(body: bytes) -> Any:

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
-from fairway.gateway.errors import invalid, not_found
+from fairway.gateway.errors import error_responses, invalid, not_found
 
 router = APIRouter()
 
@@ -36,7 +36,7 @@ def _day(raw: str | None, param: str) -> dt.date | None:
                       "invalid_value") from None
 
 
-@router.get("/v1/usage", dependencies=[Depends(authenticated)])
+@router.get("/v1/usage", dependencies=[Depends(authenticated)], responses=error_responses(400, 401, 404, 503))
 async def usage(
     request: Request,
     start: str | None = Query(None, alias="from"),

@@ -1,0 +1,88 @@
+"""Every route of the API, fuzzed from its own OpenAPI schema (schemathesis) over real HTTP against
+`fairway serve`'s app, with a valid key: no response is a server error, every error is in
+OpenAI's shape, and every response (its status, its content type, its body) is one the schema
+documents. A new route is fuzzed as soon as it is in the schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    ignored_auth,
+    response_headers_conformance,
+    response_schema_conformance,
+    status_code_conformance,
+)
+from serving import TEST_KEYS, ThreadServer, headers, wait_ready
+
+# Enough to meet each route's errors, few enough for ~1 minute on two busy cores: each case is
+# one real request (a generated chat body with the served model runs a real, short generation).
+MAX_EXAMPLES = 40
+WINDOW = 256
+TOKENS_PER_MINUTE = 120
+PROBE_ANSWER = "/ready"  # its 503 is the readiness probe's own body (what each backend said), not an API error
+
+
+@schemathesis.check
+def openai_error_shape(ctx, response, case) -> bool | None:
+    """A 4xx or 5xx body is {"error": {"message", "type", "param", "code"}} with a message."""
+    if response.status_code < 400 or case.operation.path == PROBE_ANSWER:
+        return None
+    body = json.loads(response.content)
+    assert set(body) == {"error"}, body
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"], body
+    return None
+
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          response_headers_conformance, ignored_auth, openai_error_shape]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from fairway.limits import LimitsConfig, TierLimits
+    from fairway.limits.config import default_tiers
+    from fairway.stack import StackOptions, embedded_app
+
+    db = tmp_path_factory.mktemp("fuzz") / "fairway.db"
+    # A short window and default reply, and a token quota of a few short replies a minute: the
+    # generated bodies that are valid run a few short generations, then meet the 429.
+    tiers = {**default_tiers(), "paid": TierLimits(TOKENS_PER_MINUTE, 10_000)}
+    options = StackOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, default_max_tokens=4,
+                           limits=LimitsConfig(tiers=tiers), api_keys=list(TEST_KEYS))
+    server = ThreadServer(embedded_app(options)).start()
+    wait_ready(server.url)
+    yield server
+    server.stop()
+
+
+def app_schema() -> dict:
+    from fairway.gateway import create_app
+
+    return create_app(None).openapi()  # type: ignore[arg-type]  # (the schema needs no backends)
+
+
+# Loaded at collection, so each route is a test of its own (test_fuzz[POST /v1/chat/completions]);
+# test_the_server_serves_this_schema checks it is the one a server publishes.
+schema = schemathesis.openapi.from_dict(app_schema())
+
+
+def test_the_server_serves_this_schema(server):
+    import httpx
+
+    assert httpx.get(f"{server.url}/openapi.json", timeout=30).json() == app_schema()
+
+
+@schema.parametrize()
+@settings(max_examples=MAX_EXAMPLES, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
+                                 HealthCheck.filter_too_much])
+def test_every_route_answers_as_its_schema_says(case, server):
+    case.call_and_validate(base_url=server.url, headers=headers(), checks=CHECKS, timeout=60)
+
