@@ -6,6 +6,7 @@ import os
 
 import pytest
 import torch
+from backends import MISSING, PROVIDED_BY, missing
 from hypothesis import settings
 
 from fairway.models.bundled import bundled_model_path
@@ -63,8 +64,19 @@ def redis_cluster_url():
     try:
         cluster = start_cluster()
     except (RuntimeError, subprocess.SubprocessError, OSError) as exc:
-        if os.environ.get("FAIRWAY_REQUIRE_BACKENDS") == "1":
-            pytest.fail(f"FAIRWAY_REQUIRE_BACKENDS=1 and no local Redis Cluster could start: {exc}")
-        pytest.skip(f"no local Redis Cluster: {exc}")
+        missing("Redis Cluster", f"no local Redis Cluster could start: {exc}")
     yield cluster.url
     cluster.stop()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own summary: the last thing a run prints
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Say loudly, last, which tests did not run for want of a server or browser, and how to get it."""
+    if not MISSING:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("NOT TESTED: servers or programs missing", sep="!", red=True, bold=True)
+    for what, tests in sorted(MISSING.items()):
+        write(f"{what}: {len(set(tests))} tests skipped (e.g. {tests[0]})", red=True, bold=True)
+        write(f"    to run them: {PROVIDED_BY[what]}")
+    write("(.ci/run starts them all and runs the suite with FAIRWAY_REQUIRE_BACKENDS=1: missing ones fail there.)")

@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
+from backends import missing
 from pg_admin import PG_HOST, PG_USER, pg_admin, terminate_lock_waiters
 
 from fairway.conversation import (
@@ -63,7 +64,7 @@ async def open_store(request: pytest.FixtureRequest, tmp_path, pg_database: str 
         url = f"sqlite+aiosqlite:///{tmp_path}/fairway.db"
         return lambda: SqlConversationStore(url)
     if pg_database is None:
-        pytest.skip(f"PostgreSQL at {PG_HOST} not reachable")
+        missing("PostgreSQL", f"nothing answers at {PG_HOST}")
     schema = f"t_{uuid.uuid4().hex[:12]}"
     conn = await asyncpg.connect(pg_database)
     try:

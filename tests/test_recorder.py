@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from backends import missing
 from redis_keys import delete_prefixed
 
 from fairway.conversation import MessageStatus, ReplyState, Role, make_store
@@ -168,7 +169,7 @@ async def test_reports_a_killed_gateway_had_taken_are_recorded_by_another(store:
         await relay.ping()
     except RelayUnavailable:
         await relay.close()
-        pytest.skip(f"no Redis at {REDIS_URL}")
+        missing("Redis", f"nothing answers at {REDIS_URL}")
     try:
         reply_id = await _reply(store, {"user": "u1", "tier": "paid"})
         await inbox.post(REPORTS_INBOX, _finished(reply_id))
@@ -217,7 +218,7 @@ async def test_the_recorder_carries_on_when_redis_lost_its_inbox(store: Conversa
         await relay.ping()
     except RelayUnavailable:
         await relay.close()
-        pytest.skip(f"no Redis at {REDIS_URL}")
+        missing("Redis", f"nothing answers at {REDIS_URL}")
     recorder = ReplyRecorder(store, inbox, linger_s=0.01)
     task = asyncio.create_task(recorder.run())
     try:

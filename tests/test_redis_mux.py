@@ -12,6 +12,7 @@ import uuid
 
 import pytest
 import redis.asyncio as aioredis
+from backends import missing
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -141,7 +142,7 @@ async def test_a_silent_server_times_out_every_waiting_command() -> None:
 async def test_a_unix_socket_url_reaches_the_redis_listening_there(tmp_path) -> None:
     server = shutil.which("redis-server")
     if server is None:
-        pytest.skip("redis-server is not installed")
+        missing("Redis", "redis-server is not installed")
     sock = tmp_path / "redis.sock"
     proc = subprocess.Popen([server, "--port", "0", "--unixsocket", str(sock), "--save", "", "--appendonly", "no",
                              "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -17,6 +17,7 @@ import asyncpg
 import httpx
 import openai
 import pytest
+from backends import missing
 from pg_admin import PG_HOST, PG_USER, pg_admin, terminate_lock_waiters
 from serving import (
     HERD_MAX_TOKENS,
@@ -62,7 +63,7 @@ def database(redis_url):
     try:
         asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
     except OSError as exc:
-        pytest.skip(f"PostgreSQL at {PG_HOST} not reachable: {exc}")
+        missing("PostgreSQL", f"nothing answers at {PG_HOST}: {exc}")
     yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
     asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 

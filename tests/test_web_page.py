@@ -22,6 +22,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from backends import missing
 from serving import free_port, wait_for, wait_ready
 
 pytestmark = pytest.mark.slow
@@ -38,10 +39,7 @@ def chromium_path() -> str:
     path = os.environ.get("FAIRWAY_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if path:
         return path
-    reason = "Debian's chromium is not installed (apt-get install -y chromium)"
-    if os.environ.get("CI"):
-        pytest.fail(reason)  # CI installs it: missing there is a broken setup, not a skip
-    pytest.skip(reason)
+    missing("Chromium", "Debian's chromium is not installed (the chat page's browser test drives it)")
 
 
 # -- a proxy whose connections the test can drop -------------------------------------------------
@@ -174,10 +172,16 @@ def proxy(server):
     proxy.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def chromium() -> str:
+    """Looked for first (autouse), before a server starts for a test that cannot run."""
+    return chromium_path()
+
+
 @pytest.fixture
-def browser_context(tmp_path):
+def browser_context(tmp_path, chromium):
     sync_api = pytest.importorskip("playwright.sync_api")
-    executable = chromium_path()
+    executable = chromium
     with sync_api.sync_playwright() as p:
         # A persistent context on a fresh folder: the page's localStorage lives there, as in a
         # real profile, and a page reload keeps it.
