@@ -87,8 +87,8 @@ async def _started(kind: str, url: str | None = None) -> Backend:
         try:
             await b.relay().ping()
         except RelayUnavailable:
-            for log in b._logs:  # (no keys to delete: there is no server)
-                await log.close()
+            for relay in b._relays:  # (no keys to delete: there is no server)
+                await relay.close()
             missing("Redis", f"nothing answers at {REDIS_URL}")
     return b
 
