@@ -23,7 +23,7 @@ from fairway.conversation.recorder import ReplyRecorder
 from fairway.conversation.service import ConversationService, ServiceSettings
 from fairway.gateway import GatewayContext, create_app
 from fairway.gateway.keys import KeyChecker, ensure_key
-from fairway.gateway.streaming import ReplyRelay
+from fairway.gateway.streaming import KEEPALIVE_S, ReplyRelay
 from fairway.limits import LimitsConfig, make_limits
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
@@ -62,6 +62,7 @@ class ServerOptions:
     # serve`, test keys. Other keys come from `fairway keys create`.
     api_keys: list[tuple[str, str, str]] = field(default_factory=list)
     auth_cache_s: float = 5.0  # a valid key is re-checked in the store this often (revocation delay)
+    keepalive_s: float = KEEPALIVE_S  # an SSE keepalive after this long without events
 
 
 def model_name(model: str | None) -> str:
@@ -144,7 +145,7 @@ def gateway_context(
     config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
     limits = make_limits(options.redis, config)
     keys = KeyChecker(store, options.auth_cache_s)
-    context = GatewayContext(service, ReplyRelay(relay.log, store, service), relay.log, store, router, limits, keys)
+    context = GatewayContext(service, ReplyRelay(relay.log, store, service, options.keepalive_s), relay.log, store, router, limits, keys)
     background = Background()
     recorder = ReplyRecorder(store, relay.inbox)
     recorder.on_finished.append(Accounting(store, limits, options.pricing).on_finished)

@@ -136,6 +136,7 @@ def _server_options(args: argparse.Namespace):
         default_max_tokens=getattr(args, "default_max_tokens", 512),
         limits=_limits_config(args),
         pricing=_pricing(args),
+        keepalive_s=getattr(args, "keepalive", 10.0),
     )
 
 
@@ -290,6 +291,8 @@ def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--keepalive", type=float, default=10.0,
+                   help="seconds without events before a stream gets an SSE keepalive (for proxies' idle timeouts)")
 
 
 def _relay_args(p: argparse.ArgumentParser) -> None:

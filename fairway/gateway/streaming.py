@@ -45,7 +45,10 @@ log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0  # an SSE comment this often while nothing happens, so proxies keep the line
 DONE = b"data: [DONE]\n\n"
-KEEPALIVE = b": keepalive\n\n"
+# A comment line alone, with no blank line after it: a blank line ends an event, and the OpenAI SDKs
+# dispatch one (with empty data, which they then fail to parse as JSON) whenever an id: was seen
+# before it. Browsers' EventSource and the page's reader skip the comment either way.
+KEEPALIVE = b": keepalive\n"
 
 
 @dataclass
@@ -120,10 +123,12 @@ async def _run(on_final: OnFinal | None, final: FinalEvent) -> None:
 
 
 class ReplyRelay:
-    def __init__(self, token_log: TokenLog, store: ConversationStore, service: ConversationService) -> None:
+    def __init__(self, token_log: TokenLog, store: ConversationStore, service: ConversationService,
+                 keepalive_s: float = KEEPALIVE_S) -> None:
         self.log = token_log
         self.store = store
         self.service = service
+        self.keepalive_s = keepalive_s
 
     # -- before the response starts: errors still get their status ---------------------------
 
@@ -209,7 +214,7 @@ class ReplyRelay:
         token log's batches: no task or queue in between. With write_now (the server's, see
         http_protocol), a plain token chunk that arrives while this waits is written from the
         token log's callback, with no task wake at all. A keepalive comment goes out after
-        KEEPALIVE_S without events. on_final runs at the final event, before [DONE]."""
+        keepalive_s without events. on_final runs at the final event, before [DONE]."""
         text: list[str] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         # Plain token chunks; with write_now, also the sink that writes them while this waits
@@ -219,7 +224,7 @@ class ReplyRelay:
         tap = make_tap(chunk_head(view), write_now or _declined, text, open=not fresh,
                        transport=write_now.transport() if write_now is not None else None)
         try:
-            async with contextlib.aclosing(self.event_batches(reply, after, KEEPALIVE_S,
+            async with contextlib.aclosing(self.event_batches(reply, after, self.keepalive_s,
                                                               tap if write_now else None)) as batches:
                 async for batch in batches:
                     if not batch:
