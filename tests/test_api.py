@@ -304,6 +304,17 @@ def test_n_above_1_is_a_clear_400(client):
     assert err.value.param == "n" and "n=1" in err.value.message
 
 
+def test_a_temperature_too_small_to_divide_by_is_greedy(client):
+    """1e-320 is > 0 but 0 in float32: it made the sampler fail and stopped the engine for everyone."""
+    def reply(temperature: float) -> str:
+        return client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a fruit."}],
+                                              max_tokens=4, temperature=temperature).choices[0].message.content
+
+    assert reply(1e-320) == reply(0)
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2,
+                                          temperature=0.7).choices[0].message.content is not None  # still serving
+
+
 def test_unknown_model_is_404_model_not_found(client):
     with pytest.raises(openai.NotFoundError) as err:
         client.chat.completions.create(model="gpt-nope", messages=[{"role": "user", "content": "hi"}])
@@ -319,6 +330,8 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         (b'{"model": "x", "messages": [', 400, None),  # malformed JSON
         (b"[1, 2]", 400, None),
         (b"", 400, None),
+        # Half a surrogate pair: valid JSON, but no text (it was a 500: it cannot be hashed or stored).
+        (b'{"model": "%s", "messages": [{"role": "user", "content": "hi \\ud800"}]}' % MODEL.encode(), 400, None),
         ({**GOOD, "messages": []}, 400, "messages"),
         ({"model": MODEL}, 400, "messages"),
         ({**GOOD, "model": 7}, 400, "model"),
@@ -344,6 +357,7 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({**GOOD, "message_id": "never-sent", "last_received_token_index": 3}, 404, "last_received_token_index"),
         ({**GOOD, "last_received_token_index": 3}, 400, "last_received_token_index"),
         ({**GOOD, "last_received_token_index": -1}, 400, "last_received_token_index"),
+        ({**GOOD, "message_id": "m", "last_received_token_index": 2**63}, 400, "last_received_token_index"),
         ({**GOOD, "model": "nope"}, 404, "model"),
     ],
 )
@@ -377,8 +391,12 @@ def test_unknown_replies_conversations_and_event_ids_are_404(http, client):
     reply_id, last = completion.id, completion.model_extra["last_event_id"]
     past_end = http.get(f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(last + 5)})
     assert past_end.status_code == 404 and past_end.json()["error"]["code"] == "event_id_out_of_range"
-    garbage = http.get(f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "abc"})
-    assert garbage.status_code == 400 and garbage.json()["error"]["param"] == "Last-Event-ID"
+    for raw in ("abc", "1e3", str(2**64)):  # (2**64 was a 500 on Redis, past its 64-bit stream ids)
+        garbage = http.get(f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": raw})
+        assert garbage.status_code == 400 and garbage.json()["error"]["param"] == "Last-Event-ID", raw
+    for raw in ("\u00b2", str(10**30)):  # '²' passes str.isdigit() but not int(): it was a 500
+        garbage = http.get(f"/v1/replies/{reply_id}/stream", params={"after": raw})
+        assert garbage.status_code == 400 and garbage.json()["error"]["param"] == "after", raw
     # Resuming at the very end gives just the end.
     with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(last)}) as r:
         assert [e.data for e in sse_events(r)] == ["[DONE]"]

@@ -6,6 +6,7 @@ documents. A new route is fuzzed as soon as it is in the schema."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import schemathesis
@@ -14,6 +15,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     ignored_auth,
+    negative_data_rejection,
     response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
@@ -22,7 +24,7 @@ from serving import TEST_KEYS, ThreadServer, headers, wait_ready
 
 # Enough to meet each route's errors, few enough for ~1 minute on two busy cores: each case is
 # one real request (a generated chat body with the served model runs a real, short generation).
-MAX_EXAMPLES = 40
+MAX_EXAMPLES = int(os.environ.get("FAIRWAY_FUZZ_EXAMPLES", "40"))
 WINDOW = 256
 TOKENS_PER_MINUTE = 120
 PROBE_ANSWER = "/ready"  # its 503 is the readiness probe's own body (what each backend said), not an API error
@@ -41,7 +43,7 @@ def openai_error_shape(ctx, response, case) -> bool | None:
 
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
-          response_headers_conformance, ignored_auth, openai_error_shape]
+          response_headers_conformance, ignored_auth, openai_error_shape, negative_data_rejection]
 
 
 @pytest.fixture(scope="module")

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one,
+# or one that rounds to 0 in float32/bf16 (1e-320 does), overflows the sampler.
+SAMPLING_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or below SAMPLING_EPS) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
@@ -33,4 +37,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < SAMPLING_EPS

@@ -34,6 +34,7 @@ from fairway.gateway.limit_errors import check_max_tokens, denied_error, guarded
 from fairway.gateway.schemas import (
     ChatCompletionRequest,
     chat_messages,
+    event_id,
     max_tokens_of,
     parse_chat,
     request_body,
@@ -237,7 +238,7 @@ async def chat_completions(request: Request) -> Any:
         reply = await edge.claim(key)
         if reply is not None:
             extra_headers["X-Idempotent-Replayed"] = "true"
-            after = _last_event_id(request)  # a duplicate attaches from where its client got to
+            after = event_id(request.headers.get("last-event-id"))  # a duplicate attaches from where its client got to
         else:
             turn = await _start_claimed(gw, edge, turn_request)
     elif not turn_request.resume_only and not body.conversation_id and is_cacheable(body.temperature, body.n):
@@ -318,16 +319,6 @@ def _client_key(key: str | None) -> str | None:
     if key is None or len(key) <= 128:
         return key
     return "sha256:" + hashlib.sha256(key.encode()).hexdigest()
-
-
-def _last_event_id(request: Request) -> int:
-    raw = request.headers.get("last-event-id")
-    if raw is None or not raw.strip():
-        return 0
-    if not raw.strip().isdigit():
-        raise invalid(f"Last-Event-ID must be a non-negative integer event id, got {raw!r}.", "Last-Event-ID",
-                      "invalid_event_id")
-    return int(raw)
 
 
 async def _start(service, turn_request: TurnRequest) -> Turn:

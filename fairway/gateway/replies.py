@@ -14,8 +14,9 @@ from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.chat import SSE_HEADERS, SSE_RESPONSE
 from fairway.gateway.edge import add_cleanup
-from fairway.gateway.errors import error_responses, invalid, not_found
+from fairway.gateway.errors import error_responses, not_found
 from fairway.gateway.http_protocol import write_now_of
+from fairway.gateway.schemas import event_id
 from fairway.gateway.streaming import EventStream, ReplyView
 from fairway.relay import ReplyNotFound
 from fairway.usage import metrics
@@ -28,14 +29,6 @@ async def _reply(gw: GatewayContext, request: Request, reply_id: str) -> Reply:
         return await gw.service.reply_for_user(reply_id, user_id(request))
     except NotFound:
         raise not_found(f"No reply {reply_id!r}.", "reply_id", "reply_not_found") from None
-
-
-def _last_event_id(header: str | None, after: str | None) -> int:
-    raw = header or after or "0"
-    if not raw.strip().isdigit():
-        raise invalid(f"Last-Event-ID must be a non-negative integer event id, got {raw!r}.", "Last-Event-ID",
-                      "invalid_event_id")
-    return int(raw)
 
 
 @router.get("/v1/replies/{reply_id}/stream", response_class=EventStream, status_code=200,
@@ -51,7 +44,7 @@ async def stream_reply(
     at once, then the live ones."""
     gw = gateway(request)
     reply = await _reply(gw, request, reply_id)
-    after_n = _last_event_id(last_event_id, after)
+    after_n = event_id(last_event_id) if last_event_id else event_id(after, "after")
     await gw.relay.check_after(reply, after_n)
     wants_usage = (include_usage or "").lower() in ("1", "true")
     view = ReplyView.of(reply)

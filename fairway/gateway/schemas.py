@@ -7,6 +7,7 @@ know (OpenAI clients send many optional ones), except those whose meaning we can
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -16,6 +17,9 @@ from fairway.models.bundled import BUNDLED_MODEL_NAME
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 UNSUPPORTED_ROLES = {"tool", "function"}
+# The largest event id a client may name: what a token log can hold (Redis stream ids are 64-bit).
+MAX_EVENT_ID = 2**63 - 1
+_EVENT_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits: str.isdigit() also takes '²', which int() refuses
 
 # Accepted only at their "off" value: anything else would be silently ignored, which is worse.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -61,7 +65,7 @@ class ChatCompletionRequest(BaseModel):
     # The seed's fields (design doc 002, section 2.1).
     conversation_id: str | None = Field(default=None, min_length=1, max_length=64)
     message_id: str | None = Field(default=None, min_length=1, max_length=128)
-    last_received_token_index: int | None = Field(default=None, ge=0)
+    last_received_token_index: int | None = Field(default=None, ge=0, le=MAX_EVENT_ID)
 
     @field_validator("stop")
     @classmethod
@@ -98,9 +102,26 @@ def parse_json(body: bytes) -> Any:
     if not body:
         raise invalid("The request body is empty; send a JSON object.")
     try:
-        return json.loads(body)
+        data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise invalid(f"The request body is not valid JSON: {exc}") from None
+    if b"\\u" in body:  # an escape may be half a surrogate pair: JSON, but no text (cannot be stored or hashed)
+        try:
+            json.dumps(data, ensure_ascii=False).encode()
+        except UnicodeEncodeError:
+            raise invalid("The request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                          "which is not text.", code="invalid_text") from None
+    return data
+
+
+def event_id(raw: str | None, param: str = "Last-Event-ID") -> int:
+    """A client's event id (Last-Event-ID, ?after=): 0 when absent, 400 unless a plain integer."""
+    if raw is None or not raw.strip():
+        return 0
+    raw = raw.strip()
+    if not _EVENT_ID.fullmatch(raw) or int(raw) > MAX_EVENT_ID:
+        raise invalid(f"{param} must be a non-negative integer event id, got {raw[:40]!r}.", param, "invalid_event_id")
+    return int(raw)
 
 
 def parse_chat(body: bytes) -> tuple[dict[str, Any], ChatCompletionRequest]:

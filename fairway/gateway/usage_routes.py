@@ -11,6 +11,7 @@ import datetime as dt
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.responses import PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
 from fairway.gateway.app_state import gateway
@@ -65,7 +66,7 @@ async def usage(
             "totals": totals}
 
 
-@router.get("/metrics", include_in_schema=False)
+@router.get("/metrics", response_class=PlainTextResponse)
 async def prometheus_metrics() -> Response:
     """Prometheus text format. Open like /health: it says how busy the service is, nothing of
     anyone's data (block it at the proxy if that is too much)."""

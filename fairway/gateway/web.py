@@ -5,12 +5,13 @@ The page is public (it holds no data); it asks for an API key and sends it with 
 
 from __future__ import annotations
 
+import mimetypes
 from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from fairway.gateway.errors import not_found
+from fairway.gateway.errors import error_responses, not_found
 
 router = APIRouter()
 
@@ -21,12 +22,21 @@ SERVED_SUFFIXES = {".html", ".js", ".css", ".svg", ".png", ".ico"}
 HEADERS = {"Cache-Control": "no-cache"}
 
 
-@router.get("/", include_in_schema=False)
+
+
+def _file(*media_types: str | None) -> dict[int | str, dict]:
+    """The 200 of a route that sends a file of one of these types (for the OpenAPI schema)."""
+    return {200: {"description": "The file.", "content": {t: {"schema": {"type": "string"}} for t in media_types if t}}}
+
+
+@router.get("/", response_class=FileResponse, responses=_file("text/html"))
 async def index() -> FileResponse:
     return FileResponse(WEB_DIR / "index.html", headers=HEADERS)
 
 
-@router.get("/web/{name}", include_in_schema=False)
+@router.get("/web/{name}", response_class=FileResponse,
+            responses={**_file(*(mimetypes.guess_type("f" + s)[0] for s in sorted(SERVED_SUFFIXES))),
+                       **error_responses(404)})
 async def asset(name: str) -> FileResponse:
     path = WEB_DIR / name
     if "/" in name or name.startswith(".") or path.suffix not in SERVED_SUFFIXES or not path.is_file():
