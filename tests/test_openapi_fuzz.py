@@ -10,6 +10,7 @@ import os
 
 import pytest
 import schemathesis
+import torch
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
@@ -21,6 +22,16 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 from serving import MODEL, TEST_KEYS, ThreadServer, headers, wait_ready
+
+
+def subnormals_back() -> None:
+    """Fairway's native kernels are built with -ffast-math, whose startup code turns on flush-to-zero
+    in the thread that loads them (here, pytest's: another test module may have loaded them), and
+    Hypothesis then refuses to generate floats. Schemathesis generates some cases at collection."""
+    torch.set_flush_denormal(False)
+
+
+subnormals_back()
 
 # Enough to meet each route's errors, few enough for well under a minute of CPU: each case is one
 # real request (a generated chat body with the served model runs a real, short generation). A
@@ -108,5 +119,6 @@ def reach_real_ids(case, real: dict[str, str]) -> None:
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                  HealthCheck.filter_too_much])
 def test_every_route_answers_as_its_schema_says(case, server, real_ids):
+    subnormals_back()  # (a test that ran meanwhile may have loaded the kernels)
     reach_real_ids(case, real_ids)
     case.call_and_validate(base_url=server.url, headers=headers(), checks=CHECKS, timeout=60)
