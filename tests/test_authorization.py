@@ -73,9 +73,9 @@ UNOWNED = [
 @pytest.fixture(scope="module")
 def engine():
     """One engine for both servers (each runs it in its own AsyncEngine thread, one at a time)."""
-    from fairway.stack import StackOptions, build_engine
+    from fairway.assembly import ServerOptions, build_engine
 
-    return build_engine(StackOptions(max_model_len=512))
+    return build_engine(ServerOptions(max_model_len=512))
 
 
 def _postgresql() -> str:
@@ -104,10 +104,10 @@ def server(request, engine, tmp_path_factory):
     """A server whose user test-user-1 owns a conversation with a finished reply (and its usage)."""
     from redis_keys import delete_prefixed
 
-    from fairway.stack import StackOptions, embedded_app
+    from fairway.assembly import ServerOptions, embedded_app
 
     keys = [*TEST_KEYS, (REVOKED_KEY, "revoked-user", "paid")]
-    options = StackOptions(max_model_len=512, api_keys=keys, auth_cache_s=0.1)
+    options = ServerOptions(max_model_len=512, api_keys=keys, auth_cache_s=0.1)
     pg_name = None
     if request.param == "redis+postgresql":
         _redis()

@@ -39,9 +39,9 @@ def namespace():
 
 @pytest.fixture(scope="module")
 def gateway(tmp_path_factory, namespace):
-    from fairway.stack import StackOptions, gateway_app
+    from fairway.assembly import ServerOptions, gateway_app
 
-    options = StackOptions(redis=REDIS_URL, namespace=namespace, keepalive_s=KEEPALIVE_S, api_keys=list(TEST_KEYS),
+    options = ServerOptions(redis=REDIS_URL, namespace=namespace, keepalive_s=KEEPALIVE_S, api_keys=list(TEST_KEYS),
                            database=f"sqlite:///{tmp_path_factory.mktemp('keepalive') / 'fairway.db'}")
     try:
         app = gateway_app(options)

@@ -60,15 +60,15 @@ CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance,
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from fairway.assembly import ServerOptions, embedded_app
     from fairway.limits import LimitsConfig, TierLimits
     from fairway.limits.config import default_tiers
-    from fairway.stack import StackOptions, embedded_app
 
     db = tmp_path_factory.mktemp("fuzz") / "fairway.db"
     # A short window and default reply, and a token quota of a few short replies a minute: the
     # generated bodies that are valid run a few short generations, then meet the 429.
     tiers = {**default_tiers(), "paid": TierLimits(TOKENS_PER_MINUTE, 10_000)}
-    options = StackOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, default_max_tokens=4,
+    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, default_max_tokens=4,
                            limits=LimitsConfig(tiers=tiers), api_keys=list(TEST_KEYS))
     server = ThreadServer(embedded_app(options)).start()
     wait_ready(server.url)
