@@ -64,7 +64,7 @@ class PausingReplica:
 
     def start(self) -> PausingReplica:
         self._thread.start()
-        assert self.ready.wait(30), self.error
+        assert self.ready.wait(30) and self.error is None, self.error
         return self
 
     def join(self) -> None:
@@ -82,7 +82,7 @@ class PausingReplica:
     async def _serve(self) -> None:
         from fairway.domain import ReplyState
         from fairway.relay import FinalEvent, TokenEvent, make_relay
-        from fairway.router import ReplicaInfo, make_registry
+        from fairway.replica.registry import ReplicaInfo, make_registry
 
         relay = make_relay(REDIS_URL, prefix=self.namespace)
         registry = make_registry(REDIS_URL, prefix=self.namespace)
