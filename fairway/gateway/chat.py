@@ -218,6 +218,7 @@ async def chat_completions(request: Request) -> Any:
     if stored:  # said by the request that built it and by every duplicate: identical streams
         # In a fixed order: PostgreSQL's JSONB does not keep the order it was given.
         context = {k: stored[k] for k in ("prompt_tokens", "dropped_turns", "dropped_messages", "max_tokens")}
+        context.update({k: stored[k] for k in ("memories", "memory_ids", "sources") if k in stored})
         view.first_extra = {"context": context}
         headers.update({"X-Context-Tokens": str(context["prompt_tokens"]),
                         "X-Context-Dropped-Turns": str(context["dropped_turns"])})
