@@ -21,6 +21,10 @@ from fastapi import FastAPI
 from fairway.conversation import ConversationStore, database_url, make_store
 from fairway.conversation.recorder import ReplyRecorder
 from fairway.conversation.service import ConversationService, ServiceSettings
+from fairway.files.objects import make_object_store
+from fairway.files.service import FileService, FileSettings
+from fairway.files.source import FileSource
+from fairway.files.store import FileStore
 from fairway.gateway import GatewayContext, create_app
 from fairway.gateway.keys import KeyChecker, ensure_key
 from fairway.gateway.streaming import ReplyRelay
@@ -29,9 +33,9 @@ from fairway.memory import BackgroundCompleter, MemoryService, MemorySettings, M
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
+from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
 from fairway.router import Router
 from fairway.server_gc import settle_heap
-from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
 
@@ -68,6 +72,8 @@ class ServerOptions:
     memory_idle_s: float = 300.0  # a conversation idle this long gets its facts extracted
     memory_poll_s: float = 10.0
     memory_extract_tokens: int = 256  # the extraction job's max_tokens
+    files: str | None = None  # uploads: a directory (default ./.fairway/files) or s3://bucket
+    file_settings: FileSettings | None = None
 
 
 def model_name(model: str | None) -> str:
@@ -159,6 +165,15 @@ def open_memory(options: ServerOptions, relay: Relay, router: Router, store: Con
                          messages_of), None
 
 
+def open_files(options: ServerOptions) -> FileService | None:
+    """Uploads with retrieval, or None when the embedding model is missing (memory says why)."""
+    if embedder_available() is not None:
+        return None
+    url = database_url(options.database)
+    return FileService(FileStore(url), make_object_store(options.files), SqlVectorIndex(url), shared_embedder,
+                       options.file_settings or FileSettings())
+
+
 def gateway_context(
     options: ServerOptions,
     relay: Relay,
@@ -170,16 +185,22 @@ def gateway_context(
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
     background = Background()
     memory, memory_off = open_memory(options, relay, router, store, tokenizers)
-    sources = [MemorySource(memory)] if memory else []
+    files = open_files(options)
+    sources: list[Any] = [MemorySource(memory)] if memory else []
+    if files is not None:
+        sources.append(FileSource(files))
     service = ConversationService(store, relay, router, tokenizers, settings, sources)
     config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
     limits = make_limits(options.redis, config)
     keys = KeyChecker(store, options.auth_cache_s)
     context = GatewayContext(service, ReplyRelay(relay.log, store, service), relay.log, store, router, limits, keys,
-                             memory=memory, memory_off_reason=memory_off)
+                             memory=memory, memory_off_reason=memory_off, files=files)
     if memory is not None:
         context.on_startup += [memory.init, background.start(memory.run, "memory-extraction")]
         context.on_shutdown.append(memory.close)
+    if files is not None:
+        context.on_startup.append(files.init)
+        context.on_shutdown.append(files.close)
     recorder = ReplyRecorder(store, relay.inbox)
     recorder.on_finished.append(Accounting(store, limits, options.pricing).on_finished)
 

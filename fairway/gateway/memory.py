@@ -8,8 +8,8 @@ from typing import Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.app_state import gateway
+from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import ApiError, error_responses, not_found
 from fairway.memory import MemoryService
 
