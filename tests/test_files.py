@@ -133,6 +133,26 @@ async def test_upload_processes_and_is_per_user(files: FileService):
     assert await files.get("u1", record.file_id) is None
 
 
+async def test_an_image_is_read_by_ocr(files: FileService):
+    if files.ocr_off:
+        pytest.skip(files.ocr_off)
+    import io
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.new("RGB", (900, 120), "white")
+    ImageDraw.Draw(image).text((10, 30), "The parking code is 7351.", fill="black",
+                               font=ImageFont.load_default(size=48))
+    png = io.BytesIO()
+    image.save(png, "PNG")
+    record = await files.upload("u1", "photo.txt", png.getvalue(), "multimodal_input")  # the name lies
+    assert record.content_type == kinds.PNG
+    await files.wait_processed()
+    assert (await files.get("u1", record.file_id)).status == "ready"
+    hit = (await files.index.search("file_chunks", record.file_id, (await files.embed(["parking code"]))[0], 1))[0]
+    assert "7351" in hit.text
+
+
 async def test_presigned_upload_goes_straight_to_the_store(files: FileService):
     data = "\n\n".join(PAGES).encode()
     if not files.objects.presigned:

@@ -8,7 +8,9 @@ import httpx
 import openai
 import pytest
 from serving import API_KEY, MODEL, OTHER_KEY, TEST_KEYS, ThreadServer, headers, wait_for, wait_ready
+from vector_backends import pgvector_server, vector_db, vector_pg_database  # noqa: F401 - fixtures
 
+from fairway.conversation import database_url
 from fairway.memory import MemoryService, MemoryStore
 from fairway.memory.extract import model_facts
 from fairway.retrieval import EmbedderUnavailable, SqlVectorIndex, shared_embedder
@@ -23,9 +25,12 @@ def embedder():
 
 
 @pytest.fixture
-async def memory(tmp_path, embedder):
-    url = f"sqlite+aiosqlite:///{tmp_path}/fairway.db"
-    service = MemoryService(MemoryStore(url), SqlVectorIndex(url), lambda: embedder)
+async def memory(vector_db, embedder):  # noqa: F811 - the imported fixture
+    """The service on SQLite, PostgreSQL 15 (exact search) and PostgreSQL with pgvector."""
+    url, connect_args = vector_db
+    url = database_url(url)
+    service = MemoryService(MemoryStore(url, connect_args), SqlVectorIndex(url, connect_args=connect_args),
+                            lambda: embedder)
     await service.init()
     yield service
     await service.close()
