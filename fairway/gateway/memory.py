@@ -24,6 +24,7 @@ class MemorySettingsBody(BaseModel):
 class ExtractBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
     conversation_id: str
+    use_model: bool = True  # false: the explicit statements only, without waiting for the model
 
 
 def _memory(request: Request) -> MemoryService:
@@ -72,5 +73,5 @@ async def extract_memory(body: ExtractBody, request: Request) -> dict[str, Any]:
     if conversation is None:
         raise not_found(f"No conversation {body.conversation_id!r}.", "conversation_id", "conversation_not_found")
     messages = [(str(m.role), m.text) for m in await gw.store.list_messages(conversation.id)]
-    written = await memory.extract(user, conversation.id, messages)
+    written = await memory.extract(user, conversation.id, messages, use_model=body.use_model)
     return {"memories": [m.public() for m in written]}

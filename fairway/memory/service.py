@@ -110,16 +110,16 @@ class MemoryService:
 
     # -- extraction --------------------------------------------------------------------------
 
-    async def extract(self, user_id: str, conversation_id: str,
-                      messages: Sequence[tuple[str, str]]) -> list[Memory]:
+    async def extract(self, user_id: str, conversation_id: str, messages: Sequence[tuple[str, str]],
+                      use_model: bool = True) -> list[Memory]:
         """Facts from the conversation's messages ((role, text), oldest first): the user's
-        explicit statements, and the model's answer when a model is configured."""
+        explicit statements, and the model's answer when a model is configured (and use_model)."""
         if not await self.store.enabled(user_id):
             return []
         # The explicit statements first: stored at once, not after the background lane's wait.
         explicit = [f for role, text in messages if role == "user" for f in explicit_facts(text)]
         written = await self.remember(user_id, explicit, conversation_id)
-        if self.complete is not None:
+        if self.complete is not None and use_model:
             try:
                 facts = await model_facts(self.complete, messages, self.settings.extraction_attempts)
             except Exception as e:  # the model unavailable: the explicit facts still count
