@@ -144,7 +144,7 @@ def open_backends(options: ServerOptions) -> tuple[Relay, ConversationStore, Rep
 
 
 def open_memory(options: ServerOptions, relay: Relay, router: Router, store: ConversationStore,
-                tokenizers: dict[str, Any]) -> tuple[MemoryService | None, str | None]:
+                tokenizers: dict[str, Any], index: SqlVectorIndex) -> tuple[MemoryService | None, str | None]:
     """The memory service (vectors and facts in the conversation store's database, extraction by
     the served model on the background lane), or None and the reason it is off."""
     if not options.memory:
@@ -158,19 +158,17 @@ def open_memory(options: ServerOptions, relay: Relay, router: Router, store: Con
     async def messages_of(conversation_id: str) -> list[tuple[str, str]]:
         return [(str(m.role), m.text) for m in await store.list_messages(conversation_id)]
 
-    url = database_url(options.database)
-    return MemoryService(MemoryStore(url), SqlVectorIndex(url), shared_embedder,
+    return MemoryService(MemoryStore(index.engine), index, shared_embedder,
                          MemorySettings(idle_s=options.memory_idle_s, poll_s=options.memory_poll_s),
                          BackgroundCompleter(relay, router, tokenizer, model, options.memory_extract_tokens),
                          messages_of), None
 
 
-def open_files(options: ServerOptions) -> FileService | None:
+def open_files(options: ServerOptions, index: SqlVectorIndex) -> FileService | None:
     """Uploads with retrieval, or None when the embedding model is missing (memory says why)."""
     if embedder_available() is not None:
         return None
-    url = database_url(options.database)
-    return FileService(FileStore(url), make_object_store(options.files), SqlVectorIndex(url), shared_embedder,
+    return FileService(FileStore(index.engine), make_object_store(options.files), index, shared_embedder,
                        options.file_settings or FileSettings())
 
 
@@ -184,8 +182,9 @@ def gateway_context(
     router = Router(registry)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
     background = Background()
-    memory, memory_off = open_memory(options, relay, router, store, tokenizers)
-    files = open_files(options)
+    index = SqlVectorIndex(database_url(options.database))  # memory's and files' (one pool), opened on first use
+    memory, memory_off = open_memory(options, relay, router, store, tokenizers, index)
+    files = open_files(options, index)
     sources: list[Any] = [MemorySource(memory)] if memory else []
     if files is not None:
         sources.append(FileSource(files))

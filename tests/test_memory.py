@@ -48,6 +48,19 @@ async def test_a_restated_fact_replaces_the_old_one(memory: MemoryService):
     assert await memory.list("u2") == []
 
 
+async def test_one_gateway_extracts_each_idle_conversation(memory: MemoryService):
+    await memory.store.note_turn("u1", "conv_idle", [])
+    memory.settings.idle_s = 0.0
+    idle = await memory.store.idle_conversations(0.0)
+    assert [c for _, c, _ in idle] == ["conv_idle"]
+    at = idle[0][2] + 0.001
+    assert await memory.store.claim_extraction("conv_idle", at)
+    assert not await memory.store.claim_extraction("conv_idle", at)  # the second gateway skips it
+    assert await memory.store.idle_conversations(0.0) == []
+    await memory.store.note_turn("u1", "conv_idle")  # a new turn: extracted again later
+    assert [c for _, c, _ in await memory.store.idle_conversations(0.0)] == ["conv_idle"]
+
+
 async def test_the_block_is_chosen_once_and_loses_deleted_memories(memory: MemoryService):
     written = await memory.remember("u1", ["User is allergic to peanuts.", "User lives in Lisbon.",
                                            "User's name is Ada."], "conv_a")

@@ -9,6 +9,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fairway.retrieval.sql_index import make_engine
 
@@ -62,8 +63,9 @@ class FileRecord:
 
 
 class FileStore:
-    def __init__(self, url: str, connect_args: dict[str, Any] | None = None) -> None:
-        self.engine = make_engine(url, connect_args)
+    def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
+        # An engine already open on the database (the vector index's) is shared, not copied.
+        self.engine = url if isinstance(url, AsyncEngine) else make_engine(url, connect_args)
         self.postgres = self.engine.dialect.name == "postgresql"
 
     async def init(self) -> None:

@@ -134,11 +134,12 @@ class MemoryService:
             return 0
         done = 0
         for user_id, conversation_id, last_turn_at in await self.store.idle_conversations(self.settings.idle_s):
+            if not await self.store.claim_extraction(conversation_id, max(last_turn_at, time.time())):
+                continue  # another gateway took it
             try:
                 await self.extract(user_id, conversation_id, await self.messages_of(conversation_id))
             except Exception:
                 log.exception("memory extraction of %s failed", conversation_id)
-            await self.store.mark_extracted(conversation_id, max(last_turn_at, time.time()))
             done += 1
         return done
 

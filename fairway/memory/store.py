@@ -11,6 +11,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fairway.retrieval.sql_index import Json, make_engine
 
@@ -63,8 +64,9 @@ class Memory:
 
 
 class MemoryStore:
-    def __init__(self, url: str, connect_args: dict[str, Any] | None = None) -> None:
-        self.engine = make_engine(url, connect_args)
+    def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
+        # An engine already open on the database (the vector index's) is shared, not copied.
+        self.engine = url if isinstance(url, AsyncEngine) else make_engine(url, connect_args)
         self.postgres = self.engine.dialect.name == "postgresql"
 
     async def init(self) -> None:
@@ -162,7 +164,12 @@ class MemoryStore:
                 .order_by(c.last_turn_at).limit(limit))).all()
         return [(r.user_id, r.conversation_id, r.last_turn_at) for r in rows]
 
-    async def mark_extracted(self, conversation_id: str, at: float) -> None:
+    async def claim_extraction(self, conversation_id: str, at: float) -> bool:
+        """Mark the conversation extracted as of `at`, if no one did since its last turn: of
+        several gateways running the idle pass, one extracts each conversation."""
+        c = memory_conversations.c
         async with self.engine.begin() as conn:
-            await conn.execute(sa.update(memory_conversations).where(
-                memory_conversations.c.conversation_id == conversation_id).values(extracted_at=at))
+            result = await conn.execute(sa.update(memory_conversations).where(
+                c.conversation_id == conversation_id,
+                sa.or_(c.extracted_at.is_(None), c.extracted_at < c.last_turn_at)).values(extracted_at=at))
+        return result.rowcount == 1
