@@ -27,7 +27,9 @@ from fairway.files.extract import ExtractionFailed, ExtractLimits, chunk_pages, 
 from fairway.files.objects import LocalObjectStore, S3ObjectStore
 from fairway.files.service import FileRejected, FileService, FileSettings
 from fairway.files.store import FileStore
-from fairway.retrieval import EmbedderUnavailable, SqlVectorIndex, shared_embedder
+from fairway.retrieval import SqlVectorIndex
+
+pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
 
 FACT = "The access code for the Zebra warehouse is PURPLE-MONKEY-42."
 PAGES = ["Quarterly report. Sales grew in the north region and shrank in the south. " * 8,
@@ -67,14 +69,6 @@ async def test_parsing_is_bounded_and_failures_have_reasons():
     assert time.monotonic() - t < 5
     with pytest.raises(ExtractionFailed):  # 96 MiB inflated: pypdf's inflate cap or the memory limit stops it
         await extract_pages(bomb_pdf(96), kinds.PDF, ExtractLimits(memory_bytes=400 << 20, max_chars=1 << 20))
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    try:
-        return shared_embedder()
-    except EmbedderUnavailable as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

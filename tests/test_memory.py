@@ -8,20 +8,13 @@ import httpx
 import openai
 import pytest
 from serving import API_KEY, MODEL, OTHER_KEY, TEST_KEYS, ThreadServer, headers, wait_for, wait_ready
-from vector_backends import pgvector_server, vector_db, vector_pg_database  # noqa: F401 - fixtures
 
 from fairway.conversation import database_url
 from fairway.memory import MemoryService, MemoryStore
 from fairway.memory.extract import model_facts
-from fairway.retrieval import EmbedderUnavailable, SqlVectorIndex, shared_embedder
+from fairway.retrieval import SqlVectorIndex
 
-
-@pytest.fixture(scope="module")
-def embedder():
-    try:
-        return shared_embedder()
-    except EmbedderUnavailable as e:
-        pytest.skip(str(e))
+pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
 
 
 @pytest.fixture

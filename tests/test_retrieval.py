@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from vector_backends import pgvector_server, vector_db, vector_pg_database  # noqa: F401 - fixtures
 
 from fairway.conversation import database_url
 from fairway.retrieval import FILE_CHUNKS, MEMORIES, Entry, SqlVectorIndex
+
+pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
 
 DIM = 384
 
@@ -90,16 +91,6 @@ async def test_another_process_sees_each_write(open_index):
     assert (await b.search(MEMORIES, "u", v[1], k=1))[0].key == "m2"
     await a.delete(MEMORIES, "u", ["m2"])
     assert [h.key for h in await b.search(MEMORIES, "u", v[1], k=5)] == ["m1"]
-
-
-@pytest.fixture(scope="module")
-def embedder():
-    from fairway.retrieval import EmbedderUnavailable, shared_embedder
-
-    try:
-        return shared_embedder()
-    except EmbedderUnavailable as e:
-        pytest.skip(str(e))
 
 
 def test_embedder_ranks_by_meaning_and_batches_consistently(embedder):

@@ -72,3 +72,14 @@ async def vector_db(request: pytest.FixtureRequest, tmp_path, vector_pg_database
     if url is None:
         pytest.skip(f"no {request.param} server here")
     return await fresh_schema_url(url)
+
+
+@pytest.fixture(scope="session")
+def embedder():
+    """The real embedding model, loaded once for the session."""
+    from fairway.retrieval import EmbedderUnavailable, shared_embedder
+
+    try:
+        return shared_embedder()
+    except EmbedderUnavailable as e:
+        pytest.skip(str(e))

@@ -8,10 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from fairway.retrieval.sql_index import make_engine
+from fairway.retrieval.sql_index import SqlTables
 
 metadata = sa.MetaData()
 
@@ -62,18 +60,8 @@ class FileRecord:
                 "status_details": self.status_details, "content_type": self.content_type, "chunks": self.chunks}
 
 
-class FileStore:
-    def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
-        # An engine already open on the database (the vector index's) is shared, not copied.
-        self.engine = url if isinstance(url, AsyncEngine) else make_engine(url, connect_args)
-        self.postgres = self.engine.dialect.name == "postgresql"
-
-    async def init(self) -> None:
-        async with self.engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-
-    async def close(self) -> None:
-        await self.engine.dispose()
+class FileStore(SqlTables):
+    metadata = metadata
 
     async def add(self, record: FileRecord) -> None:
         async with self.engine.begin() as conn:
@@ -128,7 +116,7 @@ class FileStore:
 
     async def attach(self, conversation_id: str, file_id: str) -> bool:
         """True when newly attached."""
-        stmt = (postgresql if self.postgres else sqlite).insert(conversation_files).values(
+        stmt = self.insert(conversation_files).values(
             conversation_id=conversation_id, file_id=file_id, attached_at=time.time()).on_conflict_do_nothing()
         async with self.engine.begin() as conn:
             return (await conn.execute(stmt)).rowcount > 0

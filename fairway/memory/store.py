@@ -10,10 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.ext.asyncio import AsyncEngine
 
-from fairway.retrieval.sql_index import Json, make_engine
+from fairway.retrieval.sql_index import Json, SqlTables
 
 metadata = sa.MetaData()
 
@@ -63,23 +61,8 @@ class Memory:
                 "updated_at": int(self.updated_at), "conversation_id": self.conversation_id}
 
 
-class MemoryStore:
-    def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
-        # An engine already open on the database (the vector index's) is shared, not copied.
-        self.engine = url if isinstance(url, AsyncEngine) else make_engine(url, connect_args)
-        self.postgres = self.engine.dialect.name == "postgresql"
-
-    async def init(self) -> None:
-        async with self.engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
-
-    async def close(self) -> None:
-        await self.engine.dispose()
-
-    def _insert(self, table: sa.Table) -> Any:
-        return (postgresql if self.postgres else sqlite).insert(table)
-
-    # -- memories ----------------------------------------------------------------------------
+class MemoryStore(SqlTables):
+    metadata = metadata
 
     async def add(self, memory: Memory) -> None:
         async with self.engine.begin() as conn:
@@ -127,7 +110,7 @@ class MemoryStore:
         return True if value is None else bool(value)
 
     async def set_enabled(self, user_id: str, enabled: bool) -> None:
-        stmt = self._insert(memory_users).values(user_id=user_id, enabled=enabled, updated_at=time.time())
+        stmt = self.insert(memory_users).values(user_id=user_id, enabled=enabled, updated_at=time.time())
         stmt = stmt.on_conflict_do_update(index_elements=["user_id"],
                                           set_={"enabled": enabled, "updated_at": stmt.excluded.updated_at})
         async with self.engine.begin() as conn:
@@ -146,7 +129,7 @@ class MemoryStore:
         """A turn started now; with block, the memories injected at the conversation's start."""
         ts = time.time()
         values: dict[str, Any] = {"conversation_id": conversation_id, "user_id": user_id, "last_turn_at": ts}
-        stmt = self._insert(memory_conversations).values(**values, block=list(block) if block is not None else None)
+        stmt = self.insert(memory_conversations).values(**values, block=list(block) if block is not None else None)
         update: dict[str, Any] = {"last_turn_at": ts}
         if block is not None:
             update["block"] = stmt.excluded.block

@@ -90,6 +90,28 @@ def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> AsyncEn
     return engine
 
 
+class SqlTables:
+    """Tables of their own in the conversation store's database (memory's, files'): created at
+    init if missing, on an engine of their own or one shared with another part."""
+
+    metadata: sa.MetaData
+
+    def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
+        self.engine = url if isinstance(url, AsyncEngine) else make_engine(url, connect_args)
+        self.postgres = self.engine.dialect.name == "postgresql"
+
+    async def init(self) -> None:
+        async with self.engine.begin() as conn:
+            await conn.run_sync(self.metadata.create_all)
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    def insert(self, table: sa.Table) -> Any:
+        """INSERT for this dialect, with on_conflict_do_update / _do_nothing."""
+        return (postgresql if self.postgres else sqlite).insert(table)
+
+
 class SqlVectorIndex(VectorIndex):
     def __init__(self, url: str, dim: int = DEFAULT_DIM, use_pgvector: bool | None = None,
                  cache_bytes: int = 256 << 20, connect_args: dict[str, Any] | None = None) -> None:
