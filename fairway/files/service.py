@@ -186,6 +186,8 @@ class FileService:
                                                       "page": c.page})
                 for c, v in zip(chunks, vectors, strict=True)])
             await self.store.set_status(file_id, "ready", chunks=len(chunks), content_type=content_type)
+            if await self.store.get(file_id) is None:  # deleted while it was processed
+                await self.index.delete_partition(FILE_CHUNKS, file_id)
         except ExtractionFailed as e:
             await self.store.set_status(file_id, "failed", str(e))
         except asyncio.CancelledError:

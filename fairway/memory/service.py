@@ -32,7 +32,7 @@ class MemorySettings:
     inject_k: int = 5  # at most this many memories in a conversation's block
     inject_min_score: float = 0.2  # cosine similarity to the first message (MiniLM: related ~0.2-0.6)
     inject_max_tokens: int = 200  # the block's budget
-    dedup_score: float = 0.82  # a new fact this similar to a stored one replaces it
+    dedup_score: float = 0.8  # a new fact this similar to a stored one replaces it (MiniLM: a restatement ~0.8-0.97, a different allergy ~0.5)
     idle_s: float = 300.0  # a conversation idle this long gets its facts extracted
     poll_s: float = 10.0
     extraction_attempts: int = 3  # model answers tried per extraction (malformed JSON is retried)
