@@ -78,6 +78,16 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
+_SCHEMA_LOCK_KEY = 0x0FA1_7EC5  # any fixed bigint: PostgreSQL advisory locks are keyed by one
+
+
+async def lock_schema(conn: AsyncConnection) -> None:
+    """On PostgreSQL, hold an advisory lock until the transaction ends: gateways starting together
+    would otherwise race their CREATE TABLE IF NOT EXISTS (a duplicate pg_type row)."""
+    if conn.dialect.name == "postgresql":
+        await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
+
+
 def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> AsyncEngine:
     """An async engine for an async SQLAlchemy URL (fairway.conversation.database_url's)."""
     parsed = make_url(url)
@@ -102,6 +112,7 @@ class SqlTables:
 
     async def init(self) -> None:
         async with self.engine.begin() as conn:
+            await lock_schema(conn)
             await conn.run_sync(self.metadata.create_all)
 
     async def close(self) -> None:
@@ -128,6 +139,7 @@ class SqlVectorIndex(VectorIndex):
 
     async def init(self) -> None:
         async with self.engine.begin() as conn:
+            await lock_schema(conn)
             pgvector = self.postgres and await self._pgvector(conn)
             self.kind = "pgvector" if pgvector else "exact"
             self._metadata, self.vectors, self.partitions = _tables(self.dim, pgvector)
