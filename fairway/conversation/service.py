@@ -23,6 +23,7 @@ from fairway.conversation.context_builder import (
     ContextTooLong,
 )
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
+from fairway.conversation.extras import ContextSource, TurnExtras, TurnInfo
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
 from fairway.domain import Tier, lane_of_tier
 from fairway.relay import Relay
@@ -59,6 +60,7 @@ class TurnRequest:
     client_key: str | None = None  # the client's message id (or idempotency key)
     resume_only: bool = False  # attach to the message's running reply; never start one
     tier: str | None = None  # the user's tier (from their key): the conversation's lane
+    file_ids: list[str] = field(default_factory=list)  # files the new message attaches
     # Called once the context is built, before anything is stored, with (prompt tokens,
     # max_tokens): the gateway reserves tokens here (and may refuse by raising).
     admit: Callable[[int, int], Awaitable[Admitted]] | None = None
@@ -101,9 +103,11 @@ class ConversationService:
         router: Router,
         tokenizers: dict[str, ChatTokenizer],
         settings: ServiceSettings | None = None,
+        sources: Sequence[ContextSource] = (),
     ) -> None:
         self.store = store
         self.relay = relay
+        self.sources = list(sources)  # memories, file chunks: what else goes into a context
         self.router = router
         self.tokenizers = tokenizers  # model name -> its tokenizer: the models this gateway serves
         self.settings = settings or ServiceSettings()
@@ -144,15 +148,15 @@ class ConversationService:
         replicas = await self._replicas(req.model)
         window = min(r.max_model_len for r in replicas)
         max_tokens = int(req.sampling.get("max_tokens") or min(self.settings.default_max_tokens, window // 2))
-        context = self._build(req.model, window, stored, new, max_tokens)
+        new_conversation = conversation is None
+        conversation = conversation or self._new_conversation(req)  # stored only once the reply can run
+        extras = await self._extras(req, conversation, new_conversation, new)
+        context = self._build(req.model, window, stored, new, max_tokens, extras)
         longest = min(r.max_prompt_tokens for r in replicas)
         if context.num_tokens > longest:
             raise ContextTooLong(context.num_tokens, longest, window, max_tokens)
         admitted = await req.admit(context.num_tokens, max_tokens) if req.admit else Admitted()
         try:
-            # Only now, with a request that can run, does a new conversation get stored.
-            new_conversation = conversation is None
-            conversation = conversation or self._new_conversation(req)
             job = GenerationJob(
                 reply_id="",
                 model=req.model,
@@ -162,7 +166,7 @@ class ConversationService:
                 tier=conversation.tier,
             )
             info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
-                    "dropped_messages": context.dropped_messages, "max_tokens": max_tokens}
+                    "dropped_messages": context.dropped_messages, "max_tokens": max_tokens, **extras.info}
             replica = await self.router.place(job.model)
             try:
                 message, reply = await self.store.store_turn(NewTurn(
@@ -226,8 +230,23 @@ class ConversationService:
             replicas = await self.router.replicas_for(model)
         return replicas
 
+    async def _extras(self, req: TurnRequest, conversation: Conversation, new_conversation: bool,
+                      new: list[ChatMessage]) -> TurnExtras:
+        """What the context sources add to this turn (memories, file chunks)."""
+        extras = TurnExtras()
+        if not self.sources:
+            return extras
+        question = next((m["content"] for m in reversed(new) if m["role"] == "user"), "")
+        tokenizer = self.tokenizers[req.model]
+        info = TurnInfo(req.user_id, conversation.id, new_conversation, question, list(req.file_ids),
+                        lambda text: len(tokenizer.encode(text)))
+        for source in self.sources:
+            extras.add(await source.extras(info))
+        return extras
+
     def _build(
-        self, model: str, window: int, stored: list[Message], new: list[ChatMessage], max_tokens: int
+        self, model: str, window: int, stored: list[Message], new: list[ChatMessage], max_tokens: int,
+        extras: TurnExtras | None = None,
     ) -> Context:
         """Stored history and the request's messages (an OpenAI client sends its whole history in
         a new conversation) as system text, older turns that may be dropped, and the new turn."""
@@ -237,7 +256,8 @@ class ConversationService:
         lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
         system, history, turn = messages[:lead], messages[lead:last_user], messages[last_user:]
-        return self._builder(model, window).build(system, history, turn, max_tokens)
+        extras = extras or TurnExtras()
+        return self._builder(model, window).build(system, history, turn, max_tokens, extras.head, extras.retrieved)
 
     async def _launch(self, reply: Reply, job: GenerationJob, replica: ReplicaInfo) -> None:
         """Open the reply's token log and hand its job to the replica."""

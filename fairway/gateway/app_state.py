@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from fastapi import Request
 
@@ -14,6 +15,10 @@ from fairway.gateway.streaming import ReplyRelay
 from fairway.limits import Limits
 from fairway.relay import TokenLog
 from fairway.router import Router
+
+if TYPE_CHECKING:  # memory and files load the embedding model's libraries only where configured
+    from fairway.files import FileService
+    from fairway.memory import MemoryService
 
 Hook = Callable[[], Awaitable[None]]
 
@@ -27,6 +32,9 @@ class GatewayContext:
     router: Router
     limits: Limits
     keys: KeyChecker
+    memory: MemoryService | None = None  # None: memory is off (memory_off_reason says why)
+    memory_off_reason: str | None = None
+    files: FileService | None = None
     on_startup: list[Hook] = field(default_factory=list)  # e.g. store.init, the recorder, an embedded replica
     on_shutdown: list[Hook] = field(default_factory=list)
 

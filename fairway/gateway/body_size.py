@@ -7,6 +7,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from fairway.gateway.errors import ApiError
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: a long chat turn is ~10 KB; files come through their own API
+UPLOAD_PATHS = ("/v1/files",)  # where bodies may be as large as upload_max_bytes
+MULTIPART_SLACK = 64 << 10  # a multipart body's boundaries and fields around the file
 
 
 class BodyTooLarge(Exception):
@@ -17,20 +19,22 @@ class BodySizeLimit:
     """413 for a body over max_bytes: at once when Content-Length says so, else when the streamed
     bytes pass the limit (chunked uploads carry no length)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int = MAX_BODY_BYTES, upload_max_bytes: int | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.upload_max_bytes = max(upload_max_bytes or 0, max_bytes)
 
-    def _error(self) -> ApiError:
-        return ApiError(413, f"Request body is larger than the {self.max_bytes} bytes allowed.", code="request_too_large")
+    def _error(self, limit: int) -> ApiError:
+        return ApiError(413, f"Request body is larger than the {limit} bytes allowed.", code="request_too_large")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.upload_max_bytes if scope.get("path", "").startswith(UPLOAD_PATHS) else self.max_bytes
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await self._error().response()(scope, receive, send)
+        if length is not None and length.isdigit() and int(length) > limit:
+            await self._error(limit).response()(scope, receive, send)
             return
         received = 0
         started = False
@@ -40,7 +44,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > limit:
                     raise BodyTooLarge
             return message
 
@@ -53,4 +57,4 @@ class BodySizeLimit:
             await self.app(scope, limited_receive, tracking_send)
         except BodyTooLarge:
             if not started:
-                await self._error().response()(scope, receive, send)
+                await self._error(limit).response()(scope, receive, send)

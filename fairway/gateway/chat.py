@@ -35,6 +35,7 @@ from fairway.gateway.schemas import (
     ChatCompletionRequest,
     chat_messages,
     event_id,
+    file_ids,
     max_tokens_of,
     parse_chat,
     request_body,
@@ -223,6 +224,7 @@ async def chat_completions(request: Request) -> Any:
         resume_only=body.last_received_token_index is not None,
         tier=principal.tier,
         admit=edge.admit_tokens,
+        file_ids=await _attached_files(gw, principal.user_id, body),
     )
     after = body.last_received_token_index or 0
     if turn_request.resume_only and not turn_request.client_key:
@@ -260,6 +262,7 @@ async def chat_completions(request: Request) -> Any:
     if stored:  # said by the request that built it and by every duplicate: identical streams
         # In a fixed order: PostgreSQL's JSONB does not keep the order it was given.
         context = {k: stored[k] for k in ("prompt_tokens", "dropped_turns", "dropped_messages", "max_tokens")}
+        context.update({k: stored[k] for k in ("memories", "memory_ids", "sources") if k in stored})
         view.first_extra = {"context": context}
         headers.update({"X-Context-Tokens": str(context["prompt_tokens"]),
                         "X-Context-Dropped-Turns": str(context["dropped_turns"])})
@@ -312,6 +315,24 @@ async def _start_shared(gw: GatewayContext, edge: Edge, turn_request: TurnReques
         return await _start(gw.service, turn_request), None
     edge.flight = None  # a follower neither finishes the flight nor holds a reservation
     return None, reply
+
+
+async def _attached_files(gw: GatewayContext, user: str, body: ChatCompletionRequest) -> list[str]:
+    """The files the request attaches, each the user's and ready (404 / 409 otherwise)."""
+    ids = file_ids(body)
+    if not ids:
+        return ids
+    if gw.files is None:
+        raise unavailable("Files are off on this server.", "files_unavailable")
+    for file_id in ids:
+        record = await gw.files.get(user, file_id)
+        if record is None:
+            raise not_found(f"No file {file_id!r}.", "file_id", "file_not_found")
+        if record.status != "ready":
+            detail = f": {record.status_details}" if record.status_details else ""
+            raise ApiError(409, f"File {file_id!r} is {record.status}{detail}; attach it once it is ready.",
+                           param="file_id", code="file_not_ready")
+    return ids
 
 
 def _client_key(key: str | None) -> str | None:

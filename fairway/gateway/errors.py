@@ -115,6 +115,27 @@ class ApiError(Exception):
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+_DESCRIPTIONS = {400: "Bad request", 401: "Missing or invalid API key", 404: "Not found (or another user's)",
+                 413: "Too large", 415: "Unsupported media type", 429: "Rate limited",
+                 503: "Unavailable (the reason is in the message)"}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict]:
+    """OpenAPI `responses` for a route's error statuses, each in the OpenAI error shape."""
+    return {s: {"model": ErrorBody, "description": _DESCRIPTIONS.get(s, "Error")} for s in (401, *statuses)}
+
+
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
 

@@ -88,6 +88,8 @@ async def get_reply(reply_id: str, request: Request) -> dict[str, Any]:
         "last_event_id": last,
         "replica_id": reply.replica_id,
         "created": int(reply.created_at),
+        # what its context held beyond the conversation: memories injected, file chunks retrieved
+        **{k: v for k, v in ((reply.job or {}).get("context") or {}).items() if k in ("memories", "sources")},
         "usage": None if record is None else {
             "model": record.model, "tier": record.tier, "prompt_tokens": record.prompt_tokens,
             "cached_tokens": record.cached_tokens, "completion_tokens": record.completion_tokens,

@@ -204,9 +204,12 @@ def _text(content: str | list[dict[str, Any]] | None, role: str, param: str) -> 
     for j, part in enumerate(content):
         where = f"{param}.content[{j}]"
         kind = part.get("type")
+        if kind in FILE_PARTS:
+            file_part_id(part, where)  # checked here; file_ids() collects them
+            continue
         if kind != "text":
             raise invalid(
-                f"Content part type {kind!r} is not supported yet: only text parts (files come later).",
+                f"Content part type {kind!r} is not supported: use text, or file_url / file with a file_id.",
                 f"{where}.type",
                 "unsupported_content_type",
             )
@@ -215,6 +218,34 @@ def _text(content: str | list[dict[str, Any]] | None, role: str, param: str) -> 
             raise invalid(f"'{where}.text' must be a string.", f"{where}.text", "invalid_type")
         texts.append(text)
     return "\n".join(texts)
+
+
+FILE_PARTS = ("file_url", "file", "input_file")  # the seed's, OpenAI's chat and responses APIs'
+
+
+def file_part_id(part: dict[str, Any], where: str) -> str:
+    """A file part's file_id: {"type": "file_url", "file_id"} (the seed's), {"type": "file",
+    "file": {"file_id"}} (OpenAI's) or {"type": "input_file", "file_id"}."""
+    inner = part.get("file") if isinstance(part.get("file"), dict) else part
+    file_id = inner.get("file_id")
+    if not isinstance(file_id, str) or not file_id:
+        raise invalid(f"'{where}' needs a file_id (upload the file with POST /v1/files first).",
+                      f"{where}.file_id", "missing_required_parameter")
+    return file_id
+
+
+def file_ids(request: ChatCompletionRequest) -> list[str]:
+    """The file ids the request's user messages attach, in order, once each."""
+    found: list[str] = []
+    for i, message in enumerate(request.messages):
+        if message.role != "user" or not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            if part.get("type") in FILE_PARTS:
+                file_id = file_part_id(part, f"messages[{i}].content[{j}]")
+                if file_id not in found:
+                    found.append(file_id)
+    return found
 
 
 def sampling(request: ChatCompletionRequest) -> dict[str, Any]:

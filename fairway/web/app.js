@@ -30,6 +30,7 @@ const state = {
   model: null, // the model new conversations use (the first one /v1/models lists)
   conversationId: null, // the conversation on screen; null for a new chat
   current: null, // the ReplyStream shown on screen, while it runs
+  attachments: [], // files for the next message: {name, status, progress, fileId, detail}
 };
 
 // -- errors ------------------------------------------------------------------------------------
@@ -257,6 +258,7 @@ class ReplyStream {
     if (chunk.error) throw new FatalError(chunk.error.message || 'The reply failed.');
     this.learnReplyId(chunk.reply_id);
     this.learnConversation(chunk.conversation_id);
+    if (chunk.context && this.view.setContext) this.view.setContext(chunk.context);
     if (event.id !== null) {
       if (event.id <= this.lastEventId) return; // a replay of what we have: the dedupe
       this.lastEventId = event.id;
@@ -364,6 +366,21 @@ class AssistantView {
 
   setReplyId(replyId) {
     this.el.dataset.replyId = replyId;
+  }
+
+  /** What the context held beyond the conversation: the file chunks the answer may cite. */
+  setContext(context) {
+    if (!context || this.el.querySelector('.sources')) return;
+    const parts = [];
+    for (const s of context.sources || []) {
+      parts.push(`${s.filename}, chunk ${s.chunk}${s.page ? `, page ${s.page}` : ''}`);
+    }
+    if (context.memories) parts.push(`${context.memories} ${context.memories === 1 ? 'memory' : 'memories'}`);
+    if (!parts.length) return;
+    const el = document.createElement('div');
+    el.className = 'sources';
+    el.textContent = `Used: ${parts.join('; ')}`;
+    this.el.append(el);
   }
 
   finish(status, error) {
@@ -483,10 +500,23 @@ function maxTokens() {
 }
 
 function send(text) {
-  appendMessage(messageElement('user', text, 'complete'));
+  const files = state.attachments.filter((a) => a.status === 'ready');
+  const userEl = messageElement('user', text, 'complete');
+  if (files.length) {
+    const note = document.createElement('div');
+    note.className = 'attached';
+    note.textContent = `Attached: ${files.map((f) => f.name).join(', ')}`;
+    userEl.append(note);
+  }
+  appendMessage(userEl);
+  const content = files.length
+    ? [{ type: 'text', text }, ...files.map((f) => ({ type: 'file_url', file_id: f.fileId }))]
+    : text;
+  state.attachments = [];
+  renderAttachments();
   const request = {
     model: state.model,
-    messages: [{ role: 'user', content: text }],
+    messages: [{ role: 'user', content }],
     stream: true,
     // Ours, not the server's: with it a re-sent request (after a drop before any event
     // arrived) attaches to the reply already running instead of starting another.
@@ -512,6 +542,137 @@ function startReply(request, { quietIfMissing = false } = {}) {
     refreshConversations();
   };
   stream.run();
+}
+
+// -- attachments -------------------------------------------------------------------------------
+
+/** Upload with progress (XMLHttpRequest: fetch has no upload progress), then poll until ready. */
+function attachFile(file) {
+  const item = { name: file.name, status: 'uploading', progress: 0, fileId: null, detail: '' };
+  state.attachments.push(item);
+  renderAttachments();
+  const form = new FormData();
+  form.append('file', file);
+  form.append('purpose', 'multimodal_input');
+  const xhr = new XMLHttpRequest();
+  xhr.open('POST', '/v1/files/upload');
+  xhr.setRequestHeader('Authorization', `Bearer ${apiKey()}`);
+  xhr.upload.onprogress = (event) => {
+    if (event.lengthComputable) item.progress = Math.round((100 * event.loaded) / event.total);
+    renderAttachments();
+  };
+  xhr.onload = () => {
+    let body = null;
+    try {
+      body = JSON.parse(xhr.responseText);
+    } catch (_) {
+      // not JSON: the status line says it
+    }
+    if (xhr.status !== 200 || !body) {
+      item.status = 'failed';
+      item.detail = (body && body.error && body.error.message) || `upload failed (${xhr.status})`;
+      renderAttachments();
+      return;
+    }
+    item.fileId = body.file_id;
+    item.status = body.status;
+    renderAttachments();
+    pollFile(item);
+  };
+  xhr.onerror = () => {
+    item.status = 'failed';
+    item.detail = 'the upload was interrupted';
+    renderAttachments();
+  };
+  xhr.send(form);
+}
+
+async function pollFile(item) {
+  while (item.status === 'processing') {
+    await new Promise((resolve) => setTimeout(resolve, 500));
+    try {
+      const file = await apiJson(`/v1/files/${encodeURIComponent(item.fileId)}`);
+      item.status = file.status;
+      item.detail = file.status_details || '';
+    } catch (err) {
+      if (!isRetryable(err)) {
+        item.status = 'failed';
+        item.detail = err.message;
+      }
+    }
+    renderAttachments();
+  }
+}
+
+function renderAttachments() {
+  $('attachments').replaceChildren(
+    ...state.attachments.map((a) => {
+      const li = document.createElement('li');
+      li.dataset.status = a.status;
+      if (a.fileId) li.dataset.fileId = a.fileId;
+      const what = a.status === 'uploading' ? `uploading ${a.progress}%` : a.status;
+      li.textContent = `${a.name}: ${what}${a.detail ? ` (${a.detail})` : ''}`;
+      return li;
+    }),
+  );
+}
+
+// -- memory ------------------------------------------------------------------------------------
+
+async function openMemory() {
+  const dialog = $('memory-dialog');
+  if (!dialog.open) dialog.showModal();
+  await renderMemory();
+}
+
+async function renderMemory() {
+  const list = $('memory-list');
+  $('memory-error').hidden = true;
+  let body;
+  try {
+    body = await apiJson('/v1/user/memory');
+  } catch (err) {
+    $('memory-error').textContent = err.message;
+    $('memory-error').hidden = false;
+    list.replaceChildren();
+    return;
+  }
+  $('memory-enabled').checked = body.enabled;
+  if (!body.memories.length) {
+    const li = document.createElement('li');
+    li.className = 'empty';
+    li.textContent = 'Nothing remembered yet.';
+    list.replaceChildren(li);
+    return;
+  }
+  list.replaceChildren(
+    ...body.memories.map((m) => {
+      const li = document.createElement('li');
+      li.dataset.memoryId = m.memory_id;
+      const fact = document.createElement('span');
+      fact.className = 'fact';
+      fact.textContent = m.fact;
+      const remove = document.createElement('button');
+      remove.type = 'button';
+      remove.className = 'delete-memory';
+      remove.textContent = 'Delete';
+      remove.addEventListener('click', () => memoryCall(`/v1/user/memory/${encodeURIComponent(m.memory_id)}`,
+        { method: 'DELETE' }));
+      li.append(fact, remove);
+      return li;
+    }),
+  );
+}
+
+async function memoryCall(path, options) {
+  try {
+    await api(path, options);
+  } catch (err) {
+    $('memory-error').textContent = err.message;
+    $('memory-error').hidden = false;
+    return;
+  }
+  await renderMemory();
 }
 
 // -- the key -----------------------------------------------------------------------------------
@@ -577,6 +738,11 @@ function main() {
     const prompt = $('prompt');
     const text = prompt.value.trim();
     if (!text || state.current) return;
+    if (state.attachments.some((a) => a.status === 'uploading' || a.status === 'processing')) {
+      showStatus('Waiting for the attached file to be ready…');
+      return;
+    }
+    showStatus(null);
     if (!state.model) {
       showStatus('No model is available yet: try again in a moment.');
       loadAll();
@@ -594,6 +760,15 @@ function main() {
   $('stop').addEventListener('click', () => state.current && state.current.stop());
   $('new-chat').addEventListener('click', newChat);
   $('change-key').addEventListener('click', () => askForKey());
+  $('attach').addEventListener('click', () => $('file-input').click());
+  $('file-input').addEventListener('change', (event) => {
+    for (const file of event.target.files) attachFile(file);
+    event.target.value = '';
+  });
+  $('memory-button').addEventListener('click', openMemory);
+  $('memory-clear').addEventListener('click', () => memoryCall('/v1/user/memory', { method: 'DELETE' }));
+  $('memory-enabled').addEventListener('change', (event) => memoryCall('/v1/user/memory/settings',
+    { method: 'PUT', body: { enabled: event.target.checked } }));
 
   if (apiKey()) loadAll();
   else askForKey(); // first visit: loadAll runs once the key is saved

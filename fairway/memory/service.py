@@ -1,0 +1,196 @@
+"""Memory across conversations: facts learnt from a user's conversations, deduplicated by
+meaning, looked up by the first message of a new conversation and injected into its hidden
+system block.
+
+The block is chosen once, at the conversation's start, and its memory ids are kept: later turns
+repeat the same block (minus any memory deleted since), so turn N+1's prompt still begins with
+turn N's and the prefix cache keeps serving it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+from fairway.conversation.entities import new_id
+from fairway.retrieval import MEMORIES, Embedder, Entry, VectorIndex
+
+from .extract import Complete, explicit_facts, model_facts
+from .store import Memory, MemoryStore
+
+log = logging.getLogger(__name__)
+
+ChatMessage = dict[str, str]
+BLOCK_HEADER = "What you remember about the user from earlier conversations (use it when relevant):"
+
+
+@dataclass
+class MemorySettings:
+    inject_k: int = 5  # at most this many memories in a conversation's block
+    inject_min_score: float = 0.2  # cosine similarity to the first message (MiniLM: related ~0.2-0.6)
+    inject_max_tokens: int = 200  # the block's budget
+    dedup_score: float = 0.8  # a new fact this similar to a stored one replaces it (MiniLM: a restatement ~0.8-0.97, a different allergy ~0.5)
+    idle_s: float = 300.0  # a conversation idle this long gets its facts extracted
+    poll_s: float = 10.0
+    extraction_attempts: int = 3  # model answers tried per extraction (malformed JSON is retried)
+
+
+@dataclass(frozen=True)
+class MemoryBlock:
+    """What a conversation's context gets from memory: its system message (None when empty)."""
+
+    memories: list[Memory] = field(default_factory=list)
+
+    @property
+    def message(self) -> ChatMessage | None:
+        if not self.memories:
+            return None
+        return {"role": "system", "content": "\n".join([BLOCK_HEADER, *(f"- {m.fact}" for m in self.memories)])}
+
+
+class MemoryService:
+    def __init__(self, store: MemoryStore, index: VectorIndex, embedder: Callable[[], Embedder],
+                 settings: MemorySettings | None = None, complete: Complete | None = None,
+                 messages_of: Callable[[str], Awaitable[Sequence[tuple[str, str]]]] | None = None) -> None:
+        self.store = store
+        self.index = index
+        self._embedder = embedder  # loads on first call (90 MB, seconds): not at import or startup
+        self.settings = settings or MemorySettings()
+        self.complete = complete  # the model for extraction; None: explicit statements only
+        self.messages_of = messages_of  # a conversation's (role, text) messages, for idle extraction
+
+    async def embed(self, texts: Sequence[str]):  # noqa: ANN201 - np.ndarray
+        embedder = await asyncio.to_thread(self._embedder)
+        return await asyncio.to_thread(embedder.embed, list(texts))
+
+    async def init(self) -> None:
+        await self.store.init()
+        await self.index.init()
+
+    async def close(self) -> None:
+        await self.store.close()
+        await self.index.close()
+
+    # -- writing -----------------------------------------------------------------------------
+
+    async def remember(self, user_id: str, facts: Sequence[str], conversation_id: str | None) -> list[Memory]:
+        """Store the facts, each replacing a stored one it restates (similarity >= dedup_score)
+        instead of adding a near copy. Returns the memories written, new or replaced."""
+        facts = list(dict.fromkeys(f for f in facts if f))
+        if not facts:
+            return []
+        vectors = await self.embed(facts)
+        written: list[Memory] = []
+        for fact, vector in zip(facts, vectors, strict=True):
+            same = await self.index.search(MEMORIES, user_id, vector, 1, self.settings.dedup_score)
+            memory = None
+            if same:
+                memory = await self.store.replace_fact(user_id, same[0].key, fact, conversation_id)
+            if memory is None:
+                ts = time.time()
+                memory = Memory(new_id("mem"), user_id, fact, conversation_id, ts, ts)
+                await self.store.add(memory)
+            await self.index.upsert(MEMORIES, user_id, [Entry(memory.memory_id, vector, fact)])
+            written.append(memory)
+        return written
+
+    async def forget(self, user_id: str, memory_id: str) -> bool:
+        if not await self.store.delete(user_id, memory_id):
+            return False
+        await self.index.delete(MEMORIES, user_id, [memory_id])
+        return True
+
+    async def forget_all(self, user_id: str) -> int:
+        count = await self.store.delete_all(user_id)
+        await self.index.delete_partition(MEMORIES, user_id)
+        return count
+
+    # -- extraction --------------------------------------------------------------------------
+
+    async def extract(self, user_id: str, conversation_id: str, messages: Sequence[tuple[str, str]],
+                      use_model: bool = True) -> list[Memory]:
+        """Facts from the conversation's messages ((role, text), oldest first): the user's
+        explicit statements, and the model's answer when a model is configured (and use_model)."""
+        if not await self.store.enabled(user_id):
+            return []
+        # The explicit statements first: stored at once, not after the background lane's wait.
+        explicit = [f for role, text in messages if role == "user" for f in explicit_facts(text)]
+        written = await self.remember(user_id, explicit, conversation_id)
+        if self.complete is not None and use_model:
+            try:
+                facts = await model_facts(self.complete, messages, self.settings.extraction_attempts)
+            except Exception as e:  # the model unavailable: the explicit facts still count
+                log.warning("memory extraction by the model failed for %s: %s", conversation_id, e)
+            else:
+                written += await self.remember(user_id, facts, conversation_id)
+        return written
+
+    async def extract_idle(self) -> int:
+        """One pass over the conversations idle for settings.idle_s since their last extraction."""
+        if self.messages_of is None:
+            return 0
+        done = 0
+        for user_id, conversation_id, last_turn_at in await self.store.idle_conversations(self.settings.idle_s):
+            if not await self.store.claim_extraction(conversation_id, max(last_turn_at, time.time())):
+                continue  # another gateway took it
+            try:
+                await self.extract(user_id, conversation_id, await self.messages_of(conversation_id))
+            except Exception:
+                log.exception("memory extraction of %s failed", conversation_id)
+            done += 1
+        return done
+
+    async def run(self) -> None:
+        """The idle-extraction loop, for the app's lifetime."""
+        while True:
+            try:
+                await self.extract_idle()
+            except Exception:
+                log.exception("memory extraction pass failed")
+            await asyncio.sleep(self.settings.poll_s)
+
+    # -- reading -----------------------------------------------------------------------------
+
+    async def list(self, user_id: str) -> list[Memory]:
+        return await self.store.list(user_id)
+
+    async def recall(self, user_id: str, query: str, count_tokens: Callable[[str], int] | None = None) -> list[Memory]:
+        """The user's memories most similar to query, best first, within k, the threshold and the
+        token budget."""
+        s = self.settings
+        if not query.strip() or await self.index.count(MEMORIES, user_id) == 0:
+            return []  # nothing to find: the embedder is not even loaded
+        vector = (await self.embed([query]))[0]
+        hits = await self.index.search(MEMORIES, user_id, vector, s.inject_k, s.inject_min_score)
+        found = await self.store.get_many(user_id, [h.key for h in hits])
+        count = count_tokens or (lambda text: len(text) // 4 + 1)
+        chosen, used = [], 0
+        for hit in hits:
+            memory = found.get(hit.key)
+            if memory is None:
+                continue
+            cost = count(f"- {memory.fact}\n")
+            if used + cost > s.inject_max_tokens:
+                break
+            chosen.append(memory)
+            used += cost
+        return chosen
+
+    async def block(self, user_id: str, conversation_id: str, first_message: str,
+                    count_tokens: Callable[[str], int] | None = None) -> MemoryBlock:
+        """The conversation's memory block: chosen for first_message when the conversation is
+        new to memory, else the one chosen then, without memories deleted since. Notes the turn
+        (idle extraction starts from it). Empty while the user has memory off."""
+        if not await self.store.enabled(user_id):
+            return MemoryBlock()
+        kept = await self.store.block_of(conversation_id)
+        if kept is not None:
+            found = await self.store.get_many(user_id, kept)
+            await self.store.note_turn(user_id, conversation_id)
+            return MemoryBlock([found[i] for i in kept if i in found])
+        chosen = await self.recall(user_id, first_message, count_tokens)
+        await self.store.note_turn(user_id, conversation_id, [m.memory_id for m in chosen])
+        return MemoryBlock(chosen)

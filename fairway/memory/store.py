@@ -1,0 +1,158 @@
+"""Where memories live: their rows (fact, source conversation, times) in the conversation store's
+database, beside the vector index's rows, plus each user's on/off switch and each conversation's
+extraction progress and injected block. SQLite and PostgreSQL through one set of queries."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import sqlalchemy as sa
+
+from fairway.retrieval.sql_index import Json, SqlTables
+
+metadata = sa.MetaData()
+
+memories = sa.Table(
+    "memories", metadata,
+    sa.Column("memory_id", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(128), nullable=False),
+    sa.Column("fact", sa.Text, nullable=False),
+    sa.Column("conversation_id", sa.String(64), nullable=True),  # where it was learnt
+    sa.Column("created_at", sa.Double, nullable=False),
+    sa.Column("updated_at", sa.Double, nullable=False),
+    sa.Index("ix_memories_user_created", "user_id", "created_at"),
+)
+
+memory_users = sa.Table(
+    "memory_users", metadata,
+    sa.Column("user_id", sa.String(128), primary_key=True),
+    sa.Column("enabled", sa.Boolean, nullable=False),
+    sa.Column("updated_at", sa.Double, nullable=False),
+)
+
+# One row per conversation memory has seen: when its last turn started, when it was last
+# extracted, and the memories injected at its start (kept, so later turns repeat the same block).
+memory_conversations = sa.Table(
+    "memory_conversations", metadata,
+    sa.Column("conversation_id", sa.String(64), primary_key=True),
+    sa.Column("user_id", sa.String(128), nullable=False),
+    sa.Column("last_turn_at", sa.Double, nullable=False),
+    sa.Column("extracted_at", sa.Double, nullable=True),
+    sa.Column("block", Json, nullable=True),  # [memory_id, ...] injected at the start
+    sa.Index("ix_memory_conversations_pending", "last_turn_at"),
+)
+
+
+@dataclass(frozen=True)
+class Memory:
+    memory_id: str
+    user_id: str
+    fact: str
+    conversation_id: str | None
+    created_at: float
+    updated_at: float
+
+    def public(self) -> dict[str, Any]:
+        """The seed's shape (GET /v1/user/memory), plus where and when it was learnt."""
+        return {"memory_id": self.memory_id, "fact": self.fact, "created_at": int(self.created_at),
+                "updated_at": int(self.updated_at), "conversation_id": self.conversation_id}
+
+
+class MemoryStore(SqlTables):
+    metadata = metadata
+
+    async def add(self, memory: Memory) -> None:
+        async with self.engine.begin() as conn:
+            await conn.execute(sa.insert(memories).values(**vars(memory)))
+
+    async def replace_fact(self, user_id: str, memory_id: str, fact: str, conversation_id: str | None) -> Memory | None:
+        async with self.engine.begin() as conn:
+            row = (await conn.execute(
+                sa.update(memories).where(memories.c.memory_id == memory_id, memories.c.user_id == user_id)
+                .values(fact=fact, conversation_id=conversation_id, updated_at=time.time())
+                .returning(*memories.c))).first()
+        return Memory(**row._mapping) if row else None
+
+    async def list(self, user_id: str) -> list[Memory]:
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(memories).where(memories.c.user_id == user_id)
+                                       .order_by(memories.c.created_at, memories.c.memory_id))).all()
+        return [Memory(**r._mapping) for r in rows]
+
+    async def get_many(self, user_id: str, ids: Sequence[str]) -> dict[str, Memory]:
+        if not ids:
+            return {}
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(memories).where(
+                memories.c.user_id == user_id, memories.c.memory_id.in_(list(ids))))).all()
+        return {r.memory_id: Memory(**r._mapping) for r in rows}
+
+    async def delete(self, user_id: str, memory_id: str) -> bool:
+        async with self.engine.begin() as conn:
+            result = await conn.execute(sa.delete(memories).where(
+                memories.c.memory_id == memory_id, memories.c.user_id == user_id))
+        return result.rowcount > 0
+
+    async def delete_all(self, user_id: str) -> int:
+        async with self.engine.begin() as conn:
+            result = await conn.execute(sa.delete(memories).where(memories.c.user_id == user_id))
+        return result.rowcount
+
+    # -- the user's switch -------------------------------------------------------------------
+
+    async def enabled(self, user_id: str) -> bool:
+        async with self.engine.connect() as conn:
+            value = (await conn.execute(sa.select(memory_users.c.enabled)
+                                        .where(memory_users.c.user_id == user_id))).scalar()
+        return True if value is None else bool(value)
+
+    async def set_enabled(self, user_id: str, enabled: bool) -> None:
+        stmt = self.insert(memory_users).values(user_id=user_id, enabled=enabled, updated_at=time.time())
+        stmt = stmt.on_conflict_do_update(index_elements=["user_id"],
+                                          set_={"enabled": enabled, "updated_at": stmt.excluded.updated_at})
+        async with self.engine.begin() as conn:
+            await conn.execute(stmt)
+
+    # -- conversations -----------------------------------------------------------------------
+
+    async def block_of(self, conversation_id: str) -> list[str] | None:
+        """The memory ids injected at the conversation's start; None if memory has not seen it."""
+        async with self.engine.connect() as conn:
+            row = (await conn.execute(sa.select(memory_conversations.c.block).where(
+                memory_conversations.c.conversation_id == conversation_id))).first()
+        return None if row is None else list(row.block or [])
+
+    async def note_turn(self, user_id: str, conversation_id: str, block: Sequence[str] | None = None) -> None:
+        """A turn started now; with block, the memories injected at the conversation's start."""
+        ts = time.time()
+        values: dict[str, Any] = {"conversation_id": conversation_id, "user_id": user_id, "last_turn_at": ts}
+        stmt = self.insert(memory_conversations).values(**values, block=list(block) if block is not None else None)
+        update: dict[str, Any] = {"last_turn_at": ts}
+        if block is not None:
+            update["block"] = stmt.excluded.block
+        async with self.engine.begin() as conn:
+            await conn.execute(stmt.on_conflict_do_update(index_elements=["conversation_id"], set_=update))
+
+    async def idle_conversations(self, idle_s: float, limit: int = 20) -> list[tuple[str, str, float]]:
+        """(user id, conversation id, last turn at) of conversations whose last turn is older than
+        idle_s and came after their last extraction, oldest first."""
+        c = memory_conversations.c
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(c.user_id, c.conversation_id, c.last_turn_at).where(
+                c.last_turn_at < time.time() - idle_s,
+                sa.or_(c.extracted_at.is_(None), c.extracted_at < c.last_turn_at))
+                .order_by(c.last_turn_at).limit(limit))).all()
+        return [(r.user_id, r.conversation_id, r.last_turn_at) for r in rows]
+
+    async def claim_extraction(self, conversation_id: str, at: float) -> bool:
+        """Mark the conversation extracted as of `at`, if no one did since its last turn: of
+        several gateways running the idle pass, one extracts each conversation."""
+        c = memory_conversations.c
+        async with self.engine.begin() as conn:
+            result = await conn.execute(sa.update(memory_conversations).where(
+                c.conversation_id == conversation_id,
+                sa.or_(c.extracted_at.is_(None), c.extracted_at < c.last_turn_at)).values(extracted_at=at))
+        return result.rowcount == 1

@@ -1,0 +1,256 @@
+"""Files: sniffing, chunking and bounded parsing; the service on a local directory and on S3 (moto's
+server on loopback, pre-signed uploads); and the whole path through `fairway serve`'s app with the
+real model: a PDF's page-3 fact reaches the context of a conversation that attaches it."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import openai
+import pytest
+from pdf_maker import bomb_pdf, make_pdf
+from serving import (
+    API_KEY,
+    MODEL,
+    OTHER_KEY,
+    TEST_KEYS,
+    ThreadServer,
+    free_port,
+    headers,
+    wait_for,
+    wait_ready,
+)
+
+from fairway.files import sniff as kinds
+from fairway.files.extract import ExtractionFailed, ExtractLimits, chunk_pages, extract_pages
+from fairway.files.objects import LocalObjectStore, S3ObjectStore
+from fairway.files.service import FileRejected, FileService, FileSettings
+from fairway.files.store import FileStore
+from fairway.retrieval import SqlVectorIndex
+
+pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
+
+FACT = "The access code for the Zebra warehouse is PURPLE-MONKEY-42."
+PAGES = ["Quarterly report. Sales grew in the north region and shrank in the south. " * 8,
+         "Staffing. The team hired four engineers and one designer this quarter. " * 8,
+         "Facilities. " + FACT + " Deliveries arrive on Tuesdays.",
+         "Outlook. Next quarter focuses on customer retention and lower costs. " * 8]
+
+
+def test_content_is_sniffed_not_trusted_from_the_name():
+    assert kinds.sniff(make_pdf(["x"]), "notes.txt") == kinds.PDF
+    assert kinds.sniff(b"\x89PNG\r\n\x1a\n....", "a.pdf") == kinds.PNG
+    assert kinds.sniff("héllo wörld\n".encode(), "a.bin") == kinds.TEXT
+    assert kinds.sniff(b"# Title\n\ntext", "README.md") == kinds.MARKDOWN
+    assert kinds.sniff(b"RIFF\x24\x00\x00\x00WAVEfmt ", "a.txt") == "audio/wav"
+    assert kinds.sniff(b"\x00\x01\x02binary\x00", "a.txt") == "application/octet-stream"
+
+
+def test_chunks_stay_within_a_page_and_overlap():
+    text = " ".join(f"Sentence number {i} says something." for i in range(60))
+    chunks = chunk_pages([(1, text), (2, "Short second page.")], max_chars=300, overlap=60)
+    assert all(len(c.text) <= 300 for c in chunks)
+    assert [c.n for c in chunks] == list(range(len(chunks)))
+    assert chunks[-1].page == 2 and chunks[-1].text == "Short second page."
+    first, second = chunks[0].text, chunks[1].text
+    assert second.split(" ")[0] in first[-60:]  # the next chunk starts inside the last one's tail
+    assert all(c.page == 1 for c in chunks[:-1])
+
+
+async def test_parsing_is_bounded_and_failures_have_reasons():
+    pages = await extract_pages(make_pdf(PAGES), kinds.PDF, ExtractLimits())
+    assert [p for p, _ in pages] == [1, 2, 3, 4] and FACT in pages[2][1]
+    with pytest.raises(ExtractionFailed, match="could not be parsed|could not be read"):
+        await extract_pages(b"%PDF-1.4\n1 0 obj << /Type /Catalog", kinds.PDF, ExtractLimits())
+    t = time.monotonic()
+    with pytest.raises(ExtractionFailed, match="longer than"):
+        await extract_pages(make_pdf(PAGES), kinds.PDF, ExtractLimits(timeout_s=0.01))
+    assert time.monotonic() - t < 5
+    with pytest.raises(ExtractionFailed):  # 96 MiB inflated: pypdf's inflate cap or the memory limit stops it
+        await extract_pages(bomb_pdf(96), kinds.PDF, ExtractLimits(memory_bytes=400 << 20, max_chars=1 << 20))
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture(params=["local", "s3"])
+async def files(request, tmp_path, embedder, s3_endpoint):
+    if request.param == "local":
+        objects = LocalObjectStore(tmp_path / "files")
+    else:
+        objects = S3ObjectStore(f"fw-{time.time_ns()}", endpoint_url=s3_endpoint, create_bucket=True,
+                                region_name="us-east-1", aws_access_key_id="test", aws_secret_access_key="test")
+    url = f"sqlite+aiosqlite:///{tmp_path}/fairway.db"
+    service = FileService(FileStore(url), objects, SqlVectorIndex(url), lambda: embedder,
+                          FileSettings(max_file_bytes=256 << 10, max_user_bytes=600 << 10, max_user_files=5))
+    await service.init()
+    yield service
+    await service.close()
+
+
+async def test_upload_processes_and_is_per_user(files: FileService):
+    record = await files.upload("u1", "report.pdf", make_pdf(PAGES), "multimodal_input")
+    assert record.status == "processing" and record.content_type == kinds.PDF
+    await files.wait_processed()
+    ready = await files.get("u1", record.file_id)
+    assert ready.status == "ready" and ready.chunks >= 4
+    assert await files.get("u2", record.file_id) is None
+    assert (await files.content("u1", record.file_id))[1] == make_pdf(PAGES)
+    broken = await files.upload("u1", "broken.pdf", b"%PDF-1.7\n" + b"\x00garbage" * 50, "multimodal_input")
+    await files.wait_processed()
+    failed = await files.get("u1", broken.file_id)
+    assert failed.status == "failed" and "PDF" in failed.status_details
+    with pytest.raises(FileRejected) as big:
+        await files.upload("u1", "big.txt", b"a" * (300 << 10), "multimodal_input")
+    assert (big.value.status, big.value.code) == (413, "file_too_large")
+    with pytest.raises(FileRejected) as audio:
+        await files.upload("u1", "talk.wav", b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 64, "multimodal_input")
+    assert audio.value.status == 415 and "speech model" in audio.value.message
+    with pytest.raises(FileRejected) as binary:
+        await files.upload("u1", "x.txt", b"\x7fELF\x02\x01\x00\x00" * 10, "multimodal_input")
+    assert binary.value.status == 415
+    for i in range(2):
+        await files.upload("u1", f"n{i}.txt", b"b" * (200 << 10), "multimodal_input")
+    with pytest.raises(FileRejected) as quota:  # 600 KiB per user
+        await files.upload("u1", "more.txt", b"c" * (200 << 10), "multimodal_input")
+    assert quota.value.code == "storage_quota_exceeded"
+    assert await files.delete("u1", record.file_id) and not await files.delete("u1", record.file_id)
+    assert await files.get("u1", record.file_id) is None
+
+
+async def test_an_image_is_read_by_ocr(files: FileService):
+    if files.ocr_off:
+        pytest.skip(files.ocr_off)
+    import io
+
+    from PIL import Image, ImageDraw, ImageFont
+
+    image = Image.new("RGB", (900, 120), "white")
+    ImageDraw.Draw(image).text((10, 30), "The parking code is 7351.", fill="black",
+                               font=ImageFont.load_default(size=48))
+    png = io.BytesIO()
+    image.save(png, "PNG")
+    record = await files.upload("u1", "photo.txt", png.getvalue(), "multimodal_input")  # the name lies
+    assert record.content_type == kinds.PNG
+    await files.wait_processed()
+    assert (await files.get("u1", record.file_id)).status == "ready"
+    hit = (await files.index.search("file_chunks", record.file_id, (await files.embed(["parking code"]))[0], 1))[0]
+    assert "7351" in hit.text
+
+
+async def test_presigned_upload_goes_straight_to_the_store(files: FileService):
+    data = "\n\n".join(PAGES).encode()
+    if not files.objects.presigned:
+        with pytest.raises(FileRejected, match="S3"):
+            await files.create_upload("u1", "notes.txt", len(data), "multimodal_input")
+        return
+    record, url = await files.create_upload("u1", "notes.txt", len(data), "multimodal_input")
+    assert record.status == "awaiting_upload"
+    with pytest.raises(FileRejected, match="Nothing has been uploaded"):
+        await files.complete_upload("u1", record.file_id)
+    async with httpx.AsyncClient() as client:  # the client, to the object store: no gateway involved
+        put = await client.put(url, content=data, headers={"Content-Type": "application/octet-stream"})
+    assert put.status_code == 200
+    assert await files.complete_upload("u2", record.file_id) is None
+    assert (await files.complete_upload("u1", record.file_id)).status == "processing"
+    await files.wait_processed()
+    done = await files.get("u1", record.file_id)
+    assert (done.status, done.content_type, done.bytes) == ("ready", kinds.TEXT, len(data))
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, embedder):
+    from fairway.assembly import ServerOptions, embedded_app
+
+    root = tmp_path_factory.mktemp("files")
+    options = ServerOptions(database=f"sqlite:///{root}/fairway.db", max_model_len=2048, api_keys=list(TEST_KEYS),
+                           files=str(root / "objects"), file_settings=FileSettings(max_file_bytes=512 << 10))
+    app = embedded_app(options)
+    server = ThreadServer(app).start()
+    wait_ready(server.url)
+    yield server
+    server.stop()
+
+
+def test_a_pdf_fact_on_page_3_reaches_the_conversation_that_attaches_it(server):
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    up = http.post("/v1/files/upload", files={"file": ("report.pdf", make_pdf(PAGES), "application/pdf")},
+                   data={"purpose": "multimodal_input"})
+    assert up.status_code == 200, up.text
+    body = up.json()
+    assert body["upload_status"] == "success" and body["file_id"].startswith("file_")
+    assert body["access_url"].endswith(f"/v1/files/{body['file_id']}/content")
+    file_id = body["file_id"]
+    wait_for(lambda: http.get(f"/v1/files/{file_id}").json()["status"] == "ready", timeout=90)
+    other = httpx.Client(base_url=server.url, headers=headers(OTHER_KEY), timeout=30)
+    assert other.get(f"/v1/files/{file_id}").status_code == 404
+    assert other.get(f"/v1/files/{file_id}/content").status_code == 404
+    assert http.get(f"/v1/files/{file_id}/content").content == make_pdf(PAGES)
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is the access code for the Zebra warehouse?"},
+        {"type": "file_url", "file_id": file_id}]}])
+    sources = reply.model_extra["context"]["sources"]
+    assert sources and sources[0]["file_id"] == file_id and sources[0]["page"] == 3
+    assert sources[0]["filename"] == "report.pdf"
+    stored = http.get(f"/v1/replies/{reply.id}").json()
+    assert stored["sources"][0]["page"] == 3 and stored["sources"][0]["chunk"] == sources[0]["chunk"]
+    # a later turn of the conversation retrieves again for its own question, no file part needed
+    later = client.chat.completions.create(model=MODEL, max_tokens=4, extra_body={
+        "conversation_id": reply.conversation_id}, messages=[{"role": "user", "content": "Which region grew sales?"}])
+    assert later.model_extra["context"]["sources"][0]["page"] == 1
+    # another user cannot attach it; an unknown id is 404; OpenAI's file part shape works too
+    denied = other.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "file", "file": {"file_id": file_id}}, {"type": "text", "text": "hi"}]}]})
+    assert denied.status_code == 404 and denied.json()["error"]["code"] == "file_not_found"
+    assert http.delete(f"/v1/files/{file_id}").json()["deleted"] is True
+    gone = client.chat.completions.create(model=MODEL, max_tokens=2, extra_body={
+        "conversation_id": reply.conversation_id}, messages=[{"role": "user", "content": "And the access code?"}])
+    assert not gone.model_extra["context"].get("sources")
+
+
+def test_upload_errors_are_openai_shaped(server):
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=60)
+
+    def upload(content: bytes, name: str = "f.txt", **data):
+        return http.post("/v1/files", files={"file": (name, content)}, data={"purpose": "user_data", **data})
+
+    listed = upload(b"plain text notes")
+    assert listed.status_code == 200 and listed.json()["object"] == "file"
+    assert listed.json()["id"] in [f["id"] for f in http.get("/v1/files").json()["data"]]
+    too_big = upload(b"x" * (600 << 10))
+    assert too_big.status_code == 413 and too_big.json()["error"]["code"] in ("file_too_large", "request_too_large")
+    wav = upload(b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 32, "a.wav")
+    assert wav.status_code == 415 and wav.json()["error"]["type"] == "invalid_request_error"
+    bad_purpose = upload(b"text", purpose="nonsense")
+    assert bad_purpose.status_code == 400 and bad_purpose.json()["error"]["param"] == "purpose"
+    malformed = http.post("/v1/files/upload", content=b"--xx\r\nContent-Disposition: form-data; name=\"file\"\r\n",
+                          headers={"Content-Type": "multipart/form-data; boundary=xx"})
+    assert malformed.status_code == 400 and "error" in malformed.json()
+    missing = http.post("/v1/files/upload", data={"purpose": "multimodal_input"})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "file"
+    broken = http.post("/v1/files/upload", files={"file": ("b.pdf", b"%PDF-1.5\n\x00\x01 not a pdf")})
+    file_id = broken.json()["file_id"]
+    record = wait_for(lambda: (r := http.get(f"/v1/files/{file_id}").json())["status"] != "processing" and r, 60)
+    assert record["status"] == "failed" and record["status_details"]
+    not_ready = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
+        {"role": "user", "content": [{"type": "file_url", "file_id": file_id}, {"type": "text", "text": "hi"}]}]})
+    assert not_ready.status_code == 409 and not_ready.json()["error"]["code"] == "file_not_ready"
+    presign = http.post("/v1/files/uploads", json={"filename": "big.pdf", "bytes": 1000})
+    assert presign.status_code == 400 and presign.json()["error"]["code"] == "presigned_upload_unavailable"
+    assert http.get("/v1/health").status_code in (200, 404)  # the server is still up
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert {"413", "415", "400"} <= set(paths["/v1/files/upload"]["post"]["responses"])

@@ -1,0 +1,174 @@
+"""Memory across conversations: the service on the real embedding model and SQLite, and the whole
+loop through `fairway serve`'s app with the real model over HTTP: a fact said in one conversation
+is extracted, listed, injected into the next conversation's system block, and gone after DELETE."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from serving import API_KEY, MODEL, OTHER_KEY, TEST_KEYS, ThreadServer, headers, wait_for, wait_ready
+
+from fairway.conversation import database_url
+from fairway.memory import MemoryService, MemoryStore
+from fairway.memory.extract import model_facts
+from fairway.retrieval import SqlVectorIndex
+
+pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
+
+
+@pytest.fixture
+async def memory(vector_db, embedder):  # noqa: F811 - the imported fixture
+    """The service on SQLite, PostgreSQL 15 (exact search) and PostgreSQL with pgvector."""
+    url, connect_args = vector_db
+    url = database_url(url)
+    service = MemoryService(MemoryStore(url, connect_args), SqlVectorIndex(url, connect_args=connect_args),
+                            lambda: embedder)
+    await service.init()
+    yield service
+    await service.close()
+
+
+async def test_a_restated_fact_replaces_the_old_one(memory: MemoryService):
+    first = await memory.extract("u1", "conv_a", [("user", "Hi, I prefer Python for scripting.")])
+    assert [m.fact for m in first] == ["User prefers Python for scripting."]
+    again = await memory.remember("u1", ["User prefers Python for scripts."], "conv_b")
+    assert again[0].memory_id == first[0].memory_id  # the same memory, updated
+    facts = await memory.list("u1")
+    assert [(m.fact, m.conversation_id) for m in facts] == [("User prefers Python for scripts.", "conv_b")]
+    await memory.remember("u1", ["User is allergic to peanuts."], "conv_b")
+    assert len(await memory.list("u1")) == 2  # a different fact is added
+    assert await memory.list("u2") == []
+
+
+async def test_one_gateway_extracts_each_idle_conversation(memory: MemoryService):
+    await memory.store.note_turn("u1", "conv_idle", [])
+    memory.settings.idle_s = 0.0
+    idle = await memory.store.idle_conversations(0.0)
+    assert [c for _, c, _ in idle] == ["conv_idle"]
+    at = idle[0][2] + 0.001
+    assert await memory.store.claim_extraction("conv_idle", at)
+    assert not await memory.store.claim_extraction("conv_idle", at)  # the second gateway skips it
+    assert await memory.store.idle_conversations(0.0) == []
+    await memory.store.note_turn("u1", "conv_idle")  # a new turn: extracted again later
+    assert [c for _, c, _ in await memory.store.idle_conversations(0.0)] == ["conv_idle"]
+
+
+async def test_the_block_is_chosen_once_and_loses_deleted_memories(memory: MemoryService):
+    written = await memory.remember("u1", ["User is allergic to peanuts.", "User lives in Lisbon.",
+                                           "User's name is Ada."], "conv_a")
+    block = await memory.block("u1", "conv_new", "Suggest a snack for my hike")
+    assert [m.fact for m in block.memories][0] == "User is allergic to peanuts."
+    assert block.message["role"] == "system" and "- User is allergic to peanuts." in block.message["content"]
+    # a later turn asks about something else: the same block (the prompt prefix stays the same)
+    later = await memory.block("u1", "conv_new", "What is the capital of France?")
+    assert later.memories == block.memories
+    peanuts = next(m for m in written if "peanuts" in m.fact)
+    assert await memory.forget("u1", peanuts.memory_id)
+    assert not await memory.forget("u1", peanuts.memory_id)
+    assert not await memory.forget("u2", written[1].memory_id)  # another user's: not found
+    assert peanuts not in (await memory.block("u1", "conv_new", "snack?")).memories
+    assert "peanuts" not in str((await memory.block("u1", "conv_other", "Suggest a peanut snack")).message)
+    # unrelated question, below the threshold: nothing injected
+    assert (await memory.block("u1", "conv_3", "Explain TCP congestion control")).memories == []
+    await memory.store.set_enabled("u1", False)
+    assert (await memory.block("u1", "conv_new", "snack?")).memories == []
+    assert await memory.extract("u1", "conv_x", [("user", "My name is Bob.")]) == []
+    await memory.store.set_enabled("u1", True)
+    assert await memory.forget_all("u1") == 2
+    assert await memory.list("u1") == []
+
+
+async def test_model_answers_are_validated_and_retried_within_a_bound():
+    answers = iter(["Sure! The user likes cats.", '{"facts": "not a list"}',
+                    'Here: ```json\n{"facts": ["User works at a bakery", 7]}\n```'])
+    asked = []
+
+    async def complete(chat):
+        asked.append(chat)
+        return next(answers)
+
+    assert await model_facts(complete, [("user", "I work at a bakery")], attempts=3) == []
+    assert len(asked) == 3 and "not valid" in asked[-1][-1]["content"]
+    answers = iter(['{"facts": []}', "unused"])
+    assert await model_facts(complete, [("user", "hello")]) == []
+    answers = iter(['noise {"facts": ["User works at a bakery"]} more'])
+    assert await model_facts(complete, [("user", "I work at a bakery")]) == ["User works at a bakery."]
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, embedder):
+    from fairway.assembly import ServerOptions, embedded_app
+
+    db = tmp_path_factory.mktemp("memory") / "fairway.db"
+    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=1024, api_keys=list(TEST_KEYS),
+                           memory_idle_s=1.0, memory_poll_s=0.5, memory_extract_tokens=48)
+    app = embedded_app(options)
+    server = ThreadServer(app).start()
+    wait_ready(server.url)
+    yield server
+    server.stop()
+
+
+def test_a_fact_from_one_conversation_reaches_the_next_until_deleted(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    first = client.chat.completions.create(model=MODEL, max_tokens=8,
+                                           messages=[{"role": "user", "content": "I'm allergic to peanuts."}])
+    assert first.model_extra["context"]["memories"] == 0
+
+    # no call: the conversation goes idle (1 s here) and the background job extracts its facts
+    def peanut_memory():
+        return next((m for m in http.get("/v1/user/memory").json()["memories"] if "peanuts" in m["fact"]), None)
+
+    memory = wait_for(peanut_memory, timeout=90)
+    assert memory["fact"] == "User is allergic to peanuts." and memory["conversation_id"] == first.conversation_id
+    assert isinstance(memory["created_at"], int) and memory["memory_id"].startswith("mem_")
+
+    second = client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
+        {"role": "user", "content": "Can you suggest a snack idea for my afternoon?"}])
+    context = second.model_extra["context"]
+    assert context["memories"] >= 1 and memory["memory_id"] in context["memory_ids"]
+    # another user sees none of it, and cannot delete it
+    other = httpx.Client(base_url=server.url, headers=headers(OTHER_KEY), timeout=30)
+    assert other.get("/v1/user/memory").json()["memories"] == []
+    gone = other.delete(f"/v1/user/memory/{memory['memory_id']}")
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "memory_not_found"
+
+    assert http.delete(f"/v1/user/memory/{memory['memory_id']}").json()["deleted"] is True
+    assert peanut_memory() is None
+    third = client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
+        {"role": "user", "content": "Can you suggest a snack idea for my evening?"}])
+    assert memory["memory_id"] not in third.model_extra["context"].get("memory_ids", [])
+    # the second conversation's next turn no longer carries it either
+    again = client.chat.completions.create(model=MODEL, max_tokens=8, extra_body={
+        "conversation_id": second.conversation_id}, messages=[{"role": "user", "content": "And a drink?"}])
+    assert memory["memory_id"] not in again.model_extra["context"].get("memory_ids", [])
+
+
+def test_memory_switch_extract_on_demand_and_errors(server):
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "My name is Ada Lovelace."}])
+    written = http.post("/v1/user/memory/extract", json={"conversation_id": reply.conversation_id}).json()
+    assert "User's name is Ada Lovelace." in [m["fact"] for m in written["memories"]]
+    assert http.put("/v1/user/memory/settings", json={"enabled": False}).json() == {"enabled": False}
+    assert http.get("/v1/user/memory").json()["enabled"] is False
+    off = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "What is my name?"}])
+    assert off.model_extra["context"]["memories"] == 0
+    assert http.put("/v1/user/memory/settings", json={"enabled": True}).status_code == 200
+    assert http.delete("/v1/user/memory").json()["deleted"] >= 1
+    assert http.get("/v1/user/memory").json()["memories"] == []
+    # errors: OpenAI's shape
+    bad = http.put("/v1/user/memory/settings", json={"enabled": "maybe"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"]
+    missing = http.post("/v1/user/memory/extract", json={"conversation_id": "conv_nope"})
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "conversation_not_found"
+    assert httpx.get(f"{server.url}/v1/user/memory").status_code == 401
+    paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
+    assert {"404", "401"} <= set(paths["/v1/user/memory/{memory_id}"]["delete"]["responses"])
