@@ -38,10 +38,11 @@ _MEANINGS = {
     400: "Bad request: a field is missing, of the wrong type or out of range (`param` names it).",
     401: "No API key, or one that is malformed, unknown or revoked (code invalid_api_key).",
     404: "Not found: no such model, or no such conversation, reply or event for this user.",
-    409: "The idempotency key was used with another body, or its first request is still starting.",
+    409: "A conflict: the idempotency key was used with another body or its first request is still starting, or the file is not ready yet.",
     413: "The request body is larger than the gateway accepts.",
     429: "Over the user's request rate or token quota; Retry-After says when to retry.",
     431: "The request headers are too large.",
+    415: "The uploaded file's type is not one the gateway can read.",
     503: "Temporarily unavailable (overloaded, no replica, a backend down); Retry-After when known.",
 }
 # Every route can meet these: the body-size and header-size limits apply before any route runs.
@@ -113,27 +114,6 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorBody(BaseModel):
-    error: ErrorDetail
-
-
-_DESCRIPTIONS = {400: "Bad request", 401: "Missing or invalid API key", 404: "Not found (or another user's)",
-                 413: "Too large", 415: "Unsupported media type", 429: "Rate limited",
-                 503: "Unavailable (the reason is in the message)"}
-
-
-def error_responses(*statuses: int) -> dict[int | str, dict]:
-    """OpenAPI `responses` for a route's error statuses, each in the OpenAI error shape."""
-    return {s: {"model": ErrorBody, "description": _DESCRIPTIONS.get(s, "Error")} for s in (401, *statuses)}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> ApiError:

@@ -56,7 +56,7 @@ def _access_url(request: Request, files: FileService, record: FileRecord) -> str
     return files.objects.access_url(record.object_key, own)
 
 
-@router.post("/v1/files/upload", responses=error_responses(400, 413, 415, 503))
+@router.post("/v1/files/upload", responses=error_responses(401, 400, 413, 415, 503))
 async def upload_file(request: Request, file: Annotated[UploadFile, File()],
                       purpose: Annotated[str, Form()] = "multimodal_input") -> dict[str, Any]:
     """The seed's upload: multipart `file` + `purpose`. Processing goes on after the answer:
@@ -67,14 +67,14 @@ async def upload_file(request: Request, file: Annotated[UploadFile, File()],
             "bytes": record.bytes, "content_type": record.content_type}
 
 
-@router.post("/v1/files", responses=error_responses(400, 413, 415, 503))
+@router.post("/v1/files", responses=error_responses(401, 400, 413, 415, 503))
 async def create_file(request: Request, file: Annotated[UploadFile, File()],
                       purpose: Annotated[str, Form()]) -> dict[str, Any]:
     """OpenAI's upload: answers the file object (status processing)."""
     return (await _upload(request, file, purpose)).openai()
 
 
-@router.post("/v1/files/uploads", responses=error_responses(400, 413, 503))
+@router.post("/v1/files/uploads", responses=error_responses(401, 400, 413, 503))
 async def create_upload(body: UploadRequest, request: Request) -> dict[str, Any]:
     """A pre-signed upload for a large file: PUT the bytes to upload_url (with the headers given),
     then POST /v1/files/{file_id}/complete."""
@@ -88,7 +88,7 @@ async def create_upload(body: UploadRequest, request: Request) -> dict[str, Any]
             "expires_at": int(record.created_at + files.settings.presign_expires_s), "file": record.openai()}
 
 
-@router.post("/v1/files/{file_id}/complete", responses=error_responses(400, 404, 413, 503))
+@router.post("/v1/files/{file_id}/complete", responses=error_responses(401, 400, 404, 413, 503))
 async def complete_upload(file_id: str, request: Request) -> dict[str, Any]:
     try:
         record = await _files(request).complete_upload(user_id(request), file_id)
@@ -99,12 +99,12 @@ async def complete_upload(file_id: str, request: Request) -> dict[str, Any]:
     return record.openai()
 
 
-@router.get("/v1/files", responses=error_responses(503))
+@router.get("/v1/files", responses=error_responses(401, 503))
 async def list_files(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [r.openai() for r in await _files(request).list(user_id(request))]}
 
 
-@router.get("/v1/files/{file_id}", responses=error_responses(404, 503))
+@router.get("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
 async def get_file(file_id: str, request: Request) -> dict[str, Any]:
     record = await _files(request).get(user_id(request), file_id)
     if record is None:
@@ -112,7 +112,7 @@ async def get_file(file_id: str, request: Request) -> dict[str, Any]:
     return record.openai()
 
 
-@router.get("/v1/files/{file_id}/content", name="file_content", responses=error_responses(404, 503))
+@router.get("/v1/files/{file_id}/content", name="file_content", responses=error_responses(401, 404, 503))
 async def file_content(file_id: str, request: Request) -> Response:
     found = await _files(request).content(user_id(request), file_id)
     if found is None:
@@ -122,7 +122,7 @@ async def file_content(file_id: str, request: Request) -> Response:
                     headers={"Content-Disposition": f'attachment; filename="{record.file_id}"'})
 
 
-@router.delete("/v1/files/{file_id}", responses=error_responses(404, 503))
+@router.delete("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
 async def delete_file(file_id: str, request: Request) -> dict[str, Any]:
     if not await _files(request).delete(user_id(request), file_id):
         raise _missing(file_id)

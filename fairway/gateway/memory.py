@@ -35,7 +35,7 @@ def _memory(request: Request) -> MemoryService:
     return gw.memory
 
 
-@router.get("/v1/user/memory", responses=error_responses(503))
+@router.get("/v1/user/memory", responses=error_responses(401, 503))
 async def list_memory(request: Request) -> dict[str, Any]:
     """The user's memories, oldest first, and whether memory is on for them."""
     memory = _memory(request)
@@ -43,7 +43,7 @@ async def list_memory(request: Request) -> dict[str, Any]:
     return {"memories": [m.public() for m in await memory.list(user)], "enabled": await memory.store.enabled(user)}
 
 
-@router.delete("/v1/user/memory/{memory_id}", responses=error_responses(404, 503))
+@router.delete("/v1/user/memory/{memory_id}", responses=error_responses(401, 404, 503))
 async def delete_memory(memory_id: str, request: Request) -> dict[str, Any]:
     """Forget one memory: never injected again. 404 for an unknown id or another user's."""
     if not await _memory(request).forget(user_id(request), memory_id):
@@ -51,19 +51,19 @@ async def delete_memory(memory_id: str, request: Request) -> dict[str, Any]:
     return {"memory_id": memory_id, "object": "memory.deleted", "deleted": True}
 
 
-@router.delete("/v1/user/memory", responses=error_responses(503))
+@router.delete("/v1/user/memory", responses=error_responses(401, 503))
 async def delete_all_memory(request: Request) -> dict[str, Any]:
     return {"object": "memory.deleted", "deleted": await _memory(request).forget_all(user_id(request))}
 
 
-@router.put("/v1/user/memory/settings", responses=error_responses(400, 503))
+@router.put("/v1/user/memory/settings", responses=error_responses(401, 400, 503))
 async def memory_settings(body: MemorySettingsBody, request: Request) -> dict[str, Any]:
     """enabled=false: no memories are injected into the user's conversations, none are learnt."""
     await _memory(request).store.set_enabled(user_id(request), body.enabled)
     return {"enabled": body.enabled}
 
 
-@router.post("/v1/user/memory/extract", responses=error_responses(400, 404, 503))
+@router.post("/v1/user/memory/extract", responses=error_responses(401, 400, 404, 503))
 async def extract_memory(body: ExtractBody, request: Request) -> dict[str, Any]:
     """Extract the conversation's facts now; answers with the memories written (new or updated)."""
     gw = gateway(request)
