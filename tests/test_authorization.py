@@ -40,11 +40,14 @@ class Route:
     path: str  # {conversation_id}, {reply_id}, {message_id}: the owner's
     json: dict[str, Any] | None = None
     params: dict[str, str] = field(default_factory=dict)
+    upload: bool = False  # a multipart body with a small text file
 
     def send(self, server, key: str | None, ids: dict[str, str]) -> httpx.Response:
         json = None if self.json is None else {k: v.format(**ids) if isinstance(v, str) else v
                                                 for k, v in self.json.items()}
-        return httpx.request(self.method, server.url + self.path.format(**ids), json=json,
+        files = {"file": ("note.txt", b"A small note.", "text/plain")} if self.upload else None
+        data = {"purpose": "assistants"} if self.upload else None
+        return httpx.request(self.method, server.url + self.path.format(**ids), json=json, files=files, data=data,
                              params={k: v.format(**ids) for k, v in self.params.items()},
                              headers=headers(key) if key else {}, timeout=60)
 
@@ -60,6 +63,12 @@ OWNED = [
     Route("GET", "/v1/usage", params={"user": USER}),
     Route("POST", "/v1/chat/completions", json={**CHAT, "conversation_id": "{conversation_id}"}),
     Route("POST", "/v1/chat/completions", json={**CHAT, "message_id": "{message_id}", "last_received_token_index": 1}),
+    Route("GET", "/v1/files/{file_id}"),
+    Route("GET", "/v1/files/{file_id}/content"),
+    Route("DELETE", "/v1/files/{file_id}"),
+    Route("POST", "/v1/files/{file_id}/complete"),
+    Route("DELETE", "/v1/user/memory/{memory_id}"),
+    Route("POST", "/v1/user/memory/extract", json={"conversation_id": "{conversation_id}", "use_model": False}),
 ]
 # Routes that name nothing: another user gets their own (checked below to hold none of the owner's).
 UNOWNED = [
@@ -67,6 +76,13 @@ UNOWNED = [
     Route("GET", "/v1/conversations"),
     Route("GET", "/v1/usage"),
     Route("POST", "/v1/chat/completions", json=CHAT),
+    Route("GET", "/v1/files"),
+    Route("POST", "/v1/files", upload=True),
+    Route("POST", "/v1/files/upload", upload=True),
+    Route("POST", "/v1/files/uploads", json={"filename": "note.txt", "bytes": 13, "purpose": "assistants"}),
+    Route("GET", "/v1/user/memory"),
+    Route("DELETE", "/v1/user/memory"),
+    Route("PUT", "/v1/user/memory/settings", json={"enabled": True}),
 ]
 
 
@@ -132,9 +148,18 @@ def server(request, engine, tmp_path_factory):
 
 
 def _owned_by_user_1(server) -> dict[str, str]:
-    body = {**CHAT, "message_id": MESSAGE_ID}
+    body = {**CHAT, "messages": [{"role": "user", "content": "My name is Alice. Say hi."}], "message_id": MESSAGE_ID}
     completion = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers(), timeout=60).json()
     ids = {"conversation_id": completion["conversation_id"], "reply_id": completion["id"], "message_id": MESSAGE_ID}
+    # A file and a memory of theirs.
+    uploaded = httpx.post(f"{server.url}/v1/files/upload", files={"file": ("mine.txt", b"Alice's notes.", "text/plain")},
+                          headers=headers(), timeout=60)
+    assert uploaded.status_code == 200, uploaded.text
+    ids["file_id"] = uploaded.json()["file_id"]
+    extracted = httpx.post(f"{server.url}/v1/user/memory/extract", headers=headers(), timeout=120,
+                           json={"conversation_id": ids["conversation_id"], "use_model": False})
+    assert extracted.status_code == 200 and extracted.json()["memories"], extracted.text
+    ids["memory_id"] = extracted.json()["memories"][0]["memory_id"]
     # Its usage is recorded (the route the matrix asks about must have something to hide).
     wait_for(lambda: httpx.get(f"{server.url}/v1/replies/{ids['reply_id']}", headers=headers(),
                                timeout=10).json()["usage"])
@@ -190,6 +215,9 @@ def test_another_users_things_do_not_exist_for_them(server):
     conversation = OWNED[0].send(server, API_KEY, ids).json()
     assert [m["role"] for m in conversation["messages"]] == ["user", "assistant"]
     assert OWNED[2].send(server, API_KEY, ids).json()["state"] == "FINISHED"
+    assert httpx.get(f"{server.url}/v1/files/{ids['file_id']}", headers=headers(), timeout=10).status_code == 200
+    memories = httpx.get(f"{server.url}/v1/user/memory", headers=headers(), timeout=10).json()["memories"]
+    assert ids["memory_id"] in {m["memory_id"] for m in memories}
 
 
 def test_routes_that_name_nothing_show_another_user_only_their_own(server):

@@ -33,7 +33,7 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
                   responses=errors.error_responses(*errors.EDGE_STATUSES))
     app.state.gateway = context
     errors.install(app)
-    upload_max = context.files.settings.max_file_bytes + MULTIPART_SLACK if context.files else None
+    upload_max = context.files.settings.max_file_bytes + MULTIPART_SLACK if context is not None and context.files else None
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, upload_max_bytes=upload_max)
     app.add_middleware(EdgeMiddleware, max_header_bytes=max_header_bytes)  # outermost: sees every response
     for module in (chat, replies, conversations, files, health, memory, usage_routes, web):
