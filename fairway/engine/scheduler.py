@@ -22,7 +22,8 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledBatch:
-    # Sequences with exactly one new token come first (the paged decode path), prefill chunks after.
+    # Sequences read through the paged decode path come first (one new token, or a decoding one's
+    # last token and its draft tokens), prefill chunks after.
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -58,6 +59,18 @@ class Scheduler:
             self.lanes[seq.priority].remove(seq)
         self.kv.free(seq)
 
+    def prefill_tokens_next(self) -> int:
+        """About how many prompt tokens the next step will prefill (running prompts first, then the
+        waiting ones, up to the budget), before it is scheduled."""
+        budget = self.config.max_num_batched_tokens
+        tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.running if not s.is_decoding)
+        for lane in self.lanes:
+            for seq in lane:
+                if tokens >= budget:
+                    return budget
+                tokens += seq.num_tokens
+        return min(tokens, budget)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
@@ -66,15 +79,17 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival)):
             if seq.status != SequenceStatus.RUNNING or budget == 0:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.spec_token_ids:  # verify the draft tokens too, as many as the budget allows
+                del seq.spec_token_ids[budget - 1:]
+            n = min(seq.num_tokens - seq.num_computed_tokens + len(seq.spec_token_ids), budget)
             if not self._make_room(seq, n, chosen, batch):
                 continue
             chosen[seq] = n
             budget -= n
         if not batch.preempted:
             budget = self._admit_waiting(chosen, budget)
-        ones = [s for s, n in chosen.items() if n == 1]
-        many = [s for s, n in chosen.items() if n > 1]
+        ones = [s for s, n in chosen.items() if n == 1 or s.is_decoding]
+        many = [s for s, n in chosen.items() if n > 1 and not s.is_decoding]
         batch.seqs = ones + many
         batch.num_new_tokens = [chosen[s] for s in batch.seqs]
         return batch
@@ -92,6 +107,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.kv.free(seq)  # full blocks stay cached, so the recompute is mostly prefix hits
+        seq.spec_token_ids.clear()
+        seq.spec.draft_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
