@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -92,8 +94,12 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--draft-layers", type=int, default=0,
                     help="also run a draft model: the target's first N layers (0: prompt lookup only)")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch threads (0: its default); 1 steadies ratios on a crowded machine")
     ap.add_argument("--out", type=Path, default=RESULTS / "spec_decode.json")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     base = build_engine(dtype="bfloat16", config=EngineConfig(num_kv_blocks=512, speculative=None))
     model, tok = base.model, base.tokenizer

@@ -36,7 +36,10 @@ def prompts(n: int, lo: int = 5, hi: int = 90) -> list[list[int]]:
 
 
 def engine(model=None, **kw) -> LLMEngine:
-    return LLMEngine(model or random_model(LlamaConfig.tiny()), EngineConfig(**{"num_kv_blocks": 128, **kw}))
+    """Steps bounded by tokens alone, so what each step schedules does not depend on how fast this
+    machine is right now (the step-time bound has its own tests, test_step_time.py)."""
+    config = EngineConfig(**{"num_kv_blocks": 128, "bound_step_time": False, **kw})
+    return LLMEngine(model or random_model(LlamaConfig.tiny()), config)
 
 
 def test_chunked_and_batched_prefill_match_one_at_a_time(tiny_model):

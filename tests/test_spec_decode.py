@@ -212,14 +212,3 @@ def test_policy_drafts_as_many_tokens_as_pay_and_none_for_big_batches():
     near_end.params = SamplingParams(max_tokens=3)
     near_end.num_prompt_tokens = 19  # 1 output token so far: 2 more allowed
     assert policy.plan([near_end], step=0, prefill_tokens=0, seconds_per_draft=0.0) == [1]
-
-
-def test_step_time_model_learns_costs_it_sees_and_keeps_its_prior_for_the_rest():
-    model = StepTimeModel(StepCost(fixed=0.01, per_decode_row=0.001, per_prefill_token=0.001))
-    rng = np.random.default_rng(0)
-    for _ in range(300):  # rows vary, prefill never happens
-        rows = int(rng.integers(1, 33))
-        model.observe(rows, 0, 0.004 + 0.0005 * rows + rng.normal(0, 1e-4))
-    assert model.cost.fixed == pytest.approx(0.004, abs=5e-4)
-    assert model.cost.per_decode_row == pytest.approx(0.0005, abs=5e-5)
-    assert model.cost.per_prefill_token == pytest.approx(0.001, rel=0.05)  # unseen: the prior holds

@@ -20,6 +20,8 @@ from fairway.engine.step_time import StepTimeModel
 from fairway.engine.stop_checker import StopChecker
 from fairway.models.llama import LlamaModel
 
+DEFAULT_STEP_TIME_TARGET = {False: 0.050, True: 0.030}  # seconds, by whether the model is on a GPU
+
 
 class RequestRejected(ValueError):
     """A request that can never run (too long for the context window or the KV cache); raised before admission."""
@@ -34,6 +36,12 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     enable_prefix_caching: bool = True
     reserve_blocks: int | None = None
+    # Each step's time is bounded (scheduler.py): the target in seconds, None for the device's
+    # default (50 ms on a CPU, 30 ms on a GPU, the seed's inter-token latency); bound_step_time
+    # False leaves only the token budget.
+    bound_step_time: bool = True
+    step_time_target: float | None = None
+    step_time_headroom: float = 1.5
     # Speculative decoding (None: off). On by default with prompt lookup: it needs no second model
     # and turns itself off per sequence and for large batches where it would not pay.
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
@@ -48,14 +56,17 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.max_model_len = c.max_model_len or model.cfg.max_position_embeddings
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.reserve_blocks, c.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(model, c.num_kv_blocks, c.block_size)
+        self.step_time = StepTimeModel()
+        target = c.step_time_target or DEFAULT_STEP_TIME_TARGET[self.runner.device.type == "cuda"]
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
+                                                   target if c.bound_step_time else None, c.step_time_headroom),
+                                   self.kv, self.step_time)
         self.requests: dict[str, Sequence] = {}
         self._aborts: list[str] = []
         self._eos = set(tokenizer.stop_token_ids) if tokenizer is not None else set()
         self.num_steps = 0
         self.step_seconds = 0.0
-        self.step_time = StepTimeModel()
         self.speculator = None if c.speculative is None else Speculator.build(
             c.speculative, model, self.kv, self.step_time, self.max_model_len, draft_model)
 
