@@ -63,7 +63,9 @@ def test_prefill_chunks_shrink_as_more_sequences_decode_and_output_is_unchanged(
     free_steps = _run_and_record(free, prompts, 8)
     bounded_steps = _run_and_record(bounded, prompts, 8)
     assert max(COST.predict(*s) for s in free_steps) > 0.1  # 512 prompt tokens beside the decodes
-    assert all(COST.predict(decode, prefill) <= 0.0501 for decode, prefill in bounded_steps)
+    # Every step with a sequence decoding within the target (the first, decoding nothing, is not bounded).
+    assert bounded_steps[0] == (0, 512)
+    assert all(COST.predict(decode, prefill) <= 0.0501 for decode, prefill in bounded_steps[1:])
     # The chunk is what the target leaves beside the decode rows (200 tokens less 2.5 per row), not less.
     assert np.mean([prefill for _, prefill in bounded_steps if prefill]) > 100
     assert bounded.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)) == \
@@ -76,7 +78,8 @@ def test_when_decoding_alone_exceeds_the_target_prompts_still_progress(tiny_mode
     eng = _frozen(LLMEngine(tiny_model, EngineConfig(num_kv_blocks=2048, speculative=None, step_time_target=0.05)),
                   COST, monkeypatch)
     sched = eng.scheduler
-    assert sched.prefill_budget(0, 1) == 200  # nothing else: the 50 ms target, (50 - 10) / 0.2
+    assert sched.prefill_budget(1, 2) == 197  # one decoding: the 50 ms target, (50 - 10.5) / 0.2
+    assert sched.prefill_budget(0, 100) == 512  # nobody decoding: nobody's inter-token time to keep
     assert sched.prefill_budget(100, 100) == int((1.5 * 0.060 - 0.060) / 0.0002)
     assert sched.prefill_budget(400, 100) == eng.kv.block_size
     assert LLMEngine(tiny_model, EngineConfig(bound_step_time=False)).scheduler.prefill_budget(400, 100) == 512

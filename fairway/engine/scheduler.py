@@ -110,10 +110,11 @@ class Scheduler:
     def prefill_budget(self, decode_rows: int, whole_batch: int) -> int:
         """Prompt tokens that fit in this step beside decode_rows decode rows, by the step-time
         model (whole_batch: the sequences running or waiting); at least a block, so prompts always
-        progress."""
+        progress. A step that decodes nothing takes the whole token budget: the bound is for the
+        inter-token time of decoding sequences."""
         c = self.config
-        if c.step_time_target is None or self.step_time is None:
-            return c.max_num_batched_tokens
+        if c.step_time_target is None or self.step_time is None or decode_rows == 0:
+            return c.max_num_batched_tokens  # no sequence waits for this step's token: no bound
         cost = self.step_time.cost
         limit = max(c.step_time_target, c.step_time_headroom * cost.predict(whole_batch, 0))
         room = limit - cost.predict(decode_rows, 0)

@@ -32,6 +32,6 @@ class NgramProposer:
         state.ngram_indexed = max(state.ngram_indexed, last)
         for n in range(min(self.max_n, last), self.min_n - 1, -1):
             end = index.get(tuple(tokens[last + 1 - n:]))
-            if end is not None:
-                return tokens[end + 1:end + 1 + k]
+            if end is not None:  # a longer match is a surer guess: at most n + 2 tokens from it
+                return tokens[end + 1:end + 1 + min(k, n + 2)]
         return []
