@@ -11,8 +11,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from fairway.block_hash import prefix_block_hashes
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
-from fairway.engine.block_pool import prefix_block_hashes
 from fairway.engine.kv_cache_manager import blocks_for
 from fairway.engine.scheduler import ScheduledBatch
 from fairway.engine.sequence import Sequence
