@@ -295,6 +295,8 @@ def test_metrics_in_prometheus_text(server, http):
                  "fairway:generation_tokens_total", "fairway:kv_cache_usage_perc",
                  "fairway:prefix_cache_queries_total", "fairway:prefix_cache_hits_total",
                  "fairway:num_preemptions_total", "fairway:num_requests_running", "fairway:num_requests_waiting",
+                 "fairway:spec_decode_num_drafts_total", "fairway:spec_decode_num_draft_tokens_total",
+                 "fairway:spec_decode_num_accepted_tokens_total", "fairway:spec_decode_draft_acceptance_rate",
                  "fairway:active_streams", "fairway:rate_limited_total"):
         assert name in text, name
     assert f'fairway:prompt_tokens_total{{model="{MODEL}",tier="paid"}}' in text

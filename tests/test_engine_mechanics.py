@@ -36,7 +36,10 @@ def prompts(n: int, lo: int = 5, hi: int = 90) -> list[list[int]]:
 
 
 def engine(model=None, **kw) -> LLMEngine:
-    return LLMEngine(model or random_model(LlamaConfig.tiny()), EngineConfig(**{"num_kv_blocks": 128, **kw}))
+    """Steps bounded by tokens alone, so what each step schedules does not depend on how fast this
+    machine is right now (the step-time bound has its own tests, test_step_time.py)."""
+    config = EngineConfig(**{"num_kv_blocks": 128, "bound_step_time": False, **kw})
+    return LLMEngine(model or random_model(LlamaConfig.tiny()), config)
 
 
 def test_chunked_and_batched_prefill_match_one_at_a_time(tiny_model):
@@ -137,7 +140,7 @@ def test_seeded_sampling_is_reproducible(tiny_model):
 
 
 def test_counters_and_latencies(tiny_model):
-    eng = engine(tiny_model)
+    eng = engine(tiny_model, speculative=None)  # one token a step
     eng.add_request("t", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     outs = []
     while eng.has_unfinished():
@@ -223,7 +226,7 @@ def test_decode_groups_by_length_match_one_at_a_time(tiny_model, monkeypatch, na
     eng.step()
     eng.step()
     batch = eng.scheduler.schedule()
-    _, _, meta, _, _ = eng.runner._prepare(batch)
+    _, _, meta, _, _, _ = eng.runner._prepare(batch)
     assert eng.runner.kv.k.dtype == (kv_dtype or torch.float32)
     if native:  # every decode row goes to the kernel in one call
         assert meta.decode_tables is not None and not meta.decodes

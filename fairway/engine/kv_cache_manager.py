@@ -60,17 +60,27 @@ class KVCacheManager:
         seq.blocks.extend(self.pool.allocate(needed))
         return True
 
-    def cache_full_blocks(self, seq: Sequence) -> None:
-        """Register blocks that became full and computed this step, so later requests can reuse them."""
+    def cache_full_blocks(self, seq: Sequence, accepted: list[int] | None = None) -> None:
+        """Register blocks that became full and computed this step, so later requests can reuse them.
+        accepted: draft tokens the target kept this step, computed but not yet in seq.token_ids."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
+        token_ids = seq.token_ids + accepted if accepted else seq.token_ids
         while (len(seq.block_hashes) + 1) * bs <= seq.num_computed_tokens:
             i = len(seq.block_hashes)
-            tokens = tuple(seq.token_ids[i * bs:(i + 1) * bs])
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
             h = block_hash(seq.block_hashes[-1] if seq.block_hashes else None, tokens)
             seq.block_hashes.append(h)
             self.pool.cache_block(seq.blocks[i], h, tokens)
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the computed tokens: those that held only rejected draft tokens.
+        Their K/V is garbage, never hashed (only computed full blocks are), and overwritten if reused."""
+        keep = max(blocks_for(seq.num_computed_tokens, self.block_size), len(seq.block_hashes))
+        if len(seq.blocks) > keep:
+            self.pool.release(seq.blocks[keep:])
+            del seq.blocks[keep:]
 
     def free(self, seq: Sequence) -> None:
         self.pool.release(seq.blocks)

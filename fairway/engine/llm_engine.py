@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fairway.block_hash import BLOCK_SIZE
 from fairway.domain import Priority
@@ -13,9 +13,14 @@ from fairway.engine.outputs import FinishReason, RequestOutput
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.scheduler import Scheduler, SchedulerConfig
 from fairway.engine.sequence import Sequence, SequenceStatus
+from fairway.engine.spec_decode.config import SpeculativeConfig
+from fairway.engine.spec_decode.speculator import Speculator
 from fairway.engine.stats import EngineStats
+from fairway.engine.step_time import StepTimeModel
 from fairway.engine.stop_checker import StopChecker
 from fairway.models.llama import LlamaModel
+
+DEFAULT_STEP_TIME_TARGET = {False: 0.050, True: 0.030}  # seconds, by whether the model is on a GPU
 
 
 class RequestRejected(ValueError):
@@ -31,23 +36,39 @@ class EngineConfig:
     max_model_len: int | None = None  # defaults to the model's context length
     enable_prefix_caching: bool = True
     reserve_blocks: int | None = None
+    # bound_step_time: each step's time is bounded (scheduler.py): the target in seconds, None for
+    # the device's default (50 ms on a CPU, 30 ms on a GPU, the seed's inter-token latency). Off by
+    # default until it meets its throughput target (bench/itl.py); off leaves only the token budget.
+    bound_step_time: bool = False
+    step_time_target: float | None = None
+    step_time_headroom: float = 1.5
+    # Speculative decoding (None: off). On by default with prompt lookup: it needs no second model
+    # and turns itself off per sequence and for large batches where it would not pay.
+    speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, config: EngineConfig | None = None, tokenizer=None) -> None:
+    def __init__(self, model: LlamaModel, config: EngineConfig | None = None, tokenizer=None,
+                 draft_model: LlamaModel | None = None) -> None:
         self.config = config or EngineConfig()
         c = self.config
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = c.max_model_len or model.cfg.max_position_embeddings
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.reserve_blocks, c.enable_prefix_caching)
-        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens), self.kv)
         self.runner = ModelRunner(model, c.num_kv_blocks, c.block_size)
+        self.step_time = StepTimeModel()
+        target = c.step_time_target or DEFAULT_STEP_TIME_TARGET[self.runner.device.type == "cuda"]
+        self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
+                                                   target if c.bound_step_time else None, c.step_time_headroom),
+                                   self.kv, self.step_time)
         self.requests: dict[str, Sequence] = {}
         self._aborts: list[str] = []
         self._eos = set(tokenizer.stop_token_ids) if tokenizer is not None else set()
         self.num_steps = 0
         self.step_seconds = 0.0
+        self.speculator = None if c.speculative is None else Speculator.build(
+            c.speculative, model, self.kv, self.step_time, self.max_model_len, draft_model)
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
@@ -92,18 +113,49 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         outputs = self._process_aborts()
+        self._propose()
+        t1 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch.empty:
+            decode_rows = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
+                              if n == 1 or seq.is_decoding)
             tokens = self.runner.execute(batch)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
-                seq.num_computed_tokens += n
-                self.kv.cache_full_blocks(seq)
+                self._advance(seq, n, tokens.get(seq))
             now = time.monotonic()
-            for seq, token in tokens.items():
-                outputs.append(self._append_token(seq, token, now))
+            for seq, new in tokens.items():
+                for token in new:
+                    outputs.append(self._append_token(seq, token, now))
+                    if seq.is_finished:  # a stop among accepted draft tokens: the rest are dropped
+                        break
             self.num_steps += 1
+            # The step-time model learns from the step's decode rows (draft rows included) and prefill tokens.
+            self.step_time.observe(decode_rows, sum(batch.num_new_tokens) - decode_rows, time.perf_counter() - t1)
         self.step_seconds += time.perf_counter() - t0
         return outputs
+
+    def _propose(self) -> None:
+        if self.speculator is None:
+            return
+        decoding = [s for s in self.scheduler.running if s.is_decoding]
+        self.speculator.propose(decoding, self.num_steps, self.scheduler.prefill_tokens_next())
+
+    def _advance(self, seq: Sequence, n: int, new: list[int] | None) -> None:
+        """Count the step's computed tokens. Of a sequence's draft tokens only the accepted ones
+        count: the K/V of the rest is rolled back (their slots are free to overwrite, blocks that
+        held nothing else go back to the pool), and only full blocks of accepted tokens are hashed."""
+        drafts = seq.num_computed_tokens + n - seq.num_tokens
+        if drafts <= 0:
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+            return
+        accepted = len(new) - 1 if new else 0
+        seq.num_computed_tokens += n - drafts + accepted
+        self.kv.cache_full_blocks(seq, new[:accepted] if new else None)
+        self.kv.trim(seq)
+        seq.spec.draft_computed = min(seq.spec.draft_computed, seq.num_computed_tokens)
+        self.speculator.record(seq, drafts, accepted)
+        seq.spec_token_ids.clear()
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.token_ids.append(token)
@@ -162,7 +214,15 @@ class LLMEngine:
             kv_tokens_live=sum(s.num_tokens for s in running),
             prefix_cache_queries=self.kv.query_tokens, prefix_cache_hits=self.kv.hit_tokens,
             num_preemptions=self.scheduler.num_preemptions, num_steps=self.num_steps,
-            step_seconds=self.step_seconds, forward_seconds=self.runner.forward_seconds)
+            step_seconds=self.step_seconds, forward_seconds=self.runner.forward_seconds,
+            **self._spec_stats())
+
+    def _spec_stats(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        spec = self.speculator
+        return {"spec_decode_num_drafts": spec.num_drafts, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens}
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
         """Run prompts to completion (offline use and tests); returns the generated token ids of each."""

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from fairway.engine.sampler import sample
+from fairway.engine.rejection_sampler import sample_and_verify
 from fairway.engine.scheduler import ScheduledBatch
 from fairway.engine.sequence import Sequence
 from fairway.models.cpu_kernels import DecodeKernels, decode_kernels
@@ -35,15 +35,16 @@ class ModelRunner:
                                              block_size)
         self.forward_seconds = 0.0  # time inside the model forward and sampling, for the overhead figure
 
-    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Run one forward pass; returns the sampled token for each sequence that reached its end."""
-        ids, positions, meta, sample_rows, samplers = self._prepare(batch)
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, list[int]]:
+        """Run one forward pass; returns the tokens each sequence that reached its end emits: one,
+        or for a sequence with draft tokens, the accepted ones and the target's next."""
+        ids, positions, meta, sample_rows, samplers, num_rows = self._prepare(batch)
         t0 = time.perf_counter()
         hidden = self.model(ids, positions, self.kv, meta)
-        tokens: dict[Sequence, int] = {}
+        tokens: dict[Sequence, list[int]] = {}
         if samplers:
             logits = self.model.compute_logits(hidden[sample_rows])
-            tokens = dict(zip(samplers, sample(logits.cpu(), samplers), strict=True))
+            tokens = dict(zip(samplers, sample_and_verify(logits.cpu(), samplers, num_rows), strict=True))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.forward_seconds += time.perf_counter() - t0
@@ -55,42 +56,51 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         samplers: list[Sequence] = []
+        num_rows: list[int] = []  # sample rows of each sampler
         spans: list[tuple[int, int, Sequence]] = []
+        decode_rows: list[tuple[Sequence, int]] = []  # (sequence, context length) of each decode row
         # Decode rows first, shortest context first, so similar lengths sit next to each other.
         pairs = sorted(zip(batch.seqs, batch.num_new_tokens, strict=True),
-                       key=lambda sn: (sn[1] != 1, sn[0].num_computed_tokens if sn[1] == 1 else 0))
-        decode_seqs = [s for s, n in pairs if n == 1]
+                       key=lambda sn: (not _decodes(*sn), sn[0].num_computed_tokens if _decodes(*sn) else 0))
         for seq, n in pairs:
             start = seq.num_computed_tokens
             row = len(ids)
+            drafts = start + n - seq.num_tokens  # > 0: draft tokens to check after the last real one
             ids.extend(seq.token_ids[start:start + n])
+            if drafts > 0:
+                ids.extend(seq.spec_token_ids[:drafts])
             positions.extend(range(start, start + n))
             slots.extend(_slots(seq, start, start + n, self.block_size))
-            if n > 1:
+            if _decodes(seq, n):  # each row a decode row: the cache holds every key it may see
+                decode_rows.extend((seq, p + 1) for p in range(start, start + n))
+            else:
                 spans.append((row, row + n, seq))
-            if start + n == seq.num_tokens:
-                sample_rows.append(row + n - 1)
+            if start + n >= seq.num_tokens:
+                rows = n if drafts > 0 else 1
+                sample_rows.extend(range(row + n - rows, row + n))
                 samplers.append(seq)
+                num_rows.append(rows)
         dev = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
             prefills=[self._prefill_group(group) for group in _prefill_groups(spans)],
         )
         if self.decode_kernels is not None:
-            meta.decode_tables = self._decode_tables(decode_seqs) if decode_seqs else None
+            meta.decode_tables = self._decode_tables(decode_rows) if decode_rows else None
         else:
-            meta.decodes = [self._decode_group(decode_seqs, a, b) for a, b in _length_groups(decode_seqs)]
+            meta.decodes = [self._decode_group(decode_rows, a, b)
+                            for a, b in _length_groups(decode_rows, self.block_size)]
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers)
+                torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers, num_rows)
 
-    def _decode_tables(self, seqs: list[Sequence]) -> DecodeTables:
-        tables, lens = _padded_block_tables(seqs, torch.int32)
+    def _decode_tables(self, rows: list[tuple[Sequence, int]]) -> DecodeTables:
+        tables, lens = _padded_block_tables(rows, torch.int32)
         return DecodeTables(self.decode_kernels, tables, lens, self.block_size)
 
-    def _decode_group(self, seqs: list[Sequence], a: int, b: int) -> DecodeGroup:
+    def _decode_group(self, rows: list[tuple[Sequence, int]], a: int, b: int) -> DecodeGroup:
         bs = self.block_size
-        tables, lens = _padded_block_tables(seqs[a:b], torch.long)
+        tables, lens = _padded_block_tables(rows[a:b], torch.long)
         width = tables.shape[1]
         group_slots = (tables[:, :, None] * bs + torch.arange(bs)).flatten()
         masked = torch.arange(width * bs)[None, :] >= lens[:, None]
@@ -153,18 +163,25 @@ def _prefill_groups(spans: list[tuple[int, int, Sequence]], growth: float = 1.5,
     return groups
 
 
+def _decodes(seq: Sequence, n: int) -> bool:
+    """Whether seq's n scheduled tokens go through the paged decode path: one token, or a decoding
+    sequence's last token with its draft tokens (row i attends to the context up to itself, which
+    the step writes to the cache before any row attends)."""
+    return n == 1 or seq.is_decoding
+
+
 def _slots(seq: Sequence, begin: int, end: int, block_size: int) -> list[int]:
     """The KV cache slots of seq's positions [begin, end)."""
     return [seq.blocks[p // block_size].block_id * block_size + p % block_size for p in range(begin, end)]
 
 
-def _padded_block_tables(seqs: list[Sequence], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Decode sequences' block tables padded with block 0 to the longest, and each one's context
-    length (the new token included)."""
-    width = max(len(s.blocks) for s in seqs)
-    tables = torch.tensor([[blk.block_id for blk in s.blocks] + [0] * (width - len(s.blocks)) for s in seqs],
+def _padded_block_tables(rows: list[tuple[Sequence, int]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode rows' block tables padded with block 0 to the longest, and each row's context length
+    (its own token included)."""
+    width = max(len(s.blocks) for s, _ in rows)
+    tables = torch.tensor([[blk.block_id for blk in s.blocks] + [0] * (width - len(s.blocks)) for s, _ in rows],
                           dtype=dtype)
-    return tables, torch.tensor([s.num_computed_tokens + 1 for s in seqs], dtype=dtype)
+    return tables, torch.tensor([context for _, context in rows], dtype=dtype)
 
 
 def _native_decode(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device, group: int,
@@ -176,14 +193,15 @@ def _native_decode(dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.devi
     return kernels if kernels is not None and kernels.supports(dtype, kv_dtype, group, head_dim, block_size) else None
 
 
-def _length_groups(seqs: list[Sequence], min_group: int = 8, growth: float = 1.5) -> list[tuple[int, int]]:
-    """Split length-sorted decode sequences into [a, b) groups whose longest context is at most
-    `growth` times their shortest, so padding stays small; tiny groups are not worth a separate call."""
+def _length_groups(rows: list[tuple[Sequence, int]], block_size: int, min_group: int = 8,
+                   growth: float = 1.5) -> list[tuple[int, int]]:
+    """Split length-sorted decode rows into [a, b) groups whose longest context is at most `growth`
+    times their shortest (in blocks), so padding stays small; tiny groups are not worth a separate call."""
+    blocks = [-(-context // block_size) for _, context in rows]
     groups: list[tuple[int, int]] = []
     a = 0
-    for i in range(1, len(seqs) + 1):
-        if i == len(seqs) or (i - a >= min_group
-                              and len(seqs[i].blocks) > growth * len(seqs[a].blocks)):
+    for i in range(1, len(rows) + 1):
+        if i == len(rows) or (i - a >= min_group and blocks[i] > growth * blocks[a]):
             groups.append((a, i))
             a = i
     return groups

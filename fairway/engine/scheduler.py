@@ -12,17 +12,26 @@ from dataclasses import dataclass, field
 from fairway.domain import Priority
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.sequence import Sequence, SequenceStatus
+from fairway.engine.step_time import StepTimeModel
 
 
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 512  # per-step token budget; longer prompts are prefilled in chunks
+    # The time a step may take (seconds; None: tokens alone bound it). The prefill chunk shrinks
+    # as more sequences decode, so their inter-token time stays near it. Where decoding alone
+    # takes longer, a step may take step_time_headroom times the decode-only step of the whole
+    # batch (everyone running or waiting), so prompts still progress and no step is far longer
+    # than a typical one.
+    step_time_target: float | None = None
+    step_time_headroom: float = 1.5
 
 
 @dataclass
 class ScheduledBatch:
-    # Sequences with exactly one new token come first (the paged decode path), prefill chunks after.
+    # Sequences read through the paged decode path come first (one new token, or a decoding one's
+    # last token and its draft tokens), prefill chunks after.
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -33,9 +42,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_time: StepTimeModel | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.step_time = step_time
         self.lanes: list[deque[Sequence]] = [deque() for _ in range(Priority.BACKGROUND + 1)]
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -58,26 +68,66 @@ class Scheduler:
             self.lanes[seq.priority].remove(seq)
         self.kv.free(seq)
 
+    def prefill_tokens_next(self) -> int:
+        """About how many prompt tokens the next step will prefill (running prompts first, then the
+        waiting ones, up to the budget), before it is scheduled."""
+        budget = self.config.max_num_batched_tokens
+        tokens = sum(s.num_tokens - s.num_computed_tokens for s in self.running if not s.is_decoding)
+        for lane in self.lanes:
+            for seq in lane:
+                if tokens >= budget:
+                    return budget
+                tokens += seq.num_tokens
+        return min(tokens, budget)
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         chosen: dict[Sequence, int] = {}
         # Running sequences oldest first, decoding ones before those still prefilling.
-        for seq in sorted(self.running, key=lambda s: (s.num_tokens - s.num_computed_tokens > 1, s.arrival)):
+        running = sorted(self.running, key=lambda s: s.arrival)
+        decoding = [s for s in running if s.is_decoding]
+        for seq in decoding:
             if seq.status != SequenceStatus.RUNNING or budget == 0:
                 continue
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._make_room(seq, n, chosen, batch):
+            if seq.spec_token_ids:  # verify the draft tokens too, as many as the budget allows
+                del seq.spec_token_ids[budget - 1:]
+            budget -= self._take(seq, 1 + len(seq.spec_token_ids), chosen, batch)
+        whole_batch = min(self.config.max_num_seqs, len(self.running) + self.num_waiting)
+        budget = min(budget, self.prefill_budget(sum(chosen.values()), whole_batch))
+        for seq in running:
+            if seq.is_decoding or seq.status != SequenceStatus.RUNNING or budget == 0:
                 continue
-            chosen[seq] = n
-            budget -= n
+            budget -= self._take(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), chosen, batch)
         if not batch.preempted:
             budget = self._admit_waiting(chosen, budget)
-        ones = [s for s, n in chosen.items() if n == 1]
-        many = [s for s, n in chosen.items() if n > 1]
+        ones = [s for s, n in chosen.items() if n == 1 or s.is_decoding]
+        many = [s for s, n in chosen.items() if n > 1 and not s.is_decoding]
         batch.seqs = ones + many
         batch.num_new_tokens = [chosen[s] for s in batch.seqs]
         return batch
+
+    def prefill_budget(self, decode_rows: int, whole_batch: int) -> int:
+        """Prompt tokens that fit in this step beside decode_rows decode rows, by the step-time
+        model (whole_batch: the sequences running or waiting); at least a block, so prompts always
+        progress. A step that decodes nothing takes the whole token budget: the bound is for the
+        inter-token time of decoding sequences."""
+        c = self.config
+        if c.step_time_target is None or self.step_time is None or decode_rows == 0:
+            return c.max_num_batched_tokens  # no sequence waits for this step's token: no bound
+        cost = self.step_time.cost
+        limit = max(c.step_time_target, c.step_time_headroom * cost.predict(whole_batch, 0))
+        room = limit - cost.predict(decode_rows, 0)
+        if cost.per_prefill_token <= 0:
+            return c.max_num_batched_tokens
+        return max(self.kv.block_size, min(int(room / cost.per_prefill_token), c.max_num_batched_tokens))
+
+    def _take(self, seq: Sequence, n: int, chosen: dict[Sequence, int], batch: ScheduledBatch) -> int:
+        """Schedule n tokens of a running sequence if its blocks can grow; returns the tokens taken."""
+        if not self._make_room(seq, n, chosen, batch):
+            return 0
+        chosen[seq] = n
+        return n
 
     def _make_room(self, seq: Sequence, n: int, chosen: dict[Sequence, int], batch: ScheduledBatch) -> bool:
         """Grow seq's blocks for n tokens, preempting the newest lowest-priority sequences if needed."""
@@ -92,6 +142,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)
         self.kv.free(seq)  # full blocks stay cached, so the recompute is mostly prefix hits
+        seq.spec_token_ids.clear()
+        seq.spec.draft_computed = 0
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -11,6 +11,7 @@ import torch
 from fairway.domain import FinishReason, Priority
 from fairway.engine.block_pool import KVBlock
 from fairway.engine.sampling_params import SamplingParams
+from fairway.engine.spec_decode.state import SpecState
 from fairway.engine.stop_checker import StopChecker
 
 
@@ -32,6 +33,10 @@ class Sequence:
     blocks: list[KVBlock] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # hashes of the full blocks so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    # Draft tokens proposed for the next step, after token_ids; checked by the target, never part of
+    # token_ids until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: SpecState = field(default_factory=SpecState)
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache at first admission
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
@@ -53,6 +58,15 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Only the last sampled token is still to compute: the prompt is done."""
+        return self.num_tokens - self.num_computed_tokens == 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
 
     @property
     def ttft(self) -> float | None:

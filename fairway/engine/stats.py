@@ -20,6 +20,15 @@ class EngineStats:
     num_steps: int
     step_seconds: float  # wall time inside step()
     forward_seconds: float  # of which: model forward and sampling
+    # Speculative decoding: verifications with draft tokens, draft tokens checked, and accepted.
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        n = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / n if n else 0.0
 
     @property
     def kv_usage(self) -> float:

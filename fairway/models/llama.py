@@ -6,6 +6,7 @@ each at load time, because on CPU the number of kernel launches per layer matter
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -226,3 +227,20 @@ def random_model(cfg: LlamaConfig, seed: int = 0, dtype: torch.dtype = torch.flo
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
     return model.to(device=device, dtype=dtype).eval()
+
+
+def truncated(model: LlamaModel, num_layers: int) -> LlamaModel:
+    """The model's first num_layers decoder layers under its own embedding, final norm and head, all
+    shared (no copy): a draft model of the same tokenizer for speculative decoding."""
+    if not 0 < num_layers < model.cfg.num_layers:
+        raise ValueError(f"a truncated draft needs 1..{model.cfg.num_layers - 1} layers, got {num_layers}")
+    cfg = dataclasses.replace(model.cfg, num_layers=num_layers)
+    with torch.device("meta"):
+        draft = LlamaModel(cfg)
+    draft.embed_tokens, draft.norm, draft.lm_head = model.embed_tokens, model.norm, model.lm_head
+    draft.layers = nn.ModuleList(model.layers[:num_layers])
+    draft.rotary = model.rotary
+    draft.kv_cache_dtype = model.kv_cache_dtype
+    if model.native_decode is not None:
+        draft.use_native_decode()
+    return draft.eval()

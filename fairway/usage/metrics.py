@@ -71,6 +71,16 @@ class EngineCollector(Collector):
                                    labels=labels)
         preemptions = CounterMetricFamily("fairway:num_preemptions", "Sequences preempted (recomputed later).",
                                           labels=labels)
+        # Speculative decoding, as vLLM counts it: verifications with draft tokens, draft tokens
+        # checked, draft tokens accepted, and the share accepted.
+        drafts = CounterMetricFamily("fairway:spec_decode_num_drafts", "Verifications of draft tokens.",
+                                     labels=labels)
+        draft_tokens = CounterMetricFamily("fairway:spec_decode_num_draft_tokens", "Draft tokens proposed.",
+                                           labels=labels)
+        accepted = CounterMetricFamily("fairway:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                       labels=labels)
+        rate = GaugeMetricFamily("fairway:spec_decode_draft_acceptance_rate",
+                                 "Draft tokens accepted over proposed, since start (0 before any).", labels=labels)
         with self._lock:
             engines = list(self._engines.items())
         for replica_id, (model, engine) in engines:
@@ -82,7 +92,11 @@ class EngineCollector(Collector):
             queries.add_metric(values, stats.prefix_cache_queries)
             hits.add_metric(values, stats.prefix_cache_hits)
             preemptions.add_metric(values, stats.num_preemptions)
-        yield from (kv, running, waiting, queries, hits, preemptions)
+            drafts.add_metric(values, stats.spec_decode_num_drafts)
+            draft_tokens.add_metric(values, stats.spec_decode_num_draft_tokens)
+            accepted.add_metric(values, stats.spec_decode_num_accepted_tokens)
+            rate.add_metric(values, stats.spec_decode_acceptance_rate)
+        yield from (kv, running, waiting, queries, hits, preemptions, drafts, draft_tokens, accepted, rate)
 
 
 ENGINES = EngineCollector()

@@ -1,0 +1,52 @@
+"""How many draft tokens each decoding sequence gets this step: as many as pay for themselves.
+
+The k-th draft token adds a token only if it and every draft before it are accepted: with a
+sequence's acceptance rate a (tracked per sequence, state.py), with chance a^k. It costs one more
+row of the verification step (and, for a draft model, one more draft step), while the batch
+makes R tokens per second: worth it when a^k * (1 / cost) > R, that is a^k > cost * R. A single
+stream on a CPU pays ~5% of a step per extra row, so drafts with a fair chance pay; a large batch
+is compute-bound (a row costs about its share of the step) and only near-certain drafts would:
+there speculation is off. A sequence whose first draft no longer pays is paused and probed with
+one draft token now and then, as a reply's character changes (a quote ends, another begins).
+"""
+
+from __future__ import annotations
+
+from fairway.engine.sequence import Sequence
+from fairway.engine.spec_decode.config import SpeculativeConfig
+from fairway.engine.step_time import StepTimeModel
+
+
+class SpecPolicy:
+    def __init__(self, config: SpeculativeConfig, step_time: StepTimeModel, max_model_len: int) -> None:
+        self.config = config
+        self.step_time = step_time
+        self.max_model_len = max_model_len
+
+    def threshold(self, num_decoding: int, prefill_tokens: int, seconds_per_draft: float) -> float:
+        """The acceptance chance below which one more draft row costs more than it brings."""
+        cost = self.step_time.cost
+        step = cost.predict(num_decoding, prefill_tokens)
+        return (cost.per_decode_row + seconds_per_draft) * num_decoding / step
+
+    def plan(self, seqs: list[Sequence], step: int, prefill_tokens: int, seconds_per_draft: float) -> list[int]:
+        """Draft tokens for each decoding sequence (0: none this step)."""
+        if not seqs or len(seqs) >= self.config.disable_by_batch_size:
+            return [0] * len(seqs)
+        theta = self.threshold(len(seqs), prefill_tokens, seconds_per_draft)
+        return [self._for(seq, step, theta) for seq in seqs]
+
+    def _for(self, seq: Sequence, step: int, theta: float) -> int:
+        # Room to emit k + 1 tokens within max_tokens and the context window.
+        room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
+        limit = min(self.config.num_speculative_tokens, room)
+        if limit <= 0 or step < seq.spec.paused_until:
+            return 0
+        a = seq.spec.acceptance_rate
+        k = 0
+        while k < limit and a ** (k + 1) >= theta:
+            k += 1
+        if k == 0:  # not worth it now: pause, then probe with one draft token
+            seq.spec.paused_until = step + self.config.pause_steps
+            return 1 if seq.spec.num_drafts else 0
+        return k

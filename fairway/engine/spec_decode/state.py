@@ -1,0 +1,37 @@
+"""One sequence's speculation: how well its proposals have done, and what each proposer keeps for it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+# Weight of the past in the acceptance estimate, per verification (~10 verifications remembered).
+ACCEPTANCE_DECAY = 0.9
+
+
+@dataclass
+class SpecState:
+    # Discounted counts of draft tokens accepted and tried; a token counts as tried when every
+    # draft before it was accepted. The prior (1 of 2) lets a new sequence start speculating.
+    accepted: float = 1.0
+    tried: float = 2.0
+    paused_until: int = 0  # engine step before which this sequence gets no proposals
+    num_drafts: int = 0  # verifications with at least one draft token (the metrics' counts)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    draft_computed: int = 0  # tokens whose K/V the draft model holds (draft-model proposer)
+    ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its last earlier match
+    ngram_indexed: int = 0  # token positions whose n-grams are in the index
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Estimated chance that a draft token is accepted, given the ones before it were."""
+        return self.accepted / self.tried
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """One verification: `accepted` of `proposed` draft tokens kept (the rest after the first miss)."""
+        tried = accepted + (1 if accepted < proposed else 0)
+        self.accepted = ACCEPTANCE_DECAY * self.accepted + accepted
+        self.tried = ACCEPTANCE_DECAY * self.tried + tried
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted

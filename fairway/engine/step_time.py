@@ -1,0 +1,57 @@
+"""How long a step takes, as measured: a fixed cost, a cost per decode row, a cost per prefill token.
+
+Fit online by exponentially weighted least squares over the engine's own steps, with a weak prior
+that holds the split between terms the recent steps cannot tell apart (a single stream always
+decoding one row says nothing about the cost of a second row). Speculative decoding asks it what
+a draft row costs; the scheduler asks it how many prefill tokens fit in a step's time target.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class StepCost:
+    fixed: float  # seconds per step
+    per_decode_row: float  # seconds per decode row (a sequence's new token, or one of its draft tokens)
+    per_prefill_token: float
+
+    def predict(self, decode_rows: int, prefill_tokens: int) -> float:
+        return self.fixed + self.per_decode_row * decode_rows + self.per_prefill_token * prefill_tokens
+
+
+# The prior: what the bundled 135M model costs in bf16 on 2 AVX512-BF16 cores, in seconds. Any
+# machine's own steps outweigh it within a few dozen steps wherever the batch varies.
+PRIOR = StepCost(fixed=0.012, per_decode_row=0.0006, per_prefill_token=0.0003)
+# The prior counts as this many steps of each kind (a decode row, a 64-token prefill) ...
+PRIOR_WEIGHT = 2.0
+# ... and each measured step's weight decays by this much per step (~100 steps remembered).
+DECAY = 0.99
+
+
+class StepTimeModel:
+    def __init__(self, prior: StepCost = PRIOR) -> None:
+        mean = np.array([prior.fixed, prior.per_decode_row, prior.per_prefill_token])
+        # Ridge precision of the prior, scaled to typical feature sizes so each term's prior weighs
+        # about PRIOR_WEIGHT steps: rows ~ 8, prefill tokens ~ 64.
+        self._prior_precision = PRIOR_WEIGHT * np.diag([1.0, 8.0 ** 2, 64.0 ** 2])
+        self._prior_moment = self._prior_precision @ mean
+        self._xx = np.zeros((3, 3))  # decayed sums of x x^T and x y over measured steps
+        self._xy = np.zeros(3)
+        self.cost = prior
+        self.num_observed = 0
+
+    def observe(self, decode_rows: int, prefill_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, decode_rows, prefill_tokens])
+        self._xx = DECAY * self._xx + np.outer(x, x)
+        self._xy = DECAY * self._xy + x * seconds
+        self.num_observed += 1
+        coef = np.linalg.solve(self._xx + self._prior_precision, self._xy + self._prior_moment)
+        coef = np.maximum(coef, 0.0)  # a negative cost is noise, never a saving
+        self.cost = StepCost(float(coef[0]), float(coef[1]), float(coef[2]))
+
+    def predict(self, decode_rows: int, prefill_tokens: int) -> float:
+        return self.cost.predict(decode_rows, prefill_tokens)

@@ -1,0 +1,219 @@
+"""Speculative decoding: the output is the target model's, exactly, whatever is proposed; rejected
+draft tokens leave nothing behind in the KV cache or the prefix cache; speculation is on only
+where it pays."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from fairway.block_hash import prefix_block_hashes
+from fairway.engine import EngineConfig, LLMEngine, SamplingParams
+from fairway.engine.kv_cache_manager import blocks_for
+from fairway.engine.scheduler import ScheduledBatch
+from fairway.engine.sequence import Sequence
+from fairway.engine.spec_decode.config import SpeculativeConfig
+from fairway.engine.spec_decode.ngram_proposer import NgramProposer
+from fairway.engine.spec_decode.policy import SpecPolicy
+from fairway.engine.step_time import StepCost, StepTimeModel
+from fairway.models.config import LlamaConfig
+from fairway.models.llama import random_model
+
+GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+DOC = ("The Apollo 11 mission launched on July 16, 1969, from Kennedy Space Center. Neil Armstrong and "
+       "Buzz Aldrin landed the lunar module Eagle on the Moon on July 20, while Michael Collins remained in "
+       "orbit aboard the command module Columbia. The crew returned to Earth on July 24.")
+GROUNDED = [f"Repeat the following text exactly, word for word:\n\n{DOC}",
+            f"{DOC}\n\nQuote the sentence of this text that names the command module.",
+            "Write the numbers from 1 to 30, separated by commas.",
+            "def add(a, b):\n    return a + b\n\nRename the function add to plus and repeat the code."]
+
+
+def spec_engine(model, draft=None, **spec) -> LLMEngine:
+    method = "draft_model" if draft is not None or "draft_num_layers" in spec else "ngram"
+    # Steps bounded by tokens alone, as in plain_engine: the same chunks, so the same prefill numerics
+    # (bf16 logits often tie exactly; a different chunking may break a tie the other way).
+    config = EngineConfig(num_kv_blocks=256, bound_step_time=False,
+                          speculative=SpeculativeConfig(method=method, **spec))
+    return LLMEngine(model, config, draft_model=draft)
+
+
+def plain_engine(model) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(num_kv_blocks=256, bound_step_time=False, speculative=None))
+
+
+def always_speculate(eng: LLMEngine, monkeypatch) -> LLMEngine:
+    """Draft at every step, whatever the step-time model says (a tiny model's draft costs as much as
+    its target, so the policy would rightly switch speculation off): the tests are of exactness."""
+    monkeypatch.setattr(eng.speculator.policy, "threshold", lambda *args: 0.0)
+    return eng
+
+
+def random_prompts(n: int, vocab: int = 256, length: int = 12, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def real_model_bf16(model_path):
+    from fairway.models.loader import load_model
+
+    return load_model(model_path, torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def grounded_prompts(real_tokenizer):
+    return [real_tokenizer.chat_prompt_ids([{"role": "user", "content": q}]) for q in GROUNDED]
+
+
+@pytest.mark.parametrize("spec", [{}, {"draft_num_layers": 10}], ids=["prompt-lookup", "truncated-draft"])
+def test_greedy_on_the_real_model_is_token_for_token_the_same(real_model_bf16, grounded_prompts, spec):
+    off = plain_engine(real_model_bf16).generate(grounded_prompts, GREEDY)
+    eng = spec_engine(real_model_bf16, **spec)
+    assert eng.generate(grounded_prompts, GREEDY) == off
+    stats = eng.stats()
+    # Drafts were both kept and thrown away, and the step count fell with the kept ones.
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+    assert stats.num_steps < sum(len(o) for o in off) // len(off) + 1
+    assert stats.kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("same_draft", [True, False], ids=["draft-is-target", "other-draft"])
+def test_a_draft_model_never_changes_greedy_output(tiny_model, monkeypatch, same_draft):
+    draft = tiny_model if same_draft else random_model(LlamaConfig.tiny(), seed=5)
+    ps = random_prompts(4)
+    off = plain_engine(tiny_model).generate(ps, GREEDY)
+    eng = always_speculate(spec_engine(tiny_model, draft), monkeypatch)
+    assert eng.generate(ps, GREEDY) == off
+    stats = eng.stats()
+    if same_draft:  # the target's own guesses: every draft token is kept, 5 tokens a step
+        assert stats.spec_decode_num_accepted_tokens == stats.spec_decode_num_draft_tokens > 0
+        assert stats.num_steps <= 2 + GREEDY.max_tokens // 9
+    else:
+        assert stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def test_rejected_tokens_leave_no_blocks_and_no_hashes(tiny_model, monkeypatch):
+    eng = always_speculate(spec_engine(tiny_model, random_model(LlamaConfig.tiny(), seed=5)), monkeypatch)
+    for i, p in enumerate(random_prompts(3, length=30)):
+        eng.add_request(f"r{i}", p, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
+    pool = eng.kv.pool
+    rejected = 0
+    while eng.has_unfinished():
+        eng.step()
+        stats = eng.stats()
+        rejected = stats.spec_decode_num_draft_tokens - stats.spec_decode_num_accepted_tokens
+        for seq in eng.scheduler.running:
+            # Blocks for the computed tokens only; hashes of exactly the full blocks of accepted tokens.
+            assert len(seq.blocks) == blocks_for(seq.num_computed_tokens)
+            assert seq.block_hashes == prefix_block_hashes(seq.token_ids[:seq.num_computed_tokens])
+            for i, h in enumerate(seq.block_hashes):
+                assert pool.cached[h] is seq.blocks[i]
+        assert pool.num_free == sum(1 for b in pool.blocks if b.ref_count == 0)
+        assert sum(b.ref_count for b in pool.blocks) == sum(len(s.blocks) for s in eng.scheduler.running)
+    assert rejected > 10 and eng.stats().kv_blocks_used == 0
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.3), dict(temperature=0.5, top_k=5)],
+                         ids=["temperature", "top-k"])
+def test_a_seeded_reply_is_the_same_with_speculation_on_or_off(tiny_model, monkeypatch, params):
+    ps = random_prompts(3)
+    seeded = [SamplingParams(**params, seed=11 + i, max_tokens=30, ignore_eos=True) for i in range(3)]
+    off = plain_engine(tiny_model).generate(ps, seeded)
+    eng = always_speculate(spec_engine(tiny_model, tiny_model), monkeypatch)  # its own greedy guesses
+    assert eng.generate(ps, seeded) == off
+    stats = eng.stats()
+    assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
+
+
+def _next_probs(model, tokens: list[int], temperature: float) -> np.ndarray:
+    """The target's own distribution of the token after `tokens`, from one plain forward pass."""
+    eng = plain_engine(model)
+    seq = Sequence("p", list(tokens), GREEDY)
+    assert eng.kv.admit(seq)
+    ids, positions, meta, rows, _, _ = eng.runner._prepare(ScheduledBatch([seq], [len(tokens)]))
+    logits = model.compute_logits(model(ids, positions, eng.runner.kv, meta)[rows])[0]
+    return torch.softmax(logits.double() / temperature, dim=-1).numpy()
+
+
+def test_sampled_tokens_follow_the_target_distribution(monkeypatch):
+    """Vocabulary of 8: the 2nd and 3rd tokens come from verifications of drafts (the target's own most
+    likely tokens, kept a third of the time), unseeded so no draws are replayed; their joint
+    distribution is the target's (chi-square)."""
+    cfg = dataclasses.replace(LlamaConfig.tiny(vocab_size=8), hidden_size=32)
+    target = random_model(cfg, seed=1)
+    prompt, temperature, n = [1, 4, 2, 7], 1.0, 3000
+    p1 = _next_probs(target, prompt, temperature)
+    expected = np.zeros((8, 8))
+    for t1 in range(8):
+        p2 = _next_probs(target, prompt + [t1], temperature)
+        for t2 in range(8):
+            expected[t2] += p1[t1] * p2[t2] * _next_probs(target, prompt + [t1, t2], temperature)
+    torch.manual_seed(1234)
+    eng = always_speculate(spec_engine(target, target, num_speculative_tokens=2, disable_by_batch_size=10**6),
+                           monkeypatch)
+    params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
+    counts = np.zeros((8, 8))
+    for _, t2, t3, _ in eng.generate([prompt] * n, params):
+        counts[t2, t3] += 1
+    stats = eng.stats()
+    assert stats.spec_decode_num_draft_tokens >= 2 * n  # every reply verified 2 drafts after its first token
+    assert 0.1 < stats.spec_decode_acceptance_rate < 0.9
+    keep = expected.flatten() * n >= 5  # chi-square needs ~5 expected per cell: pool the rare ones
+    observed = np.append(counts.flatten()[keep], counts.flatten()[~keep].sum())
+    wanted = np.append(expected.flatten()[keep], expected.flatten()[~keep].sum()) * n
+    assert chisquare(observed, wanted).pvalue > 1e-3
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    ngram = NgramProposer(min_n=2, max_n=3)
+    seq = Sequence("s", [5, 6, 7, 8, 9, 1, 6, 7, 3, 4, 6, 7], GREEDY)
+    # Suffix (6, 7): the 3-gram (4, 6, 7) never occurred before; (6, 7) last ended at index 7.
+    assert ngram.propose([seq], [3]) == [[3, 4, 6]]
+    assert ngram.propose([seq], [8]) == [[3, 4, 6, 7]]  # a 2-token match: at most 4 tokens from it
+    seq.token_ids += [3, 4]  # now (7, 3, 4) matches at index 9
+    assert ngram.propose([seq], [2]) == [[6, 7]]
+    assert ngram.propose([Sequence("t", [1, 2, 3, 4], GREEDY)], [4]) == [[]]  # no repeated n-gram
+
+
+class _Fixed(StepTimeModel):
+    def __init__(self, cost: StepCost) -> None:
+        super().__init__(cost)
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def _decoding(acceptance: float, drafts: int = 5) -> Sequence:
+    seq = Sequence("d", list(range(20)), SamplingParams(max_tokens=100))
+    seq.num_computed_tokens = 19
+    seq.spec.accepted, seq.spec.tried, seq.spec.num_drafts = acceptance * 10, 10.0, drafts
+    return seq
+
+
+def test_policy_drafts_as_many_tokens_as_pay_and_none_for_big_batches():
+    cheap_rows = _Fixed(StepCost(fixed=0.012, per_decode_row=0.0006, per_prefill_token=0.0003))
+    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=16, pause_steps=8),
+                        cheap_rows, 4096)
+    # One stream: an extra row costs ~5% of a step, so a fair chance pays.
+    assert policy.plan([_decoding(0.9)], step=0, prefill_tokens=0, seconds_per_draft=0.0) == [4]
+    assert policy.plan([_decoding(0.3)], step=0, prefill_tokens=0, seconds_per_draft=0.0) == [2]
+    # A costly draft model lowers it; a big batch switches it off.
+    assert policy.plan([_decoding(0.5)], step=0, prefill_tokens=0, seconds_per_draft=0.004) == [1]
+    assert policy.plan([_decoding(0.99) for _ in range(16)], 0, 0, 0.0) == [0] * 16
+    # Compute-bound steps (a row costs its share) want near-certain drafts: a poor sequence pauses,
+    # is probed with one token, then gets nothing until its pause ends.
+    bound = SpecPolicy(SpeculativeConfig(pause_steps=8), _Fixed(StepCost(0.001, 0.002, 0.001)), 4096)
+    poor = _decoding(0.5)
+    assert bound.plan([poor], step=10, prefill_tokens=0, seconds_per_draft=0.0) == [1]
+    assert [bound.plan([poor], step, 0, 0.0)[0] for step in range(11, 18)] == [0] * 7
+    assert bound.plan([poor], step=18, prefill_tokens=0, seconds_per_draft=0.0) == [1]
+    # Never past max_tokens: room for the drafts and the token after them.
+    near_end = _decoding(0.9)
+    near_end.params = SamplingParams(max_tokens=3)
+    near_end.num_prompt_tokens = 19  # 1 output token so far: 2 more allowed
+    assert policy.plan([near_end], step=0, prefill_tokens=0, seconds_per_draft=0.0) == [1]
