@@ -59,7 +59,8 @@ def test_prefill_chunks_shrink_as_more_sequences_decode_and_output_is_unchanged(
     prompts = [[(7 * i + j) % 256 for j in range(150)] for i in range(40)]
     cfg = dict(num_kv_blocks=1024, speculative=None)
     free = _frozen(LLMEngine(tiny_model, EngineConfig(**cfg, bound_step_time=False)), COST, monkeypatch)
-    bounded = _frozen(LLMEngine(tiny_model, EngineConfig(**cfg, step_time_target=0.05)), COST, monkeypatch)
+    bounded = _frozen(LLMEngine(tiny_model, EngineConfig(**cfg, bound_step_time=True, step_time_target=0.05)),
+                      COST, monkeypatch)
     free_steps = _run_and_record(free, prompts, 8)
     bounded_steps = _run_and_record(bounded, prompts, 8)
     assert max(COST.predict(*s) for s in free_steps) > 0.1  # 512 prompt tokens beside the decodes
@@ -75,7 +76,8 @@ def test_prefill_chunks_shrink_as_more_sequences_decode_and_output_is_unchanged(
 def test_when_decoding_alone_exceeds_the_target_prompts_still_progress(tiny_model, monkeypatch):
     # 100 decoding rows cost 60 ms, over the 50 ms target: a step may take 1.5x that (90 ms), so
     # prompts get 150 tokens a step, and never fewer than a block.
-    eng = _frozen(LLMEngine(tiny_model, EngineConfig(num_kv_blocks=2048, speculative=None, step_time_target=0.05)),
+    eng = _frozen(LLMEngine(tiny_model, EngineConfig(num_kv_blocks=2048, speculative=None, bound_step_time=True,
+                                                   step_time_target=0.05)),
                   COST, monkeypatch)
     sched = eng.scheduler
     assert sched.prefill_budget(1, 2) == 197  # one decoding: the 50 ms target, (50 - 10.5) / 0.2
