@@ -4,7 +4,6 @@ implementations (in-process, and the real Redis server)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import time
@@ -16,7 +15,10 @@ from typing import Any
 import pytest
 from backends import missing
 from redis_keys import delete_prefixed
+from transports import RecordingTransport, dechunk, token_of
 
+from fairway.gateway import token_writer
+from fairway.gateway.sse import ReplyView, token_template
 from fairway.relay import (
     ClaimedJob,
     EventIdOutOfRange,
@@ -36,7 +38,7 @@ from fairway.relay import (
     TokenEvent,
     TokenLog,
     event_from_fields,
-    live_fast,
+    live_dispatch,
     make_relay,
 )
 from fairway.relay.inbox_redis import RedisInbox
@@ -44,6 +46,7 @@ from fairway.relay.job_queue_redis import RedisJobQueue
 from fairway.relay.token_log_redis import RedisTokenLog
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+VIEW = ReplyView("rep_1", "conv_1", "msg_1", "smollm2", 1796060482)  # what a token writer's chunks say
 
 
 class Backend:
@@ -313,18 +316,20 @@ async def test_subscribe_batches_and_keepalives(backend: Backend) -> None:
     assert [] in batches[batches.index(next(b for b in batches if b)) :]
 
 
-@pytest.mark.parametrize("sink", ["function", "tap-native", "tap-python"])
+@pytest.mark.parametrize("sink", ["function", "writer-native", "writer-python"])
 async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_refuses(
         backend: Backend, sink: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The gateway's fast path: while the subscriber waits, the backend may hand token events to
     `direct` instead of yielding them. Together, what direct took and what was yielded are every
     event once, in order; a refused event (a paused connection) and everything after it until the
     iterator waits again come through the iterator; the final event always does. The SSE relay's
-    sink is a live_fast Tap, which the Redis backend's dispatcher writes to itself (in C, or in its
-    Python twin), keeping the text of what it wrote."""
-    if sink == "tap-python":
-        monkeypatch.setattr(live_fast, "native_module", lambda: None)
-    elif sink == "tap-native" and live_fast.native_module() is None:
+    sink is the gateway's token writer, which the Redis backend's dispatcher hands events to itself
+    (in C through the writer's C-level sink protocol, or all in Python), keeping the text of what
+    it wrote; a plain function is called."""
+    if sink == "writer-python":
+        monkeypatch.setattr(live_dispatch, "native_module", lambda: None)
+        monkeypatch.setattr(token_writer, "native_module", lambda: None)
+    elif sink == "writer-native" and (live_dispatch.native_module() is None or token_writer.native_module() is None):
         pytest.skip("no C compiler")
     gateway, replica, r = backend.log(), backend.log(), rid()
     await replica.create(r)
@@ -339,18 +344,19 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
         order.append(("direct", n))
         return True
 
-    def write(body: bytes) -> bool:  # a tap's: the SSE event it formatted
-        chunk = json.loads(body.split(b"data: ", 1)[1])
-        return direct(int(chunk["choices"][0]["checkpoint_id"].removeprefix("tok_")),
-                      chunk["choices"][0]["delta"]["content"])
+    def offered() -> int:  # the event a writer is offered next: one past all the consumer saw
+        return max((n for _, n in order), default=0) + 1
 
+    def backlog() -> int:  # the writer's connection refuses the events `direct` refuses
+        return int(offered() in refuse)
+
+    transport = RecordingTransport(backlog)
     texts: list[str] = []
-    if sink != "function":
-        tap = live_fast.make_tap(b'{"choices":[{"delta":{"content":', write, texts)
-        assert live_fast.is_tap(tap)
+    transport.write = lambda data: order.append(("direct", token_of(dechunk(data)[0])[0]))  # type: ignore[method-assign]
+    writer = token_writer.make_writer(token_template(VIEW), texts, transport)
 
     async def listen() -> None:
-        async with aclosing(gateway.subscribe_batches(r, 0, None, direct if sink == "function" else tap)) as stream:
+        async with aclosing(gateway.subscribe_batches(r, 0, None, direct if sink == "function" else writer)) as stream:
             async for batch in stream:
                 order.extend(("yielded", e.n) for e in batch)
                 # A token the sink refused comes through whole, its ids parsed.
@@ -378,22 +384,19 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
     assert texts == ([] if sink == "function" else [f"<{n}>" for n in sorted(taken)])
 
 
-async def test_two_taps_on_one_reply_in_one_gateway_each_get_every_event_once(redis_backend: Backend) -> None:
-    """A second listener of a reply in the same gateway (two tabs): the dispatcher stops writing to
-    the first one's tap, and both get every event once, in order, through tap or iterator."""
+async def test_two_writers_on_one_reply_in_one_gateway_each_get_every_event_once(redis_backend: Backend) -> None:
+    """A second listener of a reply in the same gateway (two tabs): the dispatcher stops handing
+    events to the first one's writer, and both get every event once, in order, through writer or
+    iterator."""
     gateway, replica, r = redis_backend.log(), redis_backend.log(), rid()
     await replica.create(r)
     seen: dict[str, list[int]] = {"a": [], "b": []}
 
-    def writer(name: str) -> Any:
-        def write(body: bytes) -> bool:
-            seen[name].append(int(json.loads(body.split(b"data: ", 1)[1])["choices"][0]["checkpoint_id"][4:]))
-            return True
-        return write
-
     async def listen(name: str) -> None:
-        tap = live_fast.make_tap(b'{"choices":[{"delta":{"content":', writer(name), [])
-        async with aclosing(gateway.subscribe_batches(r, 0, None, tap)) as stream:
+        transport = RecordingTransport()
+        transport.write = lambda data: seen[name].append(token_of(dechunk(data)[0])[0])  # type: ignore[method-assign]
+        writer = token_writer.make_writer(token_template(VIEW), [], transport)
+        async with aclosing(gateway.subscribe_batches(r, 0, None, writer)) as stream:
             async for batch in stream:
                 seen[name].extend(e.n for e in batch)
                 if batch and isinstance(batch[-1], FinalEvent):

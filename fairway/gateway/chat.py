@@ -28,7 +28,7 @@ from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import BEARER_REQUIRED, authenticate
 from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
 from fairway.gateway.errors import ApiError, error_responses, invalid, not_found, unavailable
-from fairway.gateway.http_protocol import write_now_of
+from fairway.gateway.http_protocol import connection_of
 from fairway.gateway.keys import Principal
 from fairway.gateway.limit_errors import check_max_tokens, denied_error, guarded, overloaded_error
 from fairway.gateway.schemas import (
@@ -41,7 +41,8 @@ from fairway.gateway.schemas import (
     request_body,
     sampling,
 )
-from fairway.gateway.streaming import EventStream, ReplyView
+from fairway.gateway.sse import ReplyView
+from fairway.gateway.streaming import EventStream
 from fairway.limits import (
     Claimed,
     Denied,
@@ -274,7 +275,7 @@ async def chat_completions(request: Request) -> Any:
         return JSONResponse(await gw.relay.complete(reply, view, on_final), headers=headers)
     await gw.relay.check_after(reply, after)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = gw.relay.sse(reply, view, after, include_usage, on_final, write_now_of(request.scope))
+    stream = gw.relay.sse(reply, view, after, include_usage, on_final, connection_of(request.scope))
     streams = metrics.ACTIVE_STREAMS.labels(body.model)
     streams.inc()
     add_cleanup(request, streams.dec)

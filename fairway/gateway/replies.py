@@ -15,9 +15,10 @@ from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.chat import SSE_HEADERS, SSE_RESPONSE
 from fairway.gateway.edge import add_cleanup
 from fairway.gateway.errors import error_responses, not_found
-from fairway.gateway.http_protocol import write_now_of
+from fairway.gateway.http_protocol import connection_of
 from fairway.gateway.schemas import event_id
-from fairway.gateway.streaming import EventStream, ReplyView
+from fairway.gateway.sse import ReplyView
+from fairway.gateway.streaming import EventStream
 from fairway.relay import ReplyNotFound
 from fairway.usage import metrics
 
@@ -48,7 +49,7 @@ async def stream_reply(
     await gw.relay.check_after(reply, after_n)
     wants_usage = (include_usage or "").lower() in ("1", "true")
     view = ReplyView.of(reply)
-    stream = gw.relay.sse(reply, view, after_n, wants_usage, write_now=write_now_of(request.scope))
+    stream = gw.relay.sse(reply, view, after_n, wants_usage, connection=connection_of(request.scope))
     streams = metrics.ACTIVE_STREAMS.labels(view.model)
     streams.inc()
     add_cleanup(request, streams.dec)

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.responses import Response
@@ -27,7 +26,9 @@ from fairway.conversation.recorder import save_final, save_from_log
 from fairway.conversation.service import ConversationService
 from fairway.gateway.edge import BODY_SEND
 from fairway.gateway.errors import ApiError, not_found
-from fairway.gateway.http_protocol import DirectWriter
+from fairway.gateway.http_protocol import connection_of
+from fairway.gateway.sse import ReplyView, chunk, chunk_base, frame, token_template
+from fairway.gateway.token_writer import make_writer
 from fairway.relay import (
     EventIdOutOfRange,
     FinalEvent,
@@ -38,7 +39,6 @@ from fairway.relay import (
     TokenLog,
     TokenSink,
 )
-from fairway.relay.live_fast import make_tap
 from fairway.router import NoReplica
 
 log = logging.getLogger(__name__)
@@ -51,26 +51,6 @@ DONE = b"data: [DONE]\n\n"
 KEEPALIVE = b": keepalive\n"
 
 
-@dataclass
-class ReplyView:
-    """What every chunk says about the reply."""
-
-    reply_id: str
-    conversation_id: str
-    message_id: str
-    model: str
-    created: int
-    first_extra: dict[str, Any] = field(default_factory=dict)  # e.g. context info, on a fresh stream's first chunk
-
-    @classmethod
-    def of(cls, reply: Reply, model: str | None = None) -> ReplyView:
-        model = model or str((reply.job or {}).get("model", ""))
-        return cls(reply.id, reply.conversation_id, reply.message_id, model, int(reply.created_at))
-
-    def headers(self) -> dict[str, str]:
-        return {"X-Reply-Id": self.reply_id, "X-Conversation-Id": self.conversation_id, "X-Message-Id": self.message_id}
-
-
 @dataclass(frozen=True)
 class Snapshot:
     """The whole stored text of a reply whose log expired: the client replaces what it has."""
@@ -79,11 +59,6 @@ class Snapshot:
 
 
 Item = TokenEvent | FinalEvent | Snapshot
-
-
-def frame(data: dict[str, Any], event_id: int | None = None) -> bytes:
-    head = f"id: {event_id}\n" if event_id is not None else ""
-    return f"{head}data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
 
 
 def usage(final: FinalEvent) -> dict[str, Any]:
@@ -208,24 +183,24 @@ class ReplyRelay:
     # -- SSE ---------------------------------------------------------------------------------
 
     async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool,
-                  on_final: OnFinal | None = None, write_now: DirectWriter | None = None) -> AsyncIterator[bytes]:
-        """SSE frames. Events that arrive together go out in one write: under load that is what
-        keeps a gateway's cost per event low. Read in the response's own task, straight from the
-        token log's batches: no task or queue in between. With write_now (the server's, see
-        http_protocol), a plain token chunk that arrives while this waits is written from the
-        token log's callback, with no task wake at all. A keepalive comment goes out after
+                  on_final: OnFinal | None = None,
+                  connection: asyncio.WriteTransport | None = None) -> AsyncIterator[bytes]:
+        """SSE frames, for an EventStream. Events that arrive together go out in one write: under
+        load that is what keeps a gateway's cost per event low. Read in the response's own task,
+        straight from the token log's batches: no task or queue in between. With connection (the
+        server's, see http_protocol), a plain token chunk that arrives while this waits is written
+        from the token log's callback, with no task wake at all. A keepalive comment goes out after
         keepalive_s without events. on_final runs at the final event, before [DONE]."""
         text: list[str] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
-        # Plain token chunks; with write_now, also the sink that writes them while this waits
-        # (appending their text to `text`), which it may not do before the first chunk is out.
-        # (This runs once the response has started, so the server can say whether the tap may write
-        # HTTP chunks to the connection itself, the cheapest way there is.)
-        tap = make_tap(chunk_head(view), write_now or _declined, text, open=not fresh,
-                       transport=write_now.transport() if write_now is not None else None)
+        # Plain token chunks; with connection, also the sink that writes them to it as HTTP chunks
+        # while this waits (appending their text to `text`), which it may not do before the first
+        # chunk is out. (This runs once EventStream started the response, and its sends happen only
+        # while this is not waiting: the writer's bytes land between them, in order.)
+        writer = make_writer(token_template(view), text, connection, open=not fresh)
         try:
             async with contextlib.aclosing(self.event_batches(reply, after, self.keepalive_s,
-                                                              tap if write_now else None)) as batches:
+                                                              writer if connection is not None else None)) as batches:
                 async for batch in batches:
                     if not batch:
                         yield KEEPALIVE
@@ -243,9 +218,9 @@ class ReplyRelay:
                         if fresh or isinstance(event, Snapshot):
                             out.append(self._first_or_snapshot(view, event, fresh))
                             fresh = False
-                            tap.open = True
+                            writer.open = True
                         else:
-                            out.append(tap.chunk(token.n, token.text))
+                            out.append(writer.chunk(token.n, token.text))
                     yield b"".join(out)
         except RelayError as exc:  # e.g. the log expired mid-stream: say so, end cleanly
             yield frame({"error": {"message": str(exc), "type": "server_error", "param": None,
@@ -256,10 +231,10 @@ class ReplyRelay:
     def _first_or_snapshot(self, view: ReplyView, event: TokenEvent | Snapshot, fresh: bool) -> bytes:
         token = event.event if isinstance(event, Snapshot) else event
         delta: dict[str, Any] = {"role": "assistant", "content": token.text} if fresh else {"content": token.text}
-        chunk = self._chunk(view, delta, token.n, view.first_extra if fresh else {})
+        first = chunk(view, delta, token.n, view.first_extra if fresh else {})
         if isinstance(event, Snapshot):
-            chunk["snapshot"] = True
-        return frame(chunk, token.n)
+            first["snapshot"] = True
+        return frame(first, token.n)
 
     def _final_frames(self, view: ReplyView, final: FinalEvent, fresh: bool, include_usage: bool) -> list[bytes]:
         if final.error:
@@ -269,18 +244,13 @@ class ReplyRelay:
             frames.append(frame({**chunk_base(view), "choices": [], "usage": usage(final)}))
         return frames
 
-    def _chunk(self, view: ReplyView, delta: dict[str, Any], n: int, extra: dict[str, Any],
-               finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, "checkpoint_id": f"tok_{n}"}
-        return {**chunk_base(view), "choices": [choice], **extra}
-
     def _final_chunk(self, view: ReplyView, final: FinalEvent, role: bool, extra: dict[str, Any]) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
-        chunk = self._chunk(view, delta, final.n, extra, finish_reason(final))
+        last = chunk(view, delta, final.n, extra, finish_reason(final))
         if stopped(final):
-            chunk["choices"][0]["stopped"] = True  # finish_reason stays "stop": what OpenAI clients know
-            chunk["stopped"] = True
-        return chunk
+            last["choices"][0]["stopped"] = True  # finish_reason stays "stop": what OpenAI clients know
+            last["stopped"] = True
+        return last
 
     # -- one JSON response -------------------------------------------------------------------
 
@@ -360,7 +330,10 @@ class EventStream(Response):
         self.init_headers(headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        headers = self.raw_headers
+        if connection_of(scope) is not None:  # the body's framing, declared: the body may be written there
+            headers = [*headers, (b"transfer-encoding", b"chunked")]
+        await send({"type": "http.response.start", "status": self.status_code, "headers": headers})
         body_send = scope.get("state", {}).get(BODY_SEND, send)
         task = asyncio.current_task()
         assert task is not None
@@ -393,26 +366,3 @@ class EventStream(Response):
             streaming = False
             watcher.cancel()
 
-
-def chunk_base(view: ReplyView) -> dict[str, Any]:
-    """What every chunk of a reply says about it."""
-    return {
-        "id": view.reply_id,
-        "object": "chat.completion.chunk",
-        "created": view.created,
-        "model": view.model,
-        "system_fingerprint": None,
-        "reply_id": view.reply_id,
-        "conversation_id": view.conversation_id,
-    }
-
-
-def chunk_head(view: ReplyView) -> bytes:
-    """What every plain token chunk of a reply says before its content string: serialized once a
-    stream, the rest of the chunk is string formatting (live_fast's Tap)."""
-    return (json.dumps(chunk_base(view), separators=(",", ":"), ensure_ascii=False)[:-1]
-            + ',"choices":[{"index":0,"delta":{"content":').encode()
-
-
-def _declined(body: bytes) -> bool:
-    return False

@@ -12,10 +12,12 @@ which at thousands of streams costs both sides more than the events themselves. 
 the reply's hash tag, so on Redis Cluster a reply's channel lives in its stream's slot; there
 this would be one connection per node.
 
-The connection's bytes go to a Dispatcher (live_fast): while a stream's task waits for events
-with a Tap as its direct sink (the SSE relay's), the dispatcher writes that stream's token events
-itself, in C, and hands this module only the rest: the first and last events, subscription
-confirmations, events of replies with several listeners here, and anything out of order.
+The connection's bytes go to a Dispatcher (live_dispatch): while a subscriber's iterator waits
+for events and it has a direct sink (the SSE relay's writer, say), its channel is tapped into the
+sink and the dispatcher hands it the reply's token events itself (in C, and without a Python
+object per event when the sink speaks the C-level protocol), and hands this module only the rest:
+the first and last events, subscription confirmations, events of replies with several listeners
+here, and anything out of order.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from fairway.redis_client import RawConnection, RedisClient
 from fairway.relay.errors import RelayUnavailable, ReplyNotFound
 from fairway.relay.events import Event, TokenEvent, event_from_fields
-from fairway.relay.live_fast import dispatcher_class, is_tap
+from fairway.relay.live_dispatch import dispatcher_class, tap_class
 from fairway.relay.token_log import TokenSink
 
 _IDS_END = "\x1f"  # never in a list of token ids, so the text after it may hold anything
@@ -77,23 +79,24 @@ class LiveSubscriber:
     channel: str
     idle_s: float | None  # next_batch() returns [] after this long without events
     quiet_since: float  # loop time of its last batch (or of joining)
-    taps: dict[str, Any]  # the connection's dispatcher's: channel -> the Tap it writes to
+    taps: dict[str, Any]  # the connection's dispatcher's: channel -> the Tap whose sink it hands events to
     entry: _Channel
     inbox: list[Event] = field(default_factory=list)
     error: Exception | None = None
     waiter: asyncio.Future[None] | None = None
     cursor: int = 0  # n of the last event handed out, by its iterator or to direct
     direct: TokenSink | None = None  # takes the next token event while the iterator waits (see TokenLog)
-    tapped: bool = False  # direct is in taps: the dispatcher took what it could; cursor is direct's
+    tap: Any = None  # direct's Tap, made when it is first tapped in
+    tapped: bool = False  # tap is in taps: the dispatcher handed direct what it could; cursor is tap's
     events: LiveEvents | None = None  # the connection's fan-out it came from
 
     def deliver_token(self, n: int, text: str, ids: str, now: float) -> None:
         """A token event as published (ids still the published string)."""
-        if self.tapped:  # the dispatcher could not write it: the iterator takes it from here
+        if self.tapped:  # the dispatcher could not hand it over: the iterator takes it from here
             self.deliver(_token(n, text, ids))
             return
-        # Without a tap (several listeners here, or a sink in Python): direct may still write it
-        # now, without a task wake (and without an event object), if the consumer waits.
+        # Without a tap (several listeners here): direct may still take it now, without a task
+        # wake (and without an event object), if the consumer waits.
         if (self.direct is not None and self.waiter is not None and not self.waiter.done()
                 and n == self.cursor + 1 and self.direct(n, text)):
             self.cursor = n
@@ -114,25 +117,27 @@ class LiveSubscriber:
             self.waiter.set_result(None)
 
     def idle(self, now: float) -> bool:
-        quiet_since = max(self.quiet_since, self.direct.last) if self.tapped else self.quiet_since  # type: ignore[union-attr]
+        quiet_since = max(self.quiet_since, self.tap.last) if self.tapped else self.quiet_since
         return self.idle_s is not None and now - quiet_since >= self.idle_s
 
     def _tap_in(self) -> None:
-        """While this waits, the dispatcher writes its token events to its tap, if it has one and
-        is the channel's only subscriber here."""
-        if is_tap(self.direct) and len(self.entry.subscribers) == 1:
-            self.direct.cursor = self.cursor  # type: ignore[union-attr]
-            self.taps[self.channel] = self.direct
+        """While this waits, the dispatcher hands its token events to direct, if it has one and is
+        the channel's only subscriber here."""
+        if self.direct is not None and len(self.entry.subscribers) == 1:
+            if self.tap is None or self.tap.sink is not self.direct:
+                self.tap = tap_class()(self.direct)
+            self.tap.cursor = self.cursor
+            self.taps[self.channel] = self.tap
             self.tapped = True
 
     def _tap_out(self) -> None:
         if not self.tapped:
             return
-        if self.taps.get(self.channel) is self.direct:
+        if self.taps.get(self.channel) is self.tap:
             del self.taps[self.channel]
         self.tapped = False
-        self.cursor = self.direct.cursor  # type: ignore[union-attr]
-        self.quiet_since = max(self.quiet_since, self.direct.last)  # type: ignore[union-attr]
+        self.cursor = self.tap.cursor
+        self.quiet_since = max(self.quiet_since, self.tap.last)
 
     async def next_batch(self) -> list[Event]:
         """Everything heard since the last call, waiting for at least one event; [] once idle_s
@@ -183,7 +188,7 @@ class LiveEvents:
         self._sweep_s = sweep_s
         self._exists = exists
         self._channels: dict[str, _Channel] = {}
-        self._taps: dict[str, Any] = {}  # channel -> Tap, written by the dispatcher (see LiveSubscriber)
+        self._taps: dict[str, Any] = {}  # channel -> Tap, fed by the dispatcher (see LiveSubscriber)
         self._confirming: dict[str, deque[asyncio.Future[None]]] = {}  # per channel, in sending order
         self._outbox: list[tuple[str, str]] = []
         self._flushing = False  # a flush of the outbox is scheduled

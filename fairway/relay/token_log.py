@@ -35,7 +35,9 @@ T = TypeVar("T")
 # A subscriber's synchronous fast path: takes the next token event, as (n, text) (n = one past the
 # last it took or was yielded; its token ids are not parsed for it), and returns True, or returns
 # False when it cannot take it now; the event is then yielded as usual, and so is everything after
-# it until the iterator waits again.
+# it until the iterator waits again. What it does with the event is its own (the gateway writes it
+# to the client). A sink type in C may also offer the C-level form of this call
+# (fairway/csrc/token_sink.h), which the Redis backend's dispatcher then uses.
 TokenSink = Callable[[int, str], bool]
 
 

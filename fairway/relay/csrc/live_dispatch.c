@@ -1,0 +1,390 @@
+/* The relay's per-event path in C: Redis Pub/Sub bytes in, token events out to their sinks.
+ *
+ * A busy gateway relays tens of thousands of token events a second. In Python each one cost a
+ * parsed message (a list and three strings) and a few function calls: more CPU than what the
+ * stream then does with it. Here one call takes a whole socket read:
+ *
+ *   Dispatcher.feed(data, now) parses the RESP2 messages in data (keeping a partial one for the
+ *   next call). A token message ("smessage", channel, "<n> t<ids>\x1f<text>") whose channel has a
+ *   Tap in the dispatcher's taps dict, and whose n is the tap's cursor + 1, goes to the tap's sink
+ *   right here. Every other message comes back, parsed as hiredis would (a list of str / int /
+ *   None; error replies as instances of the error class given), for the Python side to handle.
+ *
+ *   Tap(sink) is one waiting subscriber's channel tapped into its sink (a relay.TokenSink). A sink
+ *   whose type carries the C-level protocol of fairway/csrc/token_sink.h is handed the event's
+ *   UTF-8 bytes through a function pointer, with no Python object built; any other sink is called
+ *   as sink(n, text). When the sink takes the event, the tap moves its cursor to n and notes `now`
+ *   in last.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <structmember.h>
+#include <string.h>
+
+#include "buf.h"
+#include "token_sink.h"
+
+/* -- Tap ----------------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *sink;
+    const FairwayTokenSink *api;  /* the sink type's C-level protocol, or NULL: call it */
+    long long cursor;
+    double last;
+} Tap;
+
+static PyTypeObject TapType;
+
+static int Tap_init(Tap *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"sink", NULL};
+    PyObject *sink;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O", names, &sink)) return -1;
+    if (!PyCallable_Check(sink)) {
+        PyErr_SetString(PyExc_TypeError, "a tap's sink must be callable");
+        return -1;
+    }
+    self->api = NULL;
+    PyObject *capsule = PyObject_GetAttrString((PyObject *)Py_TYPE(sink), FAIRWAY_TOKEN_SINK_ATTR);
+    if (capsule && PyCapsule_IsValid(capsule, FAIRWAY_TOKEN_SINK))
+        self->api = PyCapsule_GetPointer(capsule, FAIRWAY_TOKEN_SINK);
+    Py_XDECREF(capsule);
+    PyErr_Clear();  /* no protocol: the sink is called */
+    Py_INCREF(sink);
+    Py_XSETREF(self->sink, sink);
+    return 0;
+}
+
+static int Tap_traverse(Tap *self, visitproc visit, void *arg) {
+    Py_VISIT(self->sink);
+    return 0;
+}
+
+static int Tap_clear(Tap *self) {
+    Py_CLEAR(self->sink);
+    return 0;
+}
+
+static void Tap_dealloc(Tap *self) {
+    PyObject_GC_UnTrack(self);
+    Tap_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* Hand token n to the sink: 1 taken, 0 declined, -1 error. */
+static int tap_take(Tap *self, long long n, const char *text, Py_ssize_t len) {
+    if (self->api) return self->api->take(self->sink, n, text, len);
+    PyObject *args[2] = {PyLong_FromLongLong(n), PyUnicode_DecodeUTF8(text, len, "replace")};
+    PyObject *result = args[0] && args[1] ? PyObject_Vectorcall(self->sink, args, 2, NULL) : NULL;
+    Py_XDECREF(args[0]);
+    Py_XDECREF(args[1]);
+    if (!result) return -1;
+    int took = PyObject_IsTrue(result);
+    Py_DECREF(result);
+    return took;
+}
+
+static PyMemberDef Tap_members[] = {
+    {"sink", T_OBJECT, offsetof(Tap, sink), READONLY, "what takes the channel's token events"},
+    {"cursor", T_LONGLONG, offsetof(Tap, cursor), 0, "n of the last token event the sink took from a dispatcher"},
+    {"last", T_DOUBLE, offsetof(Tap, last), 0, "the `now` of the feed() that handed it"},
+    {NULL}
+};
+
+static PyObject *Tap_get_native(Tap *self, void *closure) {
+    return PyBool_FromLong(self->api != NULL);
+}
+
+static PyGetSetDef Tap_getset[] = {
+    {"native", (getter)Tap_get_native, NULL, "whether the sink is handed events through its C-level protocol", NULL},
+    {NULL}
+};
+
+static PyTypeObject TapType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fairway_live_dispatch.Tap",
+    .tp_basicsize = sizeof(Tap),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Tap(sink): a waiting subscriber's channel tapped into its token sink",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Tap_init,
+    .tp_dealloc = (destructor)Tap_dealloc,
+    .tp_traverse = (traverseproc)Tap_traverse,
+    .tp_clear = (inquiry)Tap_clear,
+    .tp_members = Tap_members,
+    .tp_getset = Tap_getset,
+};
+
+/* -- RESP2 --------------------------------------------------------------------------------- */
+
+/* The line starting at p ends before "\r\n": returns the end, or NULL if not all here. */
+static const char *line_end(const char *p, const char *end) {
+    const char *cr = memchr(p, '\r', end - p);
+    while (cr && cr + 1 < end && cr[1] != '\n') cr = memchr(cr + 1, '\r', end - cr - 1);
+    return (cr && cr + 1 < end) ? cr : NULL;
+}
+
+static int parse_len(const char *p, const char *e, long long *out) {
+    int neg = 0;
+    long long v = 0;
+    if (p < e && *p == '-') { neg = 1; p++; }
+    if (p == e) return -1;
+    for (; p < e; p++) {
+        if (*p < '0' || *p > '9' || v > (1LL << 50)) return -1;
+        v = v * 10 + (*p - '0');
+    }
+    *out = neg ? -v : v;
+    return 0;
+}
+
+#define INCOMPLETE ((const char *)1)
+
+/* Skip one value: the byte after it, INCOMPLETE if not all here, NULL (error set) if malformed. */
+static const char *skip(const char *p, const char *end, int depth) {
+    if (p >= end) return INCOMPLETE;
+    const char *e = line_end(p + 1, end);
+    if (!e) return INCOMPLETE;
+    long long n;
+    switch (*p) {
+        case '+': case '-': case ':':
+            return e + 2;
+        case '$':
+            if (parse_len(p + 1, e, &n) < 0) break;
+            if (n < 0) return e + 2;
+            if (end - (e + 2) < n + 2) return INCOMPLETE;
+            return e + 2 + n + 2;
+        case '*':
+            if (parse_len(p + 1, e, &n) < 0 || depth > 8) break;
+            p = e + 2;
+            for (long long i = 0; i < n; i++) {
+                p = skip(p, end, depth + 1);
+                if (p == NULL || p == INCOMPLETE) return p;
+            }
+            return p;
+    }
+    PyErr_SetString(PyExc_ValueError, "Redis sent something that is not RESP2");
+    return NULL;
+}
+
+/* Build a complete value (skip() said it is all here). */
+static PyObject *build(const char **pp, PyObject *error_class) {
+    const char *p = *pp;
+    const char *e = strstr(p, "\r\n");  /* complete: the terminator is there */
+    long long n;
+    PyObject *value = NULL;
+    switch (*p) {
+        case '+':
+            value = PyUnicode_DecodeUTF8(p + 1, e - p - 1, "replace");
+            *pp = e + 2;
+            return value;
+        case '-':
+            value = PyObject_CallFunction(error_class, "s#", p + 1, (Py_ssize_t)(e - p - 1));
+            *pp = e + 2;
+            return value;
+        case ':':
+            parse_len(p + 1, e, &n);
+            *pp = e + 2;
+            return PyLong_FromLongLong(n);
+        case '$':
+            parse_len(p + 1, e, &n);
+            if (n < 0) {
+                *pp = e + 2;
+                Py_RETURN_NONE;
+            }
+            value = PyUnicode_DecodeUTF8(e + 2, n, "replace");
+            *pp = e + 2 + n + 2;
+            return value;
+        case '*':
+            parse_len(p + 1, e, &n);
+            *pp = e + 2;
+            if (n < 0) Py_RETURN_NONE;
+            value = PyList_New(n);
+            if (!value) return NULL;
+            for (long long i = 0; i < n; i++) {
+                PyObject *item = build(pp, error_class);
+                if (!item) {
+                    Py_DECREF(value);
+                    return NULL;
+                }
+                PyList_SET_ITEM(value, i, item);
+            }
+            return value;
+    }
+    PyErr_SetString(PyExc_ValueError, "Redis sent something that is not RESP2");
+    return NULL;
+}
+
+/* A bulk string at p: its bytes in (*s, *n) and the byte after it; NULL if p is not one. */
+static const char *bulk(const char *p, const char *end, const char **s, Py_ssize_t *n) {
+    if (p >= end || *p != '$') return NULL;
+    const char *e = line_end(p + 1, end);
+    long long len;
+    if (!e || parse_len(p + 1, e, &len) < 0 || len < 0) return NULL;
+    *s = e + 2;
+    *n = (Py_ssize_t)len;
+    return e + 2 + len + 2;
+}
+
+/* -- Dispatcher ---------------------------------------------------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *taps;         /* dict: channel (str) -> Tap */
+    PyObject *error_class;  /* what an error reply becomes */
+    Buf pending;            /* bytes of a message not complete yet */
+} Dispatcher;
+
+static int Dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
+    static char *names[] = {"taps", "error_class", NULL};
+    PyObject *taps, *error_class;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O", names, &PyDict_Type, &taps, &error_class)) return -1;
+    Py_INCREF(taps); Py_XSETREF(self->taps, taps);
+    Py_INCREF(error_class); Py_XSETREF(self->error_class, error_class);
+    self->pending.len = 0;
+    return 0;
+}
+
+static int Dispatcher_traverse(Dispatcher *self, visitproc visit, void *arg) {
+    Py_VISIT(self->taps);
+    Py_VISIT(self->error_class);
+    return 0;
+}
+
+static int Dispatcher_clear(Dispatcher *self) {
+    Py_CLEAR(self->taps);
+    Py_CLEAR(self->error_class);
+    return 0;
+}
+
+static void Dispatcher_dealloc(Dispatcher *self) {
+    PyObject_GC_UnTrack(self);
+    Dispatcher_clear(self);
+    PyMem_Free(self->pending.data);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* The fast path for one complete message at p..next: 1 taken, 0 not for it, -1 error. */
+static int try_tap(Dispatcher *self, const char *p, const char *next, double now) {
+    static const char HEAD[] = "*3\r\n$8\r\nsmessage\r\n";
+    if (next - p < (Py_ssize_t)sizeof HEAD - 1 || memcmp(p, HEAD, sizeof HEAD - 1) != 0) return 0;
+    const char *channel, *payload;
+    Py_ssize_t channel_len, payload_len;
+    const char *q = bulk(p + sizeof HEAD - 1, next, &channel, &channel_len);
+    if (!q || !bulk(q, next, &payload, &payload_len)) return 0;
+    /* "<n> t<ids>\x1f<text>" */
+    const char *end = payload + payload_len, *s = payload;
+    long long n = 0;
+    while (s < end && *s >= '0' && *s <= '9' && n < (1LL << 50)) n = n * 10 + (*s++ - '0');
+    if (s == payload || end - s < 2 || s[0] != ' ' || s[1] != 't') return 0;
+    const char *sep = memchr(s + 2, '\x1f', end - s - 2);
+    if (!sep) return 0;
+    PyObject *key = PyUnicode_DecodeUTF8(channel, channel_len, "strict");
+    if (!key) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *tap = PyDict_GetItemWithError(self->taps, key);  /* borrowed */
+    Py_DECREF(key);
+    if (!tap) return PyErr_Occurred() ? -1 : 0;
+    if (!PyObject_TypeCheck(tap, &TapType)) return 0;
+    Tap *t = (Tap *)tap;
+    if (n != t->cursor + 1) return 0;
+    Py_INCREF(tap);  /* the sink may drop it from the dict */
+    int took = tap_take(t, n, sep + 1, end - sep - 1);
+    if (took == 1) {
+        t->cursor = n;
+        t->last = now;
+    } else if (took < 0) {
+        /* A sink that raised: the Python path takes this message, and the error surfaces in the
+           subscriber's own task, not in every subscriber of this connection. */
+        PyErr_Clear();
+        took = 0;
+    }
+    Py_DECREF(tap);
+    return took;
+}
+
+static PyObject *Dispatcher_feed(Dispatcher *self, PyObject *args) {
+    Py_buffer data;
+    double now;
+    if (!PyArg_ParseTuple(args, "y*d", &data, &now)) return NULL;
+    Buf *b = &self->pending;
+    if (buf_put(b, data.buf, data.len) < 0) {
+        PyBuffer_Release(&data);
+        return NULL;
+    }
+    PyBuffer_Release(&data);
+    if (buf_reserve(b, 1) < 0) return NULL;
+    b->data[b->len] = '\0';  /* (build() finds line ends with strstr) */
+    PyObject *rest = PyList_New(0);
+    if (!rest) return NULL;
+    const char *p = b->data, *end = b->data + b->len;
+    while (p < end) {
+        const char *next = skip(p, end, 0);
+        if (next == INCOMPLETE) break;
+        if (next == NULL) goto fail;
+        int took = try_tap(self, p, next, now);
+        if (took < 0) goto fail;
+        if (!took) {
+            const char *q = p;
+            PyObject *message = build(&q, self->error_class);
+            if (!message) goto fail;
+            int failed = PyList_Append(rest, message);
+            Py_DECREF(message);
+            if (failed) goto fail;
+        }
+        p = next;
+    }
+    b->len = end - p;
+    memmove(b->data, p, b->len);
+    return rest;
+fail:
+    /* Everything before p was handled; drop the rest (the stream cannot be trusted). */
+    b->len = 0;
+    Py_DECREF(rest);
+    return NULL;
+}
+
+static PyMethodDef Dispatcher_methods[] = {
+    {"feed", (PyCFunction)Dispatcher_feed, METH_VARARGS,
+     "feed(data, now) -> list: the messages no tap's sink took, parsed"},
+    {NULL}
+};
+
+static PyMemberDef Dispatcher_members[] = {
+    {"taps", T_OBJECT, offsetof(Dispatcher, taps), READONLY, "channel -> Tap"},
+    {NULL}
+};
+
+static PyTypeObject DispatcherType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fairway_live_dispatch.Dispatcher",
+    .tp_basicsize = sizeof(Dispatcher),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "Dispatcher(taps, error_class): RESP2 Pub/Sub bytes to taps, the rest parsed",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Dispatcher_init,
+    .tp_dealloc = (destructor)Dispatcher_dealloc,
+    .tp_traverse = (traverseproc)Dispatcher_traverse,
+    .tp_clear = (inquiry)Dispatcher_clear,
+    .tp_methods = Dispatcher_methods,
+    .tp_members = Dispatcher_members,
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "fairway_live_dispatch", "The relay's per-event path in C: Pub/Sub bytes to token sinks.", -1, NULL,
+};
+
+PyMODINIT_FUNC PyInit_fairway_live_dispatch(void) {
+    if (PyType_Ready(&TapType) < 0 || PyType_Ready(&DispatcherType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (!m) return NULL;
+    Py_INCREF(&TapType);
+    Py_INCREF(&DispatcherType);
+    if (PyModule_AddObject(m, "Tap", (PyObject *)&TapType) < 0
+        || PyModule_AddObject(m, "Dispatcher", (PyObject *)&DispatcherType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
