@@ -29,6 +29,7 @@ from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
 from fairway.router import Router
+from fairway.safety import Moderator, SafetySettings, make_moderator
 from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
@@ -36,6 +37,7 @@ from fairway.usage.pricing import Pricing
 if TYPE_CHECKING:  # the engine (torch) is only imported where a replica runs
     from fairway.engine import LLMEngine
     from fairway.models.tokenizer import Tokenizer
+    from fairway.replica.worker import ReplicaSettings
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,7 @@ class ServerOptions:
     # serve`, test keys. Other keys come from `fairway keys create`.
     api_keys: list[tuple[str, str, str]] = field(default_factory=list)
     auth_cache_s: float = 5.0  # a valid key is re-checked in the store this often (revocation delay)
+    safety: SafetySettings = field(default_factory=SafetySettings)  # the input and output checks
 
 
 def model_name(model: str | None) -> str:
@@ -137,14 +140,18 @@ def gateway_context(
     store: ConversationStore,
     registry: ReplicaRegistry,
     tokenizers: dict[str, Any],
+    moderator: Moderator | None = None,
 ) -> GatewayContext:
     router = Router(registry)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
-    service = ConversationService(store, relay, router, tokenizers, settings)
+    moderator = moderator or make_moderator(options.safety)
+    service = ConversationService(store, relay, router, tokenizers, settings,
+                                  moderator if options.safety.check_input else None)
     config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
     limits = make_limits(options.redis, config)
     keys = KeyChecker(store, options.auth_cache_s)
-    context = GatewayContext(service, ReplyRelay(relay.log, store, service), relay.log, store, router, limits, keys)
+    context = GatewayContext(service, ReplyRelay(relay.log, store, service), relay.log, store, router, limits, keys,
+                             moderator)
     background = Background()
     recorder = ReplyRecorder(store, relay.inbox)
     recorder.on_finished.append(Accounting(store, limits, options.pricing).on_finished)
@@ -161,17 +168,16 @@ def gateway_context(
 def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> FastAPI:
     """One process: gateway, recorder and a replica on the engine (built here unless given)."""
     from fairway.engine import AsyncEngine
-    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+    from fairway.replica.worker import ReplicaWorker
 
     engine = engine or build_engine(options)
     name = model_name(options.model)
     relay, store, registry = open_backends(options)
     async_engine = AsyncEngine(engine)
-    settings = ReplicaSettings(model=name, idle_cancel_s=options.idle_cancel_s)
-    if options.replica_id:
-        settings.replica_id = options.replica_id
-    worker = ReplicaWorker(async_engine, relay, registry, settings)
-    context = gateway_context(options, relay, store, registry, {name: engine.tokenizer})
+    moderator = make_moderator(options.safety)  # one for the gateway's checks and the replica's
+    worker = ReplicaWorker(async_engine, relay, registry, replica_settings(options, name),
+                           moderator if options.safety.check_output else None)
+    context = gateway_context(options, relay, store, registry, {name: engine.tokenizer}, moderator)
     context.on_startup.append(worker.start)
 
     async def stop_engine() -> None:
@@ -180,6 +186,17 @@ def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> Fas
 
     context.on_shutdown.append(stop_engine)  # runs first: shutdown hooks run in reverse
     return create_app(context)
+
+
+def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
+    from fairway.replica.worker import ReplicaSettings
+
+    settings = ReplicaSettings(model=model, idle_cancel_s=options.idle_cancel_s,
+                               output_mode=options.safety.output_mode,
+                               max_sentence_chars=options.safety.max_sentence_chars)
+    if options.replica_id:
+        settings.replica_id = options.replica_id
+    return settings
 
 
 def gateway_app(options: ServerOptions) -> FastAPI:
@@ -193,16 +210,15 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     """A replica process: the engine, claiming jobs from its queue until cancelled. settle: this is
     the process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
     from fairway.engine import AsyncEngine
-    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+    from fairway.replica.worker import ReplicaWorker
 
     engine = engine or build_engine(options)
     relay = make_relay(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
     registry = make_registry(options.redis, **_redis_options(options))
-    settings = ReplicaSettings(model=model_name(options.model), idle_cancel_s=options.idle_cancel_s)
-    if options.replica_id:
-        settings.replica_id = options.replica_id
+    settings = replica_settings(options, model_name(options.model))
     async_engine = AsyncEngine(engine)
-    worker = ReplicaWorker(async_engine, relay, registry, settings)
+    worker = ReplicaWorker(async_engine, relay, registry, settings,
+                           make_moderator(options.safety) if options.safety.check_output else None)
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()

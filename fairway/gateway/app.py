@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from fairway.gateway import chat, conversations, errors, health, replies, usage_routes, web
+from fairway.gateway import chat, conversations, errors, health, moderations, replies, usage_routes, web
 from fairway.gateway.app_state import GatewayContext
 from fairway.gateway.body_size import MAX_BODY_BYTES, BodySizeLimit
 from fairway.gateway.edge import MAX_HEADER_BYTES, EdgeMiddleware
@@ -34,6 +34,6 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
     app.add_middleware(EdgeMiddleware, max_header_bytes=max_header_bytes)  # outermost: sees every response
-    for module in (chat, replies, conversations, health, usage_routes, web):
+    for module in (chat, moderations, replies, conversations, health, usage_routes, web):
         app.include_router(module.router)
     return app

@@ -14,6 +14,7 @@ from fairway.gateway.streaming import ReplyRelay
 from fairway.limits import Limits
 from fairway.relay import TokenLog
 from fairway.router import Router
+from fairway.safety import Moderator
 
 Hook = Callable[[], Awaitable[None]]
 
@@ -27,6 +28,7 @@ class GatewayContext:
     router: Router
     limits: Limits
     keys: KeyChecker
+    moderator: Moderator | None = None  # /v1/moderations (the service's input check has its own reference)
     on_startup: list[Hook] = field(default_factory=list)  # e.g. store.init, the recorder, an embedded replica
     on_shutdown: list[Hook] = field(default_factory=list)
 

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from fairway.models.cache import cache_dir
+from fairway.cache_dir import cache_dir
 from fairway.safety.categories import Scores
 from fairway.safety.classifier import FastClassifier
 from fairway.safety.normalize import fold
@@ -46,7 +46,7 @@ class ProfanityModel:
     def __init__(self) -> None:
         spec = importlib.util.find_spec("profanity_check")
         if spec is None or not spec.submodule_search_locations:
-            raise RuntimeError(f"alt-profanity-check is not installed: {INSTALL_HINT}")
+            raise ValueError(f"alt-profanity-check is not installed: {INSTALL_HINT}")
         data = Path(list(spec.submodule_search_locations)[0]) / "data"
         digest = hashlib.sha256(b"".join((data / f).read_bytes() for f in _MODEL_FILES)).hexdigest()[:16]
         cached = cache_dir() / "safety" / f"profanity-{digest}.json"
