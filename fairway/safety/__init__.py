@@ -19,7 +19,7 @@ from fairway.safety.categories import CATEGORIES, Scores
 from fairway.safety.classifier import Classifier, FastClassifier, Moderator, Stage
 from fairway.safety.config import OUTPUT_MODES, OutputMode, SafetySettings
 from fairway.safety.holdback import Checked, HoldBack
-from fairway.safety.policy import Policy, PolicyClassifier
+from fairway.safety.policy import DEFAULT_POLICY, Policy, PolicyClassifier
 from fairway.safety.result import ModerationResult
 
 
@@ -38,6 +38,7 @@ def make_moderator(settings: SafetySettings | None = None) -> Moderator:
 
 __all__ = [
     "CATEGORIES",
+    "DEFAULT_POLICY",
     "OUTPUT_MODES",
     "Checked",
     "Classifier",
