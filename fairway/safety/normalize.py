@@ -37,6 +37,8 @@ _HOMOGLYPH_TABLE = str.maketrans(_HOMOGLYPHS)
 # L33t symbols, each read as the letter it most often stands for.
 _LEET = {"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s", "|": "l", "€": "e"}
 _LEET_TABLE = str.maketrans(_LEET)
+# Only inside a word, next to a letter: "k1ll", "$hit", not "7-year-old" or "2000".
+_LEET_IN_WORD = re.compile(r"(?<=[^\W\d_])[013457@$|€]+|[013457@$|€]+(?=[^\W\d_])")
 
 # A run of at least three single letters (or l33t symbols), each standing alone between
 # separators: spelled out to dodge a word list. Ordinary text rarely has three in a row.
@@ -60,8 +62,9 @@ def fold(text: str) -> str:
 
 
 def unleet(folded: str) -> str:
-    """A folded text with its l33t symbols read as letters: the view the policy's regexes also see."""
-    return folded.translate(_LEET_TABLE)
+    """A folded text with its l33t symbols read as letters where they touch letters: the view the
+    policy's regexes also see. Numbers stay numbers ("a 12 year old")."""
+    return _LEET_IN_WORD.sub(lambda m: m.group().translate(_LEET_TABLE), folded)
 
 
 LEET_FORMS: dict[str, str] = {}  # letter -> the characters that may stand for it (itself included)

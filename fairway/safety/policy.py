@@ -30,7 +30,7 @@ class ProfanitySettings:
 class Policy:
     thresholds: dict[str, float]
     profanity: ProfanitySettings = field(default_factory=ProfanitySettings)
-    matchers: dict[str, tuple[re.Pattern[str] | None, re.Pattern[str] | None]] = field(default_factory=dict)
+    matchers: dict[str, tuple[re.Pattern[str] | None, bool]] = field(default_factory=dict)  # (regex, has patterns)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Policy:
@@ -60,8 +60,12 @@ class Policy:
             check_category(category)
             terms = [_term_pattern(t) for t in section.get("terms", ()) if t.strip()]
             patterns = [_expand(p, lists, f"{source}: {category}") for p in section.get("patterns", ())]
-            matchers[category] = (_compile_any(terms, _START, _END, f"{source}: {category} terms"),
-                                  _compile_any(patterns, "", "", f"{source}: {category} patterns"))
+            _check_each(terms, f"{source}: {category} terms")
+            _check_each(patterns, f"{source}: {category} patterns")
+            # One regex per category: the terms (whole words) or any pattern, one search a text.
+            either = ([_START + "(?:" + "|".join(terms) + ")" + _END] if terms else []) + patterns
+            matchers[category] = (re.compile("|".join(f"(?:{a})" for a in either)) if either else None,
+                                  bool(patterns))
         return cls(thresholds, profanity, matchers)
 
 
@@ -81,10 +85,10 @@ class PolicyClassifier(FastClassifier):
         folded = fold(text)
         plain = unleet(folded)
         found: dict[str, str | None] = {}
-        for category, (terms, patterns) in self.policy.matchers.items():
-            hit = (terms.search(folded) if terms else None) or (patterns.search(folded) if patterns else None)
-            if hit is None and patterns is not None and plain != folded:
-                hit = patterns.search(plain)
+        for category, (regex, has_patterns) in self.policy.matchers.items():
+            hit = regex.search(folded) if regex else None
+            if hit is None and has_patterns and plain != folded:
+                hit = regex.search(plain)  # (terms match l33t forms themselves; patterns need this view)
             found[category] = hit.group() if hit else None
         return found
 
@@ -118,14 +122,10 @@ def _expand(pattern: str, lists: dict[str, str], where: str) -> str:
     return _LIST_REF.sub(splice, pattern)
 
 
-def _compile_any(alternatives: list[str], start: str, end: str, where: str) -> re.Pattern[str] | None:
-    """One regex for all of a category's alternatives (one search per text), each checked alone
-    first so a mistake is reported with the pattern it is in."""
+def _check_each(alternatives: list[str], where: str) -> None:
+    """Compile each alone first, so a mistake is reported with the pattern it is in."""
     for alternative in alternatives:
         try:
             re.compile(alternative)
         except re.error as exc:
             raise ValueError(f"{where}: bad pattern {alternative!r}: {exc}") from None
-    if not alternatives:
-        return None
-    return re.compile(start + "(?:" + "|".join(f"(?:{a})" for a in alternatives) + ")" + end)
