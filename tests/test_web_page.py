@@ -31,7 +31,7 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 KEY = "sk-web-page-test"
-FLAGGED_WORD = "domesticated"  # the output check's test term: the second sentence of the model's answer about cats
+FLAGGED_WORD = "feline"  # the output check's test term: the end of the model's first sentence about cats
 TIMEOUT_MS = 60_000  # generous: other tests load the same 2 CPU cores
 
 
@@ -147,7 +147,10 @@ class CuttableProxy:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`fairway serve` itself, as `make serve` runs it, on a free port; its safety policy is the
-    bundled one plus an operator's term, FLAGGED_WORD, that the model writes about cats."""
+    bundled one plus an operator's term, FLAGGED_WORD, that the model writes about cats. The output
+    check releases first and checks after (release-then-check), so the page gets every token as
+    it comes (what the streaming test watches); the default hold-back, which sends a sentence at
+    a time and never the flagged one, is tested over the API (tests/test_safety_api.py)."""
     from fairway.safety import DEFAULT_POLICY
 
     work = tmp_path_factory.mktemp("web")
@@ -158,7 +161,8 @@ def server(tmp_path_factory):
     log = open(work / "serve.log", "wb")  # closed below, after the server stops
     proc = subprocess.Popen(
         [sys.executable, "-m", "fairway.cli", "serve", "--port", str(port), "--log-level", "warning",
-         "--database", f"sqlite:///{work / 'fairway.db'}", "--safety-policy", str(policy)],
+         "--database", f"sqlite:///{work / 'fairway.db'}", "--safety-policy", str(policy),
+         "--safety-output", "release-then-check"],
         cwd=work, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FAIRWAY_DEV_KEY": KEY},
     )
     url = f"http://127.0.0.1:{port}"
@@ -354,12 +358,13 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
     assert page.locator("#send").is_visible()
 
     # 2. The output check stops a reply mid-way: what was released stays, marked, with the category.
-    send(page, "Tell me about cats.", max_tokens=60)
+    send(page, "Tell me about cats.", max_tokens=40)
     page.wait_for_selector("#messages .msg.assistant[data-status=flagged] .badge.flagged")
     assistant = page.locator("#messages .msg.assistant").last
     assert assistant.locator(".badge").text_content() == "stopped by the content filter (violence)"
     shown = assistant.locator(".body").text_content()
-    assert shown.startswith("Cats are") and FLAGGED_WORD not in shown.lower()
+    # Released first, checked after: the page got the flagged sentence too, and nothing after it.
+    assert shown.startswith("Cats are") and shown.rstrip().endswith(".") and FLAGGED_WORD in shown.lower()
     stored = stored_message(server, conversation_id, assistant.get_attribute("data-reply-id"))
     assert stored["status"] == "flagged" and stored["content"] == shown
 
