@@ -104,8 +104,8 @@ async def timed(moderator, texts: list[str], stage: str, samples: int) -> list[f
 
 
 async def bench_classifiers(args: argparse.Namespace) -> dict[str, Any]:
-    from fairway.conversation.context import ContextBuilder
-    from fairway.stack import load_tokenizer
+    from fairway.assembly import load_tokenizer
+    from fairway.conversation.context_builder import ContextBuilder
 
     moderator = make_moderator(SafetySettings())
     tokenizer = load_tokenizer(None)

@@ -15,12 +15,11 @@ from serving import (
     MODEL,
     TEST_KEYS,
     USER,
-    ThreadServer,
     chat_body,
+    embedded_server,
     headers,
     sse_events,
     wait_for,
-    wait_ready,
 )
 
 from fairway.safety.profanity import available
@@ -31,21 +30,17 @@ CATS = "Tell me about cats."
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    from fairway.assembly import ServerOptions
     from fairway.safety import DEFAULT_POLICY, SafetySettings
-    from fairway.stack import StackOptions, embedded_app
 
     tmp = tmp_path_factory.mktemp("safety")
     policy = tmp / "policy.toml"
     policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
                                                           f'terms = ["{FLAGGED_WORD}", "with him in it"'))
-    options = StackOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
+    options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
-    app = embedded_app(options)
-    server = ThreadServer(app).start()
-    server.gateway = app.state.gateway
-    wait_ready(server.url)
-    yield server
-    server.stop()
+    with embedded_server(options) as server:
+        yield server
 
 
 @pytest.fixture
