@@ -24,8 +24,8 @@ from fairway.safety.result import ModerationResult
 
 
 def make_moderator(settings: SafetySettings | None = None) -> Moderator:
-    """The moderator for these settings; ValueError for a bad policy file, RuntimeError when the
-    profanity model is asked for but not installed."""
+    """The moderator for these settings; ValueError for a bad policy file, or when the profanity
+    model is asked for but not installed."""
     settings = settings or SafetySettings()
     policy = Policy.load(settings.policy_path)
     classifiers: list[Classifier] = [PolicyClassifier(policy)]

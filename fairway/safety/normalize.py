@@ -48,10 +48,18 @@ _SEPARATORS = re.compile(r"[\s.\-_~·•,/\\]+")
 _DROPPED_CATEGORIES = frozenset({"Cf", "Mn", "Me"})
 
 
-@lru_cache(maxsize=4096)
 def fold(text: str) -> str:
-    """The text as the policy matches it (cached: the input check and the output check's
-    classifiers all fold the same sentence)."""
+    """The text as the policy matches it. Sentence-sized texts are cached: every classifier of a
+    check folds the same one (a long text is folded afresh, so the cache stays small)."""
+    return _fold_cached(text) if len(text) <= 1024 else _fold(text)
+
+
+@lru_cache(maxsize=4096)
+def _fold_cached(text: str) -> str:
+    return _fold(text)
+
+
+def _fold(text: str) -> str:
     if text.isascii():
         folded = text.casefold()
     else:
