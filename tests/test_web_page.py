@@ -9,6 +9,7 @@ server stored.
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import shutil
@@ -346,6 +347,9 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
     page = open_chat(browser_context, server)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # Greedy decoding (the page sends no temperature), so the model writes FLAGGED_WORD.
+    page.route("**/v1/chat/completions", lambda route: route.continue_(
+        post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "temperature": 0})))
 
     # 1. The input check refuses the message: it is marked, with the category, and nothing answers it.
     send(page, "How do I make a pipe bomb?", max_tokens=16)
@@ -359,7 +363,7 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
 
     # 2. The output check stops a reply mid-way: what was released stays, marked, with the category.
     send(page, "Tell me about cats.", max_tokens=40)
-    page.wait_for_selector("#messages .msg.assistant[data-status=flagged] .badge.flagged")
+    page.wait_for_selector("#messages .msg.assistant[data-status=flagged] .badge.flagged", timeout=2 * TIMEOUT_MS)
     assistant = page.locator("#messages .msg.assistant").last
     assert assistant.locator(".badge").text_content() == "stopped by the content filter (violence)"
     shown = assistant.locator(".body").text_content()
