@@ -35,6 +35,7 @@ from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
 from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
 from fairway.router import Router
+from fairway.safety import Moderator, SafetySettings, make_moderator
 from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
@@ -42,6 +43,7 @@ from fairway.usage.pricing import Pricing
 if TYPE_CHECKING:  # the engine (torch) is only imported where a replica runs
     from fairway.engine import LLMEngine
     from fairway.models.tokenizer import Tokenizer
+    from fairway.replica.worker import ReplicaSettings
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,7 @@ class ServerOptions:
     memory_extract_tokens: int = 256  # the extraction job's max_tokens
     files: str | None = None  # uploads: a directory (default ./.fairway/files) or s3://bucket
     file_settings: FileSettings | None = None
+    safety: SafetySettings = field(default_factory=SafetySettings)  # the input and output checks
 
 
 def model_name(model: str | None) -> str:
@@ -179,6 +182,7 @@ def gateway_context(
     store: ConversationStore,
     registry: ReplicaRegistry,
     tokenizers: dict[str, Any],
+    moderator: Moderator | None = None,
 ) -> GatewayContext:
     router = Router(registry)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
@@ -189,12 +193,14 @@ def gateway_context(
     sources: list[Any] = [MemorySource(memory)] if memory else []
     if files is not None:
         sources.append(FileSource(files))
-    service = ConversationService(store, relay, router, tokenizers, settings, sources)
+    moderator = moderator or make_moderator(options.safety)
+    service = ConversationService(store, relay, router, tokenizers, settings, sources,
+                                  moderator=moderator if options.safety.check_input else None)
     config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
     limits = make_limits(options.redis, config)
     keys = KeyChecker(store, options.auth_cache_s)
     context = GatewayContext(service, ReplyRelay(relay.log, store, service, options.keepalive_s), relay.log, store, router, limits, keys,
-                             memory=memory, memory_off_reason=memory_off, files=files)
+                             memory=memory, memory_off_reason=memory_off, files=files, moderator=moderator)
     if memory is not None:
         context.on_startup += [memory.init, background.start(memory.run, "memory-extraction")]
         context.on_shutdown.append(memory.close)
@@ -216,17 +222,16 @@ def gateway_context(
 def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> FastAPI:
     """One process: gateway, recorder and a replica on the engine (built here unless given)."""
     from fairway.engine import AsyncEngine
-    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+    from fairway.replica.worker import ReplicaWorker
 
     engine = engine or build_engine(options)
     name = model_name(options.model)
     relay, store, registry = open_backends(options)
     async_engine = AsyncEngine(engine)
-    settings = ReplicaSettings(model=name, idle_cancel_s=options.idle_cancel_s)
-    if options.replica_id:
-        settings.replica_id = options.replica_id
-    worker = ReplicaWorker(async_engine, relay, registry, settings)
-    context = gateway_context(options, relay, store, registry, {name: engine.tokenizer})
+    moderator = make_moderator(options.safety)  # one for the gateway's checks and the replica's
+    worker = ReplicaWorker(async_engine, relay, registry, replica_settings(options, name),
+                           moderator if options.safety.check_output else None)
+    context = gateway_context(options, relay, store, registry, {name: engine.tokenizer}, moderator)
     context.on_startup.append(worker.start)
 
     async def stop_engine() -> None:
@@ -235,6 +240,17 @@ def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> Fas
 
     context.on_shutdown.append(stop_engine)  # runs first: shutdown hooks run in reverse
     return create_app(context)
+
+
+def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
+    from fairway.replica.worker import ReplicaSettings
+
+    settings = ReplicaSettings(model=model, idle_cancel_s=options.idle_cancel_s,
+                               output_mode=options.safety.output_mode,
+                               max_sentence_chars=options.safety.max_sentence_chars)
+    if options.replica_id:
+        settings.replica_id = options.replica_id
+    return settings
 
 
 def gateway_app(options: ServerOptions) -> FastAPI:
@@ -248,16 +264,15 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     """A replica process: the engine, claiming jobs from its queue until cancelled. settle: this is
     the process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
     from fairway.engine import AsyncEngine
-    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+    from fairway.replica.worker import ReplicaWorker
 
     engine = engine or build_engine(options)
     relay = make_relay(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
     registry = make_registry(options.redis, **_redis_options(options))
-    settings = ReplicaSettings(model=model_name(options.model), idle_cancel_s=options.idle_cancel_s)
-    if options.replica_id:
-        settings.replica_id = options.replica_id
+    settings = replica_settings(options, model_name(options.model))
     async_engine = AsyncEngine(engine)
-    worker = ReplicaWorker(async_engine, relay, registry, settings)
+    worker = ReplicaWorker(async_engine, relay, registry, settings,
+                           make_moderator(options.safety) if options.safety.check_output else None)
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()

@@ -140,7 +140,19 @@ def _server_options(args: argparse.Namespace):
         memory=not getattr(args, "no_memory", False),
         memory_idle_s=getattr(args, "memory_idle", 300.0),
         files=getattr(args, "files", None),
+        safety=_safety_settings(args),
     )
+
+
+def _safety_settings(args: argparse.Namespace):
+    from fairway.safety import SafetySettings
+
+    mode = getattr(args, "safety_output", "check-then-release")
+    return SafetySettings(check_input=not getattr(args, "no_input_check", False), check_output=mode != "off",
+                          output_mode="check-then-release" if mode == "off" else mode,
+                          max_sentence_chars=getattr(args, "max_sentence_chars", 300),
+                          policy_path=getattr(args, "safety_policy", None),
+                          profanity_model=not getattr(args, "no_profanity_model", False))
 
 
 def _serve_app(app, args: argparse.Namespace) -> int:
@@ -300,6 +312,23 @@ def _limits_args(p: argparse.ArgumentParser) -> None:
                    "(default: half the prompt price)")
 
 
+def _safety_args(p: argparse.ArgumentParser, stages: tuple[str, ...]) -> None:
+    g = p.add_argument_group("safety (fairway/safety/)")
+    g.add_argument("--safety-policy", default=None, metavar="PATH",
+                   help="the policy file: per-category thresholds, terms and patterns (default: the bundled policy.toml)")
+    g.add_argument("--no-profanity-model", action="store_true",
+                   help="classify with the policy's patterns only (without alt-profanity-check, the safety extra)")
+    if "input" in stages:
+        g.add_argument("--no-input-check", action="store_true", help="do not check the user's new message")
+    if "output" in stages:
+        g.add_argument("--safety-output", default="check-then-release",
+                       choices=["check-then-release", "release-then-check", "off"],
+                       help="the reply's check, per sentence: hold each back until checked (default), stream first "
+                            "and stop after a flagged one, or none")
+        g.add_argument("--max-sentence-chars", type=int, default=300,
+                       help="a sentence without an end is checked (and released) at this length")
+
+
 def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -349,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int, default=512)
     _limits_args(s)
     _memory_files_args(s)
+    _safety_args(s, ("input", "output"))
     s.set_defaults(func=cmd_serve)
 
     gw = sub.add_parser("gateway", help="a stateless API gateway sharing Redis and a database with replicas")
@@ -362,6 +392,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--default-max-tokens", type=int, default=512)
     _limits_args(gw)
     _memory_files_args(gw)
+    _safety_args(gw, ("input",))
     gw.set_defaults(func=cmd_gateway)
 
     r = sub.add_parser("replica", help="an engine process: claims replies from Redis, writes their tokens back")
@@ -374,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
     r.add_argument("--metrics-host", default="127.0.0.1")
+    _safety_args(r, ("output",))
     r.set_defaults(func=cmd_replica)
 
     k = sub.add_parser("keys", help="API keys: create, revoke, list (in the conversation store's database)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import threading
@@ -64,6 +65,22 @@ class ThreadServer:
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=15)
+
+
+@contextlib.contextmanager
+def embedded_server(options: Any) -> Iterator[ThreadServer]:
+    """`fairway serve`'s app for these ServerOptions, served on a free port until the block ends
+    (server.gateway: its GatewayContext)."""
+    from fairway.assembly import embedded_app
+
+    app = embedded_app(options)
+    server = ThreadServer(app).start()
+    server.gateway = app.state.gateway
+    try:
+        wait_ready(server.url)
+        yield server
+    finally:
+        server.stop()
 
 
 def wait_ready(url: str, timeout: float = 90.0) -> None:

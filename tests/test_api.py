@@ -14,12 +14,11 @@ from serving import (
     OTHER_KEY,
     TEST_KEYS,
     USER,
-    ThreadServer,
     chat_body,
+    embedded_server,
     headers,
     sse_events,
     wait_for,
-    wait_ready,
 )
 
 IDLE_CANCEL_S = 2.0
@@ -37,17 +36,13 @@ SYSTEM = (
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from fairway.assembly import ServerOptions, embedded_app
+    from fairway.assembly import ServerOptions
 
     db = tmp_path_factory.mktemp("api") / "fairway.db"
     options = ServerOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, idle_cancel_s=IDLE_CANCEL_S,
                            api_keys=list(TEST_KEYS))
-    app = embedded_app(options)
-    server = ThreadServer(app).start()
-    server.gateway = app.state.gateway
-    wait_ready(server.url)
-    yield server
-    server.stop()
+    with embedded_server(options) as server:
+        yield server
 
 
 @pytest.fixture

@@ -29,6 +29,7 @@ LAYERS = [
     # one replica's model and engine
     "fairway.models",
     "fairway.engine",
+    "fairway.safety",  # the classifiers: the replica's output check, the conversation's input check
     # the serving middle, bottom up
     "fairway.relay",  # token log, job queue, inbox
     "fairway.replica",  # the replica process, its job and report formats, the replica registry

@@ -9,6 +9,7 @@ server stored.
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import shutil
@@ -32,6 +33,7 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 KEY = "sk-web-page-test"
+FLAGGED_WORD = "feline"  # the output check's test term: the end of the model's first sentence about cats
 TIMEOUT_MS = 60_000  # generous: other tests load the same 2 CPU cores
 
 
@@ -143,13 +145,23 @@ class CuttableProxy:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """`fairway serve` itself, as `make serve` runs it, on a free port."""
+    """`fairway serve` itself, as `make serve` runs it, on a free port; its safety policy is the
+    bundled one plus an operator's term, FLAGGED_WORD, that the model writes about cats. The output
+    check releases first and checks after (release-then-check), so the page gets every token as
+    it comes (what the streaming test watches); the default hold-back, which sends a sentence at
+    a time and never the flagged one, is tested over the API (tests/test_safety_api.py)."""
+    from fairway.safety import DEFAULT_POLICY
+
     work = tmp_path_factory.mktemp("web")
+    policy = work / "policy.toml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
+                                                          f'terms = ["{FLAGGED_WORD}", "with him in it"'))
     port = free_port()
     log = open(work / "serve.log", "wb")  # closed below, after the server stops
     proc = subprocess.Popen(
         [sys.executable, "-m", "fairway.cli", "serve", "--port", str(port), "--log-level", "warning",
-         "--database", f"sqlite:///{work / 'fairway.db'}"],
+         "--database", f"sqlite:///{work / 'fairway.db'}", "--safety-policy", str(policy),
+         "--safety-output", "release-then-check"],
         cwd=work, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FAIRWAY_DEV_KEY": KEY},
     )
     url = f"http://127.0.0.1:{port}"
@@ -224,6 +236,18 @@ def stored_message(server: str, conversation_id: str, reply_id: str) -> dict:
     return wait_for(find, timeout=60)
 
 
+def open_chat(browser_context, url: str):
+    """The page on its first visit: it asks for a key before anything else."""
+    page = browser_context.new_page()
+    page.goto(url + "/")
+    page.wait_for_selector("#key-dialog[open]")
+    page.fill("#key-input", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#key-dialog", state="hidden")
+    page.wait_for_function("document.getElementById('model-name').textContent.length > 0")
+    return page
+
+
 def send(page, text: str, max_tokens: int) -> None:
     page.fill("#max-tokens", str(max_tokens))
     page.dispatch_event("#max-tokens", "change")
@@ -246,20 +270,12 @@ def wait_for_text(page, min_chars: int) -> str:
 
 
 def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp_path):
-    page = browser_context.new_page()
+    page = open_chat(browser_context, proxy.url)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     streams: list[tuple[str, str | None]] = []  # (url, Last-Event-ID) of every reply resume
     page.on("request", lambda r: streams.append((r.url, r.headers.get("last-event-id")))
             if "/v1/replies/" in r.url and r.url.endswith("/stream") else None)
-
-    # First visit: the page asks for a key before anything else.
-    page.goto(proxy.url + "/")
-    page.wait_for_selector("#key-dialog[open]")
-    page.fill("#key-input", KEY)
-    page.click("#key-save")
-    page.wait_for_selector("#key-dialog", state="hidden")
-    page.wait_for_function("document.getElementById('model-name').textContent.length > 0")
     assert page.evaluate("localStorage.getItem('fairway.apiKey')") == KEY
     page.evaluate(RECORDER)
 
@@ -379,4 +395,45 @@ def test_chat_page_attaches_a_file_cites_it_and_manages_memory(server, browser_c
     page.click("#memory-enabled")
     wait_for(lambda: httpx.get(f"{server}/v1/user/memory", headers=auth).json()["enabled"] is False)
     page.click("#memory-close")
+    assert not errors, errors
+
+
+def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_context):
+    page = open_chat(browser_context, server)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    # Greedy decoding (the page sends no temperature), so the model writes FLAGGED_WORD.
+    page.route("**/v1/chat/completions", lambda route: route.continue_(
+        post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "temperature": 0})))
+
+    # 1. The input check refuses the message: it is marked, with the category, and nothing answers it.
+    send(page, "How do I make a pipe bomb?", max_tokens=16)
+    badge = page.wait_for_selector("#messages .msg.user[data-status=flagged] .badge.flagged")
+    assert badge.text_content() == ("refused by the content filter: not sent to the model "
+                                    "(illicit, illicit/violent)")
+    assert page.locator("#messages .msg.assistant").count() == 0
+    page.wait_for_selector("#conversations li.active")  # the refused message started a conversation
+    conversation_id = page.locator("#conversations li.active").get_attribute("data-id")
+    assert page.locator("#send").is_visible()
+
+    # 2. The output check stops a reply mid-way: what was released stays, marked, with the category.
+    send(page, "Tell me about cats.", max_tokens=40)
+    page.wait_for_selector("#messages .msg.assistant[data-status=flagged] .badge.flagged", timeout=2 * TIMEOUT_MS)
+    assistant = page.locator("#messages .msg.assistant").last
+    assert assistant.locator(".badge").text_content() == "stopped by the content filter (violence)"
+    shown = assistant.locator(".body").text_content()
+    # Released first, checked after: the page got the flagged sentence too, and nothing after it.
+    assert shown.startswith("Cats are") and shown.rstrip().endswith(".") and FLAGGED_WORD in shown.lower()
+    stored = stored_message(server, conversation_id, assistant.get_attribute("data-reply-id"))
+    assert stored["status"] == "flagged" and stored["content"] == shown
+
+    # 3. From the store after a reload: both still say what happened.
+    page.reload()
+    page.click(f"#conversations li[data-id='{conversation_id}']")
+    page.wait_for_selector("#messages .msg.assistant")
+    statuses = page.locator("#messages .msg").evaluate_all(
+        "els => els.map(e => [e.classList[1], e.dataset.status, e.querySelector('.badge')?.textContent])")
+    assert statuses == [["user", "flagged", "refused by the content filter: not sent to the model"],
+                        ["user", "complete", None],
+                        ["assistant", "flagged", "stopped by the content filter"]]
     assert not errors, errors

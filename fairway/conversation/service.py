@@ -1,7 +1,9 @@
 """The conversation service: turns a chat request into a running reply.
 
-It finds or creates the conversation, builds the context (context_builder.py), stores the user message
-before generation starts, asks the router for a replica, opens the reply's token log and
+It finds or creates the conversation, checks the new user message (fairway/safety/: a flagged
+one is stored with status flagged and refused, before routing, with no tokens reserved), builds
+the context (context_builder.py), stores the user message before generation starts, asks the
+router for a replica, opens the reply's token log and
 submits the job. A resent message (same client key) attaches to the reply already running for
 it instead of starting a second one. The gateway only speaks HTTP around this.
 """
@@ -30,10 +32,21 @@ from fairway.relay import Relay
 from fairway.replica.job import GenerationJob
 from fairway.replica.registry import ReplicaInfo
 from fairway.router import Router
+from fairway.safety import ModerationResult, Moderator
 
 
 class NothingToResume(NotFound):
     """A resume (last_received_token_index) for a message that has no reply."""
+
+
+class InputFlagged(Exception):
+    """The input check flagged the new user message: it is stored (status flagged), not answered."""
+
+    def __init__(self, result: ModerationResult, conversation_id: str, message_id: str) -> None:
+        super().__init__(f"the message was flagged: {', '.join(result.flagged_categories)}")
+        self.result = result
+        self.conversation_id = conversation_id
+        self.message_id = message_id
 
 
 class UnknownModel(LookupError):
@@ -104,10 +117,12 @@ class ConversationService:
         tokenizers: dict[str, ChatTokenizer],
         settings: ServiceSettings | None = None,
         sources: Sequence[ContextSource] = (),
+        moderator: Moderator | None = None,
     ) -> None:
         self.store = store
         self.relay = relay
         self.sources = list(sources)  # memories, file chunks: what else goes into a context
+        self.moderator = moderator  # the input check; None: none
         self.router = router
         self.tokenizers = tokenizers  # model name -> its tokenizer: the models this gateway serves
         self.settings = settings or ServiceSettings()
@@ -135,7 +150,7 @@ class ConversationService:
     async def start_turn(self, req: TurnRequest) -> Turn:
         """Store the message and start its reply, or attach to the reply already started for it.
 
-        Raises UnknownModel, NotFound (conversation), ContextTooLong, NoReplica."""
+        Raises UnknownModel, NotFound (conversation), InputFlagged, ContextTooLong, NoReplica."""
         self.check_model(req.model)
         if req.resume_only:
             return await self._resume(req)
@@ -145,6 +160,8 @@ class ConversationService:
             if turn is not None:
                 return turn
         new = _new_messages(req.messages, stored)
+        if self.moderator is not None:
+            await self._check_input(req, conversation, new)
         replicas = await self._replicas(req.model)
         window = min(r.max_model_len for r in replicas)
         max_tokens = int(req.sampling.get("max_tokens") or min(self.settings.default_max_tokens, window // 2))
@@ -172,6 +189,7 @@ class ConversationService:
                 message, reply = await self.store.store_turn(NewTurn(
                     conversation, new_conversation, [(Role(m["role"]), m["content"]) for m in new], req.client_key,
                     job.prompt_token_ids, replica.id, _stored_job(job, admitted.meta, info)))
+                assert reply is not None
             except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
                 if new_conversation:  # the stored one: the other request's
                     conversation = await self.store.get_conversation(conversation.id, req.user_id) or conversation
@@ -186,6 +204,25 @@ class ConversationService:
                 await admitted.release()
             raise
         return Turn(conversation, message, reply, context, max_tokens)
+
+    async def _check_input(self, req: TurnRequest, conversation: Conversation | None,
+                           new: list[ChatMessage]) -> None:
+        """Classify the new user message (only it: the history was checked when it was new) and, if
+        it is flagged, store it with status flagged and raise InputFlagged."""
+        assert self.moderator is not None
+        text = next(m["content"] for m in reversed(new) if m["role"] == "user")
+        result = await self.moderator.moderate_one(text, "input")
+        if not result.flagged:
+            return
+        new_conversation = conversation is None
+        conversation = conversation or self._new_conversation(req)
+        try:
+            message, _ = await self.store.store_turn(NewTurn(
+                conversation, new_conversation, [(Role(m["role"]), m["content"]) for m in new], req.client_key,
+                flagged=True))
+        except DuplicateClientKey as dup:  # the same refused message, sent again
+            message = dup.existing
+        raise InputFlagged(result, conversation.id, message.id)
 
     async def _find_conversation(self, req: TurnRequest) -> tuple[Conversation | None, list[Message]]:
         """The named conversation (NotFound if it is not the user's), or, with no name, the one a

@@ -231,7 +231,7 @@ def _finish_statement(columns: frozenset[str]) -> sa.Select:
 
 
 @functools.cache
-def _turn_statement(new_conversation: bool, num_messages: int) -> sa.Select:
+def _turn_statement(new_conversation: bool, num_messages: int, with_reply: bool = True) -> sa.Select:
     """PostgreSQL: store_turn's writes as one statement (data-modifying CTEs). The anchor inserts
     the conversation (c_<column>) or bumps an existing one (t_id, t_ts); the messages (m<i>_<column>)
     and the reply (r_<column>) are inserted FROM it, so a conversation gone meanwhile gets nothing
@@ -247,6 +247,8 @@ def _turn_statement(new_conversation: bool, num_messages: int) -> sa.Select:
     stored = (sa.insert(messages).from_select([c.name for c in messages.c], rows[0] if len(rows) == 1
                                               else sa.union_all(*rows))
               .returning(messages.c.id).cte("stored"))
+    if not with_reply:
+        return sa.select(anchor.c.id).add_cte(stored)
     queued = (sa.insert(replies).from_select([c.name for c in replies.c], _row_of(anchor.c.id, replies, "r_"))
               .returning(replies.c.id).cte("queued"))
     return sa.select(anchor.c.id).add_cte(stored, queued)
@@ -416,7 +418,7 @@ class SqlConversationStore(ConversationStore):
 
     # messages
 
-    async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply]:
+    async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply | None]:
         # What used to be four separate writes (conversation, its touch, the message, the reply):
         # one statement on PostgreSQL (_turn_statement), one transaction on SQLite. Each statement
         # costs the gateway ~0.2 ms of CPU and a round trip (on SQLite, a hop to the connection's
@@ -424,7 +426,8 @@ class SqlConversationStore(ConversationStore):
         conv = turn.conversation
         msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(role), text=text,
                         client_key=turn.client_key if i == len(turn.messages) - 1 else None,
-                        status=MessageStatus.COMPLETE, created_at=now())
+                        status=MessageStatus.FLAGGED if turn.flagged and i == len(turn.messages) - 1
+                        else MessageStatus.COMPLETE, created_at=now())
                 for i, (role, text) in enumerate(turn.messages)]
         reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id, state=ReplyState.QUEUED,
                       replica_id=turn.replica_id,
@@ -433,7 +436,7 @@ class SqlConversationStore(ConversationStore):
         try:
             if self._dialect == "postgresql":
                 await self._store_turn_at_once(turn, msgs, reply)
-                return msgs[-1], reply
+                return msgs[-1], None if turn.flagged else reply
             async with self._writing() as conn:
                 if turn.new_conversation:
                     await conn.execute(_INSERT["conversations"], _values(conv))
@@ -443,7 +446,8 @@ class SqlConversationStore(ConversationStore):
                     raise NotFound(f"conversation {conv.id}")
                 rows = [_values(m) for m in msgs]
                 await conn.execute(_INSERT["messages"], rows if len(rows) > 1 else rows[0])
-                await conn.execute(_INSERT["replies"], _values(reply))
+                if not turn.flagged:
+                    await conn.execute(_INSERT["replies"], _values(reply))
         except IntegrityError:
             # A key already taken: the same request raced in twice and the other one stored its
             # turn first (a new conversation's id derives from the client key, so it collides too).
@@ -452,18 +456,18 @@ class SqlConversationStore(ConversationStore):
             if existing is None:
                 raise
             raise DuplicateClientKey(existing) from None
-        return msgs[-1], reply
+        return msgs[-1], None if turn.flagged else reply
 
     async def _store_turn_at_once(self, turn: NewTurn, msgs: list[Message], reply: Reply) -> None:
         conv = turn.conversation
-        values = {f"r_{k}": v for k, v in _values(reply).items()}
+        values = {} if turn.flagged else {f"r_{k}": v for k, v in _values(reply).items()}
         for i, msg in enumerate(msgs):
             values.update({f"m{i}_{k}": v for k, v in _values(msg).items()})
         if turn.new_conversation:
             values.update({f"c_{k}": v for k, v in _values(conv).items()})
         else:
             values.update(t_id=conv.id, t_ts=msgs[0].created_at)
-        if not await self._rows(_turn_statement(turn.new_conversation, len(msgs)), values, write=True):
+        if not await self._rows(_turn_statement(turn.new_conversation, len(msgs), not turn.flagged), values, write=True):
             raise NotFound(f"conversation {conv.id}")
 
     async def list_messages(self, conversation_id: str) -> list[Message]:

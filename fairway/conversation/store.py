@@ -52,7 +52,8 @@ class DuplicateKey(StoreError):
 class NewTurn:
     """What starting one turn writes, all or nothing (ConversationStore.store_turn): the
     conversation when it is new, the request's messages in order (the last is the user's and
-    carries client_key) and the queued reply that answers it."""
+    carries client_key) and the queued reply that answers it; a flagged turn (the input check
+    refused its message) stores its last message with status flagged and no reply."""
 
     conversation: Conversation
     new_conversation: bool
@@ -61,6 +62,7 @@ class NewTurn:
     prompt_token_ids: Sequence[int] | None = None
     replica_id: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
+    flagged: bool = False
 
 
 # Fields update_reply may change; ids, the answered message and created_at are fixed.
@@ -119,10 +121,10 @@ class ConversationStore(ABC):
     # messages
 
     @abstractmethod
-    async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply]:
+    async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply | None]:
         """In one transaction, the start of a turn: the conversation if it is new (else its
         updated_at bumped), the messages, and the reply (QUEUED) answering the last of them.
-        Returns that message and the reply. Nothing is stored if any part fails: a client never
+        Returns that message and the reply (None for a flagged turn). Nothing is stored if any part fails: a client never
         finds its message without the reply to it. Raises NotFound if an existing conversation is
         gone, DuplicateClientKey (with the stored message) if the client key is already there,
         as when the same request raced in twice (for a new conversation, under the same derived

@@ -7,7 +7,18 @@ from collections.abc import AsyncIterator
 
 from fastapi import FastAPI
 
-from fairway.gateway import chat, conversations, errors, files, health, memory, replies, usage_routes, web
+from fairway.gateway import (
+    chat,
+    conversations,
+    errors,
+    files,
+    health,
+    memory,
+    moderations,
+    replies,
+    usage_routes,
+    web,
+)
 from fairway.gateway.app_state import GatewayContext
 from fairway.gateway.body_size import MAX_BODY_BYTES, MULTIPART_SLACK, BodySizeLimit
 from fairway.gateway.edge import MAX_HEADER_BYTES, EdgeMiddleware
@@ -36,7 +47,7 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
     upload_max = context.files.settings.max_file_bytes + MULTIPART_SLACK if context is not None and context.files else None
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes, upload_max_bytes=upload_max)
     app.add_middleware(EdgeMiddleware, max_header_bytes=max_header_bytes)  # outermost: sees every response
-    for module in (chat, replies, conversations, files, health, memory, usage_routes, web):
+    for module in (chat, moderations, replies, conversations, files, health, memory, usage_routes, web):
         app.include_router(module.router)
     app.openapi = errors.document(app.openapi)  # type: ignore[method-assign]
     return app

@@ -15,6 +15,7 @@ from fairway.gateway.streaming import ReplyRelay
 from fairway.limits import Limits
 from fairway.relay import TokenLog
 from fairway.router import Router
+from fairway.safety import Moderator
 
 if TYPE_CHECKING:  # memory and files load the embedding model's libraries only where configured
     from fairway.files import FileService
@@ -35,6 +36,7 @@ class GatewayContext:
     memory: MemoryService | None = None  # None: memory is off (memory_off_reason says why)
     memory_off_reason: str | None = None
     files: FileService | None = None
+    moderator: Moderator | None = None  # /v1/moderations (the service's input check has its own reference)
     on_startup: list[Hook] = field(default_factory=list)  # e.g. store.init, the recorder, an embedded replica
     on_shutdown: list[Hook] = field(default_factory=list)
 

@@ -23,7 +23,14 @@ from fastapi.responses import JSONResponse
 
 from fairway.conversation import NotFound, Reply
 from fairway.conversation.context_builder import ContextTooLong
-from fairway.conversation.service import Admitted, NothingToResume, Turn, TurnRequest, UnknownModel
+from fairway.conversation.service import (
+    Admitted,
+    InputFlagged,
+    NothingToResume,
+    Turn,
+    TurnRequest,
+    UnknownModel,
+)
 from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import BEARER_REQUIRED, authenticate
 from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
@@ -336,6 +343,16 @@ async def _attached_files(gw: GatewayContext, user: str, body: ChatCompletionReq
     return ids
 
 
+def flagged_input(exc: InputFlagged) -> ApiError:
+    """The input check's refusal: OpenAI's content_policy_violation, naming the categories; the
+    headers say where the refused message is stored (status flagged)."""
+    categories = exc.result.flagged_categories
+    return ApiError(400, f"Your message was flagged by the content policy ({', '.join(categories)}) and was not "
+                         "sent to the model.", param="messages", code="content_policy_violation",
+                    headers={"X-Conversation-Id": exc.conversation_id, "X-Message-Id": exc.message_id,
+                             "X-Flagged-Categories": ",".join(categories)})
+
+
 def _client_key(key: str | None) -> str | None:
     """The key as the message's client_key (a column of 128): longer keys by their hash."""
     if key is None or len(key) <= 128:
@@ -356,6 +373,8 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
                         "conversation_not_found") from None
     except ContextTooLong as exc:
         raise invalid(str(exc), "messages", "context_length_exceeded") from None
+    except InputFlagged as exc:
+        raise flagged_input(exc) from None
     except NoReplica as exc:
         raise unavailable(str(exc), "no_replica") from None
     except RelayUnavailable as exc:

@@ -156,3 +156,23 @@ def install(app: FastAPI) -> None:
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
         return ApiError(500, "The server had an error while processing your request.").response()
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response's body (for the OpenAPI schema)."""
+
+    error: ErrorDetail
+
+
+def documented(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """An endpoint's `responses=` for the OpenAPI schema: each error status with the error body."""
+    words = {400: "Bad input", 401: "Missing or invalid API key", 404: "Not found", 413: "Body over the limit",
+             429: "Over a rate limit", 503: "Unavailable"}
+    return {status: {"model": ErrorBody, "description": words.get(status, "Error")} for status in statuses}

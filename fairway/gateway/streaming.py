@@ -74,6 +74,11 @@ def stopped(final: FinalEvent) -> bool:
     return final.state == ReplyState.STOPPED and final.error is None
 
 
+def content_filter_results(final: FinalEvent) -> dict[str, Any]:
+    """On a reply the output check stopped: what stopped it, per category (Azure OpenAI's field name)."""
+    return {category: {"filtered": True} for category in final.categories}
+
+
 def finish_reason(final: FinalEvent) -> str:
     if final.state == ReplyState.FLAGGED:
         return "content_filter"
@@ -247,6 +252,8 @@ class ReplyRelay:
     def _final_chunk(self, view: ReplyView, final: FinalEvent, role: bool, extra: dict[str, Any]) -> dict[str, Any]:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
         last = chunk(view, delta, final.n, extra, finish_reason(final))
+        if final.state == ReplyState.FLAGGED:
+            last["choices"][0]["content_filter_results"] = content_filter_results(final)
         if stopped(final):
             last["choices"][0]["stopped"] = True  # finish_reason stays "stop": what OpenAI clients know
             last["stopped"] = True
@@ -296,6 +303,8 @@ class ReplyRelay:
         }
         if stopped(final):
             choice["stopped"] = body["stopped"] = True
+        if final.state == ReplyState.FLAGGED:
+            choice["content_filter_results"] = content_filter_results(final)
         return body
 
     async def _save(self, reply_id: str, text: str | None, final: FinalEvent) -> None:

@@ -35,6 +35,7 @@ class FinalEvent:
     cached_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    categories: tuple[str, ...] = ()  # content_filter: the moderation categories that stopped it
 
     def __post_init__(self) -> None:
         # Validate here so a bad terminal event fails at the producer, not in every client.
@@ -56,6 +57,8 @@ class FinalEvent:
         }
         if self.error is not None:
             fields["error"] = self.error
+        if self.categories:
+            fields["categories"] = ",".join(self.categories)
         return fields
 
 
@@ -76,6 +79,7 @@ def with_n(event: Event, n: int) -> Event:
         event.cached_tokens,
         event.completion_tokens,
         event.error,
+        event.categories,
     )
 
 
@@ -95,5 +99,6 @@ def event_from_fields(fields: dict[str, str]) -> Event:
             int(fields.get("cached", 0)),
             int(fields.get("completion", 0)),
             fields.get("error"),
+            tuple(fields["categories"].split(",")) if fields.get("categories") else (),
         )
     raise ValueError(f"not a token log event: kind {kind!r}")

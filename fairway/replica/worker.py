@@ -1,6 +1,11 @@
 """The replica worker: claims jobs, runs them on the engine, writes each token to the token log
 (the tokens of all its replies from one engine step together, in one round trip).
 
+Each reply's text passes the output check (fairway/safety/) here, where its tokens enter the
+token log, so every listener and every resumed stream sees the same events: the current sentence
+is held back until it is checked, and a flagged one is never appended; the reply ends at once
+(finish_reason content_filter, state FLAGGED) and keeps the text released before it.
+
 Per reply it also honours Stop (from any gateway, through the token log's stop requests) and
 cancels replies nobody has listened to for idle_cancel_s. Either way the engine drops the
 sequence at its next step and frees its blocks, and the text so far is kept (state STOPPED).
@@ -25,6 +30,7 @@ from fairway.relay import FinalEvent, Inbox, Relay, RelayError, ReplyState, Toke
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
+from fairway.safety import HoldBack, ModerationResult, Moderator, OutputMode
 from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
@@ -40,6 +46,8 @@ class ReplicaSettings:
     idle_check_s: float = 1.0  # how often listeners are checked
     heartbeat_s: float = 1.0  # registry announcements; the registry's ttl is a few of these
     max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
+    output_mode: OutputMode = "check-then-release"  # the output check's (when the worker has a moderator)
+    max_sentence_chars: int = 300
 
 
 class _Appender:
@@ -52,13 +60,19 @@ class _Appender:
         self._pending: list[tuple[str, TokenEvent, asyncio.Future[int]]] = []
         self._writes: set[asyncio.Task] = set()  # strong references to batches in flight
 
-    async def append(self, reply_id: str, event: TokenEvent) -> int:
+    async def append(self, reply_id: str, events: Sequence[TokenEvent]) -> int:
+        """Append the reply's events (a held-back sentence's go out together) and return the last n."""
         loop = asyncio.get_running_loop()
-        done: asyncio.Future[int] = loop.create_future()
-        self._pending.append((reply_id, event, done))
-        if len(self._pending) == 1:
+        if not self._pending:
             loop.call_soon(self._flush)  # after the replies woken with this one have appended too
-        return await done
+        futures: list[asyncio.Future[int]] = []
+        for event in events:
+            futures.append(loop.create_future())
+            self._pending.append((reply_id, event, futures[-1]))
+        n = 0
+        for done in futures:
+            n = await done
+        return n
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -101,10 +115,12 @@ class _Running:
 
 class ReplicaWorker:
     def __init__(
-        self, engine: AsyncEngine, relay: Relay, registry: ReplicaRegistry, settings: ReplicaSettings
+        self, engine: AsyncEngine, relay: Relay, registry: ReplicaRegistry, settings: ReplicaSettings,
+        moderator: Moderator | None = None,
     ) -> None:
         self.engine = engine
         self.relay = relay
+        self.moderator = moderator  # None: no output check
         self.registry = registry
         self.settings = settings
         self.queue = replica_queue(settings.replica_id)
@@ -260,41 +276,68 @@ class ReplicaWorker:
             return _failed(f"bad sampling parameters: {exc}")
         await self._report(running, None, 0)
         last: RequestOutput | None = None
+        flagged: ModerationResult | None = None
+        hold = (HoldBack[RequestOutput](self.moderator, self.settings.output_mode, self.settings.max_sentence_chars)
+                if self.moderator is not None else None)
         priority = PRIORITY_OF_LANE.get(Lane(job.lane), Priority.FREE)
         outputs = self.engine.generate(job.reply_id, job.prompt_token_ids, params, priority)
         try:
-            # aclosing: leaving early (a token log failure) aborts the sequence in the engine now.
+            # aclosing: leaving early (a token log failure, a flagged sentence) aborts the sequence
+            # in the engine now; it leaves the batch at the next step.
             async with contextlib.aclosing(outputs):
                 async for out in outputs:
                     last = out
                     if out.text or (out.token_id is not None and not out.finished):
                         # Every token is an event, even one whose text waits for the rest of a
                         # character; the stop token at the end is not (it has no text).
-                        await self._append(running, out)
+                        if hold is None:
+                            await self._append(running, [out])
+                            continue
+                        checked = await hold.push(out, out.text)
+                        await self._append(running, checked.release)
+                        if checked.flagged is not None:
+                            flagged = checked.flagged
+                            break
+            if hold is not None and flagged is None and running.cancelled != "shutdown":
+                checked = await hold.finish()  # the last sentence, also of a stopped reply
+                await self._append(running, checked.release)
+                flagged = checked.flagged
         except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
             return _failed(str(exc), last)
         except RelayError as exc:
             return _failed(f"token log: {exc}", last)
+        if flagged is not None:
+            return FinalEvent(0, FinishReason.CONTENT_FILTER, ReplyState.FLAGGED, *_usage(last),
+                              categories=tuple(flagged.flagged_categories))
         if last is None or last.finish_reason is None:
             return _failed("the engine ended the reply without a finish reason", last)
         return _final(last, running.cancelled)
 
-    async def _append(self, running: _Running, out: RequestOutput) -> None:
+    async def _append(self, running: _Running, outs: Sequence[RequestOutput]) -> None:
+        """Append these tokens (released by the output check) as the reply's next events. Latency
+        is measured as listeners see it: a held-back sentence arrives at once."""
+        if not outs:
+            return
         clock = time.monotonic()
         job = running.job
-        if running.first_token_at is None:
-            running.first_token_at = time.time()
-        elif running.last_token_at is not None:
-            if running.inter_token is None:
-                running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
-            running.inter_token.observe(clock - running.last_token_at)
-        running.last_token_at = clock
-        ids = [out.token_id] if out.token_id is not None else []
-        # An explicit n: a second producer of this reply (a duplicate job) fails instead of
+        for _ in outs:
+            if running.first_token_at is None:
+                running.first_token_at = time.time()
+            elif running.last_token_at is not None:
+                if running.inter_token is None:
+                    running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
+                running.inter_token.observe(clock - running.last_token_at)
+            running.last_token_at = clock
+        # Explicit numbers: a second producer of this reply (a duplicate job) fails instead of
         # interleaving tokens into the same log.
-        event = TokenEvent(running.events + 1, out.text, ids)
-        running.events = await self._appender.append(running.job.reply_id, event)
-        running.text.append(out.text)
+        events = [TokenEvent(running.events + i, out.text, [out.token_id] if out.token_id is not None else [])
+                  for i, out in enumerate(outs, 1)]
+        # One event per reply per flush, as without the check: the gateway's fast path (a token log
+        # callback writing to the connection) broke the SDK's stream when a held-back sentence's
+        # events arrived in one batch (tests/test_api.py::test_sdk_streaming); not yet understood.
+        for event, out in zip(events, outs, strict=True):
+            running.events = await self._appender.append(running.job.reply_id, [event])
+            running.text.append(out.text)
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
@@ -353,8 +396,12 @@ async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float]
     return False
 
 
+def _usage(out: RequestOutput | None) -> tuple[int, int, int]:
+    return (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens) if out else (0, 0, 0)
+
+
 def _final(out: RequestOutput, cancelled: CancelCause | None) -> FinalEvent:
-    usage = (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens)
+    usage = _usage(out)
     if out.finish_reason == FinishReason.ABORT:  # a cancel that lost the race to the end is no cancel
         if cancelled == "shutdown":
             return _failed("the replica shut down", out)
@@ -366,5 +413,4 @@ def _final(out: RequestOutput, cancelled: CancelCause | None) -> FinalEvent:
 
 def _failed(error: str, out: RequestOutput | None = None) -> FinalEvent:
     """An error ends the reply like a stop (the text so far is kept) and says why."""
-    usage = (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens) if out else (0, 0, 0)
-    return FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, *usage, error=error)
+    return FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, *_usage(out), error=error)

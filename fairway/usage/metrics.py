@@ -111,3 +111,18 @@ def observe_reply(model: str, tier: str, ttft_s: float | None, e2e_s: float, pro
     E2E_REQUEST_LATENCY.labels(model, tier).observe(e2e_s)
     PROMPT_TOKENS.labels(model, tier).inc(prompt_tokens)
     GENERATION_TOKENS.labels(model, tier).inc(generation_tokens)
+
+
+# Safety (fairway/safety/): measured where the check runs, the gateway (input, api) or the replica (output).
+SAFETY_CHECK_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
+SAFETY_FLAGGED = Counter("fairway:safety_flagged", "Texts flagged by the safety check, per category: stage input "
+                         "(a refused message), output (a stopped reply) or api (/v1/moderations).",
+                         ["stage", "category"])
+SAFETY_CHECK_SECONDS = Histogram("fairway:safety_check_seconds", "Time the safety classifiers took per check.",
+                                 ["stage"], buckets=SAFETY_CHECK_BUCKETS)
+
+
+def observe_safety(stage: str, seconds: float, flagged_categories: list[str]) -> None:
+    SAFETY_CHECK_SECONDS.labels(stage).observe(seconds)
+    for category in flagged_categories:
+        SAFETY_FLAGGED.labels(stage, category).inc()

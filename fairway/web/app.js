@@ -37,10 +37,12 @@ const state = {
 
 /** An HTTP error response, with the message from the API's {"error": {...}} body. */
 class HttpError extends Error {
-  constructor(status, message, retryAfterS) {
+  constructor(status, message, retryAfterS, code = null, headers = null) {
     super(message);
     this.status = status;
     this.retryAfterS = retryAfterS;
+    this.code = code; // the API's error code, e.g. content_policy_violation
+    this.headers = headers;
   }
 }
 
@@ -78,15 +80,18 @@ async function apiJson(path, options) {
 
 async function httpError(response) {
   let message = `${response.status} ${response.statusText}`;
+  let code = null;
   try {
     const body = await response.json();
     if (body && body.error && body.error.message) message = body.error.message;
+    if (body && body.error) code = body.error.code || null;
   } catch (_) {
     // not JSON: keep the status line
   }
   if (response.status === 401) askForKey(`The server did not accept this key: ${message}`);
   const retryAfter = Number(response.headers.get('Retry-After'));
-  return new HttpError(response.status, message, Number.isFinite(retryAfter) ? retryAfter : null);
+  return new HttpError(response.status, message, Number.isFinite(retryAfter) ? retryAfter : null, code,
+    response.headers);
 }
 
 /**
@@ -171,6 +176,8 @@ class ReplyStream {
     this.finishReason = null;
     this.stopped = false;
     this.failed = null;
+    this.refused = null; // the input check's refusal: {message, categories}
+    this.filtered = []; // the categories the output check stopped the reply for
     this.stopWanted = false;
     this.onDone = () => {};
   }
@@ -184,6 +191,13 @@ class ReplyStream {
         if (!this.finished) throw new Error('the stream ended before the reply did');
       } catch (err) {
         if (this.finished) break;
+        if (err instanceof HttpError && err.code === 'content_policy_violation') {
+          // The message was refused and stored flagged: nothing to retry, and later turns go on
+          // in the same conversation.
+          this.learnConversation(err.headers.get('X-Conversation-Id'));
+          this.refused = { message: err.message, categories: (err.headers.get('X-Flagged-Categories') || '').split(',') };
+          break;
+        }
         if (!isRetryable(err)) {
           this.failed = err.message;
           break;
@@ -202,7 +216,8 @@ class ReplyStream {
       }
     }
     this.showStatus(null);
-    this.view.finish(this.status(), this.failed);
+    if (this.refused) this.view.refuse(this.refused);
+    else this.view.finish(this.status(), this.failed, this.filtered);
     this.onDone(this);
   }
 
@@ -273,6 +288,7 @@ class ReplyStream {
       this.finished = true;
       this.finishReason = choice.finish_reason;
       this.stopped = Boolean(chunk.stopped || choice.stopped);
+      this.filtered = Object.keys(choice.content_filter_results || {});
     }
   }
 
@@ -318,7 +334,13 @@ class ReplyStream {
 
 // -- rendering ---------------------------------------------------------------------------------
 
-const BADGES = { stopped: 'stopped', flagged: 'flagged by the content filter', error: 'error' };
+const BADGES = { stopped: 'stopped', flagged: 'stopped by the content filter', error: 'error' };
+const USER_BADGES = { flagged: 'refused by the content filter: not sent to the model' };
+
+/** What a badge says: which categories, when we know them (a stored message does not keep them). */
+function filterText(text, categories) {
+  return categories && categories.length ? `${text} (${categories.join(', ')})` : text;
+}
 
 function messageElement(role, text, status) {
   const el = document.createElement('div');
@@ -331,7 +353,8 @@ function messageElement(role, text, status) {
   body.className = 'body';
   body.textContent = text; // textContent, never innerHTML: model output is not trusted markup
   el.append(label, body);
-  if (BADGES[status]) addBadge(el, status, BADGES[status]);
+  const badges = role === 'user' ? USER_BADGES : BADGES;
+  if (badges[status]) addBadge(el, status, badges[status]);
   return el;
 }
 
@@ -383,10 +406,22 @@ class AssistantView {
     this.el.append(el);
   }
 
-  finish(status, error) {
+  finish(status, error, categories) {
     this.el.dataset.status = status;
     if (status === 'error') addBadge(this.el, 'error', error || 'error');
+    else if (status === 'flagged') addBadge(this.el, status, filterText(BADGES.flagged, categories));
     else if (BADGES[status]) addBadge(this.el, status, BADGES[status]);
+  }
+
+  /** The input check refused the message: it is marked, and no reply follows it. */
+  refuse(refused) {
+    const user = this.el.previousElementSibling;
+    if (user && user.classList.contains('user')) {
+      user.dataset.status = 'flagged';
+      addBadge(user, 'flagged', filterText(USER_BADGES.flagged, refused.categories.filter(Boolean)));
+      user.title = refused.message;
+    }
+    this.el.remove();
   }
 }
 

@@ -1,0 +1,74 @@
+"""The one classifier interface, and the Moderator that combines classifiers into one result.
+
+A Classifier scores texts in the categories it knows (categories.py). The fast ones here (the
+policy's patterns, the profanity model) take microseconds and run inline; a heavier one (a
+Llama Guard-style model run through the engine) implements the same async score_many(), so
+callers (the input check, the output check, /v1/moderations) do not change when one is added.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Literal
+
+from fairway.safety.categories import CATEGORIES, Scores
+from fairway.safety.result import ModerationResult, judged
+from fairway.usage import metrics
+
+Stage = Literal["input", "output", "api"]
+
+
+class Classifier(ABC):
+    name: str = ""
+
+    @abstractmethod
+    async def score_many(self, texts: Sequence[str]) -> list[Scores]:
+        """Each text's scores in [0, 1], for the categories this classifier judges."""
+
+
+class FastClassifier(Classifier):
+    """A classifier cheap enough to run in the caller's thread, one text at a time."""
+
+    @abstractmethod
+    def score(self, text: str) -> Scores: ...
+
+    async def score_many(self, texts: Sequence[str]) -> list[Scores]:
+        return [self.score(text) for text in texts]
+
+
+class Moderator:
+    """Every classifier's scores, the highest per category, against the thresholds. A score in a
+    sub-category ("self-harm/intent") counts for its parent ("self-harm") too."""
+
+    def __init__(self, classifiers: Sequence[Classifier], thresholds: dict[str, float]) -> None:
+        missing = [c for c in CATEGORIES if c not in thresholds]
+        if missing:
+            raise ValueError(f"no threshold for {', '.join(missing)}")
+        self.classifiers = list(classifiers)
+        self.thresholds = dict(thresholds)
+
+    async def moderate(self, texts: Sequence[str], stage: Stage = "api") -> list[ModerationResult]:
+        start = time.perf_counter()
+        combined: list[Scores] = [{} for _ in texts]
+        for classifier in self.classifiers:
+            for scores, more in zip(combined, await classifier.score_many(texts), strict=True):
+                for category, score in more.items():
+                    if score > scores.get(category, 0.0):
+                        scores[category] = score
+        results = [judged(_with_parents(scores), self.thresholds) for scores in combined]
+        metrics.observe_safety(stage, time.perf_counter() - start,
+                               [c for r in results for c in r.flagged_categories])
+        return results
+
+    async def moderate_one(self, text: str, stage: Stage = "api") -> ModerationResult:
+        return (await self.moderate([text], stage))[0]
+
+
+def _with_parents(scores: Scores) -> Scores:
+    for category, score in list(scores.items()):
+        parent = category.partition("/")[0]
+        if parent != category and score > scores.get(parent, 0.0):
+            scores[parent] = score
+    return scores
