@@ -55,8 +55,9 @@ def gateway(tmp_path_factory, namespace):
 class PausingReplica:
     """Serves one reply of MODEL: BEFORE's tokens, a pause of PAUSE_S, AFTER's, the end."""
 
-    def __init__(self, namespace: str) -> None:
+    def __init__(self, namespace: str, batched: bool = False) -> None:
         self.namespace = namespace
+        self.batched = batched  # BEFORE's tokens in one append round trip, as one engine step can send them
         self.ready = threading.Event()
         self.error: BaseException | None = None
         self.paused_between: tuple[int, int] | None = None  # the event ids either side of the pause
@@ -94,7 +95,10 @@ class PausingReplica:
             assert claimed is not None, "the gateway queued no job"
             reply_id = claimed.job["reply_id"]
             n = 0
-            for text in BEFORE:
+            if self.batched:
+                results = await relay.log.append_many([(reply_id, TokenEvent(0, text)) for text in BEFORE])
+                n = max(r for r in results if isinstance(r, int))
+            for text in [] if self.batched else BEFORE:
                 n = await relay.log.append(reply_id, TokenEvent(0, text))
             await asyncio.sleep(PAUSE_S)
             self.paused_between = (n, n + 1)
@@ -106,8 +110,10 @@ class PausingReplica:
             await relay.close()
 
 
-def test_the_sdk_streams_a_reply_through_a_pause_longer_than_the_keepalive(gateway, namespace):
-    replica = PausingReplica(namespace).start()
+@pytest.mark.parametrize("batched", [False, True], ids=["one-by-one", "batched"])
+def test_the_sdk_streams_a_reply_through_a_pause_longer_than_the_keepalive(gateway, namespace, batched):
+    """Also when several of a reply's events arrive together (one append round trip)."""
+    replica = PausingReplica(namespace, batched).start()
     wait_ready(gateway.url)  # ready once a replica serves the model: this one
     client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
     stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Say hello."}],
