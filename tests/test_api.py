@@ -204,9 +204,10 @@ def test_stop_keeps_the_text_and_says_so(http):
 
 def test_reply_nobody_listens_to_is_cancelled(http):
     # ignore_eos and most of the window: the reply outlasts the idle timeout on any CPU (a Zen 5
-    # core writes 300 tokens in ~2 s, the timeout itself).
+    # core writes 300 tokens in ~2 s, the timeout itself). Sampled, so that prompt lookup's
+    # speculation, which a greedy reply's repetitions feed, does not speed it past the timeout.
     head, _ = start_stream(http, "Write a very long essay about the history of Rome.", read=1,
-                           max_tokens=LONG_REPLY, ignore_eos=True)
+                           max_tokens=LONG_REPLY, ignore_eos=True, temperature=1.0, seed=7)
     started = time.monotonic()
     message = stored_reply(http, head["x-conversation-id"], head["x-reply-id"], timeout=IDLE_CANCEL_S + 20)
     assert message["status"] == "stopped"

@@ -83,6 +83,7 @@ UNOWNED = [
     Route("GET", "/v1/user/memory"),
     Route("DELETE", "/v1/user/memory"),
     Route("PUT", "/v1/user/memory/settings", json={"enabled": True}),
+    Route("POST", "/v1/moderations", json={"input": "hello"}),
 ]
 
 

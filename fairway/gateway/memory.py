@@ -17,12 +17,12 @@ router = APIRouter(dependencies=[Depends(authenticated)])
 
 
 class MemorySettingsBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # enabled is a JSON boolean, not 0 or "yes"
     enabled: bool
 
 
 class ExtractBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     conversation_id: str
     use_model: bool = True  # false: the explicit statements only, without waiting for the model
 

@@ -47,7 +47,7 @@ async def moderations(request: Request) -> dict[str, Any]:
         raise invalid("The request body must be a JSON object.")
     texts = _inputs(data)
     model = data.get("model")
-    if model is not None and model not in MODEL_ALIASES:
+    if "model" in data and (not isinstance(model, str) or model not in MODEL_ALIASES):
         raise invalid(f"Unknown moderation model {model!r}: use {MODEL} (or omit it).", "model", "model_not_found")
     moderator = gateway(request).moderator
     if moderator is None:
