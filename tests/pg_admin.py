@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 PG_HOST = os.environ.get("FAIRWAY_TEST_PG_HOST", "127.0.0.1:5432")
 PG_USER = os.environ.get("FAIRWAY_TEST_PG_USER", "postgres")
@@ -33,3 +36,21 @@ async def terminate_lock_waiters(conn, query_like: str = "%", timeout_s: float =
             return
         await asyncio.sleep(0.02)
     raise AssertionError(f"no call waited for the lock within {timeout_s} s")
+
+
+@contextmanager
+def temporary_database(prefix: str = "fairway_test_") -> Iterator[str | None]:
+    """A fresh database on the test server for the block (its URL), dropped afterwards; None when
+    no server answers."""
+    import asyncpg
+
+    name = f"{prefix}{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
+    except (OSError, asyncpg.PostgresError):
+        yield None
+        return
+    try:
+        yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
+    finally:
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))

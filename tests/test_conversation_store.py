@@ -19,7 +19,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from backends import missing
-from pg_admin import PG_HOST, PG_USER, pg_admin, terminate_lock_waiters
+from pg_admin import PG_HOST, pg_admin, temporary_database, terminate_lock_waiters
 
 from fairway.conversation import (
     ConversationStore,
@@ -47,14 +47,8 @@ StoreFactory = Callable[[], SqlConversationStore]
 @pytest.fixture(scope="session")
 def pg_database() -> Iterator[str | None]:
     """The session's PostgreSQL database URL, or None when no server answers."""
-    name = f"fairway_test_{uuid.uuid4().hex[:12]}"
-    try:
-        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncpg.PostgresError):
-        yield None
-        return
-    yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
-    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with temporary_database() as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

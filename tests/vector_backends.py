@@ -5,7 +5,6 @@ Unix socket in a temporary folder for the session and deleted after."""
 
 from __future__ import annotations
 
-import asyncio
 import tempfile
 import uuid
 import warnings
@@ -14,21 +13,15 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from pg_admin import PG_HOST, PG_USER, pg_admin
+from pg_admin import temporary_database
 
 BACKENDS = ["sqlite", "postgresql", "pgvector"]
 
 
 @pytest.fixture(scope="session")
 def vector_pg_database() -> Iterator[str | None]:
-    name = f"fairway_test_vec_{uuid.uuid4().hex[:12]}"
-    try:
-        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
-    except (OSError, asyncpg.PostgresError):
-        yield None
-        return
-    yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
-    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with temporary_database("fairway_test_vec_") as url:
+        yield url
 
 
 @pytest.fixture(scope="session")
