@@ -79,6 +79,27 @@ async def test_the_block_is_chosen_once_and_loses_deleted_memories(memory: Memor
     assert await memory.list("u1") == []
 
 
+async def test_a_user_without_memories_costs_a_turn_no_embedding(vector_db):
+    """The first chats of a new user (memory on, nothing remembered yet) never wait for the
+    embedding model to load; the turn is still noted, so idle extraction learns from it."""
+    url, connect_args = vector_db
+    url = database_url(url)
+
+    def no_embedder():
+        raise AssertionError("the embedder was loaded for a user with no memories")
+
+    service = MemoryService(MemoryStore(url, connect_args), SqlVectorIndex(url, connect_args=connect_args),
+                            no_embedder)
+    await service.init()
+    try:
+        block = await service.block("new_user", "conv_first", "Suggest a snack for my hike")
+        assert block.memories == [] and block.message is None
+        assert (await service.block("new_user", "conv_first", "And a drink?")).memories == []
+        assert [c for _, c, _ in await service.store.idle_conversations(0.0)] == ["conv_first"]
+    finally:
+        await service.close()
+
+
 async def test_model_answers_are_validated_and_retried_within_a_bound():
     answers = iter(["Sure! The user likes cats.", '{"facts": "not a list"}',
                     'Here: ```json\n{"facts": ["User works at a bakery", 7]}\n```'])

@@ -310,9 +310,7 @@ class SqlConversationStore(ConversationStore):
         # The chat path's single statements skip the engine on PostgreSQL (hot_path.py).
         self._hot_path: PostgresHotPath | None = None
         if self._dialect == "postgresql":
-            _, url_kwargs = self._engine.dialect.create_connect_args(self._engine.url)
-            self._hot_path = PostgresHotPath({**url_kwargs, **engine_kwargs.get("connect_args", {})},
-                                             self._engine.dialect)
+            self._hot_path = PostgresHotPath.of_engine(self._engine, engine_kwargs.get("connect_args"))
 
     async def _rows(self, statement: sa.Executable, params: Mapping[str, Any],
                     write: bool = False) -> Sequence[Mapping[str, Any]]:

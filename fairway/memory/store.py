@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fairway.retrieval.sql_index import Json, SqlTables
 
@@ -46,6 +47,24 @@ memory_conversations = sa.Table(
 )
 
 
+# A turn's look at memory, one statement: the user's switch, whether there is anything to
+# recall, and the block kept for the conversation (NULL: memory has not seen it).
+_user, _conversation = sa.bindparam("user_id"), sa.bindparam("conversation_id")
+_TURN_STATE = sa.select(
+    sa.select(memory_users.c.enabled).where(memory_users.c.user_id == _user).scalar_subquery().label("enabled"),
+    sa.exists().where(memories.c.user_id == _user).label("has_memories"),
+    sa.select(memory_conversations.c.block).where(memory_conversations.c.conversation_id == _conversation)
+    .scalar_subquery().label("block"),
+)
+
+
+@dataclass(frozen=True)
+class TurnState:
+    enabled: bool
+    has_memories: bool
+    block: list[str] | None  # the memory ids injected at the conversation's start; None: not seen
+
+
 @dataclass(frozen=True)
 class Memory:
     memory_id: str
@@ -63,6 +82,16 @@ class Memory:
 
 class MemoryStore(SqlTables):
     metadata = metadata
+
+    def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
+        super().__init__(url, connect_args)
+        # Built once: the hot path compiles each statement object once.
+        noted = self.insert(memory_conversations)
+        self._note_turn = noted.on_conflict_do_update(index_elements=["conversation_id"],
+                                                      set_={"last_turn_at": noted.excluded.last_turn_at})
+        self._note_first_turn = noted.on_conflict_do_update(
+            index_elements=["conversation_id"],
+            set_={"last_turn_at": noted.excluded.last_turn_at, "block": noted.excluded.block})
 
     async def add(self, memory: Memory) -> None:
         async with self.engine.begin() as conn:
@@ -118,23 +147,17 @@ class MemoryStore(SqlTables):
 
     # -- conversations -----------------------------------------------------------------------
 
-    async def block_of(self, conversation_id: str) -> list[str] | None:
-        """The memory ids injected at the conversation's start; None if memory has not seen it."""
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(sa.select(memory_conversations.c.block).where(
-                memory_conversations.c.conversation_id == conversation_id))).first()
-        return None if row is None else list(row.block or [])
+    async def turn_state(self, user_id: str, conversation_id: str) -> TurnState:
+        row = (await self.rows(_TURN_STATE, {"user_id": user_id, "conversation_id": conversation_id}))[0]
+        block = row["block"]
+        return TurnState(row["enabled"] is None or bool(row["enabled"]), bool(row["has_memories"]),
+                         None if block is None else list(block))
 
     async def note_turn(self, user_id: str, conversation_id: str, block: Sequence[str] | None = None) -> None:
         """A turn started now; with block, the memories injected at the conversation's start."""
-        ts = time.time()
-        values: dict[str, Any] = {"conversation_id": conversation_id, "user_id": user_id, "last_turn_at": ts}
-        stmt = self.insert(memory_conversations).values(**values, block=list(block) if block is not None else None)
-        update: dict[str, Any] = {"last_turn_at": ts}
-        if block is not None:
-            update["block"] = stmt.excluded.block
-        async with self.engine.begin() as conn:
-            await conn.execute(stmt.on_conflict_do_update(index_elements=["conversation_id"], set_=update))
+        values = {"conversation_id": conversation_id, "user_id": user_id, "last_turn_at": time.time(),
+                  "block": list(block) if block is not None else None}
+        await self.rows(self._note_turn if block is None else self._note_first_turn, values)
 
     async def idle_conversations(self, idle_s: float, limit: int = 20) -> list[tuple[str, str, float]]:
         """(user id, conversation id, last turn at) of conversations whose last turn is older than
