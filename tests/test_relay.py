@@ -19,6 +19,7 @@ from transports import RecordingTransport, dechunk, token_of
 
 from fairway.gateway import token_writer
 from fairway.gateway.sse import ReplyView, token_template
+from fairway.redis_client import dispatch
 from fairway.relay import (
     ClaimedJob,
     EventIdOutOfRange,
@@ -38,7 +39,6 @@ from fairway.relay import (
     TokenEvent,
     TokenLog,
     event_from_fields,
-    live_dispatch,
     make_relay,
 )
 from fairway.relay.inbox_redis import RedisInbox
@@ -327,9 +327,9 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
     (in C through the writer's C-level sink protocol, or all in Python), keeping the text of what
     it wrote; a plain function is called."""
     if sink == "writer-python":
-        monkeypatch.setattr(live_dispatch, "native_module", lambda: None)
+        monkeypatch.setattr(dispatch, "native_module", lambda: None)
         monkeypatch.setattr(token_writer, "native_module", lambda: None)
-    elif sink == "writer-native" and (live_dispatch.native_module() is None or token_writer.native_module() is None):
+    elif sink == "writer-native" and (dispatch.native_module() is None or token_writer.native_module() is None):
         pytest.skip("no C compiler")
     gateway, replica, r = backend.log(), backend.log(), rid()
     await replica.create(r)
