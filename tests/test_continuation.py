@@ -7,6 +7,7 @@ front of a live replica's queue; a drain finishes what it can and hands on the r
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 
@@ -179,3 +180,81 @@ async def test_a_takeover_waits_while_no_replica_serves_the_model():
     await registry.announce(info("c"))
     assert await failover.sweep() == 1
     assert [j.job["reply_id"] for j in await relay.jobs.unfinished(queue=replica_queue("c"))] == ["r"]
+
+
+# -- Redis away for a moment ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A Redis of this test's own (append-only file on), which the test may stop and restart."""
+    import shutil
+    import subprocess
+
+    from serving import free_port
+
+    if shutil.which("redis-server") is None:
+        from backends import missing
+
+        missing("Redis", "no redis-server on this machine")
+    port = free_port()
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync",
+            "always", "--save", "", "--dir", str(tmp_path)]
+
+    def start():
+        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
+        for _ in range(100):
+            if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
+                return proc
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    state = {"proc": start()}
+
+    def restart(down_s: float) -> None:
+        subprocess.run(["redis-cli", "-p", str(port), "shutdown"], capture_output=True)
+        state["proc"].wait(timeout=10)
+        time.sleep(down_s)
+        state["proc"] = start()
+
+    yield f"redis://127.0.0.1:{port}/0", restart
+    state["proc"].terminate()
+    state["proc"].wait(timeout=10)
+
+
+async def test_a_reply_carries_on_through_a_redis_restart(private_redis, real_model_fp32, real_tokenizer):
+    """Redis stopped for 2 s (its append-only file keeps what it had) while a replica streams a
+    reply: the replica keeps generating, retries its appends, and the log ends whole: every event
+    once, in order, then the final event, the text that of an uninterrupted run."""
+    url, restart = private_redis
+    prompt = real_tokenizer.encode(PROMPT)
+    params = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    whole, whole_text = run(fp32_engine(real_model_fp32, real_tokenizer), prompt, SamplingParams(**params))
+    relay, registry = make_relay(url), InProcessRegistry()
+    engine = AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer))
+    worker = ReplicaWorker(engine, relay, registry, ReplicaSettings(model="m", replica_id="w"))
+    await worker.start()
+    try:
+        await relay.launch("rep3", GenerationJob("rep3", "m", prompt, params).to_dict(), Lane.PAID,
+                           queue=worker.queue)
+        for _ in range(600):  # mid-reply
+            if await relay.log.last_event_id("rep3") >= 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(restart, 2.0)
+        reader = make_relay(url)
+        try:
+            for _ in range(600):
+                events = await reader.log.read("rep3")
+                if events and isinstance(events[-1], FinalEvent):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await reader.close()
+    finally:
+        await worker.stop()
+        engine.shutdown()
+        await relay.close()
+    assert [e.n for e in events] == list(range(1, len(whole) + 2))
+    assert isinstance(events[-1], FinalEvent) and events[-1].state == ReplyState.FINISHED, events[-1]
+    assert "".join(e.text for e in events[:-1]) == whole_text

@@ -28,9 +28,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from fairway.domain import PRIORITY_OF_LANE, Lane, Priority
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
@@ -41,6 +41,8 @@ from fairway.relay import (
     Inbox,
     Relay,
     RelayError,
+    RelayUnavailable,
+    ReplyFinished,
     ReplyNotFound,
     ReplyState,
     TokenEvent,
@@ -56,6 +58,7 @@ log = logging.getLogger(__name__)
 
 # handoff: a drain ran out of time; the reply is left for another replica to carry on.
 CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -102,9 +105,10 @@ class _Appender:
         task.add_done_callback(self._writes.discard)
 
     async def _write(self, batch: list[tuple[str, TokenEvent, asyncio.Future[int]]]) -> None:
+        items = [(reply_id, event) for reply_id, event, _ in batch]
         try:
-            results = await self._log.append_many([(reply_id, event) for reply_id, event, _ in batch])
-        except Exception as exc:  # an outage fails every append of the batch
+            results = await _through_outages(lambda: self._log.append_many(items), "append tokens")
+        except Exception as exc:  # an outage longer than the retries fails every append of the batch
             for _, _, done in batch:
                 if not done.done():
                     done.set_exception(exc)
@@ -113,9 +117,11 @@ class _Appender:
             for _, _, done in batch:
                 done.cancel()
             raise
-        for (_, _, done), result in zip(batch, results, strict=True):
+        for (_, event, done), result in zip(batch, results.value, strict=True):
             if done.done():
                 continue  # its reply was cancelled meanwhile
+            if results.retried and isinstance(result, EventOutOfOrder) and result.last_n >= event.n:
+                result = event.n  # written by the try that lost its answer to the outage
             if isinstance(result, Exception):
                 done.set_exception(result)
             else:
@@ -233,6 +239,11 @@ class ReplicaWorker:
             await self._capacity.acquire()  # claim only what we can run: the rest stays for others
             try:
                 claimed = await self.relay.jobs.claim(queue=self.queue, timeout=None)
+            except RelayError:  # Redis away for a moment: claim again shortly
+                self._capacity.release()
+                log.warning("claiming jobs failed; retrying", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
             except BaseException:
                 self._capacity.release()
                 raise
@@ -435,7 +446,9 @@ class ReplicaWorker:
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
-            return await self.relay.log.finish(reply_id, final)
+            return (await _through_outages(lambda: self.relay.log.finish(reply_id, final), "finish")).value
+        except ReplyFinished:  # a try that lost its answer to an outage had written it
+            return await self.relay.log.last_event_id(reply_id)
         except RelayError:
             log.exception("reply %s: could not write its final event", reply_id)
             return 0
@@ -470,6 +483,28 @@ class ReplicaWorker:
 
 # A Redis restart takes a second or two; a blip, less (the connection itself retries twice).
 REPORT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# Token appends and the final event, the same: the engine goes on generating meanwhile (its
+# outputs wait in the reply's stream), and the log catches up once Redis is back.
+LOG_RETRY_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
+
+
+@dataclass
+class _Tried(Generic[T]):
+    value: T
+    retried: bool  # an earlier try failed with an outage: its writes may have happened
+
+
+async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
+    """call(), again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
+    for attempt, delay in enumerate((*LOG_RETRY_DELAYS_S, None)):
+        try:
+            return _Tried(await call(), attempt > 0)
+        except RelayUnavailable:
+            if delay is None:
+                raise
+            log.warning("token log unreachable (%s); retrying in %.2f s", what, delay)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:
