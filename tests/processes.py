@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 
@@ -32,3 +33,39 @@ class Processes:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+
+
+class PrivateRedis:
+    """A Redis of one test's own (append-only file on, fsync always), which it may stop and
+    restart: a restart loses nothing, as on a production Redis with AOF."""
+
+    def __init__(self, folder: Path) -> None:
+        from serving import free_port
+
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--appendonly", "yes",
+                      "--appendfsync", "always", "--save", "", "--dir", str(folder)]
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self._proc = subprocess.Popen(self._args, stdout=subprocess.DEVNULL)
+        for _ in range(200):
+            ping = subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True)
+            if ping.stdout.strip() == b"PONG":
+                return
+            time.sleep(0.05)
+        raise RuntimeError("redis-server did not start")
+
+    def restart(self, down_s: float) -> None:
+        """Shut it down (the AOF is flushed), wait down_s, start it again on the same files."""
+        subprocess.run(["redis-cli", "-p", str(self.port), "shutdown"], capture_output=True)
+        if self._proc is not None:
+            self._proc.wait(timeout=10)
+        time.sleep(down_s)
+        self.start()
+
+    def stop(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)

@@ -7,9 +7,11 @@ front of a live replica's queue; a drain finishes what it can and hands on the r
 from __future__ import annotations
 
 import asyncio
-import time
+import shutil
 
 import pytest
+from backends import missing
+from processes import PrivateRedis
 
 from fairway.domain import Lane, ReplyState
 from fairway.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
@@ -187,39 +189,13 @@ async def test_a_takeover_waits_while_no_replica_serves_the_model():
 
 @pytest.fixture
 def private_redis(tmp_path):
-    """A Redis of this test's own (append-only file on), which the test may stop and restart."""
-    import shutil
-    import subprocess
-
-    from serving import free_port
-
+    """A Redis of this test's own, which it may stop and restart (tests/processes.py)."""
     if shutil.which("redis-server") is None:
-        from backends import missing
-
         missing("Redis", "no redis-server on this machine")
-    port = free_port()
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--appendonly", "yes", "--appendfsync",
-            "always", "--save", "", "--dir", str(tmp_path)]
-
-    def start():
-        proc = subprocess.Popen(args, stdout=subprocess.DEVNULL)
-        for _ in range(100):
-            if subprocess.run(["redis-cli", "-p", str(port), "ping"], capture_output=True).stdout.strip() == b"PONG":
-                return proc
-            time.sleep(0.05)
-        raise RuntimeError("redis-server did not start")
-
-    state = {"proc": start()}
-
-    def restart(down_s: float) -> None:
-        subprocess.run(["redis-cli", "-p", str(port), "shutdown"], capture_output=True)
-        state["proc"].wait(timeout=10)
-        time.sleep(down_s)
-        state["proc"] = start()
-
-    yield f"redis://127.0.0.1:{port}/0", restart
-    state["proc"].terminate()
-    state["proc"].wait(timeout=10)
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server.url, server.restart
+    server.stop()
 
 
 async def test_a_reply_carries_on_through_a_redis_restart(private_redis, real_model_fp32, real_tokenizer):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -22,7 +23,7 @@ import pytest
 import redis
 from backends import missing
 from pg_admin import temporary_database
-from processes import Processes
+from processes import PrivateRedis, Processes
 from redis_keys import delete_prefixed
 from serving import MODEL, free_port, sse_events, wait_for, wait_ready
 
@@ -76,8 +77,8 @@ def stream(url: str, key: str, s: Stream) -> None:
         s.error = repr(exc)
 
 
-def run_streams(urls: list[str], key: str, during=None) -> list[Stream]:
-    streams = [Stream(prompt(i)) for i in range(STREAMS)]
+def run_streams(urls: list[str], key: str, during=None, count: int = STREAMS) -> list[Stream]:
+    streams = [Stream(prompt(i)) for i in range(count)]
     threads = [threading.Thread(target=stream, args=(urls[i % len(urls)], key, s), daemon=True)
                for i, s in enumerate(streams)]
     for t in threads:
@@ -205,3 +206,44 @@ def test_a_draining_replica_finishes_or_hands_on_every_reply(fleet):
     print(f"drain of {victim} took {took:.2f} s")
     assert fleet.procs.procs[victim].returncode == 0
     assert victim not in live_replicas(fleet)
+
+
+def test_streams_carry_on_through_a_redis_restart(tmp_path):
+    """Redis (append-only file on) stopped for 2 s under four streamed replies: gateways and the
+    replica reconnect, every stream pauses and then carries on, each reply whole (ids 1..N, the
+    uninterrupted text) and stored."""
+    if shutil.which("redis-server") is None:
+        missing("Redis", "no redis-server on this machine")
+    with temporary_database() as database:
+        if database is None:
+            missing("PostgreSQL", "no test server answers")
+        server = PrivateRedis(tmp_path)
+        server.start()
+        procs = Processes(tmp_path)
+        shared = ["--redis", server.url]
+        try:
+            procs.start("replica", "replica", *shared, "--dtype", "float32", "--max-model-len", "1024",
+                        "--log-level", "warning")
+            key = create_key(database, "outage-user")
+            port = free_port()
+            procs.start("gateway", "gateway", *shared, "--database", database, "--port", str(port),
+                        "--log-level", "warning")
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, timeout=180)
+            reference = {s.prompt: s.text for s in run_streams([url], key, count=4)}
+
+            def restart_mid_stream(streams: list[Stream]) -> None:
+                wait_for(lambda: all(len(s.ids) >= 2 for s in streams) or any(s.error for s in streams),
+                         timeout=180)
+                server.restart(2.0)
+
+            streams = run_streams([url], key, during=restart_mid_stream, count=4)
+            for s in streams:
+                assert s.error is None, (s.error, procs.tails())
+                assert s.finish_reason in ("stop", "length"), (s, procs.tails())
+                assert s.ids == list(range(1, len(s.ids) + 1)), s.ids
+                assert s.text == reference[s.prompt]
+            print(f"longest pause through the restart: {max(s.longest_pause for s in streams):.2f} s")
+        finally:
+            procs.stop()
+            server.stop()
