@@ -180,7 +180,7 @@ _TOUCH = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_i
           .values(updated_at=sa.bindparam("b_ts")))
 _REPLY_BY_ID = sa.select(replies).where(replies.c.id == sa.bindparam("b_id"))
 _JOB_OF_REPLY = sa.select(replies.c.id, replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
-_RUNNING = frozenset({"state", "replica_id"})
+_PLACED = frozenset({"state", "replica_id"})  # where a reply runs or waits
 _CONVERSATION_OF_USER = sa.select(conversations).where(conversations.c.id == sa.bindparam("b_id"),
                                                        conversations.c.user_id == sa.bindparam("b_user"))
 _MESSAGES_OF = (sa.select(messages).where(messages.c.conversation_id == sa.bindparam("b_conversation"))
@@ -523,9 +523,15 @@ class SqlConversationStore(ConversationStore):
         raise ReplyFinished(id, current.state)
 
     async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
-        params = [{"b_id": reply_id, **_bound({"state": ReplyState.RUNNING.value, "replica_id": replica_id})}
-                  for reply_id, replica_id in started]
-        return len(await self._rows_many(_update_reply_statement(_RUNNING, whole_row=False), params, write=True))
+        return await self._place_many(started, ReplyState.RUNNING)
+
+    async def mark_requeued_many(self, requeued: Sequence[tuple[str, str]]) -> int:
+        return await self._place_many(requeued, ReplyState.QUEUED)
+
+    async def _place_many(self, placed: Sequence[tuple[str, str]], state: ReplyState) -> int:
+        params = [{"b_id": reply_id, **_bound({"state": state.value, "replica_id": replica_id})}
+                  for reply_id, replica_id in placed]
+        return len(await self._rows_many(_update_reply_statement(_PLACED, whole_row=False), params, write=True))
 
     async def finish_reply(
         self,

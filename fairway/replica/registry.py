@@ -1,6 +1,8 @@
 """The replica registry: each replica announces itself (model, window, load) every heartbeat;
 an announcement expires after ttl_s, so a replica that stops heartbeating drops out of routing
-without anyone having to notice it died.
+without anyone having to notice it died. The registry also remembers every replica that ever
+announced until a failover has handed on what its queue held (gone(), forget()), and lets one
+process at a time take a gone replica's work over (claim_takeover).
 
 The replica writes it and the router reads it, so it lives with the replica (the lower part).
 """
@@ -25,6 +27,7 @@ class ReplicaInfo:
     max_prompt_tokens: int  # the longest prompt its KV cache could ever admit
     load: int = 0  # replies in flight
     capacity: int = 0  # replies it runs at once
+    draining: bool = False  # leaving (SIGTERM): place nothing more here
     started_at: float = field(default_factory=time.time)
 
     def to_json(self) -> str:
@@ -51,6 +54,20 @@ class ReplicaRegistry(ABC):
     async def live(self) -> list[ReplicaInfo]:
         """Replicas whose last announcement has not expired."""
 
+    @abstractmethod
+    async def gone(self) -> list[str]:
+        """Replicas that announced, then expired or withdrew, and have not been forgotten: each
+        may have left jobs in its queue for a failover to hand on."""
+
+    @abstractmethod
+    async def forget(self, replica_id: str) -> None:
+        """Its queue has been handed on: no longer gone()."""
+
+    @abstractmethod
+    async def claim_takeover(self, replica_id: str, owner: str, ttl_s: float) -> bool:
+        """Whether owner may hand on the gone replica's work now: True for one claimant at a
+        time, for ttl_s (if it dies meanwhile, another claims it after that)."""
+
     async def close(self) -> None:  # noqa: B027  (optional hook: only Redis has connections)
         """Release connections; the in-process registry has none."""
 
@@ -59,9 +76,12 @@ class InProcessRegistry(ReplicaRegistry):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._replicas: dict[str, tuple[float, ReplicaInfo]] = {}
+        self._known: set[str] = set()
+        self._takeovers: dict[str, tuple[float, str]] = {}
 
     async def announce(self, info: ReplicaInfo) -> None:
         self._replicas[info.id] = (time.monotonic() + self.ttl_s, info)
+        self._known.add(info.id)
 
     async def withdraw(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
@@ -69,6 +89,21 @@ class InProcessRegistry(ReplicaRegistry):
     async def live(self) -> list[ReplicaInfo]:
         now = time.monotonic()
         return [info for deadline, info in self._replicas.values() if deadline > now]
+
+    async def gone(self) -> list[str]:
+        live = {info.id for info in await self.live()}
+        return sorted(self._known - live)
+
+    async def forget(self, replica_id: str) -> None:
+        self._known.discard(replica_id)
+
+    async def claim_takeover(self, replica_id: str, owner: str, ttl_s: float) -> bool:
+        now = time.monotonic()
+        until, holder = self._takeovers.get(replica_id, (0.0, ""))
+        if until > now and holder != owner:
+            return False
+        self._takeovers[replica_id] = (now + ttl_s, owner)
+        return True
 
 
 class RedisRegistry(ReplicaRegistry):
@@ -89,9 +124,13 @@ class RedisRegistry(ReplicaRegistry):
     def _set(self) -> str:
         return f"{self._prefix}replicas"
 
+    @property
+    def _known(self) -> str:
+        return f"{self._prefix}replicas:known"
+
     async def announce(self, info: ReplicaInfo) -> None:
         _raise_errors(await self._r.batch([["SET", self._key(info.id), info.to_json(), "PX", int(self.ttl_s * 1000)],
-                                           ["SADD", self._set, info.id]]))
+                                           ["SADD", self._set, info.id], ["SADD", self._known, info.id]]))
 
     async def withdraw(self, replica_id: str) -> None:
         _raise_errors(await self._r.batch([["DEL", self._key(replica_id)], ["SREM", self._set, replica_id]]))
@@ -107,6 +146,23 @@ class RedisRegistry(ReplicaRegistry):
         if gone:
             await self._r.execute("SREM", self._set, *gone)
         return [ReplicaInfo.from_json(raw) for raw in raws if raw is not None]
+
+    async def gone(self) -> list[str]:
+        ids = sorted(await self._r.execute("SMEMBERS", self._known))
+        if not ids:
+            return []
+        exists = await self._r.batch([["EXISTS", self._key(i)] for i in ids])
+        _raise_errors(exists)
+        return [i for i, alive in zip(ids, exists, strict=True) if not alive]
+
+    async def forget(self, replica_id: str) -> None:
+        await self._r.execute("SREM", self._known, replica_id)
+
+    async def claim_takeover(self, replica_id: str, owner: str, ttl_s: float) -> bool:
+        key = f"{self._prefix}takeover:{replica_id}"
+        if await self._r.execute("SET", key, owner, "NX", "PX", int(ttl_s * 1000)):
+            return True
+        return await self._r.execute("GET", key) == owner
 
     async def close(self) -> None:
         await self._r.close()

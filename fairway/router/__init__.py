@@ -1,7 +1,8 @@
-"""Router: which replica serves a reply. For now any live replica of the model, least loaded
-first; prefix affinity, overflow and failover come with the router issue. It reads the replica
-registry (fairway.replica.registry), which the replicas write."""
+"""Router: which replica serves a reply (router.py), and failover: the replies of a replica that
+died or drains carry on elsewhere (failover.py). It reads the replica registry
+(fairway.replica.registry), which the replicas write."""
 
+from fairway.router.failover import Failover, FailoverSettings
 from fairway.router.router import NoReplica, Router
 
-__all__ = ["NoReplica", "Router"]
+__all__ = ["Failover", "FailoverSettings", "NoReplica", "Router"]

@@ -42,12 +42,13 @@ class Router:
             self._refreshing = None
 
     async def replicas_for(self, model: str) -> list[ReplicaInfo]:
-        return [r for r in await self.live() if r.model == model]
+        """Live replicas of the model that take new work (not draining)."""
+        return [r for r in await self.live() if r.model == model and not r.draining]
 
     async def place(self, model: str) -> ReplicaInfo:
         candidates = await self.replicas_for(model)
         if not candidates:
-            candidates = [r for r in await self.live(refresh=True) if r.model == model]
+            candidates = [r for r in await self.live(refresh=True) if r.model == model and not r.draining]
         if not candidates:
             raise NoReplica(f"no replica is serving model {model!r} right now; retry shortly")
         least = min(r.load for r in candidates)
