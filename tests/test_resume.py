@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from backends import missing
-from pg_admin import PG_HOST, PG_USER, pg_admin, terminate_lock_waiters
+from pg_admin import PG_HOST, temporary_database, terminate_lock_waiters
 from serving import (
     HERD_MAX_TOKENS,
     MODEL,
@@ -59,13 +59,10 @@ def redis_url(request):
 @pytest.fixture(scope="module")
 def database(redis_url):
     """A database of its own for each Redis the module runs on (its replies' ids are fixed)."""
-    name = f"fairway_test_{uuid.uuid4().hex[:12]}"
-    try:
-        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
-    except OSError as exc:
-        missing("PostgreSQL", f"nothing answers at {PG_HOST}: {exc}")
-    yield f"postgresql://{PG_USER}@{PG_HOST}/{name}"
-    asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    with temporary_database() as url:
+        if url is None:
+            missing("PostgreSQL", f"nothing answers at {PG_HOST}")
+        yield url
 
 
 @pytest.fixture(scope="module")
