@@ -17,6 +17,10 @@ Redis and a temporary PostgreSQL database. Per routing:
 * tokens/s: completion tokens over the wall time from the first request to the last reply;
 * where the replies went (per replica) and why (the gateway's fairway:router_placements).
 
+Each replica runs torch with --replica-threads threads (1: on 2 cores, two OpenMP pools of 2
+would spin against each other). The gateways run without memory (--no-memory): its embeddings
+would share the cores and are no part of routing.
+
 On 2 CPU cores keep --max-tokens small (16 by default): the replicas share those cores. Prints a
 table; results go to bench/results/routing.json. The failover pause and the drain time (issue
 15's other half) are further phases: a phase is a function returning a dict of figures, listed
@@ -160,7 +164,8 @@ async def routing_phase(routing: str, args: argparse.Namespace, workdir: Path, s
         metrics_ports = [relay.free_port() for _ in REGIONS]
         procs = [relay.spawn(["-m", "fairway.cli", "replica", *shared, "--region", region, "--replica-id",
                               f"{routing}-{region}", "--metrics-port", str(port), "--max-model-len", "4096",
-                              "--log-level", "warning"], workdir / f"{routing}-{region}.log")
+                              "--log-level", "warning"], workdir / f"{routing}-{region}.log",
+                             env={"OMP_NUM_THREADS": str(args.replica_threads)})
                  for region, port in zip(REGIONS, metrics_ports, strict=True)]
         port = relay.free_port()
         url = f"http://127.0.0.1:{port}"
@@ -265,7 +270,7 @@ async def main(args: argparse.Namespace) -> None:
         "machine": machine.describe(),
         "workload": {"conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
                      "max_tokens": args.max_tokens, "spacing_s": args.spacing, "think_s": args.think,
-                     "replicas": len(REGIONS), "model": relay.MODEL},
+                     "replicas": len(REGIONS), "replica_threads": args.replica_threads, "model": relay.MODEL},
         "results": results, **summary,
     }, indent=2) + "\n")
     print(f"results: {RESULTS.relative_to(ROOT)}")
@@ -279,6 +284,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (keep it small on 2 cores)")
     p.add_argument("--spacing", type=float, default=1.5, help="seconds between conversations' starts")
     p.add_argument("--think", type=float, default=0.5, help="seconds between a reply and the next turn")
+    p.add_argument("--replica-threads", type=int, default=1,
+                   help="torch threads per replica (1: each of the 2 replicas has a core of a 2-core machine)")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/14")
     p.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
     return p.parse_args()
