@@ -245,7 +245,9 @@ class SyntheticEngine:
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self.engine = SimpleNamespace(max_model_len=1 << 20, max_prompt_tokens=1 << 20,
-                                      kv=SimpleNamespace(max_admissible_tokens=lambda: 1 << 20))
+                                      kv=SimpleNamespace(max_admissible_tokens=lambda: 1 << 20, block_size=16))
+        self.last_stats = SimpleNamespace(kv_blocks_total=0, kv_blocks_used=0)  # what a heartbeat reports
+        self.recent_blocks: tuple[int, ...] = ()  # no prefix cache
         self._aborted: set[str] = set()
         self._waiting: list[asyncio.Future[None]] = []  # replies waiting for the next step
         self._clock: asyncio.Task | None = None

@@ -34,7 +34,7 @@ from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
 from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
-from fairway.router import Failover, Router
+from fairway.router import Failover, Router, RouterSettings
 from fairway.safety import Moderator, SafetySettings, make_moderator
 from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
@@ -65,6 +65,8 @@ class ServerOptions:
     replica_id: str | None = None
     drain_grace_s: float = 30.0  # a replica's SIGTERM: how long its replies get to end there
     max_inflight: int = 256  # replies a replica claims at once; the rest wait in its queue
+    region: str | None = None  # a replica's region (default: FAIRWAY_REGION, else "local")
+    router: RouterSettings = field(default_factory=RouterSettings)  # a gateway's placement
     default_max_tokens: int = 512
     limits: LimitsConfig | None = None  # quotas per tier, admission bounds (default: LimitsConfig())
     pricing: Pricing = field(default_factory=Pricing)  # for the usage records' cost
@@ -186,7 +188,7 @@ def gateway_context(
     tokenizers: dict[str, Any],
     moderator: Moderator | None = None,
 ) -> GatewayContext:
-    router = Router(registry)
+    router = Router(registry, options.router)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
     background = Background()
     index = SqlVectorIndex(database_url(options.database))  # memory's and files' (one pool), opened on first use
@@ -256,6 +258,8 @@ def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
                                max_sentence_chars=options.safety.max_sentence_chars)
     if options.replica_id:
         settings.replica_id = options.replica_id
+    if options.region:
+        settings.region = options.region
     return settings
 
 

@@ -136,6 +136,8 @@ def _server_options(args: argparse.Namespace):
         replica_id=getattr(args, "replica_id", None),
         drain_grace_s=getattr(args, "drain_grace", 30.0),
         max_inflight=getattr(args, "max_inflight", 256),
+        region=getattr(args, "region", None),
+        router=_router_settings(args),
         default_max_tokens=getattr(args, "default_max_tokens", 512),
         limits=_limits_config(args),
         pricing=_pricing(args),
@@ -145,6 +147,15 @@ def _server_options(args: argparse.Namespace):
         files=getattr(args, "files", None),
         safety=_safety_settings(args),
     )
+
+
+def _router_settings(args: argparse.Namespace):
+    from fairway.router import RouterSettings
+
+    default = RouterSettings()
+    return RouterSettings(routing=getattr(args, "routing", default.routing),
+                          overflow_abs=getattr(args, "overflow_abs", default.overflow_abs),
+                          overflow_rel=getattr(args, "overflow_rel", default.overflow_rel))
 
 
 def _safety_settings(args: argparse.Namespace):
@@ -346,6 +357,21 @@ def _limits_args(p: argparse.ArgumentParser) -> None:
                    "(default: half the prompt price)")
 
 
+def _router_args(p: argparse.ArgumentParser) -> None:
+    from fairway.router import ROUTINGS, RouterSettings
+
+    default = RouterSettings()
+    g = p.add_argument_group("routing (fairway/router/)")
+    g.add_argument("--routing", default=default.routing, choices=ROUTINGS,
+                   help="affinity: the replica with most of the prompt's prefix cached, unless overloaded; "
+                        "round-robin: each replica in turn (for comparison)")
+    g.add_argument("--overflow-abs", type=int, default=default.overflow_abs, metavar="N",
+                   help="pass over the best-scoring replica when it has more than N replies more than the least "
+                        "loaded ...")
+    g.add_argument("--overflow-rel", type=float, default=default.overflow_rel, metavar="X",
+                   help="... and more than X times the least loaded one's load more")
+
+
 def _safety_args(p: argparse.ArgumentParser, stages: tuple[str, ...]) -> None:
     g = p.add_argument_group("safety (fairway/safety/)")
     g.add_argument("--safety-policy", default=None, metavar="PATH",
@@ -425,6 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes (SO_REUSEPORT)")
     gw.add_argument("--default-max-tokens", type=int, default=512)
+    _router_args(gw)
     _limits_args(gw)
     _memory_files_args(gw)
     _safety_args(gw, ("input",))
@@ -441,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="replies claimed at once; more wait in this replica's queue (a failover moves them too)")
     r.add_argument("--drain-grace", type=float, default=30.0,
                    help="on SIGTERM, seconds the replies in flight get to finish here before they are handed on")
+    r.add_argument("--region", default=None, help="the region it serves, for requests that name one "
+                   "(X-Fairway-Region; default: FAIRWAY_REGION, else 'local')")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
     r.add_argument("--metrics-host", default="127.0.0.1")

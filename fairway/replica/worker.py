@@ -26,8 +26,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import statistics
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
@@ -49,7 +52,8 @@ from fairway.relay import (
     TokenLog,
 )
 from fairway.replica.job import GenerationJob, replica_queue
-from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
+from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
+from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.safety import HoldBack, ModerationResult, Moderator, OutputMode
 from fairway.usage import metrics
@@ -67,7 +71,9 @@ class ReplicaSettings:
     replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:8]}")
     idle_cancel_s: float = 30.0  # nobody listening this long cancels the reply
     idle_check_s: float = 1.0  # how often listeners are checked
-    heartbeat_s: float = 1.0  # registry announcements; the registry's ttl is a few of these
+    heartbeat_s: float = 0.5  # registry announcements; the registry's ttl (2 s) is a few of these
+    region: str = field(default_factory=lambda: os.environ.get("FAIRWAY_REGION") or DEFAULT_REGION)
+    prefix_summary_blocks: int = DEFAULT_CAPACITY  # cached blocks the heartbeat describes (most recent)
     max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
     output_mode: OutputMode = "check-then-release"  # the output check's (when the worker has a moderator)
     max_sentence_chars: int = 300
@@ -158,23 +164,51 @@ class ReplicaWorker:
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self.draining = False
+        self._started_at = time.time()
+        self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
+        self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
+        engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
     def id(self) -> str:
         return self.settings.replica_id
 
-    def info(self) -> ReplicaInfo:
+    def info(self, queued: dict[Lane, int] | None = None) -> ReplicaInfo:
+        """The announcement: queued is its queue's depth per lane (waiting, with what it claimed
+        and has not started)."""
         engine = self.engine.engine
+        running: dict[str, int] = {}
+        waiting = {str(lane): n for lane, n in (queued or {}).items() if n}
+        for job in self._running.values():
+            lanes = running if job.first_token_at is not None else waiting
+            lanes[job.job.lane] = lanes.get(job.job.lane, 0) + 1
+        stats = self.engine.last_stats
         return ReplicaInfo(
             id=self.id,
             model=self.settings.model,
             queue=self.queue,
             max_model_len=engine.max_model_len,
             max_prompt_tokens=engine.max_prompt_tokens,
-            load=len(self._running),
+            load=sum(running.values()) + sum(waiting.values()),
             capacity=self.settings.max_inflight,
             draining=self.draining,
+            started_at=self._started_at,
+            region=self.settings.region,
+            running=running,
+            waiting=waiting,
+            free_kv_blocks=stats.kv_blocks_total - stats.kv_blocks_used,
+            kv_blocks=stats.kv_blocks_total,
+            ttft_s=statistics.median(self._ttfts) if self._ttfts else None,
+            block_size=engine.kv.block_size,
+            prefix=self._prefix_summary(),
         )
+
+    def _prefix_summary(self) -> PrefixSummary:
+        """The engine's latest snapshot of its cached blocks, summarised once per snapshot."""
+        blocks = self.engine.recent_blocks
+        if self._summary is None or self._summary[0] is not blocks:
+            self._summary = (blocks, PrefixSummary.of(blocks, self.settings.prefix_summary_blocks))
+        return self._summary[1]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -285,7 +319,7 @@ class ReplicaWorker:
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
             try:
-                await self.registry.announce(self.info())
+                await self.registry.announce(self.info(await self.relay.jobs.depth(queue=self.queue)))
             except Exception:  # a blip must not kill the replica; the next beat retries
                 log.warning("heartbeat failed", exc_info=True)
 
@@ -428,6 +462,7 @@ class ReplicaWorker:
         for _ in outs:
             if running.first_token_at is None:
                 running.first_token_at = time.time()
+                self._ttfts.append(max(0.0, running.first_token_at - running.started))
             elif running.last_token_at is not None:
                 if running.inter_token is None:
                     running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)

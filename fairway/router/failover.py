@@ -110,7 +110,7 @@ class Failover:
         except (KeyError, TypeError, ValueError):
             log.error("failover: dropping malformed job %r of replica %s", claimed.job, replica_id)
             return True
-        target = await self.router.place(job.model)
+        target = await self.router.place(job.model, job.prompt_token_ids)
         if target.id == replica_id:
             return False
         job.attempt += 1
