@@ -4,6 +4,8 @@ is extracted, listed, injected into the next conversation's system block, and go
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -95,6 +97,10 @@ async def test_a_user_without_memories_costs_a_turn_no_embedding(vector_db):
         block = await service.block("new_user", "conv_first", "Suggest a snack for my hike")
         assert block.memories == [] and block.message is None
         assert (await service.block("new_user", "conv_first", "And a drink?")).memories == []
+        for _ in range(50):  # the turns are noted for idle extraction a moment later, together
+            if [c for _, c, _ in await service.store.idle_conversations(0.0)] == ["conv_first"]:
+                break
+            await asyncio.sleep(0.05)
         assert [c for _, c, _ in await service.store.idle_conversations(0.0)] == ["conv_first"]
     finally:
         await service.close()

@@ -554,6 +554,32 @@ async def test_bus_claims_a_batch_from_the_first_lane_with_work(backend: Backend
     assert [j.job["n"] for j in await asyncio.wait_for(waiting, 5)] == ["late"]
 
 
+async def test_a_claimed_job_stays_in_its_queue_until_acknowledged(backend: Backend) -> None:
+    """At least once: what a replica claimed is still there for a failover if it dies before
+    acking; unfinished() lists it (claimed first, then what waits), ack() removes it."""
+    gateway, replica, failover = backend.jobs(), backend.jobs(), backend.jobs()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    for n in ("a", "b", "c"):
+        await gateway.submit({"n": n}, Lane.FREE, queue=q)
+    await gateway.submit({"n": "bg"}, Lane.BACKGROUND, queue=q)
+    running = await replica.claim_many(queue=q, max_count=2)
+    assert [j.job["n"] for j in running] == ["a", "b"]
+    assert await replica.depth(queue=q) == {Lane.PAID: 0, Lane.FREE: 1, Lane.BACKGROUND: 1}
+    left = await failover.unfinished(queue=q)
+    assert [(j.lane, j.job["n"]) for j in left] == [(Lane.FREE, "a"), (Lane.FREE, "b"), (Lane.FREE, "c"),
+                                                   (Lane.BACKGROUND, "bg")]
+    assert [j.job["n"] for j in await failover.unfinished(queue=q, waiting_only=True)] == ["c", "bg"]
+    await replica.ack(running[:1], queue=q)  # "a" ended
+    assert [j.job["n"] for j in await failover.unfinished(queue=q)] == ["b", "c", "bg"]
+    # A failover hands on "b" (claimed) and "c" (waiting), acking each in the dead queue.
+    await failover.ack([j for j in left if j.job["n"] in ("b", "c")], queue=q)
+    assert [j.job["n"] for j in await failover.unfinished(queue=q)] == ["bg"]
+    assert [j.job["n"] for j in await replica.claim_many(queue=q, max_count=5)] == ["bg"]  # never "c" again
+    await failover.delete(queue=q)
+    assert await failover.unfinished(queue=q) == []
+    assert await replica.claim(queue=q) is None
+
+
 async def test_bus_blocked_claim_wakes_on_submit(backend: Backend) -> None:
     gateway, replica = backend.jobs(), backend.jobs()
     q = f"q{uuid.uuid4().hex[:6]}"

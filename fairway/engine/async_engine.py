@@ -35,6 +35,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    output_token_ids: list[int]
 
 
 @dataclass
@@ -79,18 +80,21 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = Priority.PAID) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, the last with a finish reason. Leaving the loop early aborts it."""
+                       priority: int = Priority.PAID,
+                       output_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, the last with a finish reason. Leaving the loop early aborts it.
+        output_token_ids: what it generated already elsewhere (LLMEngine.add_request)."""
         if self.error is not None:
             raise EngineDead(f"engine stopped: {self.error}")
-        self.engine.check_prompt(len(prompt_token_ids))  # reject before admission, in the caller
+        output_token_ids = list(output_token_ids or [])
+        self.engine.check_prompt(len(prompt_token_ids) + len(output_token_ids))  # reject now, in the caller
         self.start()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, output_token_ids))
         self._wake.set()
         finished = False
         try:
@@ -153,7 +157,8 @@ class AsyncEngine:
                 self.engine.abort(item)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority,
+                                        output_token_ids=item.output_token_ids)
             except Exception as exc:  # one bad request fails alone; the loop serves everyone else
                 self._deliver_to(item.request_id, exc)
 

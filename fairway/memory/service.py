@@ -189,8 +189,8 @@ class MemoryService:
             return MemoryBlock()
         if state.block is not None:
             found = await self.store.get_many(user_id, state.block)
-            await self.store.note_turn(user_id, conversation_id)
+            self.store.note_turn_soon(user_id, conversation_id)
             return MemoryBlock([found[i] for i in state.block if i in found])
         chosen = await self.recall(user_id, first_message, count_tokens) if state.has_memories else []
-        await self.store.note_turn(user_id, conversation_id, [m.memory_id for m in chosen])
+        self.store.note_turn_soon(user_id, conversation_id, [m.memory_id for m in chosen])
         return MemoryBlock(chosen)

@@ -26,10 +26,13 @@ class GenerationJob:
     lane: str = Lane.FREE.value
     tier: str = ""  # the user's tier (metrics labels); the lane is what schedules
     submitted_at: float = 0.0  # wall clock (epoch s) when the gateway submitted it: TTFT counts from here
+    # Times a failover handed it on. From 1 the reply may have tokens in its log already: the
+    # replica carries on after them (worker.serve).
+    attempt: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        # A copy, of plain data. (dataclasses.asdict deep-copies the prompt's token ids one by one:
-        # ~60 us a call, twice per chat request.)
+        # A copy, of plain data. (dataclasses.asdict deep-copies the prompt's token ids one by one,
+        # and this runs twice per chat request.)
         return {**vars(self), "prompt_token_ids": list(self.prompt_token_ids),
                 "sampling": {k: list(v) if isinstance(v, list) else v for k, v in self.sampling.items()}}
 
@@ -43,4 +46,5 @@ class GenerationJob:
             lane=str(data.get("lane") or Lane.FREE.value),
             tier=str(data.get("tier") or ""),
             submitted_at=float(data.get("submitted_at") or 0.0),
+            attempt=int(data.get("attempt") or 0),
         )

@@ -1,7 +1,9 @@
 """The replica registry: each replica announces itself every heartbeat (ReplicaSettings.heartbeat_s,
 0.5 s): its model, region and window, its load, and a summary of the prefix blocks it caches. An
 announcement expires after ttl_s (2 s), so a replica that stops heartbeating drops out of routing
-in about 2 s without anyone having to notice it died.
+in about 2 s without anyone having to notice it died. The registry also remembers every replica
+that ever announced until a failover has handed on what its queue held (gone(), forget()), and
+lets one process at a time take a gone replica's work over (claim_takeover).
 
 The replica writes it and the router reads it, so it lives with the replica (the lower part).
 """
@@ -39,6 +41,7 @@ class ReplicaInfo:
     max_prompt_tokens: int  # the longest prompt its KV cache could ever admit
     load: int = 0  # replies in flight: running + waiting, all lanes (what routers compare)
     capacity: int = 0  # replies it runs at once
+    draining: bool = False  # leaving (SIGTERM): place nothing more here
     started_at: float = field(default_factory=time.time)
     region: str = DEFAULT_REGION
     # Load per lane: generating (first token out), and waiting (claimed and not started, or still
@@ -86,6 +89,20 @@ class ReplicaRegistry(ABC):
     async def live(self) -> list[ReplicaInfo]:
         """Replicas whose last announcement has not expired, each with its expires_at."""
 
+    @abstractmethod
+    async def gone(self) -> list[str]:
+        """Replicas that announced, then expired or withdrew, and have not been forgotten: each
+        may have left jobs in its queue for a failover to hand on."""
+
+    @abstractmethod
+    async def forget(self, replica_id: str) -> None:
+        """Its queue has been handed on: no longer gone()."""
+
+    @abstractmethod
+    async def claim_takeover(self, replica_id: str, owner: str, ttl_s: float) -> bool:
+        """Whether owner may hand on the gone replica's work now: True for one claimant at a
+        time, for ttl_s (if it dies meanwhile, another claims it after that)."""
+
     async def close(self) -> None:  # noqa: B027  (optional hook: only Redis has connections)
         """Release connections; the in-process registry has none."""
 
@@ -94,9 +111,12 @@ class InProcessRegistry(ReplicaRegistry):
     def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
         self.ttl_s = ttl_s
         self._replicas: dict[str, tuple[float, ReplicaInfo]] = {}
+        self._known: set[str] = set()
+        self._takeovers: dict[str, tuple[float, str]] = {}
 
     async def announce(self, info: ReplicaInfo) -> None:
         self._replicas[info.id] = (time.monotonic() + self.ttl_s, info)
+        self._known.add(info.id)
 
     async def withdraw(self, replica_id: str) -> None:
         self._replicas.pop(replica_id, None)
@@ -105,6 +125,21 @@ class InProcessRegistry(ReplicaRegistry):
         now = time.monotonic()
         return [dataclasses.replace(info, expires_at=deadline)
                 for deadline, info in self._replicas.values() if deadline > now]
+
+    async def gone(self) -> list[str]:
+        live = {info.id for info in await self.live()}
+        return sorted(self._known - live)
+
+    async def forget(self, replica_id: str) -> None:
+        self._known.discard(replica_id)
+
+    async def claim_takeover(self, replica_id: str, owner: str, ttl_s: float) -> bool:
+        now = time.monotonic()
+        until, holder = self._takeovers.get(replica_id, (0.0, ""))
+        if until > now and holder != owner:
+            return False
+        self._takeovers[replica_id] = (now + ttl_s, owner)
+        return True
 
 
 class RedisRegistry(ReplicaRegistry):
@@ -125,9 +160,13 @@ class RedisRegistry(ReplicaRegistry):
     def _set(self) -> str:
         return f"{self._prefix}replicas"
 
+    @property
+    def _known(self) -> str:
+        return f"{self._prefix}replicas:known"
+
     async def announce(self, info: ReplicaInfo) -> None:
         _raise_errors(await self._r.batch([["SET", self._key(info.id), info.to_json(), "PX", int(self.ttl_s * 1000)],
-                                           ["SADD", self._set, info.id]]))
+                                           ["SADD", self._set, info.id], ["SADD", self._known, info.id]]))
 
     async def withdraw(self, replica_id: str) -> None:
         _raise_errors(await self._r.batch([["DEL", self._key(replica_id)], ["SREM", self._set, replica_id]]))
@@ -157,6 +196,23 @@ class RedisRegistry(ReplicaRegistry):
             info.expires_at = asked + int(ttl_ms) / 1000
             live.append(info)
         return live
+
+    async def gone(self) -> list[str]:
+        ids = sorted(await self._r.execute("SMEMBERS", self._known))
+        if not ids:
+            return []
+        exists = await self._r.batch([["EXISTS", self._key(i)] for i in ids])
+        _raise_errors(exists)
+        return [i for i, alive in zip(ids, exists, strict=True) if not alive]
+
+    async def forget(self, replica_id: str) -> None:
+        await self._r.execute("SREM", self._known, replica_id)
+
+    async def claim_takeover(self, replica_id: str, owner: str, ttl_s: float) -> bool:
+        key = f"{self._prefix}takeover:{replica_id}"
+        if await self._r.execute("SET", key, owner, "NX", "PX", int(ttl_s * 1000)):
+            return True
+        return await self._r.execute("GET", key) == owner
 
     async def close(self) -> None:
         await self._r.close()

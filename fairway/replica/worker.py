@@ -6,6 +6,14 @@ token log, so every listener and every resumed stream sees the same events: the 
 is held back until it is checked, and a flagged one is never appended; the reply ends at once
 (finish_reason content_filter, state FLAGGED) and keeps the text released before it.
 
+Jobs are delivered at least once: the worker acknowledges a job when its reply has ended, so a
+replica that dies leaves its claimed jobs in its queue for a failover (fairway/router/failover.py)
+to hand to another replica, which carries the reply on after the tokens already in its log
+(serve). Of two producers of one reply (a failover raced a slow replica) the second fails at its
+first append and drops the reply without a word: the client sees one reply. SIGTERM drains
+(drain): the replica leaves routing, finishes what it can within a grace period and leaves the
+rest, unacknowledged and with their tokens logged, for a failover to carry on elsewhere.
+
 Per reply it also honours Stop (from any gateway, through the token log's stop requests) and
 cancels replies nobody has listened to for idle_cancel_s. Either way the engine drops the
 sequence at its next step and frees its blocks, and the text so far is kept (state STOPPED).
@@ -23,13 +31,26 @@ import statistics
 import time
 import uuid
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from fairway.domain import PRIORITY_OF_LANE, Lane, Priority
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
-from fairway.relay import FinalEvent, Inbox, Relay, RelayError, ReplyState, TokenEvent, TokenLog
+from fairway.relay import (
+    ClaimedJob,
+    EventOutOfOrder,
+    FinalEvent,
+    Inbox,
+    Relay,
+    RelayError,
+    RelayUnavailable,
+    ReplyFinished,
+    ReplyNotFound,
+    ReplyState,
+    TokenEvent,
+    TokenLog,
+)
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
 from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
@@ -39,7 +60,9 @@ from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
 
-CancelCause = Literal["stop", "idle", "shutdown"]
+# handoff: a drain ran out of time; the reply is left for another replica to carry on.
+CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,6 +77,7 @@ class ReplicaSettings:
     max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
     output_mode: OutputMode = "check-then-release"  # the output check's (when the worker has a moderator)
     max_sentence_chars: int = 300
+    drain_grace_s: float = 30.0  # SIGTERM: how long the replies in flight get to finish here
 
 
 class _Appender:
@@ -87,9 +111,10 @@ class _Appender:
         task.add_done_callback(self._writes.discard)
 
     async def _write(self, batch: list[tuple[str, TokenEvent, asyncio.Future[int]]]) -> None:
+        items = [(reply_id, event) for reply_id, event, _ in batch]
         try:
-            results = await self._log.append_many([(reply_id, event) for reply_id, event, _ in batch])
-        except Exception as exc:  # an outage fails every append of the batch
+            results = await _through_outages(lambda: self._log.append_many(items), "append tokens")
+        except Exception as exc:  # an outage longer than the retries fails every append of the batch
             for _, _, done in batch:
                 if not done.done():
                     done.set_exception(exc)
@@ -98,9 +123,11 @@ class _Appender:
             for _, _, done in batch:
                 done.cancel()
             raise
-        for (_, _, done), result in zip(batch, results, strict=True):
+        for (_, event, done), result in zip(batch, results.value, strict=True):
             if done.done():
                 continue  # its reply was cancelled meanwhile
+            if results.retried and isinstance(result, EventOutOfOrder) and result.last_n >= event.n:
+                result = event.n  # written by the try that lost its answer to the outage
             if isinstance(result, Exception):
                 done.set_exception(result)
             else:
@@ -117,6 +144,7 @@ class _Running:
     first_token_at: float | None = None
     last_token_at: float | None = None  # monotonic, for inter-token latency
     inter_token: Any = None  # its histogram's child for the job's model and tier: labels() per token costs
+    resumed_at: int = 0  # n of the last event logged before this replica took the reply on
 
 
 class ReplicaWorker:
@@ -135,6 +163,7 @@ class ReplicaWorker:
         self._capacity = asyncio.Semaphore(settings.max_inflight)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
+        self.draining = False
         self._started_at = time.time()
         self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
@@ -162,6 +191,7 @@ class ReplicaWorker:
             max_prompt_tokens=engine.max_prompt_tokens,
             load=sum(running.values()) + sum(waiting.values()),
             capacity=self.settings.max_inflight,
+            draining=self.draining,
             started_at=self._started_at,
             region=self.settings.region,
             running=running,
@@ -198,6 +228,28 @@ class ReplicaWorker:
         finally:
             await self.stop()
 
+    async def drain(self) -> None:
+        """Leave routing and stop claiming at once (announced as draining: routers place nothing
+        more here, a failover moves what still waits in the queue), give the replies in flight
+        drain_grace_s to end here, then hand the rest on: each stops where its log is, its job
+        left unacknowledged, and once the replica has withdrawn a gateway's failover carries it on
+        elsewhere. Then stop. The clients see a pause, no error."""
+        self.draining = True
+        if self._loops:
+            self._loops[0].cancel()  # the claim loop
+        with contextlib.suppress(Exception):
+            await self.registry.announce(self.info())
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.settings.drain_grace_s)
+        handed = list(self._running)
+        for reply_id in handed:
+            self._cancel(reply_id, "handoff")
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        if handed:
+            log.info("drained: %d replies handed on to other replicas", len(handed))
+        await self.stop()
+
     async def stop(self) -> None:
         """Leave routing, end the replies in flight (their clients get a final event), stop."""
         with contextlib.suppress(Exception):
@@ -221,13 +273,18 @@ class ReplicaWorker:
             await self._capacity.acquire()  # claim only what we can run: the rest stays for others
             try:
                 claimed = await self.relay.jobs.claim(queue=self.queue, timeout=None)
+            except RelayError:  # Redis away for a moment: claim again shortly
+                self._capacity.release()
+                log.warning("claiming jobs failed; retrying", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
             except BaseException:
                 self._capacity.release()
                 raise
             if claimed is None:
                 self._capacity.release()
                 continue
-            task = asyncio.create_task(self._serve_claimed(claimed.job))
+            task = asyncio.create_task(self._serve_claimed(claimed))
             self._tasks.add(task)
             task.add_done_callback(self._done)
 
@@ -274,22 +331,33 @@ class ReplicaWorker:
 
     # -- one reply ---------------------------------------------------------------------------
 
-    async def _serve_claimed(self, raw: dict) -> None:
+    async def _serve_claimed(self, claimed: ClaimedJob) -> None:
         try:
-            job = GenerationJob.from_dict(raw)
+            job = GenerationJob.from_dict(claimed.job)
         except (KeyError, TypeError, ValueError):
-            log.error("dropping malformed job %r", raw)
+            log.error("dropping malformed job %r", claimed.job)
+            await self._ack(claimed)
             return
         try:
-            await self.serve(job)
+            done = await self.serve(job)
         except Exception:
             log.exception("reply %s failed", job.reply_id)
+            done = True
+        if done:
+            await self._ack(claimed)
 
-    async def serve(self, job: GenerationJob) -> None:
-        """Generate one reply into its token log, then report how it ended."""
+    async def _ack(self, claimed: ClaimedJob) -> None:
+        try:
+            await self.relay.jobs.ack([claimed], queue=self.queue)
+        except RelayError:  # it may run again elsewhere after a failover: its first append then fails
+            log.warning("could not acknowledge job %s", claimed.id, exc_info=True)
+
+    async def serve(self, job: GenerationJob) -> bool:
+        """Generate one reply into its token log, then report how it ended. False when the
+        reply is left for another replica (a drain's handoff): its job stays unacknowledged."""
         if job.reply_id in self._running:
             log.warning("reply %s is already running here; ignoring the duplicate job", job.reply_id)
-            return
+            return True
         running = self._running[job.reply_id] = _Running(job)
         if job.submitted_at:
             running.started = min(job.submitted_at, running.started)
@@ -297,10 +365,16 @@ class ReplicaWorker:
             final = await self._generate(running)
         finally:
             del self._running[job.reply_id]
+        if running.cancelled == "handoff":
+            return False
+        if final is None:  # another producer has the reply, or it had ended already
+            return True
         final_n = await self._finish_log(job.reply_id, final)
         await self._report(running, final, final_n)
+        return True
 
-    async def _generate(self, running: _Running) -> FinalEvent:
+    async def _generate(self, running: _Running) -> FinalEvent | None:
+        """The reply's final event; None when it is not this replica's to end."""
         job = running.job
         if await self.relay.log.stop_requested(job.reply_id):  # stopped while it waited in the queue
             return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED)
@@ -308,13 +382,19 @@ class ReplicaWorker:
             params = SamplingParams(**job.sampling)
         except (TypeError, ValueError) as exc:
             return _failed(f"bad sampling parameters: {exc}")
+        generated: list[int] = []
+        if job.attempt:
+            resumed = await self._resume_point(running)
+            if resumed is None:
+                return None
+            generated = resumed
         await self._report(running, None, 0)
         last: RequestOutput | None = None
         flagged: ModerationResult | None = None
         hold = (HoldBack[RequestOutput](self.moderator, self.settings.output_mode, self.settings.max_sentence_chars)
                 if self.moderator is not None else None)
         priority = PRIORITY_OF_LANE.get(Lane(job.lane), Priority.FREE)
-        outputs = self.engine.generate(job.reply_id, job.prompt_token_ids, params, priority)
+        outputs = self.engine.generate(job.reply_id, job.prompt_token_ids, params, priority, generated)
         try:
             # aclosing: leaving early (a token log failure, a flagged sentence) aborts the sequence
             # in the engine now; it leaves the batch at the next step.
@@ -332,12 +412,21 @@ class ReplicaWorker:
                         if checked.flagged is not None:
                             flagged = checked.flagged
                             break
-            if hold is not None and flagged is None and running.cancelled != "shutdown":
+            if hold is not None and flagged is None and running.cancelled not in ("shutdown", "handoff"):
                 checked = await hold.finish()  # the last sentence, also of a stopped reply
                 await self._append(running, checked.release)
                 flagged = checked.flagged
         except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
+            if generated and last is None and not isinstance(exc, EngineDead):
+                # A continuation whose context plus what was said no longer fits: it ran out of room.
+                return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, len(job.prompt_token_ids), 0,
+                                  len(generated))
             return _failed(str(exc), last)
+        except EventOutOfOrder:
+            if not running.events or running.events == running.resumed_at:
+                log.info("reply %s: another replica produces it; dropping this copy", job.reply_id)
+                return None
+            return _failed("token log: another producer wrote to the reply", last)
         except RelayError as exc:
             return _failed(f"token log: {exc}", last)
         if flagged is not None:
@@ -346,6 +435,22 @@ class ReplicaWorker:
         if last is None or last.finish_reason is None:
             return _failed("the engine ended the reply without a finish reason", last)
         return _final(last, running.cancelled)
+
+    async def _resume_point(self, running: _Running) -> list[int] | None:
+        """A reply handed on by a failover: what its log holds already (its events carry on after
+        them, its text starts with theirs), as the token ids generated so far; None if it has
+        ended already (its final event is logged)."""
+        reply_id = running.job.reply_id
+        try:
+            events = await self.relay.log.read(reply_id)
+        except ReplyNotFound:  # the log expired: the reply starts over (its first append makes one)
+            return []
+        if any(isinstance(e, FinalEvent) for e in events):
+            return None
+        tokens = [e for e in events if isinstance(e, TokenEvent)]
+        running.events = running.resumed_at = tokens[-1].n if tokens else 0
+        running.text = [e.text for e in tokens]
+        return [t for e in tokens for t in e.token_ids]
 
     async def _append(self, running: _Running, outs: Sequence[RequestOutput]) -> None:
         """Append these tokens (released by the output check) as the reply's next events. Latency
@@ -376,7 +481,9 @@ class ReplicaWorker:
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
-            return await self.relay.log.finish(reply_id, final)
+            return (await _through_outages(lambda: self.relay.log.finish(reply_id, final), "finish")).value
+        except ReplyFinished:  # a try that lost its answer to an outage had written it
+            return await self.relay.log.last_event_id(reply_id)
         except RelayError:
             log.exception("reply %s: could not write its final event", reply_id)
             return 0
@@ -411,6 +518,28 @@ class ReplicaWorker:
 
 # A Redis restart takes a second or two; a blip, less (the connection itself retries twice).
 REPORT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# Token appends and the final event, the same: the engine goes on generating meanwhile (its
+# outputs wait in the reply's stream), and the log catches up once Redis is back.
+LOG_RETRY_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
+
+
+@dataclass
+class _Tried(Generic[T]):
+    value: T
+    retried: bool  # an earlier try failed with an outage: its writes may have happened
+
+
+async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
+    """call(), again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
+    for attempt, delay in enumerate((*LOG_RETRY_DELAYS_S, None)):
+        try:
+            return _Tried(await call(), attempt > 0)
+        except RelayUnavailable:
+            if delay is None:
+                raise
+            log.warning("token log unreachable (%s); retrying in %.2f s", what, delay)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:

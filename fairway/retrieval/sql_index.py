@@ -127,6 +127,18 @@ class SqlTables:
             await self.hot.close()
         await self.engine.dispose()
 
+    async def rows_many(self, statement: sa.Executable, params_list: Sequence[Mapping[str, Any]]) -> None:
+        """One prebuilt statement per set of parameters (the same names in each), in one round
+        trip (PostgreSQL: pipelined in one transaction) or one transaction (SQLite)."""
+        if not params_list:
+            return
+        if self.hot is not None:
+            await self.hot.fetch_many(statement, params_list)
+            return
+        async with self.engine.begin() as conn:
+            for params in params_list:
+                await conn.execute(statement, params)
+
     async def rows(self, statement: sa.Executable, params: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
         """One prebuilt statement (its values as bind parameters), alone: its rows. A write
         commits by itself."""

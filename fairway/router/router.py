@@ -67,14 +67,15 @@ class Router:
             self._refreshing = None
 
     async def replicas_for(self, model: str) -> list[ReplicaInfo]:
-        return [r for r in await self.live() if r.model == model]
+        """Live replicas of the model that take new work (not draining)."""
+        return [r for r in await self.live() if r.model == model and not r.draining]
 
     async def serving(self, model: str) -> list[ReplicaInfo]:
         """The live replicas of the model, after a fresh look when the cached view has none
         (one may have just started). Raises NoReplica."""
         candidates = await self.replicas_for(model)
         if not candidates:
-            candidates = [r for r in await self.live(refresh=True) if r.model == model]
+            candidates = [r for r in await self.live(refresh=True) if r.model == model and not r.draining]
         if not candidates:
             raise NoReplica(f"No replica is serving model {model!r} right now; retry in a few seconds.")
         return candidates
