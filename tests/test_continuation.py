@@ -234,3 +234,40 @@ async def test_a_reply_carries_on_through_a_redis_restart(private_redis, real_mo
     assert [e.n for e in events] == list(range(1, len(whole) + 2))
     assert isinstance(events[-1], FinalEvent) and events[-1].state == ReplyState.FINISHED, events[-1]
     assert "".join(e.text for e in events[:-1]) == whole_text
+
+
+async def test_a_drain_hands_on_what_it_cannot_finish_in_its_grace(real_model_fp32, real_tokenizer):
+    """SIGTERM's drain: the reply that outlives the grace period gets no final event from the
+    draining replica, its job stays in the queue, and the failover's replica finishes it whole."""
+    prompt = real_tokenizer.encode(PROMPT)
+    params = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    whole, _ = run(fp32_engine(real_model_fp32, real_tokenizer), prompt, SamplingParams(**params))
+    relay, registry = make_relay(None), InProcessRegistry(ttl_s=60)
+    engines = [AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer)) for _ in range(2)]
+    a = ReplicaWorker(engines[0], relay, registry, ReplicaSettings(model="m", replica_id="a", drain_grace_s=0.05))
+    b = ReplicaWorker(engines[1], relay, registry, ReplicaSettings(model="m", replica_id="b"))
+    try:
+        running = asyncio.create_task(a.run())  # as `fairway replica` runs it
+        while not await registry.live():
+            await asyncio.sleep(0.01)
+        await relay.launch("rep4", GenerationJob("rep4", "m", prompt, params).to_dict(), Lane.PAID, queue=a.queue)
+        for _ in range(3000):
+            if await relay.log.last_event_id("rep4") >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await a.drain()
+        await asyncio.wait_for(running, 10)
+        logged = await relay.log.read("rep4")
+        assert logged and not any(isinstance(e, FinalEvent) for e in logged)  # no error ended it
+        assert [j.job["reply_id"] for j in await relay.jobs.unfinished(queue=a.queue)] == ["rep4"]
+        assert await registry.gone() == ["a"]
+        await b.start()
+        assert await Failover(registry, relay, Router(registry, cache_s=0)).sweep() == 1
+        events = await events_of(relay, "rep4")
+        assert [e.n for e in events] == list(range(1, len(whole) + 2))
+        assert [t for e in events[:-1] for t in e.token_ids] == whole
+        assert events[-1].state == ReplyState.FINISHED
+    finally:
+        await b.stop()
+        for engine in engines:
+            engine.shutdown()

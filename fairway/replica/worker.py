@@ -164,6 +164,7 @@ class ReplicaWorker:
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self.draining = False
+        self._claiming: asyncio.Future[ClaimedJob | None] | None = None  # the claim loop's wait
         self._started_at = time.time()
         self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
@@ -221,10 +222,14 @@ class ReplicaWorker:
             self._loops.append(asyncio.create_task(loop(), name=f"{self.id}:{loop.__name__}"))
 
     async def run(self) -> None:
-        """start() and serve until cancelled."""
+        """start() and serve until cancelled, or until drain() (or stop()) ends the loops."""
         await self.start()
         try:
             await asyncio.gather(*self._loops)
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is None or me.cancelling():
+                raise  # this task was cancelled; otherwise stop() ended the loops: a normal end
         finally:
             await self.stop()
 
@@ -235,8 +240,8 @@ class ReplicaWorker:
         left unacknowledged, and once the replica has withdrawn a gateway's failover carries it on
         elsewhere. Then stop. The clients see a pause, no error."""
         self.draining = True
-        if self._loops:
-            self._loops[0].cancel()  # the claim loop
+        if self._claiming is not None:
+            self._claiming.cancel()  # the claim loop's wait: the loop then ends (run() goes on)
         with contextlib.suppress(Exception):
             await self.registry.announce(self.info())
         if self._tasks:
@@ -269,10 +274,17 @@ class ReplicaWorker:
     # -- loops -------------------------------------------------------------------------------
 
     async def _claim_loop(self) -> None:
-        while True:
+        while not self.draining:
             await self._capacity.acquire()  # claim only what we can run: the rest stays for others
+            self._claiming = asyncio.ensure_future(self.relay.jobs.claim(queue=self.queue, timeout=None))
             try:
-                claimed = await self.relay.jobs.claim(queue=self.queue, timeout=None)
+                claimed = await self._claiming
+            except asyncio.CancelledError:
+                self._capacity.release()
+                me = asyncio.current_task()
+                if self.draining and me is not None and not me.cancelling():
+                    return  # drain() stopped the claims, not a cancel of this loop
+                raise
             except RelayError:  # Redis away for a moment: claim again shortly
                 self._capacity.release()
                 log.warning("claiming jobs failed; retrying", exc_info=True)
