@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
@@ -14,11 +13,19 @@ from fairway.models.bundled import ModelFileError
 from fairway.models.loader import load_model
 
 
-def test_second_gguf_load_is_fast(model_path):
+def test_a_second_gguf_load_reads_the_cache_without_dequantizing(model_path, monkeypatch):
+    """The first load dequantizes the GGUF and caches it; later ones only read that cache (which
+    is what makes them take a fraction of the time: bench/README.md, not a timed test here)."""
+    import gguf
+
     load_model(model_path)  # dequantizes and caches on first use
-    t0 = time.perf_counter()
-    load_model(model_path, torch.bfloat16)
-    assert time.perf_counter() - t0 < 3.0
+
+    def no_dequantizing(*_args, **_kwargs):
+        raise AssertionError("a cached load dequantized the GGUF again")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", no_dequantizing)
+    model = load_model(model_path, torch.bfloat16)
+    assert next(model.parameters()).dtype == torch.bfloat16
 
 
 def test_hf_safetensors_folder_gives_the_same_tokens(tmp_path, hf_model, real_model_fp32, real_tokenizer):

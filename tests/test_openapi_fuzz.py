@@ -121,4 +121,9 @@ def reach_real_ids(case, real: dict[str, str]) -> None:
 def test_every_route_answers_as_its_schema_says(case, server, real_ids):
     subnormals_back()  # (a test that ran meanwhile may have loaded the kernels)
     reach_real_ids(case, real_ids)
-    case.call_and_validate(base_url=server.url, headers=headers(), checks=CHECKS, timeout=60)
+    checks = CHECKS
+    if (getattr(case, "media_type", None) or "").startswith("multipart/"):
+        # A multipart body cannot carry a null or an array: what the generator means as one (an
+        # invalid file or purpose) arrives as a valid part ("null"), so it is rightly accepted.
+        checks = [check for check in CHECKS if check is not negative_data_rejection]
+    case.call_and_validate(base_url=server.url, headers=headers(), checks=checks, timeout=60)
