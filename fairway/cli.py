@@ -1,4 +1,4 @@
-"""`fairway serve | gateway | replica | keys | generate | chat`: the command line."""
+"""`fairway serve | gateway | replica | sandbox | keys | generate | chat`: the command line."""
 
 from __future__ import annotations
 
@@ -240,6 +240,31 @@ def cmd_replica(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    from fairway.sandbox import LocalSandbox, RunnerSettings
+    from fairway.sandbox.service import start_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def main() -> None:
+        sandbox = LocalSandbox(RunnerSettings(python=args.python, max_concurrent=args.max_concurrent,
+                                              per_tenant=args.per_tenant))
+        reason = await sandbox.check()
+        server, port = await start_server(sandbox, args.listen)
+        # The first line says where it listens (a supervisor, or a test, reads it).
+        print(f"sandbox listening on {args.listen.rpartition(':')[0]}:{port}"
+              + (f" (code execution is off: {reason})" if reason else ""), flush=True)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(grace=2.0)
+
+    asyncio.run(main())
+    return 0
+
+
 def _database_url(args: argparse.Namespace) -> str | None:
     return args.database or os.environ.get("FAIRWAY_DATABASE_URL")
 
@@ -407,6 +432,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--metrics-host", default="127.0.0.1")
     _safety_args(r, ("output",))
     r.set_defaults(func=cmd_replica)
+
+    sb = sub.add_parser("sandbox", help="the code sandbox as a gRPC service (replicas reach it with --sandbox grpc://...)")
+    sb.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0 picks a free one)")
+    sb.add_argument("--python", default="/usr/bin/python3", help="the system interpreter the sandbox runs code with")
+    sb.add_argument("--max-concurrent", type=int, default=8, help="runs at once; more wait")
+    sb.add_argument("--per-tenant", type=int, default=4, help="runs of one tenant at once")
+    sb.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sb.set_defaults(func=cmd_sandbox)
 
     k = sub.add_parser("keys", help="API keys: create, revoke, list (in the conversation store's database)")
     ksub = k.add_subparsers(dest="keys_command", required=True)
