@@ -36,6 +36,7 @@ from fairway.replica.registry import ReplicaRegistry, make_registry
 from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
 from fairway.router import Router
 from fairway.safety import Moderator, SafetySettings, make_moderator
+from fairway.sandbox import Sandbox
 from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
@@ -78,6 +79,22 @@ class ServerOptions:
     files: str | None = None  # uploads: a directory (default ./.fairway/files) or s3://bucket
     file_settings: FileSettings | None = None
     safety: SafetySettings = field(default_factory=SafetySettings)  # the input and output checks
+    # execute_code's sandbox: "local" (the runner in the replica's process), grpc://host:port (a
+    # `fairway sandbox` service), or "off".
+    sandbox: str = "local"
+
+
+def open_sandbox(options: ServerOptions) -> Sandbox | None:
+    """The replica's sandbox, or None when turned off (the tool then says so)."""
+    if options.sandbox == "off":
+        return None
+    if options.sandbox == "local":
+        from fairway.sandbox import LocalSandbox
+
+        return LocalSandbox()
+    from fairway.sandbox.service import GrpcSandbox
+
+    return GrpcSandbox(options.sandbox)
 
 
 def model_name(model: str | None) -> str:
@@ -229,14 +246,17 @@ def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> Fas
     relay, store, registry = open_backends(options)
     async_engine = AsyncEngine(engine)
     moderator = make_moderator(options.safety)  # one for the gateway's checks and the replica's
+    sandbox = open_sandbox(options)
     worker = ReplicaWorker(async_engine, relay, registry, replica_settings(options, name),
-                           moderator if options.safety.check_output else None)
+                           moderator if options.safety.check_output else None, sandbox)
     context = gateway_context(options, relay, store, registry, {name: engine.tokenizer}, moderator)
     context.on_startup.append(worker.start)
 
     async def stop_engine() -> None:
         await worker.stop()
         await asyncio.to_thread(async_engine.shutdown)
+        if sandbox is not None:
+            await sandbox.close()
 
     context.on_shutdown.append(stop_engine)  # runs first: shutdown hooks run in reverse
     return create_app(context)
@@ -271,8 +291,9 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     registry = make_registry(options.redis, **_redis_options(options))
     settings = replica_settings(options, model_name(options.model))
     async_engine = AsyncEngine(engine)
+    sandbox = open_sandbox(options)
     worker = ReplicaWorker(async_engine, relay, registry, settings,
-                           make_moderator(options.safety) if options.safety.check_output else None)
+                           make_moderator(options.safety) if options.safety.check_output else None, sandbox)
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()
@@ -280,5 +301,7 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
         await worker.run()
     finally:
         await asyncio.to_thread(async_engine.shutdown)
+        if sandbox is not None:
+            await sandbox.close()
         await relay.close()
         await registry.close()

@@ -141,6 +141,7 @@ def _server_options(args: argparse.Namespace):
         memory_idle_s=getattr(args, "memory_idle", 300.0),
         files=getattr(args, "files", None),
         safety=_safety_settings(args),
+        sandbox=getattr(args, "sandbox", "local"),
     )
 
 
@@ -369,6 +370,8 @@ def _relay_args(p: argparse.ArgumentParser) -> None:
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-cancel", type=float, default=30.0, help="cancel a reply nobody listened to for this many seconds")
+    p.add_argument("--sandbox", default="local",
+                   help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window (tokens)")
 
 

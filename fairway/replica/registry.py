@@ -25,6 +25,7 @@ class ReplicaInfo:
     max_prompt_tokens: int  # the longest prompt its KV cache could ever admit
     load: int = 0  # replies in flight
     capacity: int = 0  # replies it runs at once
+    sandbox_off: str = "this replica has no sandbox"  # why execute_code is off here; "": it runs
     started_at: float = field(default_factory=time.time)
 
     def to_json(self) -> str:

@@ -11,12 +11,19 @@ cancels replies nobody has listened to for idle_cancel_s. Either way the engine 
 sequence at its next step and frees its blocks, and the text so far is kept (state STOPPED).
 When a reply ends, the final event goes to the log (listeners see it at once) and a report goes
 to the recorders, which save it in the conversation store.
+
+A reply with tools (its job's `tools`) runs its output through the call parser (fairway/tools/):
+a client-defined call becomes a tool event and ends the reply with finish_reason tool_calls; an
+execute_code call pauses it (a tool event, status running), runs in the sandbox, and the reply
+goes on here as a new engine request continuing the same prompt (fairway/tools/loop.py), its
+events numbered on, up to the job's bound on tool rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 import uuid
@@ -24,13 +31,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from fairway.domain import PRIORITY_OF_LANE, Lane, Priority
+from fairway.domain import PRIORITY_OF_LANE, Lane, Priority, ToolStatus
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
-from fairway.relay import FinalEvent, Inbox, Relay, RelayError, ReplyState, TokenEvent, TokenLog
+from fairway.relay import FinalEvent, Inbox, Relay, RelayError, ReplyState, TokenEvent, TokenLog, ToolEvent
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.safety import HoldBack, ModerationResult, Moderator, OutputMode
+from fairway.sandbox import Sandbox, SandboxLimits
+from fairway.tools import ToolSet
+from fairway.tools.loop import ToolLoop, new_call_id
+from fairway.tools.parser import ParsedCall
+from fairway.tools.record import CallRecord, add_event
 from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
@@ -48,6 +60,7 @@ class ReplicaSettings:
     max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
     output_mode: OutputMode = "check-then-release"  # the output check's (when the worker has a moderator)
     max_sentence_chars: int = 300
+    sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)  # each execute_code run's
 
 
 class _Appender:
@@ -57,10 +70,10 @@ class _Appender:
 
     def __init__(self, token_log: TokenLog) -> None:
         self._log = token_log
-        self._pending: list[tuple[str, TokenEvent, asyncio.Future[int]]] = []
+        self._pending: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]] = []
         self._writes: set[asyncio.Task] = set()  # strong references to batches in flight
 
-    async def append(self, reply_id: str, events: Sequence[TokenEvent]) -> int:
+    async def append(self, reply_id: str, events: Sequence[TokenEvent | ToolEvent]) -> int:
         """Append the reply's events (a held-back sentence's go out together) and return the last n."""
         loop = asyncio.get_running_loop()
         if not self._pending:
@@ -80,7 +93,7 @@ class _Appender:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, batch: list[tuple[str, TokenEvent, asyncio.Future[int]]]) -> None:
+    async def _write(self, batch: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]]) -> None:
         try:
             results = await self._log.append_many([(reply_id, event) for reply_id, event, _ in batch])
         except Exception as exc:  # an outage fails every append of the batch
@@ -111,14 +124,50 @@ class _Running:
     first_token_at: float | None = None
     last_token_at: float | None = None  # monotonic, for inter-token latency
     inter_token: Any = None  # its histogram's child for the job's model and tier: labels() per token costs
+    request_id: str = ""  # the engine request of the current round (a tool run starts a new one)
+    chars: int = 0  # of text so far: where the next tool call is made
+    tools: list[CallRecord] = field(default_factory=list)  # its tool calls, as the conversation stores them
+    client_called: bool = False  # it made a client-defined call: the reply ends with tool_calls
+
+
+@dataclass
+class _Round:
+    """How one engine request of a reply ended."""
+
+    last: RequestOutput | None = None
+    generated: list[int] = field(default_factory=list)  # its tokens (the next round's prompt goes on from them)
+    flagged: ModerationResult | None = None
+    call: ParsedCall | None = None  # a call this replica answers (execute_code): run it, then go on
+    calls_done: bool = False  # the client's calls are made and the model went on to other text: end here
+
+
+@dataclass
+class _Counts:
+    """A reply's usage over its rounds: the first prompt plus each tool result; every token generated."""
+
+    prompt: int = 0
+    cached: int = 0
+    completion: int = 0
+
+    def add(self, first: bool, out: RequestOutput | None) -> None:
+        if out is None:
+            return
+        if first:
+            self.prompt, self.cached = out.num_prompt_tokens, out.num_cached_tokens
+        self.completion += out.num_output_tokens
+
+    def usage(self) -> tuple[int, int, int]:
+        return self.prompt, self.cached, self.completion
 
 
 class ReplicaWorker:
     def __init__(
         self, engine: AsyncEngine, relay: Relay, registry: ReplicaRegistry, settings: ReplicaSettings,
-        moderator: Moderator | None = None,
+        moderator: Moderator | None = None, sandbox: Sandbox | None = None,
     ) -> None:
         self.engine = engine
+        self.sandbox = sandbox  # execute_code's; None: the tool is off here
+        self._sandbox_off = "this replica has no sandbox" if sandbox is None else "not checked yet"
         self.relay = relay
         self.moderator = moderator  # None: no output check
         self.registry = registry
@@ -144,6 +193,7 @@ class ReplicaWorker:
             max_prompt_tokens=engine.max_prompt_tokens,
             load=len(self._running),
             capacity=self.settings.max_inflight,
+            sandbox_off=self._sandbox_off,
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -151,6 +201,10 @@ class ReplicaWorker:
     async def start(self) -> None:
         """Announce the replica and start its loops; returns at once."""
         self.engine.start()
+        if self.sandbox is not None:
+            self._sandbox_off = await self.sandbox.check() or ""
+            if self._sandbox_off:
+                log.warning("execute_code is off on replica %s: %s", self.id, self._sandbox_off)
         metrics.ENGINES.track(self.id, self.settings.model, self.engine)
         await self.registry.announce(self.info())
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
@@ -236,7 +290,9 @@ class ReplicaWorker:
         running = self._running.get(reply_id)
         if running is not None and running.cancelled is None:
             running.cancelled = cause
-            self.engine.abort(reply_id)  # the engine drops it at the next step and frees its blocks
+            # The engine drops it at the next step and frees its blocks (between tool rounds there
+            # is none: the reply ends when its tool run does).
+            self.engine.abort(running.request_id or reply_id)
 
     # -- one reply ---------------------------------------------------------------------------
 
@@ -272,46 +328,152 @@ class ReplicaWorker:
             return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED)
         try:
             params = SamplingParams(**job.sampling)
-        except (TypeError, ValueError) as exc:
-            return _failed(f"bad sampling parameters: {exc}")
+            tools = self._tool_loop(job)
+        except (TypeError, ValueError, KeyError) as exc:
+            return _failed(f"bad sampling parameters or tools: {exc}")
         await self._report(running, None, 0)
-        last: RequestOutput | None = None
-        flagged: ModerationResult | None = None
         hold = (HoldBack[RequestOutput](self.moderator, self.settings.output_mode, self.settings.max_sentence_chars)
                 if self.moderator is not None else None)
         priority = PRIORITY_OF_LANE.get(Lane(job.lane), Priority.FREE)
-        outputs = self.engine.generate(job.reply_id, job.prompt_token_ids, params, priority)
-        try:
-            # aclosing: leaving early (a token log failure, a flagged sentence) aborts the sequence
-            # in the engine now; it leaves the batch at the next step.
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    last = out
+        prompt, counts, budget = list(job.prompt_token_ids), _Counts(), params.max_tokens
+        rounds = 0
+        while True:
+            running.request_id = job.reply_id if rounds == 0 else f"{job.reply_id}#{rounds}"
+            try:
+                step = await self._round(running, prompt, dataclasses.replace(params, max_tokens=budget), priority,
+                                         hold, tools)
+                counts.add(rounds == 0, step.last)
+                if step.flagged is None and step.call is None and not step.calls_done and hold is not None \
+                        and running.cancelled != "shutdown":
+                    step.flagged = await self._flush(running, hold)  # the last sentence, also of a stopped reply
+            except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
+                return _failed(str(exc), None, counts)
+            except RelayError as exc:
+                return _failed(f"token log: {exc}", None, counts)
+            if step.flagged is not None:
+                return FinalEvent(0, FinishReason.CONTENT_FILTER, ReplyState.FLAGGED, *counts.usage(),
+                                  categories=tuple(step.flagged.flagged_categories))
+            if step.calls_done:
+                return FinalEvent(0, FinishReason.TOOL_CALLS, ReplyState.FINISHED, *counts.usage())
+            if step.call is None:
+                if step.last is None or step.last.finish_reason is None:
+                    return _failed("the engine ended the reply without a finish reason", step.last, counts)
+                final = _final(step.last, running.cancelled, counts)
+                if running.client_called and final.finish_reason == FinishReason.STOP and not running.cancelled:
+                    return FinalEvent(0, FinishReason.TOOL_CALLS, ReplyState.FINISHED, *counts.usage())
+                return final
+            assert tools is not None
+            try:
+                ids = await self._run_tool(running, tools, step.call)
+            except RelayError as exc:
+                return _failed(f"token log: {exc}", None, counts)
+            if ids is None:  # out of tool rounds: the reply said so and ends
+                return FinalEvent(0, FinishReason.STOP, ReplyState.FINISHED, *counts.usage())
+            if running.cancelled is not None:
+                if running.cancelled == "shutdown":
+                    return _failed("the replica shut down", None, counts)
+                return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED, *counts.usage())
+            prompt += step.generated + ids
+            counts.prompt += len(ids)
+            budget -= len(step.generated)
+            if budget < 1:
+                return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, *counts.usage())
+            rounds += 1
+
+    def _tool_loop(self, job: GenerationJob) -> ToolLoop | None:
+        if not job.tools:
+            return None
+        tokenizer = self.engine.tokenizer
+        sandbox = self.sandbox if not self._sandbox_off else None
+        return ToolLoop(ToolSet.from_dict(job.tools), sandbox, tokenizer.apply_chat_template, tokenizer.encode,
+                        self.settings.sandbox_limits, job.tenant)
+
+    async def _round(self, running: _Running, prompt: list[int], params: SamplingParams, priority: Priority,
+                     hold: HoldBack[RequestOutput] | None, tools: ToolLoop | None) -> _Round:
+        """One engine request of the reply, its tokens released as events (through the call parser
+        when the reply has tools), up to its end or a call this replica must answer."""
+        step = _Round()
+        outputs = self.engine.generate(running.request_id, prompt, params, priority)
+        # aclosing: leaving early (a token log failure, a flagged sentence, a tool call) aborts the
+        # sequence in the engine now; it leaves the batch at the next step.
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                step.last = out
+                if out.token_id is not None:
+                    step.generated.append(out.token_id)
+                if tools is None:
                     if out.text or (out.token_id is not None and not out.finished):
                         # Every token is an event, even one whose text waits for the rest of a
                         # character; the stop token at the end is not (it has no text).
-                        if hold is None:
-                            await self._append(running, [out])
-                            continue
-                        checked = await hold.push(out, out.text)
-                        await self._append(running, checked.release)
-                        if checked.flagged is not None:
-                            flagged = checked.flagged
-                            break
-            if hold is not None and flagged is None and running.cancelled != "shutdown":
-                checked = await hold.finish()  # the last sentence, also of a stopped reply
-                await self._append(running, checked.release)
-                flagged = checked.flagged
-        except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
-            return _failed(str(exc), last)
-        except RelayError as exc:
-            return _failed(f"token log: {exc}", last)
-        if flagged is not None:
-            return FinalEvent(0, FinishReason.CONTENT_FILTER, ReplyState.FLAGGED, *_usage(last),
-                              categories=tuple(flagged.flagged_categories))
-        if last is None or last.finish_reason is None:
-            return _failed("the engine ended the reply without a finish reason", last)
-        return _final(last, running.cancelled)
+                        step.flagged = await self._release(running, hold, out)
+                        if step.flagged is not None:
+                            return step
+                    continue
+                text, calls = tools.parser.feed(out.text) if out.text else ("", [])
+                if out.finished:
+                    rest, late = tools.parser.finish()
+                    text, calls = text + rest, calls + late
+                if running.client_called:
+                    if text.strip():  # the model went on to other text after its calls: they are the answer
+                        step.calls_done = True
+                        return step
+                elif text or (out.token_id is not None and not out.finished and not tools.parser.buffering):
+                    step.flagged = await self._release(running, hold, dataclasses.replace(out, text=text))
+                    if step.flagged is not None:
+                        return step
+                for call in calls:
+                    step.flagged = await self._flush(running, hold)  # what came before the call goes out first
+                    if step.flagged is not None:
+                        return step
+                    if tools.is_client(call):
+                        await self._append_tool(running, ToolEvent(0, new_call_id(), call.name, ToolStatus.CALL,
+                                                                   call.arguments, tools.client_calls))
+                        tools.client_calls += 1
+                        running.client_called = True
+                    elif running.client_called:  # (a built-in call after the client's: theirs come first)
+                        step.calls_done = True
+                        return step
+                    else:
+                        step.call = call
+                        return step
+        return step
+
+    async def _run_tool(self, running: _Running, tools: ToolLoop, call: ParsedCall) -> list[int] | None:
+        """Run a call this replica answers, between two tool events; the tokens that continue the
+        prompt after it, or None when the reply is out of tool rounds (it says so)."""
+        if not tools.rounds_left:
+            notice = (f"\n\n(This reply reached its limit of {tools.tools.max_rounds} tool runs, so it ends here.)")
+            await self._append(running, [RequestOutput(running.job.reply_id, None, notice)])
+            return None
+        call_id = new_call_id()
+        await self._append_tool(running, ToolEvent(0, call_id, call.name, ToolStatus.RUNNING, call.arguments))
+        outcome = await tools.run(call)
+        await self._append_tool(running, ToolEvent(0, call_id, call.name, outcome.status, call.arguments,
+                                                   output=outcome.output, detail=outcome.detail))
+        return tools.continuation_ids(outcome.output)
+
+    async def _release(self, running: _Running, hold: HoldBack[RequestOutput] | None,
+                       out: RequestOutput) -> ModerationResult | None:
+        """One token's text, through the output check when there is one; the flag if it stopped it."""
+        if hold is None:
+            await self._append(running, [out])
+            return None
+        checked = await hold.push(out, out.text)
+        await self._append(running, checked.release)
+        return checked.flagged
+
+    async def _flush(self, running: _Running, hold: HoldBack[RequestOutput] | None) -> ModerationResult | None:
+        """The sentence the output check holds, checked now (before a tool call, at the end)."""
+        if hold is None:
+            return None
+        checked = await hold.finish()
+        await self._append(running, checked.release)
+        return checked.flagged
+
+    async def _append_tool(self, running: _Running, event: ToolEvent) -> None:
+        event = dataclasses.replace(event, n=running.events + 1)
+        running.events = await self._appender.append(running.job.reply_id, [event])
+        add_event(running.tools, event, running.chars)
 
     async def _append(self, running: _Running, outs: Sequence[RequestOutput]) -> None:
         """Append these tokens (released by the output check) as the reply's next events. Latency
@@ -338,6 +500,7 @@ class ReplicaWorker:
         for event, out in zip(events, outs, strict=True):
             running.events = await self._appender.append(running.job.reply_id, [event])
             running.text.append(out.text)
+            running.chars += len(out.text)
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
@@ -369,6 +532,7 @@ class ReplicaWorker:
                 error=final.error,
                 ttft_s=ttft,
                 duration_s=duration,
+                tools=running.tools,
             )
         # A "started" report only marks the reply running, and generation waits for it: one try.
         await post_report(self.relay.inbox, report, REPORT_RETRY_DELAYS_S if final is not None else ())
@@ -400,17 +564,18 @@ def _usage(out: RequestOutput | None) -> tuple[int, int, int]:
     return (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens) if out else (0, 0, 0)
 
 
-def _final(out: RequestOutput, cancelled: CancelCause | None) -> FinalEvent:
-    usage = _usage(out)
+def _final(out: RequestOutput, cancelled: CancelCause | None, counts: _Counts | None = None) -> FinalEvent:
+    usage = counts.usage() if counts is not None else _usage(out)
     if out.finish_reason == FinishReason.ABORT:  # a cancel that lost the race to the end is no cancel
         if cancelled == "shutdown":
-            return _failed("the replica shut down", out)
+            return _failed("the replica shut down", out, counts)
         # Stop and "nobody listening" both keep the text: finish_reason stop, state STOPPED.
         return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED, *usage)
     reason = FinishReason.LENGTH if out.finish_reason == FinishReason.LENGTH else FinishReason.STOP
     return FinalEvent(0, reason, ReplyState.FINISHED, *usage)
 
 
-def _failed(error: str, out: RequestOutput | None = None) -> FinalEvent:
+def _failed(error: str, out: RequestOutput | None = None, counts: _Counts | None = None) -> FinalEvent:
     """An error ends the reply like a stop (the text so far is kept) and says why."""
-    return FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, *_usage(out), error=error)
+    usage = counts.usage() if counts is not None and counts.completion else _usage(out)
+    return FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, *usage, error=error)

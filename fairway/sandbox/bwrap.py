@@ -32,6 +32,12 @@ def system_mounts() -> list[str]:
     return args
 
 
+def setpriv_args(uid: int) -> list[str]:
+    """util-linux's setpriv: the run's own unprivileged uid and gid, no supplementary groups, and
+    with them no capabilities (a root runner's are gone once it is not root)."""
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+
+
 def prlimit_args(limits: SandboxLimits) -> list[str]:
     """util-linux's prlimit: the rlimits, set on itself (already the run's unprivileged uid: as
     root RLIMIT_NPROC would not apply) and inherited by bwrap and the code. The CPU hard limit is a

@@ -25,7 +25,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from fairway.sandbox.bwrap import bwrap_args, prlimit_args
+from fairway.sandbox.bwrap import bwrap_args, prlimit_args, setpriv_args
 from fairway.sandbox.limits import RunResult, SandboxLimits
 from fairway.sandbox.seccomp_filter import SeccompUnavailable, filter_bpf
 
@@ -81,7 +81,7 @@ class LocalSandbox(Sandbox):
 
     def static_check(self) -> str | None:
         """What can be told without running anything: bwrap, prlimit, the interpreter, the filter."""
-        for tool in ("bwrap", "prlimit"):
+        for tool in ("bwrap", "prlimit", "setpriv"):
             if shutil.which(tool) is None:
                 package = "bubblewrap" if tool == "bwrap" else "util-linux"
                 return f"{tool} is not installed (apt-get install {package}); code execution is off"
@@ -149,13 +149,15 @@ class LocalSandbox(Sandbox):
         try:
             os.write(seccomp_write, filter_bpf())  # (a few hundred bytes: fits the pipe)
             os.close(seccomp_write)
-            identity = {"user": uid, "group": uid, "extra_groups": []} if self._as_root else {}
+            # The uid first (util-linux's setpriv: uvloop's subprocesses take no user=), then the
+            # rlimits, then the sandbox.
+            identity = setpriv_args(uid) if self._as_root else []
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *prlimit_args(limits), *bwrap_args(self.settings.python, code, seccomp_read, limits),
+                    *identity, *prlimit_args(limits), *bwrap_args(self.settings.python, code, seccomp_read, limits),
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                     pass_fds=(seccomp_read,), start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin")},
-                    cwd="/", **identity)
+                    cwd="/")
             except OSError as exc:
                 return RunResult.failed(f"could not start the sandbox: {exc}")
         finally:
