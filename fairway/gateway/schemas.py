@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fairway.gateway.errors import ApiError, invalid
 from fairway.models.bundled import BUNDLED_MODEL_NAME
 from fairway.tools import ToolError, ToolSet, parse_tools
-from fairway.tools.spec import check_arguments
+from fairway.tools.spec import check_arguments, schema_error
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 UNSUPPORTED_ROLES = {"function"}  # the legacy function-calling role: use tools
@@ -70,6 +70,9 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # accepted: a reply may make several calls either way
+    # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}:
+    # held to it by guided decoding in the engine.
+    response_format: dict[str, Any] | None = None
     # The seed's fields (design doc 002, section 2.1).
     conversation_id: str | None = Field(default=None, min_length=1, max_length=64)
     message_id: str | None = Field(default=None, min_length=1, max_length=128)
@@ -320,5 +323,37 @@ def sampling(request: ChatCompletionRequest) -> dict[str, Any]:
         out["seed"] = request.seed
     if request.ignore_eos:
         out["ignore_eos"] = True
+    guided = guided_decoding(request.response_format)
+    if guided is not None:
+        out["guided_decoding"] = guided
     return out
+
+
+def guided_decoding(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as the engine's guided decoding (None: free text); 400 if malformed."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("'response_format.json_schema.schema' must be a JSON Schema object.",
+                          "response_format.json_schema.schema", "invalid_value")
+        try:
+            json.dumps(schema)
+        except (TypeError, ValueError):
+            raise invalid("'response_format.json_schema.schema' must be plain JSON.",
+                          "response_format.json_schema.schema", "invalid_value") from None
+        error = schema_error(schema)
+        if error:
+            raise invalid(f"'response_format.json_schema.schema' cannot be used: {error}.",
+                          "response_format.json_schema.schema", "invalid_value")
+        return {"json_schema": schema}
+    raise invalid(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}.",
+                  "response_format.type", "invalid_value")
 

@@ -246,6 +246,10 @@ class Tokenizer:
         return cls(HFTokenizer.from_str(data["backend"]), bos_token_id=data["bos_token_id"],
                    eos_token_id=data["eos_token_id"], chat_template=data["chat_template"])
 
+    def backend_json(self) -> str:
+        """The tokenizers library's JSON of this tokenizer (what llguidance builds its own from)."""
+        return self._backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)

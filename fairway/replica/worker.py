@@ -40,6 +40,7 @@ from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.safety import HoldBack, ModerationResult, Moderator, OutputMode
 from fairway.sandbox import Sandbox, SandboxLimits
 from fairway.tools import ToolSet
+from fairway.tools.grammar import call_grammar
 from fairway.tools.loop import ToolLoop, new_call_id
 from fairway.tools.parser import ParsedCall
 from fairway.tools.record import CallRecord, add_event
@@ -336,12 +337,17 @@ class ReplicaWorker:
                 if self.moderator is not None else None)
         priority = PRIORITY_OF_LANE.get(Lane(job.lane), Priority.FREE)
         prompt, counts, budget = list(job.prompt_token_ids), _Counts(), params.max_tokens
+        # tool_choice required or a named function: the first round is held to one well-formed call
+        # (guided decoding); after a tool has run, the model answers freely.
+        forced = call_grammar(tools.tools) if tools is not None else None
         rounds = 0
         while True:
             running.request_id = job.reply_id if rounds == 0 else f"{job.reply_id}#{rounds}"
+            round_params = dataclasses.replace(params, max_tokens=budget)
+            if rounds == 0 and forced is not None:
+                round_params.guided_decoding = {"lark": forced}
             try:
-                step = await self._round(running, prompt, dataclasses.replace(params, max_tokens=budget), priority,
-                                         hold, tools)
+                step = await self._round(running, prompt, round_params, priority, hold, tools)
                 counts.add(rounds == 0, step.last)
                 if step.flagged is None and step.call is None and not step.calls_done and hold is not None \
                         and running.cancelled != "shutdown":

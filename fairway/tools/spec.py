@@ -147,6 +147,25 @@ def check_parameters(schema: Any, where: str) -> None:
         json.dumps(schema)
     except (TypeError, ValueError):
         raise ToolError(f"'{where}' must be plain JSON.", where) from None
+    error = schema_error(schema)
+    if error:
+        raise ToolError(f"'{where}' is not a usable JSON Schema: {error}.", where)
+
+
+def schema_error(schema: dict) -> str | None:
+    """Why llguidance cannot hold output to this JSON Schema (None: it can, or llguidance is not
+    installed here and the replica will say). The gateway asks before the reply starts, so a bad
+    schema is the client's 400, not a failed reply."""
+    try:
+        import llguidance
+    except ImportError:
+        return None
+    try:
+        message = llguidance.LLMatcher.validate_grammar(
+            llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema)))
+    except (ValueError, TypeError, RuntimeError) as exc:
+        return str(exc)
+    return message or None
 
 
 def _choice(raw: Any, names: set[str]) -> tuple[str, str | None]:
