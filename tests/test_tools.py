@@ -307,3 +307,40 @@ def test_without_a_sandbox_the_code_tool_is_off(tmp_path):
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "tool_unavailable" and "Code execution is off" in error["message"]
+
+
+# A template with tool support of its own (the shape of Qwen's and Hermes'): tools and tool turns
+# are the template's to render, and no system block is added.
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_with_tool_support_renders_them_itself():
+    from fairway.assembly import load_tokenizer
+    from fairway.conversation.service import ConversationService
+    from fairway.models.tokenizer import Tokenizer
+    from fairway.tools.prompt import continuation
+
+    base = load_tokenizer(None)
+    native = Tokenizer(base._backend, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
+                       chat_template=NATIVE_TEMPLATE)
+    assert native.supports_tools and not base.supports_tools
+    service = ConversationService(None, None, None, {"m": native, "plain": base})  # only its context building
+    tools = parse_tools([WEATHER, CODE], "auto")
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = native.decode(service._build("m", 4096, [], messages, 64, None, tools).prompt_token_ids)
+    assert text == ("<|im_start|>system\nTools: get_weather execute_code<|im_end|>\n<|im_start|>user\nweather?<|im_end|>\n"
+                    '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                    "<|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+    plain = base.decode(service._build("plain", 4096, [], messages, 64, None, tools).prompt_token_ids)
+    assert "# Tools" in plain and "<tool_response>\nsunny\n</tool_response>" in plain
+    assert continuation(native.apply_chat_template, "42", [t.to_openai() for t in tools.offered]) == \
+        "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"

@@ -34,7 +34,7 @@ from fairway.replica.registry import ReplicaInfo
 from fairway.router import Router
 from fairway.safety import ModerationResult, Moderator
 from fairway.tools import ToolSet
-from fairway.tools.prompt import expand_assistant, plain_messages, system_block
+from fairway.tools.prompt import expand_assistant, prompt_messages, system_block
 
 
 class NothingToResume(NotFound):
@@ -299,19 +299,23 @@ class ConversationService:
     ) -> Context:
         """Stored history and the request's messages (an OpenAI client sends its whole history in
         a new conversation) as system text, older turns that may be dropped, and the new turn.
-        Tools go in a system block after the conversation's own system text; calls and results
-        stay where they were made (the template has no tool support: fairway/tools/prompt.py)."""
+        Tools go to a template that renders them, else into a system block after the
+        conversation's own system text (fairway/tools/prompt.py); calls and results stay where
+        they were made."""
         messages = [m for s in stored if s.status != MessageStatus.FLAGGED for m in _chat(s)] + new
         # System text leads the context only while it leads the conversation; a system message
         # sent later stays where it was said.
         lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
         system, history, turn = messages[:lead], messages[lead:last_user], messages[last_user:]
-        if tools is not None:
+        native = bool(getattr(self.tokenizers[model], "supports_tools", False))
+        if tools is not None and not native:
             system = [*system, {"role": "system", "content": system_block(tools)}]
+        offered = [t.to_openai() for t in tools.offered] if tools is not None and native else None
         extras = extras or TurnExtras()
-        return self._builder(model, window).build(plain_messages(system), plain_messages(history),
-                                                  plain_messages(turn), max_tokens, extras.head, extras.retrieved)
+        return self._builder(model, window).build(
+            prompt_messages(system, native), prompt_messages(history, native), prompt_messages(turn, native),
+            max_tokens, extras.head, extras.retrieved, offered)
 
     async def _launch(self, reply: Reply, job: GenerationJob, replica: ReplicaInfo) -> None:
         """Open the reply's token log and hand its job to the replica."""

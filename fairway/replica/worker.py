@@ -392,7 +392,7 @@ class ReplicaWorker:
         tokenizer = self.engine.tokenizer
         sandbox = self.sandbox if not self._sandbox_off else None
         return ToolLoop(ToolSet.from_dict(job.tools), sandbox, tokenizer.apply_chat_template, tokenizer.encode,
-                        self.settings.sandbox_limits, job.tenant)
+                        self.settings.sandbox_limits, job.tenant, bool(getattr(tokenizer, "supports_tools", False)))
 
     async def _round(self, running: _Running, prompt: list[int], params: SamplingParams, priority: Priority,
                      hold: HoldBack[RequestOutput] | None, tools: ToolLoop | None) -> _Round:

@@ -37,8 +37,9 @@ class ToolOutcome:
 
 class ToolLoop:
     def __init__(self, tools: ToolSet, sandbox: Sandbox | None, render: Render, encode: Callable[[str], list[int]],
-                 limits: SandboxLimits | None = None, tenant: str = "") -> None:
+                 limits: SandboxLimits | None = None, tenant: str = "", native: bool = False) -> None:
         self.tools = tools
+        self.native = native  # the template renders tools and tool turns itself
         self.sandbox = sandbox
         self.render = render
         self.encode = encode
@@ -75,7 +76,8 @@ class ToolLoop:
 
     def continuation_ids(self, output: str) -> list[int]:
         """The tokens that follow a call in the prompt: the result, and the assistant going on."""
-        return self.encode(continuation(self.render, output))
+        offered = [t.to_openai() for t in self.tools.offered] if self.native else None
+        return self.encode(continuation(self.render, output, offered))
 
 
 def _cut(text: str) -> str:

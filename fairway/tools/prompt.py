@@ -119,10 +119,34 @@ def expand_assistant(text: str, calls: Sequence[dict[str, Any]]) -> list[ChatMes
     return out
 
 
-def continuation(render: Render, result: str) -> str:
+def native_message(message: ChatMessage) -> ChatMessage:
+    """A message for a template that renders tools itself: as OpenAI sends it, with each call's
+    arguments as an object (what Hugging Face templates expect)."""
+    calls = message.get("tool_calls")
+    if not calls:
+        return dict(message)
+    rendered = []
+    for call in calls:
+        try:
+            arguments: Any = json.loads(call["function"]["arguments"] or "{}")
+        except json.JSONDecodeError:
+            arguments = call["function"]["arguments"]
+        rendered.append({**call, "function": {"name": call["function"]["name"], "arguments": arguments}})
+    return {**message, "tool_calls": rendered}
+
+
+def prompt_messages(messages: Sequence[ChatMessage], native: bool) -> list[ChatMessage]:
+    """The messages as the template takes them: OpenAI's form for a template with tool support,
+    plain text otherwise. Each message on its own (stable per-message segments)."""
+    return [native_message(m) if native else plain_message(m) for m in messages]
+
+
+def continuation(render: Render, result: str, tools: Sequence[dict[str, Any]] | None = None) -> str:
     """What follows an assistant's call in the prompt, up to where the model goes on: its turn's
     end, the result as a tool turn and the next assistant turn's start, cut from the template's
-    own rendering."""
+    own rendering. tools: the offered tools in OpenAI's form, for a template that renders them."""
     head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _MARK}]
-    whole = render([*head, plain_message({"role": "tool", "content": result})], add_generation_prompt=True)
+    tool = {"role": "tool", "content": result}
+    extra = {"tools": list(tools)} if tools else {}
+    whole = render([*head, tool if tools else plain_message(tool)], add_generation_prompt=True, **extra)
     return whole[whole.index(_MARK) + len(_MARK):]
