@@ -344,3 +344,59 @@ def test_a_template_with_tool_support_renders_them_itself():
     assert "# Tools" in plain and "<tool_response>\nsunny\n</tool_response>" in plain
     assert continuation(native.apply_chat_template, "42", [t.to_openai() for t in tools.offered]) == \
         "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_loop_at_scale_redis_postgresql_and_the_sandbox_service(tmp_path):
+    """The same loop on the at-scale backends: the token log and the job on Redis, the store on
+    PostgreSQL, the code run by a `fairway sandbox` process over gRPC."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+
+    import redis
+
+    from fairway.assembly import ServerOptions, load_tokenizer
+    from fairway.sandbox import LocalSandbox
+    from tests.pg_admin import temporary_database
+
+    if (reason := LocalSandbox().static_check()) is not None:
+        missing("bubblewrap", reason)
+    redis_url = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    try:
+        redis.Redis.from_url(redis_url).ping()
+    except redis.RedisError as exc:
+        missing("Redis", str(exc))
+    root = Path(__file__).resolve().parent.parent
+    service = subprocess.Popen([sys.executable, "-m", "fairway.cli", "sandbox", "--listen", "127.0.0.1:0"], cwd=root,
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    namespace = f"test:{uuid.uuid4().hex[:12]}:"
+    try:
+        sandbox_url = "grpc://" + service.stdout.readline().split()[3]
+        with temporary_database() as database:
+            if database is None:
+                missing("PostgreSQL", "nothing answers for the test database")
+            options = ServerOptions(database=database, redis=redis_url, namespace=namespace,
+                                    api_keys=list(TEST_KEYS), memory=False, sandbox=sandbox_url)
+            engine = ScriptedEngine(load_tokenizer(None), script)
+            with embedded_server(options, engine) as server, \
+                    httpx.Client(base_url=server.url, headers=headers(), timeout=60) as http:
+                events = _stream(http, chat_body("compute, please", max_tokens=200, tools=[CODE]))
+                asked = http.post("/v1/chat/completions", json=chat_body(
+                    "weather?", stream=False, max_tokens=100, tools=[WEATHER])).json()
+                stored = http.get(f"/v1/conversations/{events[0].data['conversation_id']}").json()["messages"]
+    finally:
+        service.terminate()
+        service.wait(10)
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{namespace}*"))
+        if keys:
+            client.delete(*keys)
+    ids = [e.id for e in events if e.id is not None]
+    assert ids == list(range(1, len(ids) + 1))
+    assert [x["status"] for x in _executions(events)] == ["running", "completed"]
+    assert "".join(e.content for e in events) == BEFORE_CALL + "The result is 42."
+    assert stored[-1]["tool_executions"][0]["output"] == "42"
+    assert asked["choices"][0]["finish_reason"] == "tool_calls"
+    assert asked["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
