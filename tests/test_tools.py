@@ -400,3 +400,20 @@ def test_the_loop_at_scale_redis_postgresql_and_the_sandbox_service(tmp_path):
     assert stored[-1]["tool_executions"][0]["output"] == "42"
     assert asked["choices"][0]["finish_reason"] == "tool_calls"
     assert asked["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_old_turns_with_tool_rounds_are_dropped_whole():
+    """A tool result is no user turn: when the window is short, a turn leaves with its calls and results."""
+    from fairway.assembly import load_tokenizer
+    from fairway.conversation.service import ConversationService
+
+    service = ConversationService(None, None, None, {"m": load_tokenizer(None)})
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    old = [{"role": "user", "content": "weather in Paris? " * 20},
+           {"role": "assistant", "content": "", "tool_calls": [call]},
+           {"role": "tool", "tool_call_id": "c1", "content": "sunny " * 20},
+           {"role": "assistant", "content": "It is sunny. " * 10}]
+    new = [{"role": "user", "content": "thanks"}]
+    full = service._build("m", 4096, [], old + new, 64, None, parse_tools([WEATHER], "auto"))
+    tight = service._build("m", full.num_tokens + 64 - 20, [], old + new, 64, None, parse_tools([WEATHER], "auto"))
+    assert (full.dropped_turns, tight.dropped_turns, tight.dropped_messages) == (0, 1, 4)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -104,11 +104,14 @@ class ContextBuilder:
         memories: Sequence[ChatMessage] = (),
         retrieved: Sequence[ChatMessage] = (),
         tools: Sequence[dict[str, Any]] | None = None,
+        prepare: Callable[[Sequence[ChatMessage]], list[ChatMessage]] | None = None,
     ) -> Context:
         """The prompt for system + memories + history + retrieved + new, dropping whole oldest
         turns of the history (never the system text, memories, retrieved text or the new turn)
         until it fits the window minus max_tokens. Raises ContextTooLong when even the shortest
-        form does not fit. tools: for a template that renders them itself."""
+        form does not fit. tools: for a template that renders them itself. prepare: the messages
+        as the template takes them (tool calls and results as text, fairway/tools/prompt.py),
+        applied after the turns are told apart by their roles (a tool result starts no turn)."""
         budget = self.window - max_tokens
         head = [*system, *memories]
         turns = split_turns(history)
@@ -116,7 +119,7 @@ class ContextBuilder:
         while True:
             kept = [m for turn in turns[dropped:] for m in turn]
             messages = [*head, *kept, *retrieved, *new]
-            ids, lengths = self.tokenize(messages, tools)
+            ids, lengths = self.tokenize(prepare(messages) if prepare else messages, tools)
             if len(ids) <= budget:
                 dropped_messages = sum(len(t) for t in turns[:dropped])
                 return Context(ids, messages, dropped, dropped_messages, lengths)

@@ -313,9 +313,8 @@ class ConversationService:
             system = [*system, {"role": "system", "content": system_block(tools)}]
         offered = [t.to_openai() for t in tools.offered] if tools is not None and native else None
         extras = extras or TurnExtras()
-        return self._builder(model, window).build(
-            prompt_messages(system, native), prompt_messages(history, native), prompt_messages(turn, native),
-            max_tokens, extras.head, extras.retrieved, offered)
+        return self._builder(model, window).build(system, history, turn, max_tokens, extras.head, extras.retrieved,
+                                                  offered, lambda messages: prompt_messages(messages, native))
 
     async def _launch(self, reply: Reply, job: GenerationJob, replica: ReplicaInfo) -> None:
         """Open the reply's token log and hand its job to the replica."""
