@@ -65,6 +65,7 @@ class ServerOptions:
     num_kv_blocks: int | None = None
     replica_id: str | None = None
     default_max_tokens: int = 512
+    max_tool_rounds: int = 5  # tool runs per reply (execute_code, refused calls); then it ends saying so
     limits: LimitsConfig | None = None  # quotas per tier, admission bounds (default: LimitsConfig())
     pricing: Pricing = field(default_factory=Pricing)  # for the usage records' cost
     # Keys stored at startup if missing, as (key, user, tier): the development key of `fairway
@@ -202,7 +203,7 @@ def gateway_context(
     moderator: Moderator | None = None,
 ) -> GatewayContext:
     router = Router(registry)
-    settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
+    settings = ServiceSettings(default_max_tokens=options.default_max_tokens, max_tool_rounds=options.max_tool_rounds)
     background = Background()
     index = SqlVectorIndex(database_url(options.database))  # memory's and files' (one pool), opened on first use
     memory, memory_off = open_memory(options, relay, router, store, tokenizers, index)

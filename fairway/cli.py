@@ -134,6 +134,7 @@ def _server_options(args: argparse.Namespace):
         max_model_len=getattr(args, "max_model_len", None),
         replica_id=getattr(args, "replica_id", None),
         default_max_tokens=getattr(args, "default_max_tokens", 512),
+        max_tool_rounds=getattr(args, "max_tool_rounds", 5),
         limits=_limits_config(args),
         pricing=_pricing(args),
         keepalive_s=getattr(args, "keepalive", 10.0),
@@ -404,6 +405,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL"),
                    help="conversation store URL (default: SQLite in ./.fairway/)")
     s.add_argument("--default-max-tokens", type=int, default=512)
+    s.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
     _limits_args(s)
     _memory_files_args(s)
     _safety_args(s, ("input", "output"))
@@ -418,6 +420,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("FAIRWAY_DATABASE_URL"), help="postgresql://user@host/db (or sqlite://)")
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--default-max-tokens", type=int, default=512)
+    gw.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
     _limits_args(gw)
     _memory_files_args(gw)
     _safety_args(gw, ("input",))

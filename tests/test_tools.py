@@ -219,12 +219,19 @@ def test_execute_code_without_streaming(http):
     assert answer["choices"][0]["finish_reason"] == "stop"
 
 
-def test_a_bound_on_tool_rounds(http):
+def test_a_bound_on_tool_rounds(scripted, http):
     events = _stream(http, chat_body("loop forever", max_tokens=500, tools=[CODE]))
-    assert [x["status"] for x in _executions(events)] == ["running", "completed"] * 5
+    assert [x["status"] for x in _executions(events)] == ["running", "completed"] * 5  # the default bound
     content = "".join(e.content for e in events)
     assert content.endswith("(This reply reached its limit of 5 tool runs, so it ends here.)")
     assert events[-2].finish_reason == "stop"
+    scripted.gateway.service.settings.max_tool_rounds = 2  # --max-tool-rounds
+    try:
+        events = _stream(http, chat_body("loop forever, again", max_tokens=500, tools=[CODE]))
+    finally:
+        scripted.gateway.service.settings.max_tool_rounds = 5
+    assert [x["status"] for x in _executions(events)] == ["running", "completed"] * 2
+    assert "".join(e.content for e in events).endswith("limit of 2 tool runs, so it ends here.)")
 
 
 def test_sdk_client_tool_calls_and_the_follow_up(sdk):

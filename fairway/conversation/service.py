@@ -65,6 +65,7 @@ class UnknownModel(LookupError):
 class ServiceSettings:
     default_max_tokens: int = 512  # when the request sets none
     default_tier: str = Tier.FREE.value  # for requests that name no tier
+    max_tool_rounds: int = 5  # tool runs per reply; then it ends, saying so
 
 
 @dataclass
@@ -190,7 +191,8 @@ class ConversationService:
                 sampling={**req.sampling, "max_tokens": max_tokens},
                 lane=lane_of_tier(conversation.tier).value,
                 tier=conversation.tier,
-                tools=req.tools.to_dict() if req.tools is not None else {},
+                tools=({**req.tools.to_dict(), "max_rounds": self.settings.max_tool_rounds}
+                       if req.tools is not None else {}),
                 tenant=req.user_id,
             )
             info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
