@@ -137,7 +137,8 @@ if __name__ == "__main__":
     figures = asyncio.run(main(args))
     print(table(figures))
     out = {"benchmark": "sandbox", "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-           "machine": machine.describe(), "nice": os.nice(0), "code": CODE, "limits": LIMITS.to_dict(),
+           "machine": machine.describe(), "nice": os.nice(0), "load_average": os.getloadavg(), "code": CODE,
+           "limits": LIMITS.to_dict(),
            "figures": figures}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("sandbox_quick.json" if args.quick else "sandbox.json")

@@ -424,3 +424,51 @@ def test_old_turns_with_tool_rounds_are_dropped_whole():
     full = service._build("m", 4096, [], old + new, 64, None, parse_tools([WEATHER], "auto"))
     tight = service._build("m", full.num_tokens + 64 - 20, [], old + new, 64, None, parse_tools([WEATHER], "auto"))
     assert (full.dropped_turns, tight.dropped_turns, tight.dropped_messages) == (0, 1, 4)
+
+
+async def test_a_replica_finds_a_sandbox_service_that_comes_up_late():
+    """Off (and saying why) while the service is unreachable; on once it answers, without a restart."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fairway.assembly import load_tokenizer
+    from fairway.engine import AsyncEngine
+    from fairway.replica.registry import InProcessRegistry
+    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+    from fairway.sandbox import LocalSandbox
+    from fairway.sandbox.service import GrpcSandbox
+    from tests.serving import free_port
+
+    if (reason := LocalSandbox().static_check()) is not None:
+        missing("bubblewrap", reason)
+    port = free_port()
+    sandbox = GrpcSandbox(f"grpc://127.0.0.1:{port}", timeout_s=0.5)
+    registry = InProcessRegistry()
+    worker = ReplicaWorker(AsyncEngine(ScriptedEngine(load_tokenizer(None), script)), make_relay(None), registry,
+                           ReplicaSettings(model=MODEL, heartbeat_s=0.02), sandbox=sandbox)
+    await worker.start()
+    root = Path(__file__).resolve().parent.parent
+    service = None
+    try:
+        (info,) = await registry.live()
+        assert "unreachable" in info.sandbox_off
+        service = subprocess.Popen([sys.executable, "-m", "fairway.cli", "sandbox", "--listen", f"127.0.0.1:{port}"],
+                                   cwd=root, stdout=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": str(root)})
+        service.stdout.readline()
+        for _ in range(200):
+            (info,) = await registry.live()
+            if info.sandbox_off == "":
+                break
+            await asyncio.sleep(0.05)
+        assert info.sandbox_off == ""
+    finally:
+        await worker.stop()
+        worker.engine.shutdown()
+        await sandbox.close()
+        if service is not None:
+            service.terminate()
+            service.wait(10)

@@ -49,6 +49,7 @@ from fairway.usage import metrics
 log = logging.getLogger(__name__)
 
 CancelCause = Literal["stop", "idle", "shutdown"]
+SANDBOX_RECHECK_BEATS = 30  # heartbeats between two looks at a sandbox that was off
 
 
 @dataclass
@@ -169,6 +170,7 @@ class ReplicaWorker:
         self.engine = engine
         self.sandbox = sandbox  # execute_code's; None: the tool is off here
         self._sandbox_off = "this replica has no sandbox" if sandbox is None else "not checked yet"
+        self._rechecking: asyncio.Task | None = None
         self.relay = relay
         self.moderator = moderator  # None: no output check
         self.registry = registry
@@ -202,10 +204,7 @@ class ReplicaWorker:
     async def start(self) -> None:
         """Announce the replica and start its loops; returns at once."""
         self.engine.start()
-        if self.sandbox is not None:
-            self._sandbox_off = await self.sandbox.check() or ""
-            if self._sandbox_off:
-                log.warning("execute_code is off on replica %s: %s", self.id, self._sandbox_off)
+        await self._check_sandbox()
         metrics.ENGINES.track(self.id, self.settings.model, self.engine)
         await self.registry.announce(self.info())
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
@@ -226,6 +225,8 @@ class ReplicaWorker:
         metrics.ENGINES.untrack(self.id)
         for loop in self._loops:
             loop.cancel()
+        if self._rechecking is not None:
+            self._rechecking.cancel()
         for reply_id in list(self._running):
             self._cancel(reply_id, "shutdown")
         if self._tasks:
@@ -280,12 +281,27 @@ class ReplicaWorker:
                     self._cancel(reply_id, "idle")
 
     async def _heartbeat_loop(self) -> None:
+        beats = 0
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
+            beats += 1
+            if self._sandbox_off and self.sandbox is not None and beats % SANDBOX_RECHECK_BEATS == 0 \
+                    and (self._rechecking is None or self._rechecking.done()):
+                # A sandbox service that was down may be back; asked aside: the beat must not wait on it.
+                self._rechecking = asyncio.create_task(self._check_sandbox())
             try:
                 await self.registry.announce(self.info())
             except Exception:  # a blip must not kill the replica; the next beat retries
                 log.warning("heartbeat failed", exc_info=True)
+
+    async def _check_sandbox(self) -> None:
+        """Whether execute_code runs here (the registry tells gateways), and if not why."""
+        if self.sandbox is None:
+            return
+        was = self._sandbox_off
+        self._sandbox_off = await self.sandbox.check() or ""
+        if self._sandbox_off and self._sandbox_off != was:
+            log.warning("execute_code is off on replica %s: %s", self.id, self._sandbox_off)
 
     def _cancel(self, reply_id: str, cause: CancelCause) -> None:
         running = self._running.get(reply_id)

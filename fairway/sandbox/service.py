@@ -108,7 +108,7 @@ class GrpcSandbox(Sandbox):
 
     async def check(self) -> str | None:
         try:
-            answer = await self._call("Check")({}, timeout=self.timeout_s + 10.0)
+            answer = await self._call("Check")({}, timeout=self.timeout_s + 5.0)  # (the service's own probe: a run)
         except grpc.aio.AioRpcError as exc:
             return f"the sandbox service at {self.url} is unreachable: {exc.details() or exc.code().name}"
         return answer.get("unavailable")
