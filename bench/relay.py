@@ -245,7 +245,9 @@ class SyntheticEngine:
     def __init__(self, rate: float) -> None:
         self.rate = rate
         self.engine = SimpleNamespace(max_model_len=1 << 20, max_prompt_tokens=1 << 20,
-                                      kv=SimpleNamespace(max_admissible_tokens=lambda: 1 << 20))
+                                      kv=SimpleNamespace(max_admissible_tokens=lambda: 1 << 20, block_size=16))
+        self.last_stats = SimpleNamespace(kv_blocks_total=0, kv_blocks_used=0)  # what a heartbeat reports
+        self.recent_blocks: tuple[int, ...] = ()  # no prefix cache
         self._aborted: set[str] = set()
         self._waiting: list[asyncio.Future[None]] = []  # replies waiting for the next step
         self._clock: asyncio.Task | None = None
@@ -634,9 +636,10 @@ async def bench_model(args: argparse.Namespace, workdir: Path) -> dict[str, Any]
     API_KEY["value"] = generate_key()  # `fairway serve` takes its development key from the environment
     port = free_port()
     fairway = spawn(["-m", "fairway.cli", "serve", "--port", str(port), "--database", f"sqlite:///{workdir}/serve.db",
-                     "--log-level", "warning", *NO_LIMITS], workdir / "serve.log",
+                     "--log-level", "warning", *NO_LIMITS, *args.serve_arg], workdir / "serve.log",
                     env={"FAIRWAY_DEV_KEY": API_KEY["value"]})
-    report: dict[str, Any] = {"levels": await model_levels("fairway", fairway, port, levels, tokens,
+    report: dict[str, Any] = {"serve_args": args.serve_arg,
+                              "levels": await model_levels("fairway", fairway, port, levels, tokens,
                                                            extra={"ignore_eos": True})}
     if args.peer:
         # The peer, on the same GGUF file, workload and client: transformers' own OpenAI server
@@ -771,6 +774,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-streams", type=int, default=3000)
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="model part: skip the peer (transformers serve) run")
+    parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
+                        help="model part: passed on to `fairway serve` (--serve-arg=--safety-output --serve-arg=off)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="runs of the largest passing steady level; the headline is their median")
     return parser.parse_args()

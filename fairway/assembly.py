@@ -34,7 +34,7 @@ from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
 from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
-from fairway.router import Router
+from fairway.router import Failover, Router, RouterSettings
 from fairway.safety import Moderator, SafetySettings, make_moderator
 from fairway.sandbox import Sandbox
 from fairway.server_gc import settle_heap
@@ -64,6 +64,10 @@ class ServerOptions:
     max_model_len: int | None = None  # cap the context window (default: the model's)
     num_kv_blocks: int | None = None
     replica_id: str | None = None
+    drain_grace_s: float = 30.0  # a replica's SIGTERM: how long its replies get to end there
+    max_inflight: int = 256  # replies a replica claims at once; the rest wait in its queue
+    region: str | None = None  # a replica's region (default: FAIRWAY_REGION, else "local")
+    router: RouterSettings = field(default_factory=RouterSettings)  # a gateway's placement
     default_max_tokens: int = 512
     max_tool_rounds: int = 5  # tool runs per reply (execute_code, refused calls); then it ends saying so
     limits: LimitsConfig | None = None  # quotas per tier, admission bounds (default: LimitsConfig())
@@ -202,7 +206,7 @@ def gateway_context(
     tokenizers: dict[str, Any],
     moderator: Moderator | None = None,
 ) -> GatewayContext:
-    router = Router(registry)
+    router = Router(registry, options.router)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens, max_tool_rounds=options.max_tool_rounds)
     background = Background()
     index = SqlVectorIndex(database_url(options.database))  # memory's and files' (one pool), opened on first use
@@ -232,7 +236,10 @@ def gateway_context(
         for key, user, tier in options.api_keys:
             await ensure_key(store, key, user, tier, name="startup")
 
-    context.on_startup += [store.init, limits.ping, store_keys, background.start(recorder.run, "reply-recorder")]
+    # Every gateway watches for replicas that died or drain, and hands their replies on.
+    failover = Failover(registry, relay, router)
+    context.on_startup += [store.init, limits.ping, store_keys, background.start(recorder.run, "reply-recorder"),
+                           background.start(failover.run, "failover")]
     context.on_shutdown += [store.close, relay.close, registry.close, limits.close, background.stop]
     return context
 
@@ -266,11 +273,14 @@ def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> Fas
 def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
     from fairway.replica.worker import ReplicaSettings
 
-    settings = ReplicaSettings(model=model, idle_cancel_s=options.idle_cancel_s,
+    settings = ReplicaSettings(model=model, idle_cancel_s=options.idle_cancel_s, drain_grace_s=options.drain_grace_s,
+                               max_inflight=options.max_inflight,
                                output_mode=options.safety.output_mode,
                                max_sentence_chars=options.safety.max_sentence_chars)
     if options.replica_id:
         settings.replica_id = options.replica_id
+    if options.region:
+        settings.region = options.region
     return settings
 
 
@@ -281,9 +291,11 @@ def gateway_app(options: ServerOptions) -> FastAPI:
     return create_app(gateway_context(options, relay, store, registry, tokenizers))
 
 
-async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, settle: bool = False) -> None:
-    """A replica process: the engine, claiming jobs from its queue until cancelled. settle: this is
-    the process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
+async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, settle: bool = False,
+                      drain: asyncio.Event | None = None) -> None:
+    """A replica process: the engine, claiming jobs from its queue until cancelled, or until drain
+    is set (SIGTERM): then it drains (ReplicaWorker.drain) and returns. settle: this is the
+    process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaWorker
 
@@ -299,7 +311,16 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     if settle:
         settle_heap()
     try:
-        await worker.run()
+        running = asyncio.create_task(worker.run())
+        draining = asyncio.create_task(drain.wait()) if drain is not None else None
+        try:
+            await asyncio.wait([t for t in (running, draining) if t is not None], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if draining is not None:
+                draining.cancel()
+        if draining is not None and draining.done() and not draining.cancelled():
+            await worker.drain()
+        await running
     finally:
         await asyncio.to_thread(async_engine.shutdown)
         if sandbox is not None:

@@ -1,8 +1,7 @@
 """The hash of each full KV block of a prompt, chained with its prefix.
 
-The engine's prefix cache keys its blocks by it, and the router will match a prompt's hashes
-with what each replica caches (prefix affinity) without loading torch: so it lives here, below
-both. Stable across processes and machines: blake2b over the tokens as 64-bit little-endian.
+The engine's prefix cache keys its blocks by it, and the router matches a prompt's hashes with
+what each replica caches (prefix affinity) without loading torch: so it lives here, below both. Stable across processes and machines: blake2b over the tokens as 64-bit little-endian.
 """
 
 from __future__ import annotations
@@ -23,9 +22,15 @@ def block_hash(parent: int | None, tokens: tuple[int, ...]) -> int:
 
 
 def prefix_block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> list[int]:
+    """block_hash of each full block, chained: the same values, with the tokens converted once
+    rather than once a block (a router hashes every prompt it places)."""
+    raw = np.asarray(token_ids, dtype=np.int64).tobytes()
+    width = block_size * 8
     hashes: list[int] = []
-    parent: int | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, tuple(token_ids[start:start + block_size]))
+    parent = 0
+    for start in range(0, (len(token_ids) // block_size) * width, width):
+        h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+        h.update(raw[start:start + width])
+        parent = int.from_bytes(h.digest(), "little")
         hashes.append(parent)
     return hashes

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 import sys
 import uuid
 from pathlib import Path
@@ -133,6 +134,10 @@ def _server_options(args: argparse.Namespace):
         idle_cancel_s=getattr(args, "idle_cancel", 30.0),
         max_model_len=getattr(args, "max_model_len", None),
         replica_id=getattr(args, "replica_id", None),
+        drain_grace_s=getattr(args, "drain_grace", 30.0),
+        max_inflight=getattr(args, "max_inflight", 256),
+        region=getattr(args, "region", None),
+        router=_router_settings(args),
         default_max_tokens=getattr(args, "default_max_tokens", 512),
         max_tool_rounds=getattr(args, "max_tool_rounds", 5),
         limits=_limits_config(args),
@@ -144,6 +149,15 @@ def _server_options(args: argparse.Namespace):
         safety=_safety_settings(args),
         sandbox=getattr(args, "sandbox", "local"),
     )
+
+
+def _router_settings(args: argparse.Namespace):
+    from fairway.router import RouterSettings
+
+    default = RouterSettings()
+    return RouterSettings(routing=getattr(args, "routing", default.routing),
+                          overflow_abs=getattr(args, "overflow_abs", default.overflow_abs),
+                          overflow_rel=getattr(args, "overflow_rel", default.overflow_rel))
 
 
 def _safety_settings(args: argparse.Namespace):
@@ -163,10 +177,23 @@ def _serve_app(app, args: argparse.Namespace) -> int:
     from fairway.gateway.http_protocol import server_config
 
     server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
+    # --reuse-port: several gateway processes listen on one port and the kernel spreads the
+    # connections over them (`fairway up`).
+    sockets = [_reuse_port_socket(args.host, args.port)] if getattr(args, "reuse_port", False) else None
     settle_heap()  # a server process from here on (fairway/server_gc.py)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn re-raises it once shut down
-        server.run()
+        server.run(sockets=sockets)
     return 0 if server.started else 3  # 3: did not start (e.g. the port is taken), as uvicorn.run() exits
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 DEV_USER = "dev"
@@ -228,15 +255,23 @@ def cmd_replica(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, addr=args.metrics_host)
 
     async def main() -> None:
-        # SIGTERM (the supervisor, Kubernetes) ends it like Ctrl-C: replies in flight get their
-        # final event and the replica leaves routing at once instead of timing out.
+        # SIGTERM (the supervisor, Kubernetes) or Ctrl-C drains: the replica leaves routing at
+        # once, finishes what it can within --drain-grace and hands the rest on to other replicas
+        # (ReplicaWorker.drain). A second signal stops it now: replies in flight get a final event.
         task = asyncio.current_task()
         assert task is not None
         loop = asyncio.get_running_loop()
+        drain = asyncio.Event()
+
+        def on_signal() -> None:
+            if drain.is_set():
+                task.cancel()
+            drain.set()
+
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, task.cancel)
+            loop.add_signal_handler(sig, on_signal)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_replica(_server_options(args), settle=True)
+            await run_replica(_server_options(args), settle=True, drain=drain)
 
     asyncio.run(main())
     return 0
@@ -269,6 +304,16 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
 
 def _database_url(args: argparse.Namespace) -> str | None:
     return args.database or os.environ.get("FAIRWAY_DATABASE_URL")
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fairway.up import UpOptions, up
+
+    if args.replicas < 1 or args.gateways < 1:
+        print("fairway up: --replicas and --gateways must be at least 1", file=sys.stderr)
+        return 2
+    return up(UpOptions(args.replicas, args.gateways, args.redis, args.database, args.host, args.port,
+                        args.namespace, args.replica_arg, args.gateway_arg))
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -337,6 +382,21 @@ def _limits_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--completion-price-per-1k", type=float, default=None, help="... per 1k completion tokens")
     g.add_argument("--cached-price-per-1k", type=float, default=None, help="... per 1k cached prompt tokens "
                    "(default: half the prompt price)")
+
+
+def _router_args(p: argparse.ArgumentParser) -> None:
+    from fairway.router import ROUTINGS, RouterSettings
+
+    default = RouterSettings()
+    g = p.add_argument_group("routing (fairway/router/)")
+    g.add_argument("--routing", default=default.routing, choices=ROUTINGS,
+                   help="affinity: the replica with most of the prompt's prefix cached, unless overloaded; "
+                        "round-robin: each replica in turn (for comparison)")
+    g.add_argument("--overflow-abs", type=int, default=default.overflow_abs, metavar="N",
+                   help="pass over the best-scoring replica when it has more than N replies more than the least "
+                        "loaded ...")
+    g.add_argument("--overflow-rel", type=float, default=default.overflow_rel, metavar="X",
+                   help="... and more than X times the least loaded one's load more")
 
 
 def _safety_args(p: argparse.ArgumentParser, stages: tuple[str, ...]) -> None:
@@ -419,8 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--database", required=not os.environ.get("FAIRWAY_DATABASE_URL"),
                     default=os.environ.get("FAIRWAY_DATABASE_URL"), help="postgresql://user@host/db (or sqlite://)")
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
+    gw.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes (SO_REUSEPORT)")
     gw.add_argument("--default-max-tokens", type=int, default=512)
     gw.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
+    _router_args(gw)
     _limits_args(gw)
     _memory_files_args(gw)
     _safety_args(gw, ("input",))
@@ -433,6 +495,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--redis", required=not os.environ.get("FAIRWAY_REDIS_URL"),
                    default=os.environ.get("FAIRWAY_REDIS_URL"), help="redis://host:port/db")
     r.add_argument("--replica-id", default=None)
+    r.add_argument("--max-inflight", type=int, default=256,
+                   help="replies claimed at once; more wait in this replica's queue (a failover moves them too)")
+    r.add_argument("--drain-grace", type=float, default=30.0,
+                   help="on SIGTERM, seconds the replies in flight get to finish here before they are handed on")
+    r.add_argument("--region", default=None, help="the region it serves, for requests that name one "
+                   "(X-Fairway-Region; default: FAIRWAY_REGION, else 'local')")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
     r.add_argument("--metrics-host", default="127.0.0.1")
@@ -446,6 +514,20 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--per-tenant", type=int, default=4, help="runs of one tenant at once")
     sb.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sb.set_defaults(func=cmd_sandbox)
+    from fairway.up import DEFAULT_DATABASE, DEFAULT_REDIS
+
+    u = sub.add_parser("up", help="gateways and replicas on this machine, on the local Redis and PostgreSQL")
+    u.add_argument("--replicas", type=int, default=2)
+    u.add_argument("--gateways", type=int, default=2)
+    u.add_argument("--redis", default=os.environ.get("FAIRWAY_REDIS_URL", DEFAULT_REDIS))
+    u.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL", DEFAULT_DATABASE))
+    u.add_argument("--host", default="127.0.0.1")
+    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--namespace", default="fairway:", help="Redis key prefix")
+    u.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
+                   help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
+    u.add_argument("--gateway-arg", action="append", default=[], metavar="ARG", help="passed on to every gateway")
+    u.set_defaults(func=cmd_up)
 
     k = sub.add_parser("keys", help="API keys: create, revoke, list (in the conversation store's database)")
     ksub = k.add_subparsers(dest="keys_command", required=True)

@@ -1,7 +1,7 @@
 """Building Fairway's C sources with the system compiler, once per source, compiler and key.
 
 The model's kernels (fairway/models/cpu_kernels.py), the relay's dispatcher
-(fairway/relay/live_dispatch.py) and the gateway's token writer (fairway/gateway/token_writer.py)
+(fairway/redis_client/dispatch.py) and the gateway's token writer (fairway/gateway/token_writer.py)
 are compiled on first use and kept under the Fairway cache directory, named by a hash of
 everything that changes the binary, so a later start loads them at once.
 """

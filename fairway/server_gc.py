@@ -3,8 +3,8 @@
 Python's collector walks every tracked object of a generation it collects. A gateway relaying
 hundreds of streams holds ~200 such objects a stream (tasks, frames, dicts), and a replica holds
 PyTorch's and the engine's too, so with the default thresholds (700, 10, 10) a full collection
-came every few seconds and stopped the process for 25-160 ms (measured with gc.callbacks at 400
-and 800 streams): every event in flight waited, which set the relay's p99 delay.
+came every few seconds and stopped the whole process (bench/README.md, relay.py): every event in
+flight waited, which set the relay's p99 delay.
 
 settle_heap(), once the process has started (modules imported, app and model loaded): what exists
 then lives as long as the process, so it is frozen out of collections for good; and collections

@@ -24,13 +24,19 @@ async def pg_admin(sql: str) -> None:
 
 
 async def terminate_lock_waiters(conn, query_like: str = "%", timeout_s: float = 20.0) -> None:
-    """On conn's database, kill the backends waiting for a lock (a call blocked midway by a row
-    the test holds) whose statement is like query_like; waits for one to appear (the call may
-    come from another, busy process)."""
+    """On conn's database, kill the backends waiting for a lock conn holds (a call blocked midway
+    by a row the test holds) whose statement is like query_like; waits for one to appear (the call
+    may come from another, busy process).
+
+    conn is usually inside the transaction that holds the row, and PostgreSQL keeps a transaction's
+    view of pg_stat_activity (each backend's state and statement) as it was at its first read: each
+    poll clears it, or a call that arrives after the first poll is never seen with its statement."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        await conn.execute("SELECT pg_stat_clear_snapshot()")
         killed = await conn.fetchval("SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
                                      "WHERE datname = current_database() AND wait_event_type = 'Lock' "
+                                     "AND pg_backend_pid() = ANY(pg_blocking_pids(pid)) "
                                      "AND query ILIKE $1", query_like)
         if killed:
             return

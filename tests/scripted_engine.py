@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from fairway.domain import FinishReason
 from fairway.engine import RequestOutput, RequestRejected, SamplingParams
+from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.stats import EngineStats
 
 
@@ -32,6 +33,7 @@ class ScriptedEngine:
         self.max_model_len = max_model_len
         self.step_s = step_s  # a step's time: the engine thread must not spin
         self.prompts: list[tuple[str, list[int]]] = []  # every request: (id, prompt ids), in order
+        self.kv = KVCacheManager(64, 16, 0, True)  # holds nothing: what the replica reads of an engine's cache
         self._replies: dict[str, _Reply] = {}
         self._steps = 0
 
@@ -44,7 +46,8 @@ class ScriptedEngine:
             raise RequestRejected(f"the prompt has {num_tokens} tokens; the window is {self.max_model_len}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, output_token_ids: list[int] | None = None) -> None:
+        prompt_token_ids = [*prompt_token_ids, *(output_token_ids or [])]  # (a continuation: what came before)
         self.prompts.append((request_id, list(prompt_token_ids)))
         text = self.script(self.tokenizer.decode(prompt_token_ids))
         ids = self.tokenizer.encode(text) + [self.tokenizer.eos_token_id]

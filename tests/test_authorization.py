@@ -6,6 +6,7 @@ changes. A resource kind that comes later (memories, files) is one more row of O
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -14,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from backends import missing
-from pg_admin import PG_HOST, PG_USER, pg_admin
+from pg_admin import PG_HOST, temporary_database
 from serving import (
     API_KEY,
     MODEL,
@@ -95,15 +96,6 @@ def engine():
     return build_engine(ServerOptions(max_model_len=512))
 
 
-def _postgresql() -> str:
-    name = f"fairway_test_{uuid.uuid4().hex[:12]}"
-    try:
-        asyncio.run(pg_admin(f'CREATE DATABASE "{name}"'))
-    except OSError as exc:
-        missing("PostgreSQL", f"nothing answers at {PG_HOST}: {exc}")
-    return name
-
-
 def _redis() -> None:
     import redis
 
@@ -125,27 +117,28 @@ def server(request, engine, tmp_path_factory):
 
     keys = [*TEST_KEYS, (REVOKED_KEY, "revoked-user", "paid")]
     options = ServerOptions(max_model_len=512, api_keys=keys, auth_cache_s=0.1)
-    pg_name = None
-    if request.param == "redis+postgresql":
-        _redis()
-        pg_name = _postgresql()
-        options.redis, options.namespace = REDIS_URL, f"test:{uuid.uuid4().hex[:12]}:"
-        options.database = f"postgresql://{PG_USER}@{PG_HOST}/{pg_name}"
-    else:
-        options.database = f"sqlite:///{tmp_path_factory.mktemp('authz') / 'fairway.db'}"
-    app = embedded_app(options, engine)
-    server = ThreadServer(app).start()
-    server.gateway = app.state.gateway
-    try:
-        wait_ready(server.url)
-        server.ids = _owned_by_user_1(server)
-        _revoke(server)
-        yield server
-    finally:
-        server.stop()
-        if pg_name:
-            asyncio.run(delete_prefixed(REDIS_URL, options.namespace))
-            asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{pg_name}" WITH (FORCE)'))
+    at_scale = request.param == "redis+postgresql"
+    with temporary_database() if at_scale else contextlib.nullcontext() as pg_url:
+        if at_scale:
+            _redis()
+            if pg_url is None:
+                missing("PostgreSQL", f"nothing answers at {PG_HOST}")
+            options.redis, options.namespace = REDIS_URL, f"test:{uuid.uuid4().hex[:12]}:"
+            options.database = pg_url
+        else:
+            options.database = f"sqlite:///{tmp_path_factory.mktemp('authz') / 'fairway.db'}"
+        app = embedded_app(options, engine)
+        server = ThreadServer(app).start()
+        server.gateway = app.state.gateway
+        try:
+            wait_ready(server.url)
+            server.ids = _owned_by_user_1(server)
+            _revoke(server)
+            yield server
+        finally:
+            server.stop()
+            if at_scale:
+                asyncio.run(delete_prefixed(REDIS_URL, options.namespace))
 
 
 def _owned_by_user_1(server) -> dict[str, str]:

@@ -86,7 +86,7 @@ class PausingReplica:
         from fairway.replica.registry import ReplicaInfo, make_registry
 
         relay = make_relay(REDIS_URL, prefix=self.namespace)
-        registry = make_registry(REDIS_URL, prefix=self.namespace)
+        registry = make_registry(REDIS_URL, prefix=self.namespace, ttl_s=60)  # it announces only once
         queue = f"pausing-{uuid.uuid4().hex[:8]}"
         try:
             await registry.announce(ReplicaInfo("pausing-replica", MODEL, queue, 1024, 1024, capacity=1))

@@ -46,6 +46,7 @@ LAYERS = [
     "fairway.web",  # the chat page's static files, served by the gateway
     "fairway.gateway",
     "fairway.assembly",  # putting the parts together: embedded, gateway and replica processes
+    "fairway.up",  # `fairway up`: gateway and replica processes on this machine
     "fairway.cli",
 ]
 

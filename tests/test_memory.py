@@ -4,6 +4,8 @@ is extracted, listed, injected into the next conversation's system block, and go
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import openai
 import pytest
@@ -77,6 +79,31 @@ async def test_the_block_is_chosen_once_and_loses_deleted_memories(memory: Memor
     await memory.store.set_enabled("u1", True)
     assert await memory.forget_all("u1") == 2
     assert await memory.list("u1") == []
+
+
+async def test_a_user_without_memories_costs_a_turn_no_embedding(vector_db):
+    """The first chats of a new user (memory on, nothing remembered yet) never wait for the
+    embedding model to load; the turn is still noted, so idle extraction learns from it."""
+    url, connect_args = vector_db
+    url = database_url(url)
+
+    def no_embedder():
+        raise AssertionError("the embedder was loaded for a user with no memories")
+
+    service = MemoryService(MemoryStore(url, connect_args), SqlVectorIndex(url, connect_args=connect_args),
+                            no_embedder)
+    await service.init()
+    try:
+        block = await service.block("new_user", "conv_first", "Suggest a snack for my hike")
+        assert block.memories == [] and block.message is None
+        assert (await service.block("new_user", "conv_first", "And a drink?")).memories == []
+        for _ in range(50):  # the turns are noted for idle extraction a moment later, together
+            if [c for _, c, _ in await service.store.idle_conversations(0.0)] == ["conv_first"]:
+                break
+            await asyncio.sleep(0.05)
+        assert [c for _, c, _ in await service.store.idle_conversations(0.0)] == ["conv_first"]
+    finally:
+        await service.close()
 
 
 async def test_model_answers_are_validated_and_retried_within_a_bound():

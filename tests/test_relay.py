@@ -19,6 +19,7 @@ from transports import RecordingTransport, dechunk, token_of
 
 from fairway.gateway import token_writer
 from fairway.gateway.sse import ReplyView, token_template
+from fairway.redis_client import dispatch
 from fairway.relay import (
     ClaimedJob,
     EventIdOutOfRange,
@@ -38,7 +39,6 @@ from fairway.relay import (
     TokenEvent,
     TokenLog,
     event_from_fields,
-    live_dispatch,
     make_relay,
 )
 from fairway.relay.inbox_redis import RedisInbox
@@ -327,9 +327,9 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
     (in C through the writer's C-level sink protocol, or all in Python), keeping the text of what
     it wrote; a plain function is called."""
     if sink == "writer-python":
-        monkeypatch.setattr(live_dispatch, "native_module", lambda: None)
+        monkeypatch.setattr(dispatch, "native_module", lambda: None)
         monkeypatch.setattr(token_writer, "native_module", lambda: None)
-    elif sink == "writer-native" and (live_dispatch.native_module() is None or token_writer.native_module() is None):
+    elif sink == "writer-native" and (dispatch.native_module() is None or token_writer.native_module() is None):
         pytest.skip("no C compiler")
     gateway, replica, r = backend.log(), backend.log(), rid()
     await replica.create(r)
@@ -552,6 +552,32 @@ async def test_bus_claims_a_batch_from_the_first_lane_with_work(backend: Backend
     await asyncio.sleep(0.05)
     await gateway.submit({"n": "late"}, Lane.BACKGROUND, queue=q)
     assert [j.job["n"] for j in await asyncio.wait_for(waiting, 5)] == ["late"]
+
+
+async def test_a_claimed_job_stays_in_its_queue_until_acknowledged(backend: Backend) -> None:
+    """At least once: what a replica claimed is still there for a failover if it dies before
+    acking; unfinished() lists it (claimed first, then what waits), ack() removes it."""
+    gateway, replica, failover = backend.jobs(), backend.jobs(), backend.jobs()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    for n in ("a", "b", "c"):
+        await gateway.submit({"n": n}, Lane.FREE, queue=q)
+    await gateway.submit({"n": "bg"}, Lane.BACKGROUND, queue=q)
+    running = await replica.claim_many(queue=q, max_count=2)
+    assert [j.job["n"] for j in running] == ["a", "b"]
+    assert await replica.depth(queue=q) == {Lane.PAID: 0, Lane.FREE: 1, Lane.BACKGROUND: 1}
+    left = await failover.unfinished(queue=q)
+    assert [(j.lane, j.job["n"]) for j in left] == [(Lane.FREE, "a"), (Lane.FREE, "b"), (Lane.FREE, "c"),
+                                                   (Lane.BACKGROUND, "bg")]
+    assert [j.job["n"] for j in await failover.unfinished(queue=q, waiting_only=True)] == ["c", "bg"]
+    await replica.ack(running[:1], queue=q)  # "a" ended
+    assert [j.job["n"] for j in await failover.unfinished(queue=q)] == ["b", "c", "bg"]
+    # A failover hands on "b" (claimed) and "c" (waiting), acking each in the dead queue.
+    await failover.ack([j for j in left if j.job["n"] in ("b", "c")], queue=q)
+    assert [j.job["n"] for j in await failover.unfinished(queue=q)] == ["bg"]
+    assert [j.job["n"] for j in await replica.claim_many(queue=q, max_count=5)] == ["bg"]  # never "c" again
+    await failover.delete(queue=q)
+    assert await failover.unfinished(queue=q) == []
+    assert await replica.claim(queue=q) is None
 
 
 async def test_bus_blocked_claim_wakes_on_submit(backend: Backend) -> None:

@@ -78,9 +78,9 @@ def test_a_writer_writes_only_while_open_and_the_connection_takes_it_at_once(kin
 def test_the_native_writer_speaks_the_relays_c_sink_protocol() -> None:
     """Its type carries the capsule the relay's C dispatcher looks for (fairway/csrc/token_sink.h):
     without it every event would cost a Python call."""
-    from fairway.relay import live_dispatch
+    from fairway.redis_client import dispatch
 
     assert type(NATIVE.TokenWriter.__token_sink__).__name__ == "PyCapsule"
-    if live_dispatch.native_module() is not None:
-        assert live_dispatch.native_module().Tap(NATIVE.TokenWriter(token_template(VIEW), [])).native is True
+    if dispatch.native_module() is not None:
+        assert dispatch.native_module().Tap(NATIVE.TokenWriter(token_template(VIEW), [])).native is True
 

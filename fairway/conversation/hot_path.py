@@ -21,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import asyncpg
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.ext.asyncio import AsyncEngine
 from sqlalchemy.sql import ClauseElement
 from sqlalchemy.sql.dml import Insert
 
@@ -51,6 +53,13 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
 
 class PostgresHotPath:
     """asyncpg's pool on the store's database, and the statements compiled for it."""
+
+    @classmethod
+    def of_engine(cls, engine: AsyncEngine, connect_args: Mapping[str, Any] | None = None,
+                  size: int = 16) -> PostgresHotPath:
+        """A pool on the database of this (PostgreSQL) engine, connecting as the engine does."""
+        _, url_kwargs = engine.dialect.create_connect_args(engine.url)
+        return cls({**url_kwargs, **(connect_args or {})}, engine.dialect, size)
 
     def __init__(self, connect_kwargs: Mapping[str, Any], dialect: Dialect, size: int = 16) -> None:
         self._connect_kwargs = dict(connect_kwargs)  # asyncpg.connect's: what the engine would use
@@ -128,3 +137,17 @@ class PostgresHotPath:
             fixed = {name: bind.effective_value for name, bind in done.binds.items() if not bind.required}
             compiled = self._compiled[key] = (done.string, tuple(done.positiontup or ()), fixed)
         return compiled
+
+
+_shared: weakref.WeakKeyDictionary[AsyncEngine, PostgresHotPath] = weakref.WeakKeyDictionary()
+
+
+def shared_hot_path(engine: AsyncEngine, connect_args: Mapping[str, Any] | None = None) -> PostgresHotPath | None:
+    """One hot path per engine for the parts that share it (memory's and files' tables beside
+    the vector index), so they hold one small pool between them; None off PostgreSQL. The first
+    call names the engine's connect_args (its creator's: a test's search_path, say)."""
+    if engine.dialect.name != "postgresql":
+        return None
+    if engine not in _shared:
+        _shared[engine] = PostgresHotPath.of_engine(engine, connect_args, size=8)
+    return _shared[engine]

@@ -152,11 +152,15 @@ class ReplyRecorder:
             except Exception as exc:
                 failed.append(exc)
 
+        # A failover's "resumed" comes before the new replica's "started" of the same reply.
+        requeued = [(r.reply_id, r.replica_id) for r in reports if r.kind == "resumed"]
+        if requeued:
+            await step(self.store.mark_requeued_many(requeued))
         started = [(r.reply_id, r.replica_id) for r in reports if r.kind == "started"]
         if started:
             # A reply whose "finished" report (or relaying gateway) got there first stays final.
             await step(self.store.mark_running_many(started))
-        finished = [r for r in reports if r.kind != "started"]
+        finished = [r for r in reports if r.kind == "finished"]
         endings = []
         for report in finished:
             try:

@@ -31,7 +31,7 @@ from fairway.domain import Tier, lane_of_tier
 from fairway.relay import Relay
 from fairway.replica.job import GenerationJob
 from fairway.replica.registry import ReplicaInfo
-from fairway.router import Router
+from fairway.router import Router, region_fallback
 from fairway.safety import ModerationResult, Moderator
 from fairway.tools import ToolSet
 from fairway.tools.prompt import expand_assistant, prompt_messages, system_block
@@ -82,6 +82,7 @@ class TurnRequest:
     tier: str | None = None  # the user's tier (from their key): the conversation's lane
     file_ids: list[str] = field(default_factory=list)  # files the new message attaches
     tools: ToolSet | None = None  # what the reply may call (None: no tools)
+    region: str | None = None  # the region the request asked to be served in (X-Fairway-Region)
     # Called once the context is built, before anything is stored, with (prompt tokens,
     # max_tokens): the gateway reserves tokens here (and may refuse by raising).
     admit: Callable[[int, int], Awaitable[Admitted]] | None = None
@@ -110,6 +111,7 @@ class Turn:
     reply: Reply
     context: Context | None  # None when the request attached to an existing reply
     max_tokens: int = 0
+    region_fallback: str | None = None  # the region that served, when not the one requested
 
     @property
     def attached(self) -> bool:
@@ -197,7 +199,7 @@ class ConversationService:
             )
             info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
                     "dropped_messages": context.dropped_messages, "max_tokens": max_tokens, **extras.info}
-            replica = await self.router.place(job.model)
+            replica = await self.router.place(job.model, context.prompt_token_ids, req.region)
             try:
                 message, reply = await self.store.store_turn(NewTurn(
                     conversation, new_conversation, [_stored(m) for m in new], req.client_key,
@@ -216,7 +218,7 @@ class ConversationService:
             with contextlib.suppress(Exception):  # the original error is the one to report
                 await admitted.release()
             raise
-        return Turn(conversation, message, reply, context, max_tokens)
+        return Turn(conversation, message, reply, context, max_tokens, region_fallback(req.region, replica))
 
     async def _check_input(self, req: TurnRequest, conversation: Conversation | None,
                            new: list[ChatMessage]) -> None:
@@ -275,11 +277,7 @@ class ConversationService:
         return Turn(conversation, message, reply, None)
 
     async def _replicas(self, model: str) -> list[ReplicaInfo]:
-        replicas = await self.router.replicas_for(model)
-        if not replicas:
-            await self.router.place(model)  # raises NoReplica after a fresh look
-            replicas = await self.router.replicas_for(model)
-        return replicas
+        return await self.router.serving(model)  # raises NoReplica after a fresh look
 
     async def _extras(self, req: TurnRequest, conversation: Conversation, new_conversation: bool,
                       new: list[ChatMessage]) -> TurnExtras:

@@ -114,9 +114,9 @@ def _sqlite_write_lock(url: str) -> asyncio.Lock:
 
     SQLite has one writer at a time; the others wait in its busy handler, which sleeps and
     retries (1, 2, 5 ... up to 100 ms between tries). Sixteen chats starting at once each waited
-    for the others' sleeps: the last one's turn took ~0.5 s to store. Queued here, each write
-    starts as soon as the one before commits. (Other processes on the file still meet the busy
-    handler: rare, e.g. `fairway keys create` next to a running server.)"""
+    for the others' sleeps, the last one's turn longest. Queued here, each write starts as soon as
+    the one before commits. (Other processes on the file still meet the busy handler: rare, e.g.
+    `fairway keys create` next to a running server.)"""
     locks = _SQLITE_WRITE_LOCKS.setdefault(asyncio.get_running_loop(), {})
     return locks.setdefault(url, asyncio.Lock())
 
@@ -173,14 +173,14 @@ def _reply(row: Mapping[str, Any]) -> Reply:
 
 
 # The statements of every chat request, built once and executed with their values as parameters:
-# building one per call (insert(...).values(row) and its cache key) costs SQLAlchemy ~40-200 us,
-# ~1 ms of gateway CPU per request; a prebuilt statement's cache key is memoized.
+# building one per call (insert(...).values(row) and its cache key) costs SQLAlchemy more than
+# running it (bench/README.md, store_requests.py); a prebuilt statement's cache key is memoized.
 _INSERT = {table.name: sa.insert(table) for table in (conversations, messages, replies, api_keys)}
 _TOUCH = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_id"))
           .values(updated_at=sa.bindparam("b_ts")))
 _REPLY_BY_ID = sa.select(replies).where(replies.c.id == sa.bindparam("b_id"))
 _JOB_OF_REPLY = sa.select(replies.c.id, replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
-_RUNNING = frozenset({"state", "replica_id"})
+_PLACED = frozenset({"state", "replica_id"})  # where a reply runs or waits
 _CONVERSATION_OF_USER = sa.select(conversations).where(conversations.c.id == sa.bindparam("b_id"),
                                                        conversations.c.user_id == sa.bindparam("b_user"))
 _MESSAGES_OF = (sa.select(messages).where(messages.c.conversation_id == sa.bindparam("b_conversation"))
@@ -310,9 +310,7 @@ class SqlConversationStore(ConversationStore):
         # The chat path's single statements skip the engine on PostgreSQL (hot_path.py).
         self._hot_path: PostgresHotPath | None = None
         if self._dialect == "postgresql":
-            _, url_kwargs = self._engine.dialect.create_connect_args(self._engine.url)
-            self._hot_path = PostgresHotPath({**url_kwargs, **engine_kwargs.get("connect_args", {})},
-                                             self._engine.dialect)
+            self._hot_path = PostgresHotPath.of_engine(self._engine, engine_kwargs.get("connect_args"))
 
     async def _rows(self, statement: sa.Executable, params: Mapping[str, Any],
                     write: bool = False) -> Sequence[Mapping[str, Any]]:
@@ -421,8 +419,8 @@ class SqlConversationStore(ConversationStore):
     async def store_turn(self, turn: NewTurn) -> tuple[Message, Reply | None]:
         # What used to be four separate writes (conversation, its touch, the message, the reply):
         # one statement on PostgreSQL (_turn_statement), one transaction on SQLite. Each statement
-        # costs the gateway ~0.2 ms of CPU and a round trip (on SQLite, a hop to the connection's
-        # thread and back).
+        # costs the gateway CPU and a round trip (on SQLite, a hop to the connection's thread and
+        # back).
         conv = turn.conversation
         msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(item[0]), text=item[1],
                         client_key=turn.client_key if i == len(turn.messages) - 1 else None,
@@ -525,9 +523,15 @@ class SqlConversationStore(ConversationStore):
         raise ReplyFinished(id, current.state)
 
     async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
-        params = [{"b_id": reply_id, **_bound({"state": ReplyState.RUNNING.value, "replica_id": replica_id})}
-                  for reply_id, replica_id in started]
-        return len(await self._rows_many(_update_reply_statement(_RUNNING, whole_row=False), params, write=True))
+        return await self._place_many(started, ReplyState.RUNNING)
+
+    async def mark_requeued_many(self, requeued: Sequence[tuple[str, str]]) -> int:
+        return await self._place_many(requeued, ReplyState.QUEUED)
+
+    async def _place_many(self, placed: Sequence[tuple[str, str]], state: ReplyState) -> int:
+        params = [{"b_id": reply_id, **_bound({"state": state.value, "replica_id": replica_id})}
+                  for reply_id, replica_id in placed]
+        return len(await self._rows_many(_update_reply_statement(_PLACED, whole_row=False), params, write=True))
 
     async def finish_reply(
         self,

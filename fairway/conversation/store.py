@@ -167,6 +167,12 @@ class ConversationStore(ABC):
         update_reply returns the whole reply, whose stored context (thousands of token ids) the
         replica's report has no use for."""
 
+    @abstractmethod
+    async def mark_requeued_many(self, requeued: Sequence[tuple[str, str]]) -> int:
+        """A failover moved these (reply id, replica id) to another replica, where each waits
+        again (RUNNING → RESUMING → QUEUED; the store keeps QUEUED) unless it is final already;
+        in one round trip, as mark_running_many; how many changed."""
+
     async def finish_replies(self, endings: Sequence[Ending]) -> None:
         """finish_reply(look_up_existing=False) of several replies (a batch of replicas' reports,
         mostly saved already by the gateways that relayed them); a backend may do it in one

@@ -1,12 +1,13 @@
 /* The relay's token sink (relay.TokenSink, `sink(n, text) -> bool`) at the C level.
  *
  * A sink type written in C may carry, as the type attribute FAIRWAY_TOKEN_SINK_ATTR, a capsule
- * named FAIRWAY_TOKEN_SINK holding a FairwayTokenSink: the relay's dispatcher then hands it each
- * token event through `take`, with the text as the UTF-8 bytes it arrived in, building no Python
- * object per event. Any other sink is called from the dispatcher as sink(n, text).
+ * named FAIRWAY_TOKEN_SINK holding a FairwayTokenSink: the Pub/Sub dispatcher
+ * (fairway/redis_client/csrc/dispatch.c) then hands it each token event through `take`, with the
+ * text as the UTF-8 bytes it arrived in, building no Python object per event. Any other sink is
+ * called from the dispatcher as sink(n, text).
  *
- * The relay calls; it knows nothing of what the sink does with the event (the gateway's token
- * writer frames it for HTTP). This header is all the two share.
+ * The dispatcher calls; it knows nothing of what the sink does with the event (the gateway's
+ * token writer frames it for HTTP). This header is all the two share.
  */
 #ifndef FAIRWAY_TOKEN_SINK_H
 #define FAIRWAY_TOKEN_SINK_H

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -20,6 +21,8 @@ from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.stats import EngineStats
 
 log = logging.getLogger(__name__)
+
+RECENT_BLOCKS_EVERY_S = 0.2  # how stale the snapshot of cached block hashes may get while busy
 
 
 class EngineDead(RuntimeError):
@@ -32,6 +35,7 @@ class _Add:
     prompt_token_ids: list[int]
     params: SamplingParams
     priority: int
+    output_token_ids: list[int]
 
 
 @dataclass
@@ -41,7 +45,7 @@ class _Stream:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, recent_blocks_limit: int = 4096) -> None:
         self.engine = engine
         self._inbox: queue.SimpleQueue[_Add | str | None] = queue.SimpleQueue()
         self._wake = threading.Event()
@@ -51,6 +55,13 @@ class AsyncEngine:
         self._stopping = False
         self.error: BaseException | None = None
         self.last_stats: EngineStats = engine.stats()
+        # The hashes of the most recently used cached KV blocks (BlockPool.recent_hashes), taken in
+        # the loop thread, where the pool is mutated, and swapped in whole: the replica's
+        # heartbeat reads it from its own thread.
+        self.recent_blocks_limit = recent_blocks_limit
+        self.recent_blocks: tuple[int, ...] = ()
+        self._recent_version = -1
+        self._recent_at = float("-inf")
 
     @property
     def tokenizer(self):
@@ -69,18 +80,21 @@ class AsyncEngine:
             self._thread.join(timeout=10)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       priority: int = Priority.PAID) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request, the last with a finish reason. Leaving the loop early aborts it."""
+                       priority: int = Priority.PAID,
+                       output_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request, the last with a finish reason. Leaving the loop early aborts it.
+        output_token_ids: what it generated already elsewhere (LLMEngine.add_request)."""
         if self.error is not None:
             raise EngineDead(f"engine stopped: {self.error}")
-        self.engine.check_prompt(len(prompt_token_ids))  # reject before admission, in the caller
+        output_token_ids = list(output_token_ids or [])
+        self.engine.check_prompt(len(prompt_token_ids) + len(output_token_ids))  # reject now, in the caller
         self.start()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already running")
             self._streams[request_id] = stream
-        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority))
+        self._inbox.put(_Add(request_id, list(prompt_token_ids), params, priority, output_token_ids))
         self._wake.set()
         finished = False
         try:
@@ -108,7 +122,9 @@ class AsyncEngine:
                 if self.engine.has_unfinished():
                     self._dispatch(self.engine.step())
                     self.last_stats = self.engine.stats()
+                    self._snapshot_recent_blocks(idle=False)
                 else:
+                    self._snapshot_recent_blocks(idle=True)
                     self._wake.wait()
                     self._wake.clear()
         except BaseException as exc:  # the loop must never die silently: fail every waiting request
@@ -118,6 +134,16 @@ class AsyncEngine:
                 streams = list(self._streams.values())
             for s in streams:
                 s.loop.call_soon_threadsafe(s.queue.put_nowait, EngineDead(f"engine stopped: {exc}"))
+
+    def _snapshot_recent_blocks(self, idle: bool) -> None:
+        """At most every RECENT_BLOCKS_EVERY_S while steps run, and once more when the engine
+        goes idle, so the last step's blocks are in it; never when nothing changed."""
+        pool = self.engine.kv.pool
+        now = time.monotonic()
+        if pool.version == self._recent_version or (not idle and now - self._recent_at < RECENT_BLOCKS_EVERY_S):
+            return
+        self.recent_blocks = pool.recent_hashes(self.recent_blocks_limit)
+        self._recent_version, self._recent_at = pool.version, now
 
     def _drain_inbox(self) -> None:
         while True:
@@ -131,7 +157,8 @@ class AsyncEngine:
                 self.engine.abort(item)
                 continue
             try:
-                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority)
+                self.engine.add_request(item.request_id, item.prompt_token_ids, item.params, item.priority,
+                                        output_token_ids=item.output_token_ids)
             except Exception as exc:  # one bad request fails alone; the loop serves everyone else
                 self._deliver_to(item.request_id, exc)
 

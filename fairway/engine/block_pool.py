@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 
 from fairway.block_hash import BLOCK_SIZE
 
@@ -26,7 +27,8 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks, least recently freed first; eviction takes from the front.
         self.free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
-        self.cached: dict[int, KVBlock] = {}  # hash -> block
+        self.cached: dict[int, KVBlock] = {}  # hash -> block, least recently used first
+        self.version = 0  # bumped when the set of cached hashes or their order changes
         self.queries = 0  # prefix-cache lookups, in blocks
         self.hits = 0
 
@@ -47,9 +49,18 @@ class BlockPool:
             if block is None or block.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             found.append(block)
+        for block in found:  # most recently used now: to the end (recent_hashes reads from there)
+            self.cached[block.hash] = self.cached.pop(block.hash)  # type: ignore[index]
+        if found:
+            self.version += 1
         self.queries += len(hashes)
         self.hits += len(found)
         return found
+
+    def recent_hashes(self, limit: int) -> tuple[int, ...]:
+        """The hashes of up to `limit` cached blocks, most recently used first: what the replica
+        tells the routers it caches (fairway/replica/prefix_summary.py)."""
+        return tuple(islice(reversed(self.cached), limit))
 
     def touch(self, blocks: list[KVBlock]) -> None:
         """Take a reference on cached blocks (removing them from the free queue if idle)."""
@@ -90,8 +101,10 @@ class BlockPool:
             return
         block.hash, block.tokens = h, tokens
         self.cached[h] = block
+        self.version += 1
 
     def _forget(self, block: KVBlock) -> None:
         if block.hash is not None and self.cached.get(block.hash) is block:
             del self.cached[block.hash]
+            self.version += 1
         block.hash, block.tokens = None, None

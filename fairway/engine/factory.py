@@ -29,10 +29,11 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
 
     OpenMP (PyTorch's libgomp) keeps a pool of worker threads for every thread that ever ran a
     parallel region, and once the pooled threads outnumber the CPUs it stops spin-waiting between
-    regions, so every op of the engine thread pays a futex wake-up. Loading in the main thread and
-    stepping in the engine thread made a batch-16 decode step 131 -> 156 ms here. A thread that
-    ends takes its pool with it, leaving the engine thread's as the only one. (An engine stepped in
-    the thread that loaded it, as `fairway generate` and the benchmark do, needs none of this.)"""
+    regions, so every op of the engine thread pays a futex wake-up: loading in the main thread and
+    stepping in the engine thread slowed every decode step (bench/README.md, engine_vs_hf.py). A
+    thread that ends takes its pool with it, leaving the engine thread's as the only one. (An
+    engine stepped in the thread that loaded it, as `fairway generate` and the benchmark do,
+    needs none of this.)"""
     result: list[T] = []
     errors: list[BaseException] = []
 

@@ -74,18 +74,29 @@ class LLMEngine:
 
     # --- requests -------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None,
-                    priority: int = Priority.PAID, arrival: float | None = None) -> None:
+                    priority: int = Priority.PAID, arrival: float | None = None,
+                    output_token_ids: list[int] | None = None) -> None:
+        """Queue a request. output_token_ids: tokens it generated already (elsewhere: a replica
+        that died mid-reply); it carries on after them as if it had never stopped. They count
+        towards max_tokens, the stop strings see their text, and a seeded sampler is wound on past
+        their draws; only the tokens after them come out."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.check_prompt(len(prompt_token_ids))
-        if any(not 0 <= t < self.model.cfg.vocab_size for t in prompt_token_ids):
+        output_token_ids = output_token_ids or []
+        tokens = [*prompt_token_ids, *output_token_ids]
+        self.check_prompt(len(tokens))
+        if any(not 0 <= t < self.model.cfg.vocab_size for t in tokens):
             raise ValueError("prompt contains token ids outside the vocabulary")
-        seq = Sequence(request_id, list(prompt_token_ids), params, priority=priority,
-                       arrival=arrival if arrival is not None else time.monotonic())
+        seq = Sequence(request_id, tokens, params, priority=priority,
+                       arrival=arrival if arrival is not None else time.monotonic(),
+                       num_prompt_tokens=len(prompt_token_ids))
         seq.stop_checker = StopChecker(params, self.tokenizer)
+        seq.resume_after(output_token_ids)
         if params.guided_decoding is not None:
             seq.guide = self.guides.matcher(params.guided_decoding)  # GuidedDecodingError (a ValueError)
+            if output_token_ids:  # a continuation: the grammar is where those tokens left it
+                seq.guide.consume_tokens(list(output_token_ids))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 

@@ -53,6 +53,18 @@ class Sequence:
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
 
+    def resume_after(self, output_token_ids: list[int]) -> None:
+        """Bring the text and the sampler to where they were after these generated tokens (the
+        tail of token_ids): the stop checker reads them (their text was shown already: it is
+        dropped, but what it held back is kept), and a seeded generator skips the one uniform
+        each of them drew (sampler.py)."""
+        for token in output_token_ids:
+            if self.stop_checker is not None:
+                self.stop_checker.add(token)
+        if self.generator is not None and not self.params.greedy:
+            for _ in output_token_ids:  # one at a time, as they were drawn
+                torch.rand(1, generator=self.generator, dtype=torch.float64)
+
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)

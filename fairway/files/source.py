@@ -24,6 +24,8 @@ class FileSource:
 
     async def extras(self, turn: TurnInfo) -> TurnExtras:
         files = self.service
+        if turn.new_conversation and not turn.file_ids:
+            return TurnExtras()  # nothing can be attached to it yet
         for file_id in turn.file_ids:  # the gateway checked they are the user's and ready
             if await files.store.attach(turn.conversation_id, file_id):
                 await files.index.copy_partition(FILE_CHUNKS, file_id, CONVERSATION_CHUNKS, turn.conversation_id)

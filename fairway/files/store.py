@@ -39,6 +39,10 @@ conversation_files = sa.Table(
 )
 
 
+_ATTACHED = sa.select(files).join(conversation_files, conversation_files.c.file_id == files.c.file_id).where(
+    conversation_files.c.conversation_id == sa.bindparam("conversation_id"))
+
+
 @dataclass(frozen=True)
 class FileRecord:
     file_id: str
@@ -123,8 +127,5 @@ class FileStore(SqlTables):
 
     async def attached(self, conversation_id: str) -> dict[str, FileRecord]:
         """The conversation's attached files that still exist, by id."""
-        async with self.engine.connect() as conn:
-            rows = (await conn.execute(sa.select(files).join(
-                conversation_files, conversation_files.c.file_id == files.c.file_id)
-                .where(conversation_files.c.conversation_id == conversation_id))).all()
-        return {r.file_id: FileRecord(**r._mapping) for r in rows}
+        rows = await self.rows(_ATTACHED, {"conversation_id": conversation_id})
+        return {r["file_id"]: FileRecord(**dict(r)) for r in rows}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -65,7 +66,7 @@ from fairway.limits import (
     rate_limit_headers,
 )
 from fairway.relay import FinalEvent, RelayUnavailable
-from fairway.router import NoReplica
+from fairway.router import RETRY_AFTER_S, NoReplica
 from fairway.usage import metrics
 from fairway.usage.accounting import reservation_meta
 
@@ -75,6 +76,7 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 # Body fields that do not change what is generated: a resend may differ in them.
 NOT_FINGERPRINTED = ("stream", "stream_options", "last_received_token_index")
 CLAIM_ATTEMPTS = 3
+REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class Edge:
@@ -186,6 +188,10 @@ _OPENAPI = {
          "description": "A resend with the same key attaches to the first request's reply."},
         {"name": "Last-Event-ID", "in": "header", "required": False, "schema": {"type": "string"},
          "description": "With an idempotency key: a duplicate streams the events after this id."},
+        {"name": "X-Fairway-Region", "in": "header", "required": False,
+         "schema": {"type": "string", "pattern": REGION.pattern},
+         "description": "Serve in this region (a replica's --region). When it has no replica of the model, "
+                        "another region serves and the response's X-Fairway-Region-Fallback header names it."},
     ],
 }
 # One server-sent event (as OpenAPI 3.2's itemSchema describes SSE): a chat.completion.chunk (or an
@@ -236,6 +242,7 @@ async def chat_completions(request: Request) -> Any:
         admit=edge.admit_tokens,
         file_ids=await _attached_files(gw, principal.user_id, body),
         tools=tool_set(body),
+        region=_region(request),
     )
     after = body.last_received_token_index or 0
     if turn_request.resume_only and not turn_request.client_key:
@@ -265,6 +272,8 @@ async def chat_completions(request: Request) -> Any:
         turn = await _start(gw.service, turn_request)
     if turn is not None:
         reply = turn.reply
+        if turn.region_fallback:
+            extra_headers["X-Fairway-Region-Fallback"] = turn.region_fallback
     assert reply is not None
     set_ratelimit_headers(request, await edge.ratelimit_headers())
 
@@ -357,6 +366,14 @@ def flagged_input(exc: InputFlagged) -> ApiError:
                              "X-Flagged-Categories": ",".join(categories)})
 
 
+def _region(request: Request) -> str | None:
+    region = request.headers.get("x-fairway-region", "").strip()
+    if region and not REGION.fullmatch(region):
+        raise invalid("Invalid X-Fairway-Region: a region is 1 to 64 letters, digits, '.', '_' or '-', "
+                      "starting with a letter or digit.", "X-Fairway-Region", "invalid_region")
+    return region or None
+
+
 def _client_key(key: str | None) -> str | None:
     """The key as the message's client_key (a column of 128): longer keys by their hash."""
     if key is None or len(key) <= 128:
@@ -382,7 +399,7 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
     except ToolUnavailable as exc:
         raise invalid(str(exc), "tools", "tool_unavailable") from None
     except NoReplica as exc:
-        raise unavailable(str(exc), "no_replica") from None
+        raise ApiError(503, str(exc), code="no_replica", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RelayUnavailable as exc:
         raise unavailable(f"The token log is unavailable: {exc}", "relay_unavailable") from None
 

@@ -43,7 +43,8 @@ _MEANINGS = {
     429: "Over the user's request rate or token quota; Retry-After says when to retry.",
     431: "The request headers are too large.",
     415: "The uploaded file's type is not one the gateway can read.",
-    503: "Temporarily unavailable (overloaded, no replica, a backend down); Retry-After when known.",
+    503: "Temporarily unavailable (overloaded, no live replica serves the model, a backend down); Retry-After "
+         "when known.",
 }
 # Every route can meet these: the body-size and header-size limits apply before any route runs.
 EDGE_STATUSES = (413, 431)

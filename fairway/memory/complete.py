@@ -33,7 +33,7 @@ class BackgroundCompleter:
         job = GenerationJob(reply_id=new_id("memx"), model=self.model, prompt_token_ids=prompt,
                             sampling={"max_tokens": self.max_tokens, "temperature": 0.0},
                             lane=Lane.BACKGROUND.value, tier="background", submitted_at=time.time())
-        replica = await self.router.place(self.model)
+        replica = await self.router.place(self.model, prompt)
         await self.relay.launch(job.reply_id, job.to_dict(), job.lane, queue=replica.queue)
         parts: list[str] = []
         async with contextlib.aclosing(self.relay.log.subscribe(job.reply_id)) as events:

@@ -184,13 +184,13 @@ class MemoryService:
         """The conversation's memory block: chosen for first_message when the conversation is
         new to memory, else the one chosen then, without memories deleted since. Notes the turn
         (idle extraction starts from it). Empty while the user has memory off."""
-        if not await self.store.enabled(user_id):
+        state = await self.store.turn_state(user_id, conversation_id)
+        if not state.enabled:
             return MemoryBlock()
-        kept = await self.store.block_of(conversation_id)
-        if kept is not None:
-            found = await self.store.get_many(user_id, kept)
-            await self.store.note_turn(user_id, conversation_id)
-            return MemoryBlock([found[i] for i in kept if i in found])
-        chosen = await self.recall(user_id, first_message, count_tokens)
-        await self.store.note_turn(user_id, conversation_id, [m.memory_id for m in chosen])
+        if state.block is not None:
+            found = await self.store.get_many(user_id, state.block)
+            self.store.note_turn_soon(user_id, conversation_id)
+            return MemoryBlock([found[i] for i in state.block if i in found])
+        chosen = await self.recall(user_id, first_message, count_tokens) if state.has_memories else []
+        self.store.note_turn_soon(user_id, conversation_id, [m.memory_id for m in chosen])
         return MemoryBlock(chosen)

@@ -4,14 +4,20 @@ extraction progress and injected block. SQLite and PostgreSQL through one set of
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from fairway.retrieval.sql_index import Json, SqlTables
+
+log = logging.getLogger(__name__)
 
 metadata = sa.MetaData()
 
@@ -46,6 +52,32 @@ memory_conversations = sa.Table(
 )
 
 
+# A turn's look at memory, one statement: the user's switch, whether there is anything to
+# recall, and the block kept for the conversation (NULL: memory has not seen it).
+_user, _conversation = sa.bindparam("user_id"), sa.bindparam("conversation_id")
+_TURN_STATE = sa.select(
+    sa.select(memory_users.c.enabled).where(memory_users.c.user_id == _user).scalar_subquery().label("enabled"),
+    sa.exists().where(memories.c.user_id == _user).label("has_memories"),
+    sa.select(memory_conversations.c.block).where(memory_conversations.c.conversation_id == _conversation)
+    .scalar_subquery().label("block"),
+)
+
+
+NOTES_DELAY_S = 0.1  # note_turn_soon's: turns noted within it are written together
+
+
+def _note(user_id: str, conversation_id: str, block: Sequence[str] | None) -> dict[str, Any]:
+    return {"conversation_id": conversation_id, "user_id": user_id, "last_turn_at": time.time(),
+            "block": list(block) if block is not None else None}
+
+
+@dataclass(frozen=True)
+class TurnState:
+    enabled: bool
+    has_memories: bool
+    block: list[str] | None  # the memory ids injected at the conversation's start; None: not seen
+
+
 @dataclass(frozen=True)
 class Memory:
     memory_id: str
@@ -63,6 +95,18 @@ class Memory:
 
 class MemoryStore(SqlTables):
     metadata = metadata
+
+    def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
+        super().__init__(url, connect_args)
+        # Built once: the hot path compiles each statement object once.
+        noted = self.insert(memory_conversations)
+        self._note_turn = noted.on_conflict_do_update(index_elements=["conversation_id"],
+                                                      set_={"last_turn_at": noted.excluded.last_turn_at})
+        self._note_first_turn = noted.on_conflict_do_update(
+            index_elements=["conversation_id"],
+            set_={"last_turn_at": noted.excluded.last_turn_at, "block": noted.excluded.block})
+        self._notes: dict[str, dict[str, Any]] = {}  # note_turn_soon's, by conversation id
+        self._flushing: asyncio.Task | None = None
 
     async def add(self, memory: Memory) -> None:
         async with self.engine.begin() as conn:
@@ -118,23 +162,50 @@ class MemoryStore(SqlTables):
 
     # -- conversations -----------------------------------------------------------------------
 
-    async def block_of(self, conversation_id: str) -> list[str] | None:
-        """The memory ids injected at the conversation's start; None if memory has not seen it."""
-        async with self.engine.connect() as conn:
-            row = (await conn.execute(sa.select(memory_conversations.c.block).where(
-                memory_conversations.c.conversation_id == conversation_id))).first()
-        return None if row is None else list(row.block or [])
+    async def turn_state(self, user_id: str, conversation_id: str) -> TurnState:
+        row = (await self.rows(_TURN_STATE, {"user_id": user_id, "conversation_id": conversation_id}))[0]
+        block = row["block"]
+        noted = self._notes.get(conversation_id)  # chosen here a moment ago, not yet written
+        if block is None and noted is not None:
+            block = noted["block"]
+        return TurnState(row["enabled"] is None or bool(row["enabled"]), bool(row["has_memories"]),
+                         None if block is None else list(block))
 
     async def note_turn(self, user_id: str, conversation_id: str, block: Sequence[str] | None = None) -> None:
         """A turn started now; with block, the memories injected at the conversation's start."""
-        ts = time.time()
-        values: dict[str, Any] = {"conversation_id": conversation_id, "user_id": user_id, "last_turn_at": ts}
-        stmt = self.insert(memory_conversations).values(**values, block=list(block) if block is not None else None)
-        update: dict[str, Any] = {"last_turn_at": ts}
-        if block is not None:
-            update["block"] = stmt.excluded.block
-        async with self.engine.begin() as conn:
-            await conn.execute(stmt.on_conflict_do_update(index_elements=["conversation_id"], set_=update))
+        values = _note(user_id, conversation_id, block)
+        await self.rows(self._note_turn if block is None else self._note_first_turn, values)
+
+    def note_turn_soon(self, user_id: str, conversation_id: str, block: Sequence[str] | None = None) -> None:
+        """note_turn, written with the other turns of the next NOTES_DELAY_S in one round trip:
+        a chat turn does not wait for it (idle extraction looks minutes later). Lost if the process
+        dies meanwhile: that conversation is then extracted after its next turn."""
+        values = _note(user_id, conversation_id, block)
+        noted = self._notes.get(conversation_id)
+        if block is None and noted is not None:
+            values["block"] = noted["block"]  # a block not yet written stays
+        self._notes[conversation_id] = values
+        if self._flushing is None:
+            self._flushing = asyncio.get_running_loop().create_task(self._flush_soon())
+
+    async def _flush_soon(self) -> None:
+        await asyncio.sleep(NOTES_DELAY_S)
+        try:
+            await self.flush_notes()
+        except Exception:
+            log.warning("could not note %d conversation turns for memory", len(self._notes), exc_info=True)
+
+    async def flush_notes(self) -> None:
+        """Write the turns noted soon, now."""
+        notes, self._notes, self._flushing = self._notes, {}, None
+        await self.rows_many(self._note_first_turn, [v for v in notes.values() if v["block"] is not None])
+        await self.rows_many(self._note_turn, [v for v in notes.values() if v["block"] is None])
+
+    async def close(self) -> None:
+        if self._notes:
+            with contextlib.suppress(Exception):
+                await self.flush_notes()
+        await super().close()
 
     async def idle_conversations(self, idle_s: float, limit: int = 20) -> list[tuple[str, str, float]]:
         """(user id, conversation id, last turn at) of conversations whose last turn is older than

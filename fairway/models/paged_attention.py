@@ -29,7 +29,7 @@ from fairway.models.cpu_kernels import DecodeKernels
 class PrefillGroup:
     """Prefill chunks of similar size, attended to in one padded call ([B, Hkv, G * n, D] queries
     against [B, Hkv, ctx, D] keys): a burst of new prompts costs one attention call per layer, not
-    one per prompt (each call costs ~0.1 ms on the CPU, more than the arithmetic of a short one)."""
+    one per prompt (on the CPU a call's fixed cost exceeds the arithmetic of a short one)."""
 
     batch: int  # B chunks
     n: int  # the longest chunk, in tokens: every chunk's queries are padded to it

@@ -1,8 +1,8 @@
 """Which dtype the matmuls run in, given the dtype the weights were asked for and the hardware.
 
 A CPU without native bfloat16 (or float16) matrix instructions (no AVX512-BF16/AMX, e.g. an
-AVX2-only machine) runs PyTorch's bf16 matmuls through a slow emulation: measured here, 15 GFLOP/s
-against 100-126 GFLOP/s in float32 on the same 2 cores. There the weights are still rounded to
+AVX2-only machine) runs PyTorch's bf16 matmuls through an emulation several times slower than its
+float32 ones (bench/README.md, engine_vs_hf.py). There the weights are still rounded to
 the requested dtype (the model is numerically the bf16 model) but held and multiplied in float32,
 as llama.cpp does for bf16 on such CPUs. Machines with the instructions keep bf16 throughout.
 """

@@ -12,7 +12,7 @@ gives the Redis ones, shared by many gateway and replica processes over one Redi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fairway.domain import LANE_ORDER, FinishReason, Lane, ReplyState
 from fairway.redis_client import RedisClient, is_redis_url
@@ -32,6 +32,11 @@ from fairway.relay.job_queue_memory import InProcessJobQueue
 from fairway.relay.redis_guard import guard
 from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink, raise_if_error
 from fairway.relay.token_log_memory import InProcessTokenLog
+
+if TYPE_CHECKING:  # the Redis implementations load when a Redis URL is given (make_relay)
+    from fairway.relay.inbox_redis import RedisInbox
+    from fairway.relay.job_queue_redis import RedisJobQueue
+    from fairway.relay.token_log_redis import RedisTokenLog
 
 
 @dataclass
@@ -60,14 +65,17 @@ class Relay:
 
 @dataclass
 class RedisRelay(Relay):
-    client: RedisClient
+    log: RedisTokenLog
+    jobs: RedisJobQueue
+    inbox: RedisInbox
+    client: RedisClient  # the one the three share: launch pipelines the log's and the queue's commands
 
     async def launch(self, reply_id: str, job: dict[str, Any], lane: Lane | str = Lane.FREE, *,
                      queue: str = DEFAULT_QUEUE) -> str:
         # One pipeline, run in order: the log, then the job (one round trip for a new reply).
-        job_id, submit = self.jobs.submit_command(job, lane, queue)  # type: ignore[attr-defined]
+        job_id, submit = self.jobs.submit_command(job, lane, queue)
         with guard():
-            results = await self.client.batch([self.log.create_command(reply_id), submit],  # type: ignore[attr-defined]
+            results = await self.client.batch([self.log.create_command(reply_id), submit],
                                               ordered=True)
         for result in results:
             raise_if_error(result)

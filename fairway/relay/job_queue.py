@@ -3,13 +3,20 @@
 A queue is named by its consumer (a replica id, or a model pool the router chose); inside a
 queue there is one lane per tier (fairway.domain.Lane). claim() always drains paid before free
 before background, so a free burst can delay background work but never a paid request.
+
+Delivery is at least once: a claimed job stays in its queue, with its consumer, until ack()
+(the worker acks when the reply has ended). So a replica that dies takes nothing with it: its
+queue's unfinished() jobs, claimed or still waiting, are what a failover hands elsewhere, and a
+job may therefore run twice; the token log's numbering makes the second producer of a reply fail
+at its first append (TokenLog.append), so a client never sees one reply twice.
 """
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fairway.domain import Lane
@@ -22,6 +29,7 @@ class ClaimedJob:
     id: str
     lane: Lane
     job: dict[str, Any]
+    receipt: str = field(default="", compare=False)  # the backend's, for ack()
 
 
 def encode_job(job_id: str, job: dict[str, Any]) -> str:
@@ -29,9 +37,9 @@ def encode_job(job_id: str, job: dict[str, Any]) -> str:
     return json.dumps({"id": job_id, "job": job}, separators=(",", ":"))
 
 
-def decode_job(raw: str, lane: Lane) -> ClaimedJob:
+def decode_job(raw: str, lane: Lane, receipt: str = "") -> ClaimedJob:
     data = json.loads(raw)
-    return ClaimedJob(data["id"], lane, data["job"])
+    return ClaimedJob(data["id"], lane, data["job"], receipt)
 
 
 class JobQueue(ABC):
@@ -57,8 +65,24 @@ class JobQueue(ABC):
         out."""
 
     @abstractmethod
+    async def ack(self, claimed: Sequence[ClaimedJob], *, queue: str = DEFAULT_QUEUE) -> None:
+        """These claimed jobs are done with (their replies ended, or were handed elsewhere):
+        gone from the queue."""
+
+    @abstractmethod
+    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, waiting_only: bool = False) -> list[ClaimedJob]:
+        """Every job of the queue not acknowledged: those claimed first, then those waiting, in
+        the order they would be claimed (waiting_only: those only). For handing a dead or
+        draining consumer's work elsewhere (each then acked here); claims nothing."""
+
+    @abstractmethod
+    async def delete(self, *, queue: str = DEFAULT_QUEUE) -> None:
+        """Drop the queue and whatever is left in it (its consumer is gone for good)."""
+
+    @abstractmethod
     async def depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
-        """Jobs waiting per lane (for shedding free work at capacity, and for metrics)."""
+        """Jobs waiting per lane, not yet claimed (for shedding free work at capacity, and for
+        metrics)."""
 
     async def close(self) -> None:  # noqa: B027  (only a Redis queue holds connections)
         """Release connections."""

@@ -1,16 +1,54 @@
-"""RedisJobQueue: a List per lane, {prefix}bus:{<queue>}:<lane>; (B)LMPOP takes the first
-non-empty lane of a queue, paid, free, background in order. The queue's hash tag keeps its lanes
-in one Redis Cluster slot, which LMPOP needs."""
+"""RedisJobQueue: a stream per lane and one for the lane's front, {prefix}jobs:{<queue>}:<lane>
+(and :<lane>:front), each with one consumer group whose one consumer is the queue's. A claim is
+one script (claim.lua below) that reads the first stream with new entries, paid's front, paid,
+free's front, free ... in order; an entry stays in its stream, pending, until ack() (XACK +
+XDEL), so a stream holds exactly its queue's unfinished jobs. The queue's hash tag keeps its
+streams in one Redis Cluster slot, which the script needs.
+
+A claim that finds nothing waits with a plain XREAD BLOCK from each stream's last entry: it
+claims nothing itself (a group read over several streams could take entries from more than one
+lane at once), it only wakes the claimer, which runs the script again.
+"""
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
+from redis.exceptions import ResponseError
+
 from fairway.domain import LANE_ORDER, Lane
-from fairway.redis_client import Command, RedisClient
+from fairway.redis_client import Command, RedisClient, Script
 from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue, decode_job, encode_job
 from fairway.relay.redis_guard import guard
+
+_GROUP = "replicas"
+# (lane, front?) in the order a claim reads them
+_STREAMS = [(lane, front) for lane in LANE_ORDER for front in (True, False)]
+
+# KEYS: the queue's streams in claim order. ARGV: group, consumer, count. Returns {index, entries}
+# of the first stream with new entries, or {0, last ids}: where an XREAD should wait from.
+_CLAIM = Script("""
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 1 then
+    local read = {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', key, '>'}
+    local got = redis.pcall(unpack(read))
+    if type(got) == 'table' and got.err then
+      redis.call('XGROUP', 'CREATE', key, ARGV[1], '0')
+      got = redis.call(unpack(read))
+    end
+    if got then return {i, got[1][2]} end
+  end
+end
+local last = {}
+for i, key in ipairs(KEYS) do
+  local entry = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+  last[i] = entry and entry[1] or '0-0'
+end
+return {0, last}
+""")
 
 
 class RedisJobQueue(JobQueue):
@@ -18,14 +56,15 @@ class RedisJobQueue(JobQueue):
         self._client = client
         self._prefix = prefix
 
-    def _lane_key(self, queue: str, lane: Lane) -> str:
-        return f"{self._prefix}bus:{{{queue}}}:{lane}"
+    def _keys(self, queue: str) -> list[str]:
+        return [f"{self._prefix}jobs:{{{queue}}}:{lane}" + (":front" if front else "") for lane, front in _STREAMS]
 
     def submit_command(self, job: dict[str, Any], lane: Lane | str, queue: str,
                        front: bool = False) -> tuple[str, Command]:
         """A new job's id and the command that queues it (for a caller that pipelines it)."""
         job_id = uuid.uuid4().hex
-        return job_id, ["LPUSH" if front else "RPUSH", self._lane_key(queue, Lane(lane)), encode_job(job_id, job)]
+        key = self._keys(queue)[_STREAMS.index((Lane(lane), front))]
+        return job_id, ["XADD", key, "*", "j", encode_job(job_id, job)]
 
     async def submit(self, job: dict[str, Any], lane: Lane | str = Lane.FREE, *, queue: str = DEFAULT_QUEUE,
                      front: bool = False) -> str:
@@ -36,22 +75,73 @@ class RedisJobQueue(JobQueue):
 
     async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
                          timeout: float | None = 0.0) -> list[ClaimedJob]:
-        keys = [self._lane_key(queue, lane) for lane in LANE_ORDER]
-        lanes = dict(zip(keys, LANE_ORDER, strict=True))
-
-        def claimed(popped: Any) -> list[ClaimedJob]:
-            if not popped:
-                return []
-            key, items = popped
-            return [decode_job(item, lanes[key]) for item in items]
-
+        keys = self._keys(queue)
+        deadline = None if timeout is None else time.monotonic() + timeout
         with guard():
-            if timeout is not None and timeout <= 0:
-                return claimed(await self._client.execute("LMPOP", len(keys), *keys, "LEFT", "COUNT", max_count))
-            return claimed(await self._client.blocking(
-                lambda wait: ["BLMPOP", wait, len(keys), *keys, "LEFT", "COUNT", max_count], timeout))
+            while True:
+                result, = await self._client.run_scripts(_CLAIM, [(keys, [_GROUP, queue, max_count])])
+                if isinstance(result, Exception):
+                    raise result
+                index, found = result
+                if index:
+                    return [_claimed(keys, index - 1, entry) for entry in found]
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return []
+                woke = await self._client.blocking(
+                    lambda wait, last=found: ["XREAD", "BLOCK", max(1, int(wait * 1000)), "STREAMS", *keys, *last],
+                    remaining)
+                if woke is None:
+                    return []
+
+    async def ack(self, claimed: Sequence[ClaimedJob], *, queue: str = DEFAULT_QUEUE) -> None:
+        keys = self._keys(queue)
+        commands: list[Command] = []
+        for c in claimed:
+            index, _, entry_id = c.receipt.partition(":")
+            key = keys[int(index)]
+            commands += [["XACK", key, _GROUP, entry_id], ["XDEL", key, entry_id]]
+        if not commands:
+            return
+        with guard():
+            for result in await self._client.batch(commands):
+                if isinstance(result, Exception) and not str(result).startswith("NOGROUP"):
+                    raise result
+
+    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, waiting_only: bool = False) -> list[ClaimedJob]:
+        claimed, waiting = await self._split(queue)
+        return waiting if waiting_only else claimed + waiting
+
+    async def delete(self, *, queue: str = DEFAULT_QUEUE) -> None:
+        with guard():
+            await self._client.execute("DEL", *self._keys(queue))
 
     async def depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
+        _, waiting = await self._split(queue)
+        return {lane: sum(1 for job in waiting if job.lane == lane) for lane in LANE_ORDER}
+
+    async def _split(self, queue: str) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
+        """The queue's entries: those claimed (pending in the group), and those waiting."""
+        keys = self._keys(queue)
         with guard():
-            depths = await self._client.batch([["LLEN", self._lane_key(queue, lane)] for lane in LANE_ORDER])
-        return {lane: int(d) for lane, d in zip(LANE_ORDER, depths, strict=True)}
+            ranges = await self._client.batch([["XRANGE", key, "-", "+"] for key in keys])
+            pending = await self._client.batch([["XPENDING", key, _GROUP, "-", "+", 1 << 20] for key in keys])
+        claimed: list[ClaimedJob] = []
+        waiting: list[ClaimedJob] = []
+        for index, (entries, taken) in enumerate(zip(ranges, pending, strict=True)):
+            if isinstance(entries, Exception):
+                raise entries
+            taken_ids = set() if isinstance(taken, ResponseError) else {p[0] for p in taken}  # NOGROUP: none
+            for entry in entries:
+                (claimed if entry[0] in taken_ids else waiting).append(_claimed(keys, index, entry))
+        return claimed, waiting
+
+
+def _claimed(keys: list[str], index: int, entry: list[Any]) -> ClaimedJob:
+    """A stream entry as a claimed job; one that is not ours carries {} (the worker drops it)."""
+    entry_id, fields = entry[0], entry[1]
+    lane, receipt = _STREAMS[index][0], f"{index}:{entry_id}"
+    try:
+        return decode_job(dict(zip(fields[::2], fields[1::2], strict=True))["j"], lane, receipt)
+    except (KeyError, ValueError, TypeError):
+        return ClaimedJob("", lane, {}, receipt)

@@ -12,7 +12,7 @@ which at thousands of streams costs both sides more than the events themselves. 
 the reply's hash tag, so on Redis Cluster a reply's channel lives in its stream's slot; there
 this would be one connection per node.
 
-The connection's bytes go to a Dispatcher (live_dispatch): while a subscriber's iterator waits
+The connection's bytes go to a Dispatcher (redis_client.dispatch): while a subscriber's iterator waits
 for events and it has a direct sink (the SSE relay's writer, say), its channel is tapped into the
 sink and the dispatcher hands it the reply's token events itself (in C, and without a Python
 object per event when the sink speaks the C-level protocol), and hands this module only the rest:
@@ -35,12 +35,10 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.redis_client import RawConnection, RedisClient
+from fairway.redis_client.dispatch import HEAD_END, TEXT, dispatcher_class, sequenced_text, tap_class
 from fairway.relay.errors import RelayUnavailable, ReplyNotFound
 from fairway.relay.events import Event, TokenEvent, event_from_fields
-from fairway.relay.live_dispatch import dispatcher_class, tap_class
 from fairway.relay.token_log import TokenSink
-
-_IDS_END = "\x1f"  # never in a list of token ids, so the text after it may hold anything
 
 
 def live_payload(event: Event) -> str:
@@ -48,7 +46,7 @@ def live_payload(event: Event) -> str:
     is not in it). A token, the event sent thousands of times a second, as "t<ids>\\x1f<text>",
     which takes no JSON to read; the final event as "f" + its fields in JSON."""
     if isinstance(event, TokenEvent):
-        return f"t{','.join(map(str, event.token_ids))}{_IDS_END}{event.text}"
+        return sequenced_text(",".join(map(str, event.token_ids)), event.text)  # its head: the ids
     fields = event.to_fields()
     del fields["n"]
     return "f" + json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
@@ -56,8 +54,8 @@ def live_payload(event: Event) -> str:
 
 def event_from_live(message: str) -> Event:
     n, _, payload = message.partition(" ")
-    if payload[0] == "t":
-        ids, _, text = payload[1:].partition(_IDS_END)
+    if payload[0] == TEXT:
+        ids, _, text = payload[1:].partition(HEAD_END)
         return _token(int(n), text, ids)
     fields = json.loads(payload[1:])
     fields["n"] = n
@@ -292,8 +290,8 @@ class LiveEvents:
             if entry is not None:
                 entry.heard = True
                 n, _, payload = message[2].partition(" ")
-                if payload[0] == "t":
-                    ids, _, text = payload[1:].partition(_IDS_END)
+                if payload[0] == TEXT:
+                    ids, _, text = payload[1:].partition(HEAD_END)
                     for sub in entry.subscribers:
                         sub.deliver_token(int(n), text, ids, now)
                 else:

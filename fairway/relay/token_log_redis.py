@@ -46,6 +46,9 @@ from fairway.relay.token_log import (
     raise_if_error,
 )
 
+# A subscriber whose live connection broke (a Redis restart) tries to come back for this long.
+OUTAGE_S = 30.0
+
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
 # KEYS: stream, listened. ARGV: ttl_ms. Header entry 0-1 lets an empty log exist (streams can't
@@ -363,7 +366,19 @@ class RedisTokenLog(TokenLog):
                         yield fresh
                         if ended:
                             return
-                    batch = await sub.next_batch()
+                    try:
+                        batch = await sub.next_batch()
+                    except RelayUnavailable:
+                        # Redis went away (a restart): the live connection is gone. Come back on a
+                        # new one, from the log after the cursor; idle batches meanwhile.
+                        cursor = sub.cursor
+                        self._live.remove(sub)
+                        batch = []
+                        async for sub, replay in self._resubscribe(reply_id, cursor, idle_s, direct):
+                            if sub is None:
+                                yield []
+                            batch = replay
+                        continue
                     if not batch:
                         yield []  # idle_s without events
             finally:
@@ -375,7 +390,35 @@ class RedisTokenLog(TokenLog):
                 else:
                     await self._heartbeats.leave(reply_id, token)
         finally:
-            self._live.remove(sub)
+            if sub is not None:
+                self._live.remove(sub)
+
+    async def _resubscribe(self, reply_id: str, cursor: int, idle_s: float | None, direct: TokenSink | None
+                           ) -> AsyncIterator[tuple[Any, list[Event]]]:
+        """(None, []) every idle_s (or second) while Redis stays away, up to OUTAGE_S; then the
+        new subscriber and the log's events after cursor. RelayUnavailable after OUTAGE_S."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + OUTAGE_S
+        delay = 0.1
+        while True:
+            try:
+                sub = await self._live.add(self._key(reply_id), self._key(reply_id, "live"), idle_s)
+            except RelayUnavailable:
+                sub = None
+            if sub is not None:
+                try:
+                    replay = await self.read(reply_id, cursor)
+                except RelayUnavailable:
+                    self._live.remove(sub)
+                else:
+                    sub.cursor, sub.direct = cursor, direct
+                    yield sub, replay
+                    return
+            if loop.time() > deadline:
+                raise RelayUnavailable(f"Redis unreachable for over {OUTAGE_S:.0f} s")
+            yield None, []
+            await asyncio.sleep(min(delay, idle_s or 1.0))
+            delay = min(delay * 2, 1.0)
 
     async def _beat(self, listeners: list[tuple[str, str]], leaving: bool = False) -> None:
         """Heartbeats of (reply id, token) listeners, one round trip for all."""

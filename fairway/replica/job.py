@@ -28,10 +28,13 @@ class GenerationJob:
     submitted_at: float = 0.0  # wall clock (epoch s) when the gateway submitted it: TTFT counts from here
     tools: dict[str, Any] = field(default_factory=dict)  # fairway.tools.ToolSet.to_dict(); empty: no tools
     tenant: str = ""  # the user it answers: the sandbox's tenant (its fair share of runs)
+    # Times a failover handed it on. From 1 the reply may have tokens in its log already: the
+    # replica carries on after them (worker.serve).
+    attempt: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        # A copy, of plain data. (dataclasses.asdict deep-copies the prompt's token ids one by one:
-        # ~60 us a call, twice per chat request.)
+        # A copy, of plain data. (dataclasses.asdict deep-copies the prompt's token ids one by one,
+        # and this runs twice per chat request.)
         return {**vars(self), "prompt_token_ids": list(self.prompt_token_ids),
                 "sampling": {k: list(v) if isinstance(v, list) else v for k, v in self.sampling.items()}}
 
@@ -47,4 +50,5 @@ class GenerationJob:
             submitted_at=float(data.get("submitted_at") or 0.0),
             tools=dict(data.get("tools") or {}),
             tenant=str(data.get("tenant") or ""),
+            attempt=int(data.get("attempt") or 0),
         )

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 REPORTS_INBOX = "reports"
 
-ReportKind = Literal["started", "finished"]
+# "resumed": a failover handed the reply to another replica (replica_id), where it waits again.
+ReportKind = Literal["started", "resumed", "finished"]
 
 
 @dataclass

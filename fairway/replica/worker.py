@@ -6,6 +6,14 @@ token log, so every listener and every resumed stream sees the same events: the 
 is held back until it is checked, and a flagged one is never appended; the reply ends at once
 (finish_reason content_filter, state FLAGGED) and keeps the text released before it.
 
+Jobs are delivered at least once: the worker acknowledges a job when its reply has ended, so a
+replica that dies leaves its claimed jobs in its queue for a failover (fairway/router/failover.py)
+to hand to another replica, which carries the reply on after the tokens already in its log
+(serve). Of two producers of one reply (a failover raced a slow replica) the second fails at its
+first append and drops the reply without a word: the client sees one reply. SIGTERM drains
+(drain): the replica leaves routing, finishes what it can within a grace period and leaves the
+rest, unacknowledged and with their tokens logged, for a failover to carry on elsewhere.
+
 Per reply it also honours Stop (from any gateway, through the token log's stop requests) and
 cancels replies nobody has listened to for idle_cancel_s. Either way the engine drops the
 sequence at its next step and frees its blocks, and the text so far is kept (state STOPPED).
@@ -25,17 +33,35 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import statistics
 import time
 import uuid
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 from fairway.domain import PRIORITY_OF_LANE, Lane, Priority, ToolStatus
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
-from fairway.relay import FinalEvent, Inbox, Relay, RelayError, ReplyState, TokenEvent, TokenLog, ToolEvent
+from fairway.relay import (
+    ClaimedJob,
+    EventOutOfOrder,
+    FinalEvent,
+    Inbox,
+    Relay,
+    RelayError,
+    RelayUnavailable,
+    ReplyFinished,
+    ReplyNotFound,
+    ReplyState,
+    TokenEvent,
+    TokenLog,
+    ToolEvent,
+)
 from fairway.replica.job import GenerationJob, replica_queue
-from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
+from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
+from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.safety import HoldBack, ModerationResult, Moderator, OutputMode
 from fairway.sandbox import Sandbox, SandboxLimits
@@ -43,12 +69,15 @@ from fairway.tools import ToolSet
 from fairway.tools.grammar import call_grammar
 from fairway.tools.loop import ToolLoop, new_call_id
 from fairway.tools.parser import ParsedCall
-from fairway.tools.record import CallRecord, add_event
+from fairway.tools.prompt import render_call
+from fairway.tools.record import CallRecord, add_event, transcript
 from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
 
-CancelCause = Literal["stop", "idle", "shutdown"]
+# handoff: a drain ran out of time; the reply is left for another replica to carry on.
+CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
+T = TypeVar("T")
 SANDBOX_RECHECK_BEATS = 30  # heartbeats between two looks at a sandbox that was off
 
 
@@ -58,11 +87,14 @@ class ReplicaSettings:
     replica_id: str = field(default_factory=lambda: f"replica-{uuid.uuid4().hex[:8]}")
     idle_cancel_s: float = 30.0  # nobody listening this long cancels the reply
     idle_check_s: float = 1.0  # how often listeners are checked
-    heartbeat_s: float = 1.0  # registry announcements; the registry's ttl is a few of these
+    heartbeat_s: float = 0.5  # registry announcements; the registry's ttl (2 s) is a few of these
+    region: str = field(default_factory=lambda: os.environ.get("FAIRWAY_REGION") or DEFAULT_REGION)
+    prefix_summary_blocks: int = DEFAULT_CAPACITY  # cached blocks the heartbeat describes (most recent)
     max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
     output_mode: OutputMode = "check-then-release"  # the output check's (when the worker has a moderator)
     max_sentence_chars: int = 300
     sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)  # each execute_code run's
+    drain_grace_s: float = 30.0  # SIGTERM: how long the replies in flight get to finish here
 
 
 class _Appender:
@@ -96,9 +128,10 @@ class _Appender:
         task.add_done_callback(self._writes.discard)
 
     async def _write(self, batch: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]]) -> None:
+        items = [(reply_id, event) for reply_id, event, _ in batch]
         try:
-            results = await self._log.append_many([(reply_id, event) for reply_id, event, _ in batch])
-        except Exception as exc:  # an outage fails every append of the batch
+            results = await _through_outages(lambda: self._log.append_many(items), "append tokens")
+        except Exception as exc:  # an outage longer than the retries fails every append of the batch
             for _, _, done in batch:
                 if not done.done():
                     done.set_exception(exc)
@@ -107,9 +140,11 @@ class _Appender:
             for _, _, done in batch:
                 done.cancel()
             raise
-        for (_, _, done), result in zip(batch, results, strict=True):
+        for (_, event, done), result in zip(batch, results.value, strict=True):
             if done.done():
                 continue  # its reply was cancelled meanwhile
+            if results.retried and isinstance(result, EventOutOfOrder) and result.last_n >= event.n:
+                result = event.n  # written by the try that lost its answer to the outage
             if isinstance(result, Exception):
                 done.set_exception(result)
             else:
@@ -126,6 +161,7 @@ class _Running:
     first_token_at: float | None = None
     last_token_at: float | None = None  # monotonic, for inter-token latency
     inter_token: Any = None  # its histogram's child for the job's model and tier: labels() per token costs
+    resumed_at: int = 0  # n of the last event logged before this replica took the reply on
     request_id: str = ""  # the engine request of the current round (a tool run starts a new one)
     chars: int = 0  # of text so far: where the next tool call is made
     tools: list[CallRecord] = field(default_factory=list)  # its tool calls, as the conversation stores them
@@ -181,23 +217,53 @@ class ReplicaWorker:
         self._capacity = asyncio.Semaphore(settings.max_inflight)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
+        self.draining = False
+        self._started_at = time.time()
+        self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
+        self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
+        engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
     def id(self) -> str:
         return self.settings.replica_id
 
-    def info(self) -> ReplicaInfo:
+    def info(self, queued: dict[Lane, int] | None = None) -> ReplicaInfo:
+        """The announcement: queued is its queue's depth per lane (waiting, with what it claimed
+        and has not started)."""
         engine = self.engine.engine
+        running: dict[str, int] = {}
+        waiting = {str(lane): n for lane, n in (queued or {}).items() if n}
+        for job in self._running.values():
+            lanes = running if job.first_token_at is not None else waiting
+            lanes[job.job.lane] = lanes.get(job.job.lane, 0) + 1
+        stats = self.engine.last_stats
         return ReplicaInfo(
             id=self.id,
             model=self.settings.model,
             queue=self.queue,
             max_model_len=engine.max_model_len,
             max_prompt_tokens=engine.max_prompt_tokens,
-            load=len(self._running),
+            load=sum(running.values()) + sum(waiting.values()),
             capacity=self.settings.max_inflight,
             sandbox_off=self._sandbox_off,
+            draining=self.draining,
+            started_at=self._started_at,
+            region=self.settings.region,
+            running=running,
+            waiting=waiting,
+            free_kv_blocks=stats.kv_blocks_total - stats.kv_blocks_used,
+            kv_blocks=stats.kv_blocks_total,
+            ttft_s=statistics.median(self._ttfts) if self._ttfts else None,
+            block_size=engine.kv.block_size,
+            prefix=self._prefix_summary(),
         )
+
+    def _prefix_summary(self) -> PrefixSummary:
+        """The engine's latest snapshot of its cached blocks, summarised once per snapshot."""
+        blocks = self.engine.recent_blocks
+        if self._summary is None or self._summary[0] is not blocks:
+            self._summary = (blocks, PrefixSummary.of(blocks, self.settings.prefix_summary_blocks))
+        return self._summary[1]
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -217,6 +283,28 @@ class ReplicaWorker:
             await asyncio.gather(*self._loops)
         finally:
             await self.stop()
+
+    async def drain(self) -> None:
+        """Leave routing and stop claiming at once (announced as draining: routers place nothing
+        more here, a failover moves what still waits in the queue), give the replies in flight
+        drain_grace_s to end here, then hand the rest on: each stops where its log is, its job
+        left unacknowledged, and once the replica has withdrawn a gateway's failover carries it on
+        elsewhere. Then stop. The clients see a pause, no error."""
+        self.draining = True
+        if self._loops:
+            self._loops[0].cancel()  # the claim loop
+        with contextlib.suppress(Exception):
+            await self.registry.announce(self.info())
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=self.settings.drain_grace_s)
+        handed = list(self._running)
+        for reply_id in handed:
+            self._cancel(reply_id, "handoff")
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        if handed:
+            log.info("drained: %d replies handed on to other replicas", len(handed))
+        await self.stop()
 
     async def stop(self) -> None:
         """Leave routing, end the replies in flight (their clients get a final event), stop."""
@@ -243,13 +331,18 @@ class ReplicaWorker:
             await self._capacity.acquire()  # claim only what we can run: the rest stays for others
             try:
                 claimed = await self.relay.jobs.claim(queue=self.queue, timeout=None)
+            except RelayError:  # Redis away for a moment: claim again shortly
+                self._capacity.release()
+                log.warning("claiming jobs failed; retrying", exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
             except BaseException:
                 self._capacity.release()
                 raise
             if claimed is None:
                 self._capacity.release()
                 continue
-            task = asyncio.create_task(self._serve_claimed(claimed.job))
+            task = asyncio.create_task(self._serve_claimed(claimed))
             self._tasks.add(task)
             task.add_done_callback(self._done)
 
@@ -290,7 +383,7 @@ class ReplicaWorker:
                 # A sandbox service that was down may be back; asked aside: the beat must not wait on it.
                 self._rechecking = asyncio.create_task(self._check_sandbox())
             try:
-                await self.registry.announce(self.info())
+                await self.registry.announce(self.info(await self.relay.jobs.depth(queue=self.queue)))
             except Exception:  # a blip must not kill the replica; the next beat retries
                 log.warning("heartbeat failed", exc_info=True)
 
@@ -313,22 +406,33 @@ class ReplicaWorker:
 
     # -- one reply ---------------------------------------------------------------------------
 
-    async def _serve_claimed(self, raw: dict) -> None:
+    async def _serve_claimed(self, claimed: ClaimedJob) -> None:
         try:
-            job = GenerationJob.from_dict(raw)
+            job = GenerationJob.from_dict(claimed.job)
         except (KeyError, TypeError, ValueError):
-            log.error("dropping malformed job %r", raw)
+            log.error("dropping malformed job %r", claimed.job)
+            await self._ack(claimed)
             return
         try:
-            await self.serve(job)
+            done = await self.serve(job)
         except Exception:
             log.exception("reply %s failed", job.reply_id)
+            done = True
+        if done:
+            await self._ack(claimed)
 
-    async def serve(self, job: GenerationJob) -> None:
-        """Generate one reply into its token log, then report how it ended."""
+    async def _ack(self, claimed: ClaimedJob) -> None:
+        try:
+            await self.relay.jobs.ack([claimed], queue=self.queue)
+        except RelayError:  # it may run again elsewhere after a failover: its first append then fails
+            log.warning("could not acknowledge job %s", claimed.id, exc_info=True)
+
+    async def serve(self, job: GenerationJob) -> bool:
+        """Generate one reply into its token log, then report how it ended. False when the
+        reply is left for another replica (a drain's handoff): its job stays unacknowledged."""
         if job.reply_id in self._running:
             log.warning("reply %s is already running here; ignoring the duplicate job", job.reply_id)
-            return
+            return True
         running = self._running[job.reply_id] = _Running(job)
         if job.submitted_at:
             running.started = min(job.submitted_at, running.started)
@@ -336,10 +440,16 @@ class ReplicaWorker:
             final = await self._generate(running)
         finally:
             del self._running[job.reply_id]
+        if running.cancelled == "handoff":
+            return False
+        if final is None:  # another producer has the reply, or it had ended already
+            return True
         final_n = await self._finish_log(job.reply_id, final)
         await self._report(running, final, final_n)
+        return True
 
-    async def _generate(self, running: _Running) -> FinalEvent:
+    async def _generate(self, running: _Running) -> FinalEvent | None:
+        """The reply's final event; None when it is not this replica's to end."""
         job = running.job
         if await self.relay.log.stop_requested(job.reply_id):  # stopped while it waited in the queue
             return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED)
@@ -348,6 +458,12 @@ class ReplicaWorker:
             tools = self._tool_loop(job)
         except (TypeError, ValueError, KeyError) as exc:
             return _failed(f"bad sampling parameters or tools: {exc}")
+        generated: list[int] = []
+        if job.attempt:
+            resumed = await self._resume_point(running, tools)
+            if resumed is None:
+                return None
+            generated = resumed
         await self._report(running, None, 0)
         hold = (HoldBack[RequestOutput](self.moderator, self.settings.output_mode, self.settings.max_sentence_chars)
                 if self.moderator is not None else None)
@@ -355,7 +471,7 @@ class ReplicaWorker:
         prompt, counts, budget = list(job.prompt_token_ids), _Counts(), params.max_tokens
         # tool_choice required or a named function: the first round is held to one well-formed call
         # (guided decoding); after a tool has run, the model answers freely.
-        forced = call_grammar(tools.tools) if tools is not None else None
+        forced = call_grammar(tools.tools) if tools is not None and not running.tools else None
         rounds = 0
         while True:
             running.request_id = job.reply_id if rounds == 0 else f"{job.reply_id}#{rounds}"
@@ -363,13 +479,24 @@ class ReplicaWorker:
             if rounds == 0 and forced is not None:
                 round_params.guided_decoding = {"lark": forced}
             try:
-                step = await self._round(running, prompt, round_params, priority, hold, tools)
+                # A reply carried on after a failover resumes with what its log holds (_resume_point).
+                step = await self._round(running, prompt, round_params, priority, hold, tools,
+                                         generated if rounds == 0 else [])
                 counts.add(rounds == 0, step.last)
                 if step.flagged is None and step.call is None and not step.calls_done and hold is not None \
-                        and running.cancelled != "shutdown":
+                        and running.cancelled not in ("shutdown", "handoff"):
                     step.flagged = await self._flush(running, hold)  # the last sentence, also of a stopped reply
             except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
+                if rounds == 0 and generated and running.events == running.resumed_at \
+                        and not isinstance(exc, EngineDead):
+                    # A continuation whose context plus what was said no longer fits: it ran out of room.
+                    return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, len(prompt), 0, len(generated))
                 return _failed(str(exc), None, counts)
+            except EventOutOfOrder:
+                if not running.events or running.events == running.resumed_at:
+                    log.info("reply %s: another replica produces it; dropping this copy", job.reply_id)
+                    return None
+                return _failed("token log: another producer wrote to the reply", None, counts)
             except RelayError as exc:
                 return _failed(f"token log: {exc}", None, counts)
             if step.flagged is not None:
@@ -392,9 +519,11 @@ class ReplicaWorker:
             if ids is None:  # out of tool rounds: the reply said so and ends
                 return FinalEvent(0, FinishReason.STOP, ReplyState.FINISHED, *counts.usage())
             if running.cancelled is not None:
-                if running.cancelled == "shutdown":
+                if running.cancelled in ("shutdown", "handoff"):
                     return _failed("the replica shut down", None, counts)
                 return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED, *counts.usage())
+            if rounds == 0:
+                prompt += generated  # a continuation's earlier tokens came before this round's
             prompt += step.generated + ids
             counts.prompt += len(ids)
             budget -= len(step.generated)
@@ -411,11 +540,12 @@ class ReplicaWorker:
                         self.settings.sandbox_limits, job.tenant, bool(getattr(tokenizer, "supports_tools", False)))
 
     async def _round(self, running: _Running, prompt: list[int], params: SamplingParams, priority: Priority,
-                     hold: HoldBack[RequestOutput] | None, tools: ToolLoop | None) -> _Round:
+                     hold: HoldBack[RequestOutput] | None, tools: ToolLoop | None, resumed: list[int]) -> _Round:
         """One engine request of the reply, its tokens released as events (through the call parser
-        when the reply has tools), up to its end or a call this replica must answer."""
+        when the reply has tools), up to its end or a call this replica must answer. resumed: the
+        tokens a continuation starts after (the engine counts them as generated)."""
         step = _Round()
-        outputs = self.engine.generate(running.request_id, prompt, params, priority)
+        outputs = self.engine.generate(running.request_id, prompt, params, priority, resumed)
         # aclosing: leaving early (a token log failure, a flagged sentence, a tool call) aborts the
         # sequence in the engine now; it leaves the batch at the next step.
         async with contextlib.aclosing(outputs):
@@ -497,6 +627,34 @@ class ReplicaWorker:
         running.events = await self._appender.append(running.job.reply_id, [event])
         add_event(running.tools, event, running.chars)
 
+    async def _resume_point(self, running: _Running, tools: ToolLoop | None) -> list[int] | None:
+        """A reply handed on by a failover: what its log holds already (its events carry on after
+        them, its text and tool calls start with theirs), as the tokens the model has had so far
+        (a reply's tool runs: each call, re-encoded, and its result, as its prompt held them);
+        None if it has ended already (its final event is logged). A run that was still going
+        when the replica died is made again by the model."""
+        reply_id = running.job.reply_id
+        try:
+            events = await self.relay.log.read(reply_id)
+        except ReplyNotFound:  # the log expired: the reply starts over (its first append makes one)
+            return []
+        if any(isinstance(e, FinalEvent) for e in events):
+            return None
+        running.events = running.resumed_at = events[-1].n if events else 0
+        text, running.tools = transcript(events)
+        running.text, running.chars = [e.text for e in events if isinstance(e, TokenEvent)], len(text)
+        ids: list[int] = []
+        for event in events:
+            if isinstance(event, TokenEvent):
+                ids += event.token_ids
+            elif tools is not None and event.status == ToolStatus.CALL:
+                tools.client_calls += 1
+                running.client_called = True
+            elif tools is not None and event.status in (ToolStatus.COMPLETED, ToolStatus.FAILED):
+                tools.rounds += 1
+                ids += tools.encode(render_call(event.name, event.arguments)) + tools.continuation_ids(event.output)
+        return ids
+
     async def _append(self, running: _Running, outs: Sequence[RequestOutput]) -> None:
         """Append these tokens (released by the output check) as the reply's next events. Latency
         is measured as listeners see it: a held-back sentence arrives at once."""
@@ -507,6 +665,7 @@ class ReplicaWorker:
         for _ in outs:
             if running.first_token_at is None:
                 running.first_token_at = time.time()
+                self._ttfts.append(max(0.0, running.first_token_at - running.started))
             elif running.last_token_at is not None:
                 if running.inter_token is None:
                     running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
@@ -526,7 +685,9 @@ class ReplicaWorker:
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
-            return await self.relay.log.finish(reply_id, final)
+            return (await _through_outages(lambda: self.relay.log.finish(reply_id, final), "finish")).value
+        except ReplyFinished:  # a try that lost its answer to an outage had written it
+            return await self.relay.log.last_event_id(reply_id)
         except RelayError:
             log.exception("reply %s: could not write its final event", reply_id)
             return 0
@@ -562,6 +723,28 @@ class ReplicaWorker:
 
 # A Redis restart takes a second or two; a blip, less (the connection itself retries twice).
 REPORT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
+# Token appends and the final event, the same: the engine goes on generating meanwhile (its
+# outputs wait in the reply's stream), and the log catches up once Redis is back.
+LOG_RETRY_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
+
+
+@dataclass
+class _Tried(Generic[T]):
+    value: T
+    retried: bool  # an earlier try failed with an outage: its writes may have happened
+
+
+async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
+    """call(), again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
+    for attempt, delay in enumerate((*LOG_RETRY_DELAYS_S, None)):
+        try:
+            return _Tried(await call(), attempt > 0)
+        except RelayUnavailable:
+            if delay is None:
+                raise
+            log.warning("token log unreachable (%s); retrying in %.2f s", what, delay)
+            await asyncio.sleep(delay)
+    raise AssertionError("unreachable")
 
 
 async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:

@@ -11,7 +11,7 @@ SQLite cannot load extensions in this interpreter, so there is no sqlite-vec pat
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,8 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
+
+from fairway.conversation.hot_path import shared_hot_path
 
 from .exact import PartitionCache, PartitionMatrix, top_k
 from .index import Entry, Hit, VectorIndex, as_unit_vector
@@ -93,7 +95,9 @@ def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> AsyncEn
     parsed = make_url(url)
     connect = {"connect_args": connect_args} if connect_args else {}
     if parsed.get_backend_name() != "sqlite":
-        return create_async_engine(url, pool_size=10, max_overflow=10, **connect)
+        engine = create_async_engine(url, pool_size=10, max_overflow=10, **connect)
+        shared_hot_path(engine, connect_args)  # the parts on this engine share it, connecting alike
+        return engine
     options: dict[str, Any] = {"poolclass": StaticPool} if parsed.database in (None, "", ":memory:") else {}
     engine = create_async_engine(url, **options, **connect)
     sa.event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
@@ -109,6 +113,9 @@ class SqlTables:
     def __init__(self, url: str | AsyncEngine, connect_args: dict[str, Any] | None = None) -> None:
         self.engine = url if isinstance(url, AsyncEngine) else make_engine(url, connect_args)
         self.postgres = self.engine.dialect.name == "postgresql"
+        # A chat turn's statements (memory's block, the attached files) skip the engine's
+        # per-statement overhead on PostgreSQL, as the conversation store's do.
+        self.hot = shared_hot_path(self.engine)
 
     async def init(self) -> None:
         async with self.engine.begin() as conn:
@@ -116,7 +123,30 @@ class SqlTables:
             await conn.run_sync(self.metadata.create_all)
 
     async def close(self) -> None:
+        if self.hot is not None:
+            await self.hot.close()
         await self.engine.dispose()
+
+    async def rows_many(self, statement: sa.Executable, params_list: Sequence[Mapping[str, Any]]) -> None:
+        """One prebuilt statement per set of parameters (the same names in each), in one round
+        trip (PostgreSQL: pipelined in one transaction) or one transaction (SQLite)."""
+        if not params_list:
+            return
+        if self.hot is not None:
+            await self.hot.fetch_many(statement, params_list)
+            return
+        async with self.engine.begin() as conn:
+            for params in params_list:
+                await conn.execute(statement, params)
+
+    async def rows(self, statement: sa.Executable, params: Mapping[str, Any]) -> Sequence[Mapping[str, Any]]:
+        """One prebuilt statement (its values as bind parameters), alone: its rows. A write
+        commits by itself."""
+        if self.hot is not None:
+            return await self.hot.fetch(statement, params)
+        async with self.engine.begin() as conn:
+            result = await conn.execute(statement, params)
+            return result.mappings().all() if result.returns_rows else []
 
     def insert(self, table: sa.Table) -> Any:
         """INSERT for this dialect, with on_conflict_do_update / _do_nothing."""
@@ -173,6 +203,9 @@ class SqlVectorIndex(VectorIndex):
         return available
 
     async def close(self) -> None:
+        hot = shared_hot_path(self.engine)  # the pool memory's and files' tables share with it
+        if hot is not None:
+            await hot.close()
         await self.engine.dispose()
 
     # -- writes ------------------------------------------------------------------------------

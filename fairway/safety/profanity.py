@@ -1,9 +1,10 @@
 """alt-profanity-check's model (a linear SVM on TF-IDF words, trained on abusive language), run
-in a few microseconds a sentence.
+without scikit-learn.
 
 The wheel ships the fitted scikit-learn objects: a TfidfVectorizer and a CalibratedClassifierCV
-of five LinearSVCs with sigmoid calibration. Through scikit-learn one sentence costs ~5 ms, its
-per-call overhead; the model itself is five dot products over a sentence's few words. So the
+of five LinearSVCs with sigmoid calibration. Through scikit-learn one sentence costs far more
+than its arithmetic, nearly all per-call overhead (bench/README.md, safety.py); the model itself is
+five dot products over a sentence's few words. So the
 fitted objects are read once and folded into one table, word -> (idf, the five SVMs' weights),
 and a sentence is scored with exactly the same arithmetic (tests/test_safety.py compares the two).
 

@@ -4,7 +4,8 @@ Where each is measured:
 * replica (where the tokens happen): time to first token, inter-token latency, end-to-end
   latency, prompt and generation tokens (labels model, tier), and the engine's own counters,
   read from each engine's last EngineStats when scraped (labels model, replica);
-* gateway: active SSE streams (label model) and requests refused by a limit (label type).
+* gateway: active SSE streams (label model), requests refused by a limit (label type), and the
+  router's placements (labels model, reason).
 
 The embedded server (`fairway serve`) has both in one process: its /metrics shows everything. At
 scale each gateway serves its own /metrics, and each replica process serves its own when started
@@ -39,6 +40,10 @@ E2E_REQUEST_LATENCY = Histogram("fairway:e2e_request_latency_seconds",
 PROMPT_TOKENS = Counter("fairway:prompt_tokens", "Prompt tokens of finished replies.", ["model", "tier"])
 GENERATION_TOKENS = Counter("fairway:generation_tokens", "Generated tokens.", ["model", "tier"])
 ACTIVE_STREAMS = Gauge("fairway:active_streams", "SSE streams this gateway is sending now.", ["model"])
+ROUTER_PLACEMENTS = Counter("fairway:router_placements", "Replies placed by this gateway's router, by why that "
+                            "replica: affinity (the most cached prefix), overflow (the best-scoring one was "
+                            "too loaded), least-loaded (nothing cached anywhere), round-robin.",
+                            ["model", "reason"])
 RATE_LIMITED = Counter("fairway:rate_limited", "Requests refused by a limit: tokens (TPM), requests (RPM), "
                        "admission (the gateway's queue was full or timed out).", ["type"])
 

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 class SpeculativeConfig:
     method: str = "ngram"  # "ngram" (prompt lookup) or "draft_model"
     # The most draft tokens a sequence gets per step. Defaults chosen by replaying the greedy replies
-    # of bench/spec_decode.py's prompts through the proposer (tokens per step at ~5% a draft row).
+    # of bench/spec_decode.py's prompts through the proposer (tokens per step, a draft row priced as
+    # bench/README.md says).
     num_speculative_tokens: int = 8
     prompt_lookup_max: int = 8  # n-gram lengths matched against the sequence so far, longest first
     prompt_lookup_min: int = 1

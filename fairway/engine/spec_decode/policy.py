@@ -4,7 +4,8 @@ The k-th draft token adds a token only if it and every draft before it are accep
 sequence's acceptance rate a (tracked per sequence, state.py), with chance a^k. It costs one more
 row of the verification step (and, for a draft model, one more draft step), while the batch
 makes R tokens per second: worth it when a^k * (1 / cost) > R, that is a^k > cost * R. A single
-stream on a CPU pays ~5% of a step per extra row, so drafts with a fair chance pay; a large batch
+stream on a CPU is bound by reading the weights, so an extra row costs a small share of a step
+(bench/README.md, spec_decode.py) and drafts with a fair chance pay; a large batch
 is compute-bound (a row costs about its share of the step) and only near-certain drafts would:
 there speculation is off. A sequence whose first draft no longer pays is paused and probed with
 one draft token now and then, as a reply's character changes (a quote ends, another begins).

@@ -6,8 +6,7 @@
  * lie ([rows][32 bf16] at the row stride). A decode step's few rows need 16 cycles of TDPBF16PS per
  * KB of weight, far under what DRAM delivers per cycle, so the kernel runs at the weight-read
  * bound for any row count up to a tile's 16 and a few tiles beyond, where oneDNN, which also uses
- * AMX here, spends its time in per-call setup and packing (2 Sapphire Rapids cores, the 121
- * linears of a SmolLM2-135M step: see packed_linear.py).
+ * AMX here, spends its time in per-call setup and packing (bench/README.md, "CPU kernels").
  *
  * Tiles: C0..C3 accumulate 16 x 16 float32 outputs, A (tile 4, 5) holds rows of x, B (6, 7) a
  * panel's k-block. Up to 16 rows, one pass holds four panels' accumulators (C0..C3, B reloaded for
@@ -74,10 +73,10 @@ static inline void store_rows(const float *acc, int rows, uint16_t *y, int64_t l
 static inline int min_int(int a, int b) { return a < b ? a : b; }
 
 /* Each of `width` panels' next k-block (1 KB a panel from wb on) into L1 while this one is
- * multiplied: a tile load waits on its 16 lines, and the hardware prefetcher alone left the 121
- * linears of a step at 17-19 ms for 1 row (floor ~15 ms here); one k-block ahead gave 14.5-15 ms
- * (16 rows 18-21 -> 16-17 ms). Two ahead, or into L2 further ahead, measured worse. Past a
- * panel's end this is the next panel's start: read soon anyway, and a prefetch never faults. */
+ * multiplied: a tile load waits on its 16 lines, and the hardware prefetcher alone left a step's
+ * linears short of the DRAM floor; one k-block ahead reaches it (bench/README.md, "CPU kernels").
+ * Two ahead, or into L2 further ahead, measured worse. Past a panel's end this is the next
+ * panel's start: read soon anyway, and a prefetch never faults. */
 static inline void prefetch_next(const char *wb, int width, int64_t panel_bytes) {
     for (int v = 0; v < width; v++)
         for (int line = 0; line < 16; line++) _mm_prefetch(wb + v * panel_bytes + 1024 + line * 64, _MM_HINT_T0);

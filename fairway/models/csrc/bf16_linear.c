@@ -1,21 +1,21 @@
 /* y = x @ w.T with x, w, y in bfloat16 (float32 sums), on AVX512-BF16's VDPBF16PS.
  *
- * A decode step multiplies 1 to a few dozen rows by every weight of the model. Up to ~12 rows
- * (2 Zen 4 cores) that is bound by reading the weights from DRAM, above by the bf16 dot-product
- * rate; oneDNN's bf16 GEMM reaches neither bound at these shapes. Here the weight is packed once
- * (at load, by fairway/models/packed_linear.py) into panels of 16 output columns, each panel
- * [k/2][16][2]: one 64-byte load gives 16 columns x 2 k-values, the operand layout of VDPBF16PS,
- * and a panel is read front to back as one stream. A pair of x values is broadcast as one 32-bit
- * value, so a tile of MR rows x NV panels keeps MR*NV float32 accumulators and NV weight vectors
- * in registers and reads each weight vector once per MR rows.
+ * A decode step multiplies 1 to a few dozen rows by every weight of the model. Up to about a
+ * dozen rows that is bound by reading the weights from DRAM, above by the bf16 dot-product rate;
+ * oneDNN's bf16 GEMM reaches neither bound at these shapes (bench/README.md, "CPU kernels").
+ * Here the weight is packed once (at load, by fairway/models/packed_linear.py) into panels of 16
+ * output columns, each panel [k/2][16][2]: one 64-byte load gives 16 columns x 2 k-values, the
+ * operand layout of VDPBF16PS, and a panel is read front to back as one stream. A pair of x
+ * values is broadcast as one 32-bit value, so a tile of MR rows x NV panels keeps MR*NV float32
+ * accumulators and NV weight vectors in registers and reads each weight vector once per MR rows.
  *
  * Each thread takes a contiguous run of panels and walks it NV panels at a time; more rows than
  * one tile holds are done in chunks that re-read those NV panels from L2. With `prefetch` the
  * chunks of a tile also pull the thread's next NV panels from DRAM into L2, spread evenly over
  * the tile's chunks: otherwise the first chunk waits on DRAM while the later ones leave it idle,
- * and at 16 rows (where the two take about as long) the 121 linears of a step took 16 ms, not
- * 12.7. Prefetching further ahead, or into L1, measured no better. Past ~12 rows the kernel
- * still beat oneDNN at every size measured (up to 1024 rows), so Python uses it for all.
+ * worst where reading and multiplying take about as long (around 16 rows). Prefetching further
+ * ahead, or into L1, measured no better. Past the DRAM-bound rows the kernel still beat oneDNN at
+ * every size measured, so Python uses it for all.
  * The sums round to bf16 to nearest-even, as PyTorch's bf16 matmul does.
  *
  * The file is built with -march=native: on a CPU without AVX512-BF16 bf16_linear_available()

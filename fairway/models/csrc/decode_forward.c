@@ -2,8 +2,8 @@
  *
  * A decode step has a few rows, and each layer is nine small operations (norm, QKV, RoPE + cache
  * write, attention, O, norm, gate|up, SiLU gating, down). Called one by one from Python, each pays
- * the interpreter, the module call, ctypes and an output allocation: ~10 ms of a 30-layer step on
- * 2 Sapphire Rapids cores, as much as the attention and small ops themselves. Here the same
+ * the interpreter, the module call, ctypes and an output allocation, which added up to as much as
+ * the attention and small ops themselves (bench/README.md, "CPU kernels"). Here the same
  * kernels (layer_ops.c, paged_decode.c, amx_linear.c or bf16_linear.c) run in the same order on
  * the same inputs from C, so the hidden states are bit-identical to the layer-by-layer path
  * (fairway/models/llama.py), which remains for prefill, other dtypes and portable builds.

@@ -4,12 +4,12 @@
  *   silu_mul      out = silu(gate) * up, from the fused gate|up projection
  *   rope_store    rotate Q and K in place (RoPE) and write K and V into the paged cache
  *
- * At decode each of these sees a handful of rows, where PyTorch spends ~5-15 us of dispatch per
- * op on this class of CPU for a few thousand FLOPs, and a layer had ~25 such ops: about a third
- * of a decode step. Each works on float32 or bfloat16 tensors and reproduces PyTorch's rounding
- * step by step (a bf16 op computes in float32 and rounds its result to bf16), so the fused path
- * gives the tokens the op-by-op path gives. Rows are independent: large inputs (prefill) split
- * across threads.
+ * At decode each of these sees a handful of rows, where PyTorch's dispatch per op costs far more
+ * than its few thousand FLOPs, and a layer had ~25 such ops: a large share of a decode step
+ * (bench/README.md, "CPU kernels"). Each works on float32 or bfloat16 tensors and reproduces
+ * PyTorch's rounding step by step (a bf16 op computes in float32 and rounds its result to bf16),
+ * so the fused path gives the tokens the op-by-op path gives. Rows are independent: large inputs
+ * (prefill) split across threads.
  *
  * Built with the other kernels by fairway/models/cpu_kernels.py.
  */

@@ -26,8 +26,7 @@
 
 /* Vectors of 8 floats (AVX2, or SSE pairs) for any head_dim that is a multiple of 8, and of 16
  * (one AVX-512 register) for multiples of 16 where the CPU has AVX-512: half the instructions for
- * the same dot products (B=16 decode at ~100 tokens of context, 2 Sapphire Rapids cores: the
- * attention of a step ~5 -> ~3 ms). */
+ * the same dot products (bench/README.md, "CPU kernels"). */
 typedef float v8f __attribute__((vector_size(32)));
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -78,8 +77,8 @@ static inline void load_floats(const void *src, int64_t off, float *restrict dst
 }
 
 /* Blocks sit anywhere in the cache, so the hardware prefetcher loses the stream at every block
- * boundary: ask for the next block while this one is in use (measured on one core: 2 GB/s
- * without, against 14 GB/s for a sequential read). */
+ * boundary: ask for the next block while this one is in use (without, the read ran at a fraction
+ * of a sequential one: bench/README.md, "CPU kernels"). */
 static inline void prefetch(const void *base, int64_t off, size_t bytes, const int bf16) {
     const char *p = (const char *)base + off * (bf16 ? 2 : 4);
     for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);

@@ -1,12 +1,12 @@
 /* Temperature sampling: one token per row of logits by inverse CDF, in one pass per row.
  *
  * The PyTorch path (fairway/engine/sampler.py) divides by the temperature, takes a softmax, a
- * float64 cumulative sum and a search: ~8 ops over [rows, vocab], 2.1 ms of a batch-16 decode step
- * with SmolLM2's 49k vocabulary. Here each row is scaled and exponentiated into a scratch row,
- * summed in double per chunk of 256 tokens (vectorized), and the draw walks the chunk sums before
- * scanning one chunk: the first token whose running mass exceeds u * total, so a token of zero
- * probability is never drawn. Rows with top-k or top-p filters stay on the PyTorch
- * path. Rows are independent and split across threads.
+ * float64 cumulative sum and a search: ~8 ops over [rows, vocab] with SmolLM2's 49k vocabulary, a
+ * visible share of a decode step (bench/README.md, engine_vs_hf.py). Here each row is scaled and
+ * exponentiated into a scratch row, summed in double per chunk of 256 tokens (vectorized), and the
+ * draw walks the chunk sums before scanning one chunk: the first token whose running mass exceeds
+ * u * total, so a token of zero probability is never drawn. Rows with top-k or top-p filters stay
+ * on the PyTorch path. Rows are independent and split across threads.
  *
  * Built with the other kernels by fairway/models/cpu_kernels.py.
  */

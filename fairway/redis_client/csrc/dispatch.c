@@ -1,19 +1,21 @@
-/* The relay's per-event path in C: Redis Pub/Sub bytes in, token events out to their sinks.
+/* A sharded Pub/Sub connection's reader in C: RESP2 bytes in, sequenced text messages out to
+ * their channels' sinks (fairway/redis_client/dispatch.py says what they are).
  *
- * A busy gateway relays tens of thousands of token events a second. In Python each one cost a
- * parsed message (a list and three strings) and a few function calls: more CPU than what the
- * stream then does with it. Here one call takes a whole socket read:
+ * A busy gateway relays tens of thousands of token events a second, each one such a message. In
+ * Python each cost a parsed message (a list and three strings) and a few function calls: more
+ * CPU than what the stream then does with it. Here one call takes a whole socket read:
  *
  *   Dispatcher.feed(data, now) parses the RESP2 messages in data (keeping a partial one for the
- *   next call). A token message ("smessage", channel, "<n> t<ids>\x1f<text>") whose channel has a
- *   Tap in the dispatcher's taps dict, and whose n is the tap's cursor + 1, goes to the tap's sink
- *   right here. Every other message comes back, parsed as hiredis would (a list of str / int /
- *   None; error replies as instances of the error class given), for the Python side to handle.
+ *   next call). A sequenced text message ("smessage", channel, "<n> t<head>\x1f<text>") whose
+ *   channel has a Tap in the dispatcher's taps dict, and whose n is the tap's cursor + 1, goes to
+ *   the tap's sink right here. Every other message comes back, parsed as hiredis would (a list
+ *   of str / int / None; error replies as instances of the error class given), for the Python
+ *   side to handle.
  *
- *   Tap(sink) is one waiting subscriber's channel tapped into its sink (a relay.TokenSink). A sink
- *   whose type carries the C-level protocol of fairway/csrc/token_sink.h is handed the event's
- *   UTF-8 bytes through a function pointer, with no Python object built; any other sink is called
- *   as sink(n, text). When the sink takes the event, the tap moves its cursor to n and notes `now`
+ *   Tap(sink) is one channel tapped into its sink (sink(n, text) -> bool). A sink whose type
+ *   carries the C-level protocol of fairway/csrc/token_sink.h is handed the text's UTF-8 bytes
+ *   through a function pointer, with no Python object built; any other sink is called as
+ *   sink(n, text). When the sink takes the message, the tap moves its cursor to n and notes `now`
  *   in last.
  */
 #define PY_SSIZE_T_CLEAN
@@ -71,7 +73,7 @@ static void Tap_dealloc(Tap *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-/* Hand token n to the sink: 1 taken, 0 declined, -1 error. */
+/* Hand message n to the sink: 1 taken, 0 declined, -1 error. */
 static int tap_take(Tap *self, long long n, const char *text, Py_ssize_t len) {
     if (self->api) return self->api->take(self->sink, n, text, len);
     PyObject *args[2] = {PyLong_FromLongLong(n), PyUnicode_DecodeUTF8(text, len, "replace")};
@@ -85,8 +87,8 @@ static int tap_take(Tap *self, long long n, const char *text, Py_ssize_t len) {
 }
 
 static PyMemberDef Tap_members[] = {
-    {"sink", T_OBJECT, offsetof(Tap, sink), READONLY, "what takes the channel's token events"},
-    {"cursor", T_LONGLONG, offsetof(Tap, cursor), 0, "n of the last token event the sink took from a dispatcher"},
+    {"sink", T_OBJECT, offsetof(Tap, sink), READONLY, "what takes the channel's messages"},
+    {"cursor", T_LONGLONG, offsetof(Tap, cursor), 0, "n of the last message the sink took from a dispatcher"},
     {"last", T_DOUBLE, offsetof(Tap, last), 0, "the `now` of the feed() that handed it"},
     {NULL}
 };
@@ -102,10 +104,10 @@ static PyGetSetDef Tap_getset[] = {
 
 static PyTypeObject TapType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "fairway_live_dispatch.Tap",
+    .tp_name = "fairway_redis_dispatch.Tap",
     .tp_basicsize = sizeof(Tap),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Tap(sink): a waiting subscriber's channel tapped into its token sink",
+    .tp_doc = "Tap(sink): a channel tapped into its sink",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Tap_init,
     .tp_dealloc = (destructor)Tap_dealloc,
@@ -271,7 +273,7 @@ static int try_tap(Dispatcher *self, const char *p, const char *next, double now
     Py_ssize_t channel_len, payload_len;
     const char *q = bulk(p + sizeof HEAD - 1, next, &channel, &channel_len);
     if (!q || !bulk(q, next, &payload, &payload_len)) return 0;
-    /* "<n> t<ids>\x1f<text>" */
+    /* "<n> t<head>\x1f<text>" */
     const char *end = payload + payload_len, *s = payload;
     long long n = 0;
     while (s < end && *s >= '0' && *s <= '9' && n < (1LL << 50)) n = n * 10 + (*s++ - '0');
@@ -358,7 +360,7 @@ static PyMemberDef Dispatcher_members[] = {
 
 static PyTypeObject DispatcherType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "fairway_live_dispatch.Dispatcher",
+    .tp_name = "fairway_redis_dispatch.Dispatcher",
     .tp_basicsize = sizeof(Dispatcher),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Dispatcher(taps, error_class): RESP2 Pub/Sub bytes to taps, the rest parsed",
@@ -372,10 +374,10 @@ static PyTypeObject DispatcherType = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "fairway_live_dispatch", "The relay's per-event path in C: Pub/Sub bytes to token sinks.", -1, NULL,
+    PyModuleDef_HEAD_INIT, "fairway_redis_dispatch", "Sharded Pub/Sub bytes to the sinks of tapped channels.", -1, NULL,
 };
 
-PyMODINIT_FUNC PyInit_fairway_live_dispatch(void) {
+PyMODINIT_FUNC PyInit_fairway_redis_dispatch(void) {
     if (PyType_Ready(&TapType) < 0 || PyType_Ready(&DispatcherType) < 0) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;

@@ -1,4 +1,4 @@
-"""The relay's dispatcher (fairway/relay/live_dispatch.py): the C Dispatcher and its Python twin
+"""The sharded Pub/Sub dispatcher (fairway/redis_client/dispatch.py): the C Dispatcher and its Python twin
 take the same messages, hand a tapped channel's token events in order to its sink, whatever the
 sink is (a Python callable, or the gateway's token writer through the C-level sink protocol), and
 return the rest parsed."""
@@ -13,11 +13,11 @@ from transports import RecordingTransport
 
 from fairway.gateway import token_writer
 from fairway.gateway.sse import ReplyView, token_template
-from fairway.relay import live_dispatch
+from fairway.redis_client import dispatch
 from fairway.relay.events import TokenEvent
 from fairway.relay.redis_live import live_payload
 
-NATIVE = live_dispatch.native_module()
+NATIVE = dispatch.native_module()
 IMPLEMENTATIONS = ["python"] + (["native"] if NATIVE is not None else [])
 WRITERS = ["python"] + (["native"] if token_writer.native_module() is not None else [])
 VIEW = ReplyView("rep_1", "conv_1", "msg_1", "smollm2", 1796060482)
@@ -27,7 +27,7 @@ def classes(kind: str) -> tuple[type, type]:
     if kind == "native":
         assert NATIVE is not None
         return NATIVE.Tap, NATIVE.Dispatcher
-    return live_dispatch.PyTap, live_dispatch.PyDispatcher
+    return dispatch.PyTap, dispatch.PyDispatcher
 
 
 def smessage(channel: str, payload: str) -> bytes:
@@ -146,7 +146,7 @@ def test_native_dispatcher_rejects_bytes_that_are_not_resp() -> None:
         dispatcher.feed(b"HTTP/1.1 400 Bad Request\r\n", 1.0)
 
 
-@pytest.mark.parametrize("module", [live_dispatch, token_writer], ids=["dispatcher", "writer"])
+@pytest.mark.parametrize("module", [dispatch, token_writer], ids=["dispatcher", "writer"])
 def test_without_a_compiler_the_python_twins_are_used(module: Any, monkeypatch: pytest.MonkeyPatch,
                                                       tmp_path: Any) -> None:
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))

@@ -1,15 +1,22 @@
-"""The relay's per-event path: a Dispatcher turns a Pub/Sub connection's bytes into token events
-handed, in order, to the sinks of the channels tapped into them (Tap), and the other messages.
+"""A sharded Pub/Sub connection's reader: a Dispatcher turns the connection's bytes into its
+messages, and hands each sequenced text message of a tapped channel, in order, to that channel's
+sink (Tap); the other messages it returns parsed.
 
-Both come from csrc/live_dispatch.c, compiled on first use (see that file for why and how); a
-machine without a C compiler, or with FAIRWAY_NATIVE_RELAY=0, gets the Python classes below,
-which do the same (tests hold the two to the same behaviour), a few microseconds slower per event.
-A sink is any relay.TokenSink; one whose type carries the C-level protocol of
-fairway/csrc/token_sink.h is handed events by the C dispatcher without a Python object per event.
+A sequenced text message is the payload "<n> t<head>\x1f<text>" (sequenced_text() writes what
+follows "<n> "): n numbers the channel's messages, head is the publisher's (the relay puts a
+token's ids there), text may hold anything. A tap takes message cursor + 1 only, so a sink never
+sees one out of order; anything else is the caller's to handle.
+
+Both come from csrc/dispatch.c, compiled on first use (see that file for why and how); a machine
+without a C compiler, or with FAIRWAY_NATIVE_RELAY=0, gets the Python classes below, which do the
+same (tests hold the two to the same behaviour). A sink is any callable sink(n, text) -> bool
+(True: taken); one whose type carries the C-level protocol of fairway/csrc/token_sink.h is
+handed messages by the C dispatcher without a Python object per message.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -18,10 +25,17 @@ from typing import Any
 import hiredis
 
 from fairway.native_build import load_extension
-from fairway.relay.token_log import TokenSink
 
-_SOURCE = Path(__file__).parent / "csrc" / "live_dispatch.c"
-_IDS_END = "\x1f"  # between a token's ids and its text in a live payload (see redis_live.live_payload)
+_SOURCE = Path(__file__).parent / "csrc" / "dispatch.c"
+TEXT = "t"  # what starts a sequenced text message's payload after "<n> "
+HEAD_END = "\x1f"  # between its head and its text: the head must not hold it
+
+Sink = Callable[[int, str], bool]
+
+
+def sequenced_text(head: str, text: str) -> str:
+    """The payload a tap hands to its sink as (n, text), once the publisher put "<n> " before it."""
+    return f"{TEXT}{head}{HEAD_END}{text}"
 
 
 class PyTap:
@@ -32,7 +46,7 @@ class PyTap:
     __slots__ = ("sink", "cursor", "last")
     native = False  # (the C Tap's: whether it hands events through the sink's C-level protocol)
 
-    def __init__(self, sink: TokenSink) -> None:
+    def __init__(self, sink: Sink) -> None:
         if not callable(sink):
             raise TypeError("a tap's sink must be callable")
         self.sink = sink
@@ -61,9 +75,9 @@ class PyDispatcher:
             return False
         tap = self.taps.get(message[1])
         n, _, payload = message[2].partition(" ")
-        if not isinstance(tap, PyTap) or not payload.startswith("t") or not n.isdigit() or int(n) != tap.cursor + 1:
+        if not isinstance(tap, PyTap) or not payload.startswith(TEXT) or not n.isdigit() or int(n) != tap.cursor + 1:
             return False
-        _, sep, text = payload.partition(_IDS_END)
+        _, sep, text = payload.partition(HEAD_END)
         try:
             took = bool(sep) and bool(tap.sink(int(n), text))
         except Exception:  # as in C: the subscriber's own task meets the error, not every subscriber
@@ -76,7 +90,7 @@ class PyDispatcher:
 @cache
 def native_module() -> ModuleType | None:
     """The compiled module, or None (no compiler, a failed build, or turned off)."""
-    return load_extension("fairway_live_dispatch", _SOURCE)
+    return load_extension("fairway_redis_dispatch", _SOURCE)
 
 
 def tap_class() -> type:

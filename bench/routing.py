@@ -1,0 +1,295 @@
+"""Prefix-affinity routing against round-robin, on real replicas.
+
+Workload (fixed): 40 conversations of 5 turns, all sharing one ~1,000-token system prompt, each
+turn a ~100-token user message answered with --max-tokens tokens (greedy, ignore_eos, so both
+sides generate the same amount). Conversation i starts at i * --spacing seconds, and each next
+turn follows its reply after --think seconds, so arrivals spread over the run. Turns after the
+first continue the stored conversation (conversation_id), as a chat client does.
+
+Each routing runs on fresh processes in the same invocation: 2 `fairway replica` (the bundled
+model on this machine's CPU, each serving /metrics) and 1 `fairway gateway --routing MODE`, on
+Redis and a temporary PostgreSQL database. Per routing:
+
+* prefix-cache hit rate: prompt tokens the replicas' engines found in their prefix caches over
+  those they looked up (the engines' own counters, fairway:prefix_cache_hits / _queries, from each
+  replica's /metrics, after a warm-up reply on each replica);
+* TTFT p50/p99: from sending the request to its first content chunk, at the client;
+* tokens/s: completion tokens over the wall time from the first request to the last reply;
+* where the replies went (per replica) and why (the gateway's fairway:router_placements).
+
+Each replica runs torch with --replica-threads threads (1: on 2 cores, two OpenMP pools of 2
+would spin against each other). The gateways run without memory (--no-memory): its embeddings
+would share the cores and are no part of routing.
+
+On 2 CPU cores keep --max-tokens small (16 by default): the replicas share those cores. Prints a
+table; results go to bench/results/routing.json. The failover pause and the drain time (issue
+15's other half) are further phases: a phase is a function returning a dict of figures, listed
+in PHASES with its table columns.
+
+    .venv/bin/python bench/routing.py
+    .venv/bin/python bench/routing.py --conversations 8 --turns 3   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+import machine  # noqa: E402
+import relay  # noqa: E402  (helpers: processes, ports, keys, the temporary database, percentiles)
+
+RESULTS = ROOT / "bench" / "results" / "routing.json"
+ROUTINGS = ("affinity", "round-robin")
+REGIONS = ("bench-a", "bench-b")  # one replica each, so the warm-up can reach each one
+
+
+def system_prompt(tokens: int) -> str:
+    """A handbook of numbered rules, about `tokens` tokens long in the bundled model's tokenizer."""
+    from fairway.assembly import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    rules: list[str] = []
+    while len(tokenizer.encode(" ".join(rules))) < tokens:
+        n = len(rules) + 1
+        rules.append(f"Rule {n}: when a customer asks about order {1000 + n * 7}, check the ledger in aisle "
+                     f"{n % 13} before answering, and mention the {['red', 'blue', 'green'][n % 3]} form.")
+    return "You are the support assistant of a hardware store. Follow the handbook.\n" + "\n".join(rules)
+
+
+def user_message(conversation: int, turn: int) -> str:
+    """~100 tokens, different for every turn of every conversation."""
+    return (f"Customer {conversation}, message {turn}: I bought item {conversation * 31 + turn} last week and "
+            f"the packaging said it would fit shelf model {turn * 17 + conversation}. It did not fit; the "
+            f"left bracket is {conversation % 5 + 2} millimetres too wide and the screws in bag "
+            f"{turn + 3} are missing. I have the receipt number {conversation:04d}-{turn:02d}. Which rule "
+            f"applies, and what should I bring to the store when I come on {['Monday', 'Friday'][turn % 2]}?")
+
+
+@dataclass
+class Turn:
+    ttft_s: float | None
+    completion_tokens: int
+    ok: bool
+
+
+@dataclass
+class Run:
+    turns: list[Turn] = field(default_factory=list)
+    started: float = 0.0
+    ended: float = 0.0
+
+
+async def chat(client: Any, url: str, key: str, body: dict[str, Any], headers: dict[str, str] | None = None
+               ) -> tuple[Turn, str | None]:
+    """One streamed turn: (its figures, the conversation id)."""
+    sent = time.perf_counter()
+    ttft, tokens, conversation, ok = None, 0, None, False
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}", **(headers or {})}) as r:
+        if r.status_code != 200:
+            print(f"  a turn failed: {r.status_code} {(await r.aread())[:200]!r}", flush=True)
+            return Turn(None, 0, False), None
+        async for line in r.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                ok = True
+                break
+            chunk = json.loads(data)
+            conversation = conversation or chunk.get("conversation_id")
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("delta", {}).get("content") and ttft is None:
+                ttft = time.perf_counter() - sent
+    return Turn(ttft, tokens, ok), conversation
+
+
+async def conversation(client: Any, url: str, key: str, i: int, args: argparse.Namespace, system: str,
+                       run: Run) -> None:
+    await asyncio.sleep(i * args.spacing)
+    conversation_id = None
+    for t in range(args.turns):
+        messages = [{"role": "user", "content": user_message(i, t)}]
+        if conversation_id is None:
+            messages.insert(0, {"role": "system", "content": system})
+        body = {"model": relay.MODEL, "messages": messages, "max_tokens": args.max_tokens, "temperature": 0,
+                "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+                **({"conversation_id": conversation_id} if conversation_id else {})}
+        turn, conversation_id = await chat(client, url, key, body)
+        run.turns.append(turn)
+        run.ended = time.perf_counter()
+        if not turn.ok or conversation_id is None:
+            return
+        await asyncio.sleep(args.think)
+
+
+async def scrape(client: Any, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A /metrics page as {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(f"{url}/metrics", timeout=10)).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(metrics: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in metrics.items() if n == name and all((k, v_) in ls for k, v_ in labels.items()))
+
+
+async def routing_phase(routing: str, args: argparse.Namespace, workdir: Path, system: str) -> dict[str, Any]:
+    """One routing on fresh replicas and gateway: the workload, and its figures."""
+    import httpx
+
+    namespace = f"bench:{uuid.uuid4().hex[:8]}:"
+    async with relay.gateway_database(args.database, workdir) as database:
+        key = relay.create_key(database)
+        shared = ["--redis", args.redis, "--namespace", namespace]
+        metrics_ports = [relay.free_port() for _ in REGIONS]
+        procs = [relay.spawn(["-m", "fairway.cli", "replica", *shared, "--region", region, "--replica-id",
+                              f"{routing}-{region}", "--metrics-port", str(port), "--max-model-len", "4096",
+                              "--log-level", "warning"], workdir / f"{routing}-{region}.log",
+                             env={"OMP_NUM_THREADS": str(args.replica_threads)})
+                 for region, port in zip(REGIONS, metrics_ports, strict=True)]
+        port = relay.free_port()
+        url = f"http://127.0.0.1:{port}"
+        procs.append(relay.spawn(["-m", "fairway.cli", "gateway", *shared, "--database", database, "--port", str(port),
+                                  "--routing", routing, "--log-level", "warning", "--no-memory", *relay.NO_LIMITS],
+                                 workdir / f"{routing}-gateway.log"))
+        try:
+            await relay.wait_ready(url, timeout=300)
+            async with httpx.AsyncClient(timeout=600) as client:
+                while sum(m["replicas"] for m in (await client.get(f"{url}/v1/models", headers={
+                        "Authorization": f"Bearer {key}"})).json()["data"]) < len(REGIONS):
+                    await asyncio.sleep(0.5)
+                for region in REGIONS:  # one reply on each replica first: its first forward pass is slow
+                    warm = {"model": relay.MODEL, "messages": [{"role": "user", "content": "Warm up."}],
+                            "max_tokens": 2, "stream": True}
+                    await chat(client, url, key, warm, {"X-Fairway-Region": region})
+                replicas = [f"http://127.0.0.1:{p}" for p in metrics_ports]
+                before = [await scrape(client, r) for r in replicas]
+                run = Run(started=time.perf_counter())
+                await asyncio.gather(*(conversation(client, url, key, i, args, system, run)
+                                       for i in range(args.conversations)))
+                after = [await scrape(client, r) for r in replicas]
+                gateway = await scrape(client, url)
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            await relay._clean_redis(args.redis, namespace)
+    return figures(run, before, after, gateway)
+
+
+def figures(run: Run, before: list[dict], after: list[dict], gateway: dict) -> dict[str, Any]:
+    def delta(name: str) -> list[float]:
+        return [total(a, name) - total(b, name) for b, a in zip(before, after, strict=True)]
+
+    queries, hits = delta("fairway:prefix_cache_queries_total"), delta("fairway:prefix_cache_hits_total")
+    ttfts = [t.ttft_s for t in run.turns if t.ttft_s is not None]
+    tokens = sum(t.completion_tokens for t in run.turns)
+    wall = run.ended - run.started
+    reasons = {dict(labels)["reason"]: int(v) for (name, labels), v in gateway.items()
+               if name == "fairway:router_placements_total"}
+    return {
+        "turns": len(run.turns), "failed": sum(not t.ok for t in run.turns),
+        "prefix_cache_hit_rate": sum(hits) / sum(queries) if sum(queries) else None,
+        "prompt_tokens_looked_up": int(sum(queries)), "prompt_tokens_from_cache": int(sum(hits)),
+        "ttft_p50_s": relay.percentile(ttfts, 0.5), "ttft_p99_s": relay.percentile(ttfts, 0.99),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else None,
+        "tokens_per_s": tokens / wall if wall > 0 else None, "completion_tokens": tokens, "wall_s": wall,
+        "replies_per_replica": [int(x) for x in delta("fairway:e2e_request_latency_seconds_count")],
+        "placements": reasons,
+    }
+
+
+# A phase: (name, run(args, workdir, system) -> figures, the table's columns as (header, key, format)).
+Phase = tuple[str, Callable[[argparse.Namespace, Path, str], Awaitable[dict[str, Any]]], list[tuple[str, str, str]]]
+ROUTING_COLUMNS = [("hit rate", "prefix_cache_hit_rate", "{:.1%}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
+                   ("TTFT p99 s", "ttft_p99_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
+                   ("replies a/b", "replies_per_replica", "{}"), ("failed", "failed", "{}")]
+PHASES: list[Phase] = [
+    (routing, lambda args, workdir, system, routing=routing: routing_phase(routing, args, workdir, system),
+     ROUTING_COLUMNS) for routing in ROUTINGS
+]  # the failover pause (p50/max over 5 kills) and the drain time go here as phases of their own
+
+
+def table(results: dict[str, dict[str, Any]]) -> str:
+    """One row per phase; a header wherever the columns change."""
+    lines: list[str] = []
+    shown = None
+    for name, _, columns in PHASES:
+        if name not in results:
+            continue
+        if columns is not shown:
+            lines += ["", f"{'phase':<12} | " + " | ".join(header for header, _, _ in columns)]
+            shown = columns
+        cells = [fmt.format(results[name][k]) if results[name].get(k) is not None else "-" for _, k, fmt in columns]
+        lines.append(f"{name:<12} | " + " | ".join(cells))
+    return "\n".join(lines)
+
+
+async def main(args: argparse.Namespace) -> None:
+    system = system_prompt(args.system_tokens)
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="fairway-routing-") as tmp:
+        for name, run, _ in PHASES:
+            print(f"{name}: {args.conversations} conversations x {args.turns} turns ...", flush=True)
+            results[name] = await run(args, Path(tmp), system)
+            print(f"  {results[name]}", flush=True)
+    print(table(results))
+    affinity, rr = results.get("affinity"), results.get("round-robin")
+    summary = {}
+    if affinity and rr and affinity["ttft_p50_s"] and rr["ttft_p50_s"]:
+        summary = {"ttft_p50_round_robin_over_affinity": rr["ttft_p50_s"] / affinity["ttft_p50_s"],
+                   "targets": {"affinity_hit_rate": 0.8, "ttft_p50_round_robin_over_affinity": 2.0}}
+        print(f"TTFT p50: round-robin / affinity = {summary['ttft_p50_round_robin_over_affinity']:.2f}x")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps({
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "machine": machine.describe(),
+        "workload": {"conversations": args.conversations, "turns": args.turns, "system_tokens": args.system_tokens,
+                     "max_tokens": args.max_tokens, "spacing_s": args.spacing, "think_s": args.think,
+                     "replicas": len(REGIONS), "replica_threads": args.replica_threads, "model": relay.MODEL},
+        "results": results, **summary,
+    }, indent=2) + "\n")
+    print(f"results: {RESULTS.relative_to(ROOT)}")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--conversations", type=int, default=40)
+    p.add_argument("--turns", type=int, default=5)
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per reply (keep it small on 2 cores)")
+    p.add_argument("--spacing", type=float, default=1.5, help="seconds between conversations' starts")
+    p.add_argument("--think", type=float, default=0.5, help="seconds between a reply and the next turn")
+    p.add_argument("--replica-threads", type=int, default=1,
+                   help="torch threads per replica (1: each of the 2 replicas has a core of a 2-core machine)")
+    p.add_argument("--redis", default="redis://127.0.0.1:6379/14")
+    p.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    asyncio.run(main(parse_args()))

@@ -1,0 +1,90 @@
+"""What a replica tells the routers about its prefix cache: a Bloom filter of the chained block
+hashes (fairway/block_hash.py) of the blocks it most recently used.
+
+A Bloom filter rather than the hashes themselves: ~1.2 bytes a block instead of 8, so a summary of
+a few thousand blocks fits a heartbeat every gateway reads twice a second. Its false positives
+(1% by default) cost little: the router counts a prompt's LEADING blocks that hit, so a false hit
+only extends a real run by a block now and then, and the engine verifies every block anyway.
+
+The filter is sized by its capacity, not by how many hashes it holds, so every announcement of a
+replica has the same size. Its k bit positions come from the hash itself (two 32-bit halves,
+double hashing): the block hashes are already uniform 64-bit values, so no second hash is needed.
+"""
+
+from __future__ import annotations
+
+import base64
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+DEFAULT_CAPACITY = 4096  # blocks a summary describes (the most recently used)
+DEFAULT_FP_RATE = 0.01
+
+
+def _positions(hashes: Sequence[int], k: int, m: int) -> np.ndarray:
+    """(len(hashes), k) bit positions: h1 + i * h2 mod m, h1 and h2 the hash's two halves."""
+    h = np.asarray(hashes, dtype=np.uint64)
+    h1 = h & np.uint64(0xFFFFFFFF)
+    h2 = (h >> np.uint64(32)) | np.uint64(1)  # odd: the k positions never collapse onto one
+    steps = np.arange(k, dtype=np.uint64)
+    return (h1[:, None] + steps[None, :] * h2[:, None]) % np.uint64(m)  # < 2^35: no overflow
+
+
+@dataclass(frozen=True)
+class PrefixSummary:
+    bits: bytes  # m bits, little-endian within each byte
+    k: int  # bit positions per hash
+    count: int = 0  # hashes it holds
+    _unpacked: np.ndarray = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        unpacked = np.unpackbits(np.frombuffer(self.bits, dtype=np.uint8), bitorder="little").astype(bool)
+        object.__setattr__(self, "_unpacked", unpacked)
+
+    @property
+    def m(self) -> int:
+        return len(self.bits) * 8
+
+    @classmethod
+    def of(cls, hashes: Sequence[int], capacity: int = DEFAULT_CAPACITY,
+           fp_rate: float = DEFAULT_FP_RATE) -> PrefixSummary:
+        """The summary of these block hashes (at most `capacity` are kept: the first ones)."""
+        capacity = max(1, capacity)
+        m_bits = math.ceil(-capacity * math.log(fp_rate) / math.log(2) ** 2)
+        m = -(-m_bits // 64) * 64  # whole 64-bit words
+        k = max(1, round(m / capacity * math.log(2)))
+        hashes = hashes[:capacity]
+        bits = np.zeros(m, dtype=bool)
+        if len(hashes):
+            bits[_positions(hashes, k, m).ravel()] = True
+        return cls(np.packbits(bits, bitorder="little").tobytes(), k, len(hashes))
+
+    def __contains__(self, block_hash: int) -> bool:
+        return bool(self._unpacked[_positions([block_hash], self.k, self.m)].all())
+
+    def leading_hits(self, hashes: Sequence[int]) -> int:
+        """How many of these chained hashes, from the first, the summary holds: the prompt's
+        leading blocks this replica has cached (the engine's lookup stops at the first miss too)."""
+        if not len(hashes) or self.count == 0:
+            return 0
+        hit = self._unpacked[_positions(hashes, self.k, self.m)].all(axis=1)
+        return len(hashes) if hit.all() else int(np.argmin(hit))
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"k": self.k, "n": self.count, "bits": base64.b64encode(self.bits).decode()}
+
+    @classmethod
+    def from_wire(cls, data: Any) -> PrefixSummary | None:
+        """None for anything that is not a summary (an older or newer replica's field)."""
+        try:
+            bits = base64.b64decode(data["bits"], validate=True)
+            k, count = int(data["k"]), int(data.get("n", 1))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if not bits or k < 1:
+            return None
+        return cls(bits, k, count)

@@ -1,0 +1,209 @@
+"""`fairway up`: a deployment on this machine with one command. It starts `--replicas` replica
+processes (each the engine and its worker) and `--gateways` gateway processes (each the whole
+HTTP API, stateless) on one Redis and one PostgreSQL database, the gateways sharing one port (the
+kernel spreads connections over them: SO_REUSEPORT), prints the URL and an API key, and on
+Ctrl-C (or SIGTERM) drains the replicas, stops the gateways and waits for all of them.
+
+Before starting anything it checks both servers and says in one line which one is missing. The
+database is created if the server has no database of that name yet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+
+DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
+DEFAULT_DATABASE = "postgresql://postgres@127.0.0.1:5432/fairway"
+
+
+@dataclass
+class UpOptions:
+    replicas: int = 2
+    gateways: int = 2
+    redis: str = DEFAULT_REDIS
+    database: str = DEFAULT_DATABASE
+    host: str = "127.0.0.1"
+    port: int = 8000
+    namespace: str = "fairway:"
+    replica_args: list[str] = field(default_factory=list)  # passed on to every `fairway replica`
+    gateway_args: list[str] = field(default_factory=list)  # and to every `fairway gateway`
+
+
+class ServerMissing(RuntimeError):
+    """A server `fairway up` needs does not answer (the message names it and the URL)."""
+
+
+async def check_servers(redis_url: str, database_url: str) -> None:
+    """Raise ServerMissing naming the first server that does not answer; create the database
+    when only it is missing."""
+    from fairway.redis_client import RedisClient
+
+    client = RedisClient(redis_url)
+    try:
+        await asyncio.wait_for(client.ping(), 5)
+    except (OSError, TimeoutError, ConnectionError) as exc:
+        raise ServerMissing(f"no Redis answers at {redis_url} ({exc.__class__.__name__}); "
+                            "start one (redis-server) or pass --redis") from None
+    except Exception as exc:  # redis-py's own connection errors
+        raise ServerMissing(f"no Redis answers at {redis_url} ({exc}); start one (redis-server) or pass --redis") \
+            from None
+    finally:
+        await client.close()
+    await _ensure_database(database_url)
+
+
+async def _ensure_database(url: str) -> None:
+    import asyncpg
+
+    try:
+        conn = await asyncpg.connect(url, timeout=5)
+    except asyncpg.InvalidCatalogNameError:
+        server, _, name = url.rpartition("/")
+        admin = await asyncpg.connect(f"{server}/postgres", timeout=5)
+        try:
+            await admin.execute(f'CREATE DATABASE "{name}"')
+        except asyncpg.DuplicateDatabaseError:
+            pass  # another `fairway up` made it meanwhile
+        finally:
+            await admin.close()
+        return
+    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        raise ServerMissing(f"no PostgreSQL answers at {url} ({exc.__class__.__name__}: {exc}); "
+                            "start one or pass --database") from None
+    await conn.close()
+
+
+async def make_key(database_url: str) -> str:
+    """A new paid-tier key for the local user, stored in the deployment's database."""
+    from fairway.conversation import make_store
+    from fairway.gateway.keys import create_key
+
+    store = make_store(database_url)
+    await store.init()
+    try:
+        _, key = await create_key(store, "local", "paid", "fairway up")
+        return key
+    finally:
+        await store.close()
+
+
+class Deployment:
+    """The processes of one `fairway up`."""
+
+    def __init__(self, options: UpOptions) -> None:
+        self.options = options
+        self.replicas: list[subprocess.Popen] = []
+        self.gateways: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.options.host}:{self.options.port}"
+
+    def start(self) -> None:
+        o = self.options
+        shared = ["--redis", o.redis, "--namespace", o.namespace]
+        run = uuid.uuid4().hex[:6]
+        for i in range(o.replicas):
+            self.replicas.append(_fairway("replica", *shared, "--replica-id", f"local-{run}-{i}", *o.replica_args))
+        for _ in range(o.gateways):
+            self.gateways.append(_fairway("gateway", *shared, "--database", o.database, "--host", o.host, "--port",
+                                          str(o.port), "--reuse-port", *o.gateway_args))
+
+    def wait_ready(self, stopped: Callable[[], bool], timeout_s: float = 300.0) -> bool:
+        """Until the port answers /ready (a gateway is up and some replica is live); False if
+        stopped() meanwhile."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if stopped():
+                return False
+            self.check_alive()
+            try:
+                if httpx.get(f"{self.url}/ready", timeout=2).status_code == 200:
+                    return True
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"{self.url} was not ready after {timeout_s:.0f} s")
+
+    def check_alive(self) -> None:
+        for kind, procs in (("replica", self.replicas), ("gateway", self.gateways)):
+            for proc in procs:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"a {kind} process exited (status {proc.returncode})")
+
+    def stop(self, grace_s: float = 45.0) -> None:
+        """Drain the replicas (SIGTERM), stop the gateways once the replicas are done (they
+        carry the streams of replies handed on meanwhile), and wait for every process."""
+        for proc in self.replicas:
+            _signal(proc, signal.SIGTERM)
+        _wait(self.replicas, grace_s)
+        for proc in self.gateways:
+            _signal(proc, signal.SIGTERM)
+        _wait(self.gateways, 15.0)
+
+
+def _fairway(command: str, *args: str) -> subprocess.Popen:
+    # Children ignore the terminal's Ctrl-C (their own process group): `up` stops them in order.
+    return subprocess.Popen([sys.executable, "-m", "fairway.cli", command, *args], start_new_session=True,
+                            env=os.environ.copy())
+
+
+def _signal(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is None:
+        proc.send_signal(sig)
+
+
+def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def up(options: UpOptions) -> int:
+    try:
+        asyncio.run(check_servers(options.redis, options.database))
+    except ServerMissing as exc:
+        print(f"fairway up: {exc}", file=sys.stderr)
+        return 2
+    key = asyncio.run(make_key(options.database))
+    deployment = Deployment(options)
+    stopping: list[int] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        deployment.start()
+        if not deployment.wait_ready(lambda: bool(stopping)):
+            return 0
+        print(f"Fairway is up at {deployment.url} ({options.gateways} gateways, {options.replicas} replicas)",
+              flush=True)
+        print(f"API key: {key}", flush=True)
+        print("Ctrl-C drains the replicas and stops everything.", flush=True)
+        while not stopping:
+            deployment.check_alive()
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"fairway up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("fairway up: stopping (replicas drain first)", file=sys.stderr, flush=True)
+        deployment.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,236 @@
+"""A reply carried on elsewhere reads as one: the engine resumed after the tokens already sent
+(float32, greedy and seeded) gives the tokens and text an uninterrupted run gives; a replica
+worker handed a reply mid-way continues its token log from the next event id; of two producers
+of one reply the second drops its copy; the failover hands a gone replica's jobs on once, at the
+front of a live replica's queue; a drain finishes what it can and hands on the rest."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+from backends import missing
+from processes import PrivateRedis
+
+from fairway.domain import Lane, ReplyState
+from fairway.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
+from fairway.relay import FinalEvent, TokenEvent, make_relay
+from fairway.replica.job import GenerationJob, replica_queue
+from fairway.replica.registry import InProcessRegistry, ReplicaInfo
+from fairway.replica.report import REPORTS_INBOX
+from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+from fairway.router import Failover, Router
+
+PROMPT = "<|im_start|>user\nName three colours and say why people like them.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def fp32_engine(model, tokenizer) -> LLMEngine:
+    return LLMEngine(model, EngineConfig(num_kv_blocks=256, bound_step_time=False), tokenizer=tokenizer)
+
+
+def run(engine: LLMEngine, prompt: list[int], params: SamplingParams, output: list[int] | None = None
+        ) -> tuple[list[int], str]:
+    engine.add_request("r", prompt, params, output_token_ids=output)
+    tokens, text = [], ""
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.token_id is not None:
+                tokens.append(out.token_id)
+            text += out.text
+    return tokens, text
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                                    SamplingParams(temperature=0.9, top_p=0.95, seed=7, max_tokens=40,
+                                                   ignore_eos=True),
+                                    SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=["zzz", "e, "])],
+                         ids=["greedy", "seeded", "stop-string"])
+def test_a_resumed_request_carries_on_as_if_never_stopped(real_model_fp32, real_tokenizer, params):
+    prompt = real_tokenizer.encode(PROMPT)
+    whole, whole_text = run(fp32_engine(real_model_fp32, real_tokenizer), prompt, params)
+    assert len(whole) > 12
+    for k in (1, 9):
+        sent, sent_text = run(fp32_engine(real_model_fp32, real_tokenizer), prompt,
+                              SamplingParams(**{**vars(params), "max_tokens": k}))
+        rest, rest_text = run(fp32_engine(real_model_fp32, real_tokenizer), prompt, params, output=sent)
+        assert sent + rest == whole
+        if not params.stop:  # (a text held back for a possible stop string comes out after the split)
+            assert sent_text + rest_text == whole_text
+        else:
+            assert whole_text.startswith(sent_text) and whole_text.endswith(rest_text)
+
+
+def test_a_continuation_that_no_longer_fits_is_rejected_up_front(real_model_fp32, real_tokenizer):
+    engine = LLMEngine(real_model_fp32, EngineConfig(num_kv_blocks=64, max_model_len=64, bound_step_time=False),
+                       tokenizer=real_tokenizer)
+    with pytest.raises(ValueError):
+        engine.add_request("r", list(range(20, 50)), SamplingParams(), output_token_ids=list(range(20, 60)))
+
+
+# -- the worker ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+async def replica(real_model_fp32, real_tokenizer):
+    relay = make_relay(None)
+    registry = InProcessRegistry()
+    engine = AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer))
+    worker = ReplicaWorker(engine, relay, registry, ReplicaSettings(model="m", replica_id="b"))
+    await worker.start()
+    yield worker, relay, real_tokenizer
+    await worker.stop()
+    engine.shutdown()
+
+
+async def events_of(relay, reply_id: str) -> list:
+    async def all_events():
+        return [e async for e in relay.log.subscribe(reply_id)]
+
+    return await asyncio.wait_for(all_events(), 60)
+
+
+async def test_a_handed_on_reply_continues_its_log_from_the_next_event(replica):
+    worker, relay, tokenizer = replica
+    prompt = tokenizer.encode(PROMPT)
+    params = {"temperature": 0, "max_tokens": 24, "ignore_eos": True}
+    # What the dead replica had sent: the first 9 tokens of the same greedy reply.
+    first = fp32_engine(worker.engine.engine.model, tokenizer)
+    sent, _ = run(first, prompt, SamplingParams(**{**params, "max_tokens": 9}))
+    whole, whole_text = run(fp32_engine(worker.engine.engine.model, tokenizer), prompt, SamplingParams(**params))
+    await relay.log.create("rep1")
+    for i, token in enumerate(sent, 1):
+        await relay.log.append("rep1", TokenEvent(i, tokenizer.decode([token]), [token]))
+    job = GenerationJob("rep1", "m", prompt, params, Lane.PAID.value, attempt=1)
+    await relay.jobs.submit(job.to_dict(), Lane.PAID, queue=worker.queue, front=True)
+    events = await events_of(relay, "rep1")
+    assert [e.n for e in events] == list(range(1, len(whole) + 2))  # no gap, no repeat, then the final event
+    assert [t for e in events[:-1] for t in e.token_ids] == whole
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.state == ReplyState.FINISHED
+    assert final.completion_tokens == len(whole) and final.prompt_tokens == len(prompt)
+    reports = await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)
+    finished = [d.item for d in reports if d.item["kind"] == "finished"]
+    assert finished[0]["text"] == "".join(e.text for e in events[:-1]) == whole_text
+    assert await relay.jobs.unfinished(queue=worker.queue) == []  # acknowledged at the end
+
+
+async def test_a_second_producer_of_a_reply_drops_its_copy(replica):
+    """A failover that raced a slow replica: the copy read the log, then the first producer
+    appended the next event; the copy's first append fails and it ends nothing."""
+    worker, relay, tokenizer = replica
+    await relay.log.create("rep2")
+    for i in range(1, 5):
+        await relay.log.append("rep2", TokenEvent(i, "x", [300 + i]))
+    read_log = worker._resume_point
+
+    async def then_the_first_producer_appends(running):
+        resumed = await read_log(running)
+        await relay.log.append("rep2", TokenEvent(5, "y", [400]))
+        return resumed
+
+    worker._resume_point = then_the_first_producer_appends
+    job = GenerationJob("rep2", "m", tokenizer.encode(PROMPT), {"temperature": 0, "max_tokens": 8}, attempt=1)
+    assert await asyncio.wait_for(worker.serve(job), 60) is True  # done with: its job is acked
+    assert [e.n for e in await relay.log.read("rep2")] == [1, 2, 3, 4, 5]  # no final event from the copy
+    reports = [d.item["kind"] for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)]
+    assert "finished" not in reports
+
+
+# -- the failover -------------------------------------------------------------------------------
+
+
+def info(replica_id: str) -> ReplicaInfo:
+    return ReplicaInfo(replica_id, "m", replica_queue(replica_id), 1024, 1000)
+
+
+async def test_a_gone_replicas_jobs_go_to_the_front_of_a_live_ones_queue_once():
+    relay = make_relay(None)
+    registry = InProcessRegistry(ttl_s=60)
+    for r in ("a", "b"):
+        await registry.announce(info(r))
+    jobs = relay.jobs
+    dead, live = replica_queue("a"), replica_queue("b")
+    await jobs.submit(GenerationJob("waiting-b", "m", [1]).to_dict(), Lane.FREE, queue=live)
+    for reply in ("running", "queued"):
+        await jobs.submit(GenerationJob(reply, "m", [1, 2], lane=Lane.FREE.value).to_dict(), Lane.FREE, queue=dead)
+    await jobs.claim(queue=dead)  # "running" was claimed by a, which dies now
+    router = Router(registry, cache_s=0)
+    one, other = Failover(registry, relay, router), Failover(registry, relay, router)
+    assert await one.sweep() == 0  # a is alive: nothing to do
+    await registry.withdraw("a")  # (an expired heartbeat looks the same)
+    assert await registry.gone() == ["a"]
+    assert await one.sweep() == 2
+    assert await other.sweep() == 0  # handed on once
+    assert await registry.gone() == []
+    queued = await jobs.unfinished(queue=live)
+    assert [(j.job["reply_id"], j.job["attempt"]) for j in queued] == [("queued", 1), ("running", 1), ("waiting-b", 0)]
+    reports = [d.item for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)]
+    assert sorted((r["kind"], r["reply_id"], r["replica_id"]) for r in reports) == [
+        ("resumed", "queued", "b"), ("resumed", "running", "b")]
+
+
+async def test_a_takeover_waits_while_no_replica_serves_the_model():
+    relay = make_relay(None)
+    registry = InProcessRegistry(ttl_s=60)
+    await registry.announce(info("a"))
+    await relay.jobs.submit(GenerationJob("r", "m", [1]).to_dict(), Lane.PAID, queue=replica_queue("a"))
+    await registry.withdraw("a")
+    failover = Failover(registry, relay, Router(registry, cache_s=0))
+    assert await failover.sweep() == 0
+    assert await registry.gone() == ["a"]  # still to do
+    await registry.announce(info("c"))
+    assert await failover.sweep() == 1
+    assert [j.job["reply_id"] for j in await relay.jobs.unfinished(queue=replica_queue("c"))] == ["r"]
+
+
+# -- Redis away for a moment ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def private_redis(tmp_path):
+    """A Redis of this test's own, which it may stop and restart (tests/processes.py)."""
+    if shutil.which("redis-server") is None:
+        missing("Redis", "no redis-server on this machine")
+    server = PrivateRedis(tmp_path)
+    server.start()
+    yield server.url, server.restart
+    server.stop()
+
+
+async def test_a_reply_carries_on_through_a_redis_restart(private_redis, real_model_fp32, real_tokenizer):
+    """Redis stopped for 2 s (its append-only file keeps what it had) while a replica streams a
+    reply: the replica keeps generating, retries its appends, and the log ends whole: every event
+    once, in order, then the final event, the text that of an uninterrupted run."""
+    url, restart = private_redis
+    prompt = real_tokenizer.encode(PROMPT)
+    params = {"temperature": 0, "max_tokens": 48, "ignore_eos": True}
+    whole, whole_text = run(fp32_engine(real_model_fp32, real_tokenizer), prompt, SamplingParams(**params))
+    relay, registry = make_relay(url), InProcessRegistry()
+    engine = AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer))
+    worker = ReplicaWorker(engine, relay, registry, ReplicaSettings(model="m", replica_id="w"))
+    await worker.start()
+    try:
+        await relay.launch("rep3", GenerationJob("rep3", "m", prompt, params).to_dict(), Lane.PAID,
+                           queue=worker.queue)
+        for _ in range(600):  # mid-reply
+            if await relay.log.last_event_id("rep3") >= 4:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(restart, 2.0)
+        reader = make_relay(url)
+        try:
+            for _ in range(600):
+                events = await reader.log.read("rep3")
+                if events and isinstance(events[-1], FinalEvent):
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            await reader.close()
+    finally:
+        await worker.stop()
+        engine.shutdown()
+        await relay.close()
+    assert [e.n for e in events] == list(range(1, len(whole) + 2))
+    assert isinstance(events[-1], FinalEvent) and events[-1].state == ReplyState.FINISHED, events[-1]
+    assert "".join(e.text for e in events[:-1]) == whole_text

@@ -1,0 +1,87 @@
+"""`fairway up` as a user runs it: one command starts two gateways on one port and two
+replicas on the local Redis and PostgreSQL, prints the URL and a key that the OpenAI SDK uses,
+and Ctrl-C drains and stops everything; a missing server is one clear line, nothing started."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import openai
+import pytest
+import redis
+from backends import missing
+from pg_admin import temporary_database
+from redis_keys import delete_prefixed
+from serving import MODEL, free_port
+
+REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+
+
+def fairway_up(*args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "fairway.cli", "up", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_a_missing_server_is_one_line_and_nothing_starts():
+    proc = fairway_up("--redis", "redis://127.0.0.1:1/0", "--port", str(free_port()))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert err.strip().count("\n") == 0 and "no Redis answers at redis://127.0.0.1:1/0" in err
+
+
+def test_up_serves_through_two_gateways_and_stops_on_ctrl_c(tmp_path):
+    try:
+        redis.Redis.from_url(REDIS_URL).ping()
+    except redis.ConnectionError as exc:
+        missing("Redis", f"nothing answers at {REDIS_URL}: {exc}")
+    with temporary_database() as database:
+        if database is None:
+            missing("PostgreSQL", "no test server answers")
+        namespace = f"test:{uuid.uuid4().hex[:12]}:"
+        port = free_port()
+        proc = fairway_up("--redis", REDIS_URL, "--database", database, "--port", str(port), "--namespace", namespace,
+                          "--replica-arg=--max-model-len", "--replica-arg=1024")
+        try:
+            lines = []
+            deadline = time.monotonic() + 240
+            while not any(line.startswith("API key:") for line in lines):
+                assert time.monotonic() < deadline and proc.poll() is None, (lines, proc.stderr.read())
+                lines.append(proc.stdout.readline().strip())
+            url = re.search(r"up at (\S+)", "\n".join(lines)).group(1)
+            key = next(line for line in lines if line.startswith("API key:")).split(":", 1)[1].strip()
+            assert url == f"http://127.0.0.1:{port}"
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=120)
+            for _ in range(4):  # new connections: the kernel spreads them over both gateways
+                reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                                       messages=[{"role": "user", "content": "Say hi."}])
+                assert reply.choices[0].finish_reason in ("stop", "length")
+            registry = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+            assert len(registry.smembers(f"{namespace}replicas")) == 2
+            registry.close()
+            began = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=90) == 0
+            print(f"fairway up stopped in {time.monotonic() - began:.1f} s")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            import asyncio
+
+            asyncio.run(delete_prefixed(REDIS_URL, namespace))
+    # Every child is gone with it.
+    left = subprocess.run(["pgrep", "-f", f"--namespace {namespace}"], capture_output=True, text=True)
+    assert left.stdout.strip() == "", left.stdout
+
+
+@pytest.mark.parametrize("flag", ["--replicas=0", "--gateways=0"])
+def test_a_deployment_needs_a_process_of_each_kind(flag):
+    proc = fairway_up(flag)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 2 and "at least 1" in err
