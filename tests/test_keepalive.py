@@ -83,11 +83,14 @@ class PausingReplica:
     async def _serve(self) -> None:
         from fairway.domain import ReplyState
         from fairway.relay import FinalEvent, TokenEvent, make_relay
+        from fairway.replica.job import replica_queue
         from fairway.replica.registry import ReplicaInfo, make_registry
 
         relay = make_relay(REDIS_URL, prefix=self.namespace)
         registry = make_registry(REDIS_URL, prefix=self.namespace, ttl_s=60)  # it announces only once
-        queue = f"pausing-{uuid.uuid4().hex[:8]}"
+        # The same queue for every instance: a gateway's view of the registry may be up to half a
+        # second old, and then still name the previous instance (same id) and its queue.
+        queue = replica_queue("pausing-replica")
         try:
             await registry.announce(ReplicaInfo("pausing-replica", MODEL, queue, 1024, 1024, capacity=1))
             self.ready.set()

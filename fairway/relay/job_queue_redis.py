@@ -117,8 +117,18 @@ class RedisJobQueue(JobQueue):
             await self._client.execute("DEL", *self._keys(queue))
 
     async def depth(self, *, queue: str = DEFAULT_QUEUE) -> dict[Lane, int]:
-        _, waiting = await self._split(queue)
-        return {lane: sum(1 for job in waiting if job.lane == lane) for lane in LANE_ORDER}
+        # Entries minus those claimed, per stream: counts only (a replica asks every heartbeat).
+        keys = self._keys(queue)
+        with guard():
+            counts = await self._client.batch([c for key in keys for c in (["XLEN", key], ["XPENDING", key, _GROUP])])
+        depth = {lane: 0 for lane in LANE_ORDER}
+        for i, (lane, _) in enumerate(_STREAMS):
+            entries, pending = counts[2 * i], counts[2 * i + 1]
+            if isinstance(entries, Exception):
+                raise entries
+            claimed = 0 if isinstance(pending, Exception) else int(pending[0])  # NOGROUP: none claimed
+            depth[lane] += max(0, int(entries) - claimed)
+        return depth
 
     async def _split(self, queue: str) -> tuple[list[ClaimedJob], list[ClaimedJob]]:
         """The queue's entries: those claimed (pending in the group), and those waiting."""
