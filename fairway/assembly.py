@@ -36,6 +36,7 @@ from fairway.replica.registry import ReplicaRegistry, make_registry
 from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
 from fairway.router import Failover, Router, RouterSettings
 from fairway.safety import Moderator, SafetySettings, make_moderator
+from fairway.sandbox import Sandbox
 from fairway.server_gc import settle_heap
 from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
@@ -68,6 +69,7 @@ class ServerOptions:
     region: str | None = None  # a replica's region (default: FAIRWAY_REGION, else "local")
     router: RouterSettings = field(default_factory=RouterSettings)  # a gateway's placement
     default_max_tokens: int = 512
+    max_tool_rounds: int = 5  # tool runs per reply (execute_code, refused calls); then it ends saying so
     limits: LimitsConfig | None = None  # quotas per tier, admission bounds (default: LimitsConfig())
     pricing: Pricing = field(default_factory=Pricing)  # for the usage records' cost
     # Keys stored at startup if missing, as (key, user, tier): the development key of `fairway
@@ -82,6 +84,22 @@ class ServerOptions:
     files: str | None = None  # uploads: a directory (default ./.fairway/files) or s3://bucket
     file_settings: FileSettings | None = None
     safety: SafetySettings = field(default_factory=SafetySettings)  # the input and output checks
+    # execute_code's sandbox: "local" (the runner in the replica's process), grpc://host:port (a
+    # `fairway sandbox` service), or "off".
+    sandbox: str = "local"
+
+
+def open_sandbox(options: ServerOptions) -> Sandbox | None:
+    """The replica's sandbox, or None when turned off (the tool then says so)."""
+    if options.sandbox == "off":
+        return None
+    if options.sandbox == "local":
+        from fairway.sandbox import LocalSandbox
+
+        return LocalSandbox()
+    from fairway.sandbox.service import GrpcSandbox
+
+    return GrpcSandbox(options.sandbox)
 
 
 def model_name(model: str | None) -> str:
@@ -189,7 +207,7 @@ def gateway_context(
     moderator: Moderator | None = None,
 ) -> GatewayContext:
     router = Router(registry, options.router)
-    settings = ServiceSettings(default_max_tokens=options.default_max_tokens)
+    settings = ServiceSettings(default_max_tokens=options.default_max_tokens, max_tool_rounds=options.max_tool_rounds)
     background = Background()
     index = SqlVectorIndex(database_url(options.database))  # memory's and files' (one pool), opened on first use
     memory, memory_off = open_memory(options, relay, router, store, tokenizers, index)
@@ -236,14 +254,17 @@ def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> Fas
     relay, store, registry = open_backends(options)
     async_engine = AsyncEngine(engine)
     moderator = make_moderator(options.safety)  # one for the gateway's checks and the replica's
+    sandbox = open_sandbox(options)
     worker = ReplicaWorker(async_engine, relay, registry, replica_settings(options, name),
-                           moderator if options.safety.check_output else None)
+                           moderator if options.safety.check_output else None, sandbox)
     context = gateway_context(options, relay, store, registry, {name: engine.tokenizer}, moderator)
     context.on_startup.append(worker.start)
 
     async def stop_engine() -> None:
         await worker.stop()
         await asyncio.to_thread(async_engine.shutdown)
+        if sandbox is not None:
+            await sandbox.close()
 
     context.on_shutdown.append(stop_engine)  # runs first: shutdown hooks run in reverse
     return create_app(context)
@@ -283,8 +304,9 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     registry = make_registry(options.redis, **_redis_options(options))
     settings = replica_settings(options, model_name(options.model))
     async_engine = AsyncEngine(engine)
+    sandbox = open_sandbox(options)
     worker = ReplicaWorker(async_engine, relay, registry, settings,
-                           make_moderator(options.safety) if options.safety.check_output else None)
+                           make_moderator(options.safety) if options.safety.check_output else None, sandbox)
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()
@@ -301,5 +323,7 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
         await running
     finally:
         await asyncio.to_thread(async_engine.shutdown)
+        if sandbox is not None:
+            await sandbox.close()
         await relay.close()
         await registry.close()

@@ -1,4 +1,4 @@
-"""`fairway serve | gateway | replica | keys | generate | chat`: the command line."""
+"""`fairway serve | gateway | replica | sandbox | keys | generate | chat`: the command line."""
 
 from __future__ import annotations
 
@@ -139,6 +139,7 @@ def _server_options(args: argparse.Namespace):
         region=getattr(args, "region", None),
         router=_router_settings(args),
         default_max_tokens=getattr(args, "default_max_tokens", 512),
+        max_tool_rounds=getattr(args, "max_tool_rounds", 5),
         limits=_limits_config(args),
         pricing=_pricing(args),
         keepalive_s=getattr(args, "keepalive", 10.0),
@@ -146,6 +147,7 @@ def _server_options(args: argparse.Namespace):
         memory_idle_s=getattr(args, "memory_idle", 300.0),
         files=getattr(args, "files", None),
         safety=_safety_settings(args),
+        sandbox=getattr(args, "sandbox", "local"),
     )
 
 
@@ -270,6 +272,31 @@ def cmd_replica(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, on_signal)
         with contextlib.suppress(asyncio.CancelledError):
             await run_replica(_server_options(args), settle=True, drain=drain)
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_sandbox(args: argparse.Namespace) -> int:
+    from fairway.sandbox import LocalSandbox, RunnerSettings
+    from fairway.sandbox.service import start_server
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    async def main() -> None:
+        sandbox = LocalSandbox(RunnerSettings(python=args.python, max_concurrent=args.max_concurrent,
+                                              per_tenant=args.per_tenant))
+        reason = await sandbox.check()
+        server, port = await start_server(sandbox, args.listen)
+        # The first line says where it listens (a supervisor, or a test, reads it).
+        print(f"sandbox listening on {args.listen.rpartition(':')[0]}:{port}"
+              + (f" (code execution is off: {reason})" if reason else ""), flush=True)
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(grace=2.0)
 
     asyncio.run(main())
     return 0
@@ -404,6 +431,8 @@ def _relay_args(p: argparse.ArgumentParser) -> None:
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-cancel", type=float, default=30.0, help="cancel a reply nobody listened to for this many seconds")
+    p.add_argument("--sandbox", default="local",
+                   help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window (tokens)")
 
 
@@ -436,6 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL"),
                    help="conversation store URL (default: SQLite in ./.fairway/)")
     s.add_argument("--default-max-tokens", type=int, default=512)
+    s.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
     _limits_args(s)
     _memory_files_args(s)
     _safety_args(s, ("input", "output"))
@@ -451,6 +481,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes (SO_REUSEPORT)")
     gw.add_argument("--default-max-tokens", type=int, default=512)
+    gw.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
     _router_args(gw)
     _limits_args(gw)
     _memory_files_args(gw)
@@ -476,6 +507,13 @@ def build_parser() -> argparse.ArgumentParser:
     _safety_args(r, ("output",))
     r.set_defaults(func=cmd_replica)
 
+    sb = sub.add_parser("sandbox", help="the code sandbox as a gRPC service (replicas reach it with --sandbox grpc://...)")
+    sb.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0 picks a free one)")
+    sb.add_argument("--python", default="/usr/bin/python3", help="the system interpreter the sandbox runs code with")
+    sb.add_argument("--max-concurrent", type=int, default=8, help="runs at once; more wait")
+    sb.add_argument("--per-tenant", type=int, default=4, help="runs of one tenant at once")
+    sb.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sb.set_defaults(func=cmd_sandbox)
     from fairway.up import DEFAULT_DATABASE, DEFAULT_REDIS
 
     u = sub.add_parser("up", help="gateways and replicas on this machine, on the local Redis and PostgreSQL")

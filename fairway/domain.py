@@ -1,5 +1,5 @@
-"""The domain's words, defined once: reply states, message statuses, finish reasons, tiers, lanes
-and engine priorities. Every layer imports them from here (this module imports nothing of
+"""The domain's words, defined once: reply states, message statuses, finish reasons, tool call
+states, tiers, lanes and engine priorities. Every layer imports them from here (this module imports nothing of
 Fairway's), so a state or a lane means the same thing in the engine, the relay, the store and
 on the wire.
 """
@@ -69,7 +69,17 @@ class FinishReason(StrEnum):
     STOP = "stop"  # a stop token or stop string; also a user's Stop (the text is kept)
     LENGTH = "length"  # max_tokens or the context window
     CONTENT_FILTER = "content_filter"  # the output check stopped it
+    TOOL_CALLS = "tool_calls"  # the reply asks the client to run its tool calls
     ABORT = "abort"  # cancelled or failed: the reply did not end on its own
+
+
+class ToolStatus(StrEnum):
+    """One tool call's state, as a reply's tool events say it."""
+
+    CALL = "call"  # a client-defined tool: the client runs it (the reply ends with tool_calls)
+    RUNNING = "running"  # a built-in tool (execute_code) runs; the reply is paused
+    COMPLETED = "completed"  # it ran; its output went back to the model
+    FAILED = "failed"  # it could not run, or ran and failed (an error, a limit); said to the model too
 
 
 class Tier(StrEnum):

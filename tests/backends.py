@@ -19,6 +19,7 @@ PROVIDED_BY = {
                   "$(ls /etc/postgresql) main start  (tests connect as user postgres, trust auth)",
     "Redis Cluster": "apt-get install -y redis-server  (the suite starts a local cluster with redis-server and redis-cli)",
     "Chromium": "sudo apt-get install -y chromium",
+    "bubblewrap": "apt-get install -y bubblewrap  (and pip install pyseccomp; the code sandbox's isolation)",
 }
 
 # What this run skipped: name -> the tests that needed it (read by conftest's summary).

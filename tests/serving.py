@@ -68,12 +68,12 @@ class ThreadServer:
 
 
 @contextlib.contextmanager
-def embedded_server(options: Any) -> Iterator[ThreadServer]:
-    """`fairway serve`'s app for these ServerOptions, served on a free port until the block ends
-    (server.gateway: its GatewayContext)."""
+def embedded_server(options: Any, engine: Any = None) -> Iterator[ThreadServer]:
+    """`fairway serve`'s app for these ServerOptions (on this engine, else the options' model),
+    served on a free port until the block ends (server.gateway: its GatewayContext)."""
     from fairway.assembly import embedded_app
 
-    app = embedded_app(options)
+    app = embedded_app(options, engine)
     server = ThreadServer(app).start()
     server.gateway = app.state.gateway
     try:

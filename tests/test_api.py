@@ -333,7 +333,8 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({**GOOD, "model": 7}, 400, "model"),
         ({**GOOD, "messages": "hi"}, 400, "messages"),
         ({**GOOD, "messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
-        ({**GOOD, "messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].role"),
+        ({**GOOD, "messages": [{"role": "tool", "content": "hi"}]}, 400, "messages[0].tool_call_id"),
+        ({**GOOD, "messages": [{"role": "function", "content": "hi"}]}, 400, "messages[0].role"),
         ({**GOOD, "messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
         ({**GOOD, "messages": [{"role": "user"}]}, 400, "messages[0].content"),
         ({**GOOD, "messages": [{"role": "assistant", "content": "hi"}]}, 400, "messages"),
@@ -348,7 +349,9 @@ GOOD = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_to
         ({**GOOD, "stream": "yes"}, 400, "stream"),
         ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
         ({**GOOD, "seed": "1"}, 400, "seed"),
-        ({**GOOD, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+        ({**GOOD, "tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, 400,
+         "tools[0].function.parameters"),
+        ({**GOOD, "functions": [{"name": "f"}]}, 400, "functions"),  # the legacy form: use tools
         ({**GOOD, "conversation_id": "conv_missing"}, 404, "conversation_id"),
         ({**GOOD, "message_id": "never-sent", "last_received_token_index": 3}, 404, "last_received_token_index"),
         ({**GOOD, "last_received_token_index": 3}, 400, "last_received_token_index"),
@@ -459,3 +462,49 @@ def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
     assert events[-1].data == "[DONE]" and events[-2].finish_reason in ("stop", "length")
     message = stored_reply(http, conversation_id, reply_id)
     assert message["status"] == "complete" and message["content"] == "".join(e.content for e in events)
+
+
+# -- guided decoding: what the real model writes, held to a schema ---------------------------------
+
+CITY_SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+                                                "population": {"type": "integer", "minimum": 0}},
+               "required": ["city", "population"], "additionalProperties": False}
+WEATHER_TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather now.",
+                                                 "parameters": {"type": "object", "properties": {
+                                                     "city": {"type": "string", "maxLength": 24}},
+                                                     "required": ["city"], "additionalProperties": False}}}
+
+
+def test_sdk_response_format_json_schema(client):
+    import json
+
+    import jsonschema
+
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "A big city and its population?"}], max_tokens=60,
+        temperature=1.0, seed=7,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": CITY_SCHEMA}})
+    jsonschema.validate(json.loads(answer.choices[0].message.content), CITY_SCHEMA)
+    assert answer.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_sdk_tool_choice_forces_a_call_that_fits(client, choice):
+    import json
+
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hello!"}], max_tokens=60, temperature=1.0, seed=3,
+        tools=[WEATHER_TOOL], tool_choice=choice)
+    choice_out = answer.choices[0]
+    assert choice_out.finish_reason == "tool_calls"
+    (call,) = choice_out.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert set(json.loads(call.function.arguments)) == {"city"}
+
+
+def test_a_schema_llguidance_cannot_use_is_a_400(http):
+    bad = {**chat_body("hi", stream=False), "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "nonsense"}}}}
+    response = http.post("/v1/chat/completions", json=bad)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "response_format.json_schema.schema"

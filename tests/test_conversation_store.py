@@ -588,3 +588,20 @@ def test_reply_state_machine() -> None:
     assert S.QUEUED.can_become(S.SHED) and not S.RUNNING.can_become(S.SHED)
     assert not S.QUEUED.can_become(S.FINISHED)
     assert all(not s.can_become(S.QUEUED) for s in (S.FINISHED, S.STOPPED, S.FLAGGED, S.SHED))
+
+
+async def test_messages_keep_their_tool_calls(store: ConversationStore) -> None:
+    # A client's assistant message with calls and the tool result it got back, then our reply's
+    # calls (a built-in run at its text offset): all three kinds of message's tools, on both backends.
+    conversation = _new_conversation()
+    calls = {"calls": [{"id": "c1", "name": "f", "arguments": '{"a": 1}', "status": "call", "index": 0, "at": 0}]}
+    msg, reply = await store.store_turn(NewTurn(conversation, True, [
+        (Role.USER, "q"), (Role.ASSISTANT, "", calls), (Role.TOOL, "result", {"tool_call_id": "c1"})], "key-t"))
+    ran = {"calls": [{"id": "c2", "name": "execute_code", "arguments": '{"code": "print(1)"}', "status": "completed",
+                      "index": 0, "at": 5, "output": "1", "detail": {"stdout": "1\n", "exit_code": 0}}]}
+    await store.finish_reply(reply.id, "Done. It printed 1.", MessageStatus.COMPLETE, "stop", tools=ran)
+    await store.finish_replies([Ending(reply.id, "again", MessageStatus.COMPLETE, tools=ran)])  # second writer: no-op
+    stored = await store.list_messages(conversation.id)
+    assert [(str(m.role), m.text, m.tools) for m in stored] == [
+        ("user", "q", None), ("assistant", "", calls), ("tool", "result", {"tool_call_id": "c1"}),
+        ("assistant", "Done. It printed 1.", ran)]

@@ -30,8 +30,10 @@ LAYERS = [
     "fairway.models",
     "fairway.engine",
     "fairway.safety",  # the classifiers: the replica's output check, the conversation's input check
+    "fairway.sandbox",  # untrusted code under bubblewrap, in process or as a gRPC service
     # the serving middle, bottom up
     "fairway.relay",  # token log, job queue, inbox
+    "fairway.tools",  # function calling: tool specs, prompts, the call parser, the execute_code loop
     "fairway.replica",  # the replica process, its job and report formats, the replica registry
     "fairway.router",  # placement: reads the registry
     "fairway.limits",  # quotas, rates, idempotency, single-flight: used by usage and the gateway

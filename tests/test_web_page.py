@@ -437,3 +437,69 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
                         ["user", "complete", None],
                         ["assistant", "flagged", "stopped by the content filter"]]
     assert not errors, errors
+
+
+# -- the code tool -----------------------------------------------------------------------------
+
+SLOW_CALL = '<tool_call name="execute_code">\nimport time\ntime.sleep(1.5)\nprint(6 * 7)\n</tool_call>'
+
+
+def _code_script(prompt: str) -> str:
+    """A scripted model (tests/scripted_engine.py): a call whose run lasts long enough to watch."""
+    turn = prompt[prompt.rindex("<|im_start|>user"):]
+    if "<tool_response>" in turn:
+        return "The result is " + turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0] + "."
+    return "Let me compute that. " + SLOW_CALL
+
+
+@pytest.fixture(scope="module")
+def code_server(tmp_path_factory):
+    """The embedded server (gateway, relay, replica worker, the real sandbox) on a scripted engine."""
+    from scripted_engine import ScriptedEngine
+    from serving import embedded_server
+
+    from fairway.assembly import ServerOptions, load_tokenizer
+    from fairway.sandbox import LocalSandbox
+
+    if (reason := LocalSandbox().static_check()) is not None:
+        missing("bubblewrap", reason)
+    db = tmp_path_factory.mktemp("web-tools") / "fairway.db"
+    options = ServerOptions(database=f"sqlite:///{db}", api_keys=[(KEY, "web-user", "paid")], memory=False)
+    with embedded_server(options, ScriptedEngine(load_tokenizer(None), _code_script)) as server:
+        yield server.url
+
+
+def test_chat_page_shows_a_running_tool_then_its_code_and_output(code_server, browser_context):
+    page = open_chat(browser_context, code_server)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.check("#code-tool")
+    send(page, "Please compute 6 times 7.", max_tokens=200)
+
+    # The pause: the tool's name and a spinner, under the text so far.
+    running = page.wait_for_selector("#messages .msg.assistant .tool-run.running")
+    assert running.text_content() == "Running execute_code…"
+    assert page.locator("#messages .msg.assistant .tool-run.running .spinner").count() == 1
+    assert page.locator("#messages .msg.assistant .body").last.text_content() == "Let me compute that. "
+
+    # Then the code and its output, folded, and the reply carrying on.
+    page.wait_for_selector("#messages .msg.assistant[data-status=complete]")
+    assistant = page.locator("#messages .msg.assistant").last
+    assert assistant.locator(".body").text_content() == "Let me compute that. The result is 42."
+    run = assistant.locator("details.tool-run.completed")
+    assert run.count() == 1 and run.get_attribute("open") is None  # folded
+    assert run.locator("summary").text_content() == "Ran execute_code"
+    assert run.locator("pre.code").text_content() == "import time\ntime.sleep(1.5)\nprint(6 * 7)"
+    assert run.locator("pre.output").text_content() == "42"
+    assert page.locator(".tool-run.running").count() == 0
+
+    # From the store after a reload: the run is still there, folded under the reply.
+    conversation_id = page.locator("#conversations li.active").get_attribute("data-id")
+    page.reload()
+    page.click(f"#conversations li[data-id='{conversation_id}']")
+    page.wait_for_selector("#messages .msg.assistant details.tool-run")
+    stored = page.locator("#messages .msg.assistant").last
+    assert stored.locator("pre.output").text_content() == "42"
+    assert stored.locator(".body").text_content() == "Let me compute that. The result is 42."
+    assert page.is_checked("#code-tool")  # the switch is remembered
+    assert not errors, errors

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
@@ -29,7 +29,7 @@ class ChatTokenizer(Protocol):
 
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
-    ) -> str: ...
+    ) -> str: ...  # (a template with tool support also takes tools=[...])
 
 
 class ContextTooLong(ValueError):
@@ -103,11 +103,15 @@ class ContextBuilder:
         max_tokens: int,
         memories: Sequence[ChatMessage] = (),
         retrieved: Sequence[ChatMessage] = (),
+        tools: Sequence[dict[str, Any]] | None = None,
+        prepare: Callable[[Sequence[ChatMessage]], list[ChatMessage]] | None = None,
     ) -> Context:
         """The prompt for system + memories + history + retrieved + new, dropping whole oldest
         turns of the history (never the system text, memories, retrieved text or the new turn)
         until it fits the window minus max_tokens. Raises ContextTooLong when even the shortest
-        form does not fit."""
+        form does not fit. tools: for a template that renders them itself. prepare: the messages
+        as the template takes them (tool calls and results as text, fairway/tools/prompt.py),
+        applied after the turns are told apart by their roles (a tool result starts no turn)."""
         budget = self.window - max_tokens
         head = [*system, *memories]
         turns = split_turns(history)
@@ -115,7 +119,7 @@ class ContextBuilder:
         while True:
             kept = [m for turn in turns[dropped:] for m in turn]
             messages = [*head, *kept, *retrieved, *new]
-            ids, lengths = self.tokenize(messages)
+            ids, lengths = self.tokenize(prepare(messages) if prepare else messages, tools)
             if len(ids) <= budget:
                 dropped_messages = sum(len(t) for t in turns[:dropped])
                 return Context(ids, messages, dropped, dropped_messages, lengths)
@@ -136,13 +140,19 @@ class ContextBuilder:
             dropped += 1
         return max(dropped, start + 1)
 
-    def tokenize(self, messages: Sequence[ChatMessage]) -> tuple[list[int], list[int]]:
+    def tokenize(self, messages: Sequence[ChatMessage],
+                 tools: Sequence[dict[str, Any]] | None = None) -> tuple[list[int], list[int]]:
         """Prompt token ids for the messages plus the generation prompt, one segment per message."""
-        render = self.tokenizer.apply_chat_template
+        extra = {"tools": list(tools)} if tools else {}
+
+        def render(msgs: list[ChatMessage], add_generation_prompt: bool) -> str:
+            return self.tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **extra)
+
         ids: list[int] = []
         lengths: list[int] = []
         parts: list[str] = []  # the segments so far: together, the rendering of the messages so far
-        digest = b""
+        # The tools a template renders are part of every segment's text: they seed the digests.
+        digest = _chained(b"", {"tools": extra["tools"]}) if extra else b""
         for i, message in enumerate(messages):
             digest = _chained(digest, message)
             segment = self._segments.get(digest)

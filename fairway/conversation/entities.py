@@ -19,6 +19,7 @@ class Role(StrEnum):
     USER = "user"
     ASSISTANT = "assistant"
     SYSTEM = "system"
+    TOOL = "tool"  # a tool's result, sent back by the client
 
 
 def new_id(prefix: str) -> str:
@@ -60,6 +61,9 @@ class Message:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # An assistant message's tool calls {"calls": [...]} (fairway/tools/record.py), or a tool
+    # message's {"tool_call_id": ...}; None for a message without tools.
+    tools: dict[str, Any] | None = None
 
 
 @dataclass

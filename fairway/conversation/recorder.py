@@ -15,24 +15,26 @@ from collections.abc import Awaitable, Callable
 
 from fairway.conversation.store import ConversationStore, Ending, NotFound, ReplyFinished
 from fairway.domain import STATUS_OF_STATE, ReplyState
-from fairway.relay import Delivery, FinalEvent, Inbox, RelayError, TokenEvent, TokenLog
+from fairway.relay import Delivery, FinalEvent, Inbox, RelayError, TokenLog
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
+from fairway.tools.record import CallRecord, stored_tools, transcript
 
 log = logging.getLogger(__name__)
 
-def _ending(reply_id: str, text: str, final: FinalEvent) -> Ending | None:
+def _ending(reply_id: str, text: str, final: FinalEvent, tools: list[CallRecord] | None = None) -> Ending | None:
     """What finish_reply stores for this final event; None for a reply that ends without a message."""
     state = ReplyState(str(final.state))
     if state not in STATUS_OF_STATE:
         return None
     return Ending(reply_id, text, STATUS_OF_STATE[state], "error" if final.error else final.finish_reason,
-                  final.prompt_tokens, final.completion_tokens, final.cached_tokens, final.n)
+                  final.prompt_tokens, final.completion_tokens, final.cached_tokens, final.n, stored_tools(tools or []))
 
 
-async def save_final(store: ConversationStore, reply_id: str, text: str, final: FinalEvent) -> bool:
-    """Store the reply's message with its status and counts. False if it was saved already (by
-    the other writer), ended without a message (shed) or is not in the store."""
-    ending = _ending(reply_id, text, final)
+async def save_final(store: ConversationStore, reply_id: str, text: str, final: FinalEvent,
+                     tools: list[CallRecord] | None = None) -> bool:
+    """Store the reply's message with its status, counts and tool calls. False if it was saved
+    already (by the other writer), ended without a message (shed) or is not in the store."""
+    ending = _ending(reply_id, text, final, tools)
     try:
         if ending is None:
             await store.update_reply(reply_id, state=ReplyState(str(final.state)), last_event_id=final.n)
@@ -40,7 +42,7 @@ async def save_final(store: ConversationStore, reply_id: str, text: str, final: 
         saved = await store.finish_reply(
             reply_id, text, ending.status, ending.finish_reason, prompt_tokens=ending.prompt_tokens,
             completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens,
-            last_event_id=ending.last_event_id, look_up_existing=False)
+            last_event_id=ending.last_event_id, look_up_existing=False, tools=ending.tools)
         return saved is not None
     except (ReplyFinished, NotFound):
         return False
@@ -51,8 +53,8 @@ async def save_from_log(store: ConversationStore, token_log: TokenLog, reply_id:
     events = await token_log.read(reply_id)
     if not events or not isinstance(events[-1], FinalEvent):
         return False
-    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
-    return await save_final(store, reply_id, text, events[-1])
+    text, tools = transcript(events)
+    return await save_final(store, reply_id, text, events[-1], tools)
 
 
 class ReplyRecorder:
@@ -163,7 +165,7 @@ class ReplyRecorder:
         for report in finished:
             try:
                 final = _final_of(report)
-                ending = _ending(report.reply_id, report.text, final)
+                ending = _ending(report.reply_id, report.text, final, report.tools)
             except Exception:
                 log.exception("could not record report %r", report)
                 continue

@@ -33,6 +33,8 @@ from fairway.replica.job import GenerationJob
 from fairway.replica.registry import ReplicaInfo
 from fairway.router import Router, region_fallback
 from fairway.safety import ModerationResult, Moderator
+from fairway.tools import ToolSet
+from fairway.tools.prompt import expand_assistant, prompt_messages, system_block
 
 
 class NothingToResume(NotFound):
@@ -49,6 +51,10 @@ class InputFlagged(Exception):
         self.message_id = message_id
 
 
+class ToolUnavailable(Exception):
+    """The request asks for execute_code and no replica of the model can run code: why."""
+
+
 class UnknownModel(LookupError):
     def __init__(self, model: str, known: Sequence[str]) -> None:
         super().__init__(f"The model '{model}' does not exist. Available: {', '.join(sorted(known)) or 'none'}")
@@ -59,6 +65,7 @@ class UnknownModel(LookupError):
 class ServiceSettings:
     default_max_tokens: int = 512  # when the request sets none
     default_tier: str = Tier.FREE.value  # for requests that name no tier
+    max_tool_rounds: int = 5  # tool runs per reply; then it ends, saying so
 
 
 @dataclass
@@ -74,6 +81,7 @@ class TurnRequest:
     resume_only: bool = False  # attach to the message's running reply; never start one
     tier: str | None = None  # the user's tier (from their key): the conversation's lane
     file_ids: list[str] = field(default_factory=list)  # files the new message attaches
+    tools: ToolSet | None = None  # what the reply may call (None: no tools)
     region: str | None = None  # the region the request asked to be served in (X-Fairway-Region)
     # Called once the context is built, before anything is stored, with (prompt tokens,
     # max_tokens): the gateway reserves tokens here (and may refuse by raising).
@@ -165,12 +173,14 @@ class ConversationService:
         if self.moderator is not None:
             await self._check_input(req, conversation, new)
         replicas = await self._replicas(req.model)
+        if req.tools is not None and req.tools.code and all(r.sandbox_off for r in replicas):
+            raise ToolUnavailable(f"Code execution is off on this server: {replicas[0].sandbox_off}.")
         window = min(r.max_model_len for r in replicas)
         max_tokens = int(req.sampling.get("max_tokens") or min(self.settings.default_max_tokens, window // 2))
         new_conversation = conversation is None
         conversation = conversation or self._new_conversation(req)  # stored only once the reply can run
         extras = await self._extras(req, conversation, new_conversation, new)
-        context = self._build(req.model, window, stored, new, max_tokens, extras)
+        context = self._build(req.model, window, stored, new, max_tokens, extras, req.tools)
         longest = min(r.max_prompt_tokens for r in replicas)
         if context.num_tokens > longest:
             raise ContextTooLong(context.num_tokens, longest, window, max_tokens)
@@ -183,13 +193,16 @@ class ConversationService:
                 sampling={**req.sampling, "max_tokens": max_tokens},
                 lane=lane_of_tier(conversation.tier).value,
                 tier=conversation.tier,
+                tools=({**req.tools.to_dict(), "max_rounds": self.settings.max_tool_rounds}
+                       if req.tools is not None else {}),
+                tenant=req.user_id,
             )
             info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
                     "dropped_messages": context.dropped_messages, "max_tokens": max_tokens, **extras.info}
             replica = await self.router.place(job.model, context.prompt_token_ids, req.region)
             try:
                 message, reply = await self.store.store_turn(NewTurn(
-                    conversation, new_conversation, [(Role(m["role"]), m["content"]) for m in new], req.client_key,
+                    conversation, new_conversation, [_stored(m) for m in new], req.client_key,
                     job.prompt_token_ids, replica.id, _stored_job(job, admitted.meta, info)))
                 assert reply is not None
             except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
@@ -212,7 +225,9 @@ class ConversationService:
         """Classify the new user message (only it: the history was checked when it was new) and, if
         it is flagged, store it with status flagged and raise InputFlagged."""
         assert self.moderator is not None
-        text = next(m["content"] for m in reversed(new) if m["role"] == "user")
+        text = next((m["content"] for m in reversed(new) if m["role"] == "user"), None)
+        if text is None:  # a turn of tool results only: no new words of the user's to check
+            return
         result = await self.moderator.moderate_one(text, "input")
         if not result.flagged:
             return
@@ -220,8 +235,7 @@ class ConversationService:
         conversation = conversation or self._new_conversation(req)
         try:
             message, _ = await self.store.store_turn(NewTurn(
-                conversation, new_conversation, [(Role(m["role"]), m["content"]) for m in new], req.client_key,
-                flagged=True))
+                conversation, new_conversation, [_stored(m) for m in new], req.client_key, flagged=True))
         except DuplicateClientKey as dup:  # the same refused message, sent again
             message = dup.existing
         raise InputFlagged(result, conversation.id, message.id)
@@ -281,18 +295,26 @@ class ConversationService:
 
     def _build(
         self, model: str, window: int, stored: list[Message], new: list[ChatMessage], max_tokens: int,
-        extras: TurnExtras | None = None,
+        extras: TurnExtras | None = None, tools: ToolSet | None = None,
     ) -> Context:
         """Stored history and the request's messages (an OpenAI client sends its whole history in
-        a new conversation) as system text, older turns that may be dropped, and the new turn."""
-        messages = [_chat(m) for m in stored if m.status != MessageStatus.FLAGGED] + new
+        a new conversation) as system text, older turns that may be dropped, and the new turn.
+        Tools go to a template that renders them, else into a system block after the
+        conversation's own system text (fairway/tools/prompt.py); calls and results stay where
+        they were made."""
+        messages = [m for s in stored if s.status != MessageStatus.FLAGGED for m in _chat(s)] + new
         # System text leads the context only while it leads the conversation; a system message
         # sent later stays where it was said.
         lead = next((i for i, m in enumerate(messages) if m["role"] != "system"), len(messages))
         last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
         system, history, turn = messages[:lead], messages[lead:last_user], messages[last_user:]
+        native = bool(getattr(self.tokenizers[model], "supports_tools", False))
+        if tools is not None and not native:
+            system = [*system, {"role": "system", "content": system_block(tools)}]
+        offered = [t.to_openai() for t in tools.offered] if tools is not None and native else None
         extras = extras or TurnExtras()
-        return self._builder(model, window).build(system, history, turn, max_tokens, extras.head, extras.retrieved)
+        return self._builder(model, window).build(system, history, turn, max_tokens, extras.head, extras.retrieved,
+                                                  offered, lambda messages: prompt_messages(messages, native))
 
     async def _launch(self, reply: Reply, job: GenerationJob, replica: ReplicaInfo) -> None:
         """Open the reply's token log and hand its job to the replica."""
@@ -333,8 +355,28 @@ def _stored_job(job: GenerationJob, meta: dict[str, Any], context: dict[str, Any
     return stored
 
 
-def _chat(message: Message) -> ChatMessage:
-    return {"role": str(message.role), "content": message.text}
+def _chat(message: Message) -> list[ChatMessage]:
+    """A stored message as the chat messages it stands for: an assistant's with tool rounds is
+    each call and its result, in the order they were made (fairway/tools/prompt.py)."""
+    tools = message.tools or {}
+    if message.role == Role.ASSISTANT and tools.get("calls"):
+        return expand_assistant(message.text, tools["calls"])
+    if message.role == Role.TOOL:
+        return [{"role": "tool", "content": message.text, "tool_call_id": tools.get("tool_call_id", "")}]
+    return [{"role": str(message.role), "content": message.text}]
+
+
+def _stored(message: ChatMessage) -> tuple[Role, str, dict[str, Any] | None]:
+    """A request's message as the store keeps it: its tool calls (or the call a result answers)
+    in the tools column, each client call at the end of the text."""
+    if message.get("tool_calls"):
+        calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"],
+                  "status": "call", "index": i, "at": len(message["content"])}
+                 for i, c in enumerate(message["tool_calls"])]
+        return Role(message["role"]), message["content"], {"calls": calls}
+    if message["role"] == "tool":
+        return Role.TOOL, message["content"], {"tool_call_id": message.get("tool_call_id", "")}
+    return Role(message["role"]), message["content"], None
 
 
 def _new_messages(messages: list[ChatMessage], stored: list[Message]) -> list[ChatMessage]:

@@ -280,7 +280,7 @@ def _ending(ending: Ending) -> tuple[dict[str, Any], Message]:
         final["last_event_id"] = ending.last_event_id
     msg = Message(id=new_id("msg"), conversation_id="", role=Role.ASSISTANT, text=ending.text, status=ending.status,
                   created_at=ts, reply_id=ending.reply_id, prompt_tokens=ending.prompt_tokens,
-                  completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens)
+                  completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens, tools=ending.tools)
     return final, msg
 
 
@@ -422,11 +422,11 @@ class SqlConversationStore(ConversationStore):
         # costs the gateway CPU and a round trip (on SQLite, a hop to the connection's thread and
         # back).
         conv = turn.conversation
-        msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(role), text=text,
+        msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(item[0]), text=item[1],
                         client_key=turn.client_key if i == len(turn.messages) - 1 else None,
                         status=MessageStatus.FLAGGED if turn.flagged and i == len(turn.messages) - 1
-                        else MessageStatus.COMPLETE, created_at=now())
-                for i, (role, text) in enumerate(turn.messages)]
+                        else MessageStatus.COMPLETE, created_at=now(), tools=item[2] if len(item) > 2 else None)
+                for i, item in enumerate(turn.messages)]
         reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id, state=ReplyState.QUEUED,
                       replica_id=turn.replica_id,
                       prompt_token_ids=list(turn.prompt_token_ids) if turn.prompt_token_ids is not None else None,
@@ -545,9 +545,10 @@ class SqlConversationStore(ConversationStore):
         cached_tokens: int = 0,
         last_event_id: int | None = None,
         look_up_existing: bool = True,
+        tools: dict[str, Any] | None = None,
     ) -> Message | None:
         final, msg = _ending(Ending(reply_id, text, MessageStatus(status), finish_reason, prompt_tokens,
-                                    completion_tokens, cached_tokens, last_event_id))
+                                    completion_tokens, cached_tokens, last_event_id, tools))
         ts = msg.created_at
         if self._dialect == "postgresql":
             rows = await self._rows(_finish_statement(frozenset(final)), _finish_params(reply_id, final, msg),

@@ -57,7 +57,7 @@ class NewTurn:
 
     conversation: Conversation
     new_conversation: bool
-    messages: Sequence[tuple[Role, str]]
+    messages: Sequence[tuple[Role, str] | tuple[Role, str, dict[str, Any] | None]]  # (role, text[, tools])
     client_key: str | None = None
     prompt_token_ids: Sequence[int] | None = None
     replica_id: str | None = None
@@ -83,6 +83,7 @@ class Ending:
     completion_tokens: int = 0
     cached_tokens: int = 0
     last_event_id: int | None = None
+    tools: dict[str, Any] | None = None  # the message's tool calls
 
 
 class ConversationStore(ABC):
@@ -179,7 +180,7 @@ class ConversationStore(ABC):
         for e in endings:
             await self.finish_reply(e.reply_id, e.text, e.status, e.finish_reason, prompt_tokens=e.prompt_tokens,
                                     completion_tokens=e.completion_tokens, cached_tokens=e.cached_tokens,
-                                    last_event_id=e.last_event_id, look_up_existing=False)
+                                    last_event_id=e.last_event_id, look_up_existing=False, tools=e.tools)
 
     @abstractmethod
     async def finish_reply(
@@ -194,6 +195,7 @@ class ConversationStore(ABC):
         cached_tokens: int = 0,
         last_event_id: int | None = None,
         look_up_existing: bool = True,
+        tools: dict[str, Any] | None = None,
     ) -> Message | None:
         """In one transaction: store the assistant message and mark the reply FINISHED,
         STOPPED or FLAGGED (by status). If the reply was already finished with a message, that

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fairway.block_hash import BLOCK_SIZE
 from fairway.domain import Priority
+from fairway.engine.guided_decoding import Guides
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.model_runner import ModelRunner
 from fairway.engine.outputs import FinishReason, RequestOutput
@@ -65,6 +66,7 @@ class LLMEngine:
         self.requests: dict[str, Sequence] = {}
         self._aborts: list[str] = []
         self._eos = set(tokenizer.stop_token_ids) if tokenizer is not None else set()
+        self.guides = Guides(tokenizer, model.cfg.vocab_size)  # compiled grammars of guided requests
         self.num_steps = 0
         self.step_seconds = 0.0
         self.speculator = None if c.speculative is None else Speculator.build(
@@ -91,6 +93,10 @@ class LLMEngine:
                        num_prompt_tokens=len(prompt_token_ids))
         seq.stop_checker = StopChecker(params, self.tokenizer)
         seq.resume_after(output_token_ids)
+        if params.guided_decoding is not None:
+            seq.guide = self.guides.matcher(params.guided_decoding)  # GuidedDecodingError (a ValueError)
+            if output_token_ids:  # a continuation: the grammar is where those tokens left it
+                seq.guide.consume_tokens(list(output_token_ids))
         self.requests[request_id] = seq
         self.scheduler.add(seq)
 
@@ -146,7 +152,8 @@ class LLMEngine:
     def _propose(self) -> None:
         if self.speculator is None:
             return
-        decoding = [s for s in self.scheduler.running if s.is_decoding]
+        # A guided sequence samples one token a step: its mask depends on every token before it.
+        decoding = [s for s in self.scheduler.running if s.is_decoding and s.guide is None]
         self.speculator.propose(decoding, self.num_steps, self.scheduler.prefill_tokens_next())
 
     def _advance(self, seq: Sequence, n: int, new: list[int] | None) -> None:
@@ -168,6 +175,8 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.token_ids.append(token)
+        if seq.guide is not None:
+            seq.guide.consume_token(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         else:

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import torch
 
+from fairway.engine.guided_decoding import mask_logits
 from fairway.engine.sequence import Sequence
 from fairway.models.cpu_kernels import temperature_sampler
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [S, V] float32, one row per sequence that samples this step."""
+    """logits: [S, V] float32, one row per sequence that samples this step. A guided sequence's row
+    is masked to what its grammar allows first (in place); the others are not touched."""
+    guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
+    if guided:
+        mask_logits(logits, guided, [seqs[i].guide for i in guided])
     out = [0] * len(seqs)
     greedy, plain, filtered = _kinds(seqs, logits.shape[-1], logits.device.type == "cpu")
     for rows, pick in ((greedy, _argmax), (plain, _sample_native), (filtered, _sample_filtered)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one,
 # or one that rounds to 0 in float32/bf16 (1e-320 does), overflows the sampler.
@@ -19,6 +20,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Output held to a grammar (guided_decoding.py): {"json_schema": {...}}, {"json_object": true}
+    # or {"lark": "..."}; None: free text.
+    guided_decoding: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         # Validate here so every entry point (CLI, HTTP, tests) gets the same error naming the field.
@@ -34,6 +38,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError("stop must be a list of non-empty strings")
+        if self.guided_decoding is not None and not isinstance(self.guided_decoding, dict):
+            raise ValueError("guided_decoding must be a dict (json_schema, json_object or lark)")
 
     @property
     def greedy(self) -> bool:

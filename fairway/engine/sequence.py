@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     inter_token_times: list[float] = field(default_factory=list)
+    guide: Any = None  # the llguidance matcher of a guided request (guided_decoding.py), at its last token
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)

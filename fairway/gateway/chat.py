@@ -28,6 +28,7 @@ from fairway.conversation.service import (
     Admitted,
     InputFlagged,
     NothingToResume,
+    ToolUnavailable,
     Turn,
     TurnRequest,
     UnknownModel,
@@ -48,6 +49,7 @@ from fairway.gateway.schemas import (
     parse_chat,
     request_body,
     sampling,
+    tool_set,
 )
 from fairway.gateway.sse import ReplyView
 from fairway.gateway.streaming import EventStream
@@ -239,6 +241,7 @@ async def chat_completions(request: Request) -> Any:
         tier=principal.tier,
         admit=edge.admit_tokens,
         file_ids=await _attached_files(gw, principal.user_id, body),
+        tools=tool_set(body),
         region=_region(request),
     )
     after = body.last_received_token_index or 0
@@ -258,7 +261,8 @@ async def chat_completions(request: Request) -> Any:
             after = event_id(request.headers.get("last-event-id"))  # a duplicate attaches from where its client got to
         else:
             turn = await _start_claimed(gw, edge, turn_request)
-    elif not turn_request.resume_only and not body.conversation_id and is_cacheable(body.temperature, body.n):
+    elif (not turn_request.resume_only and not body.conversation_id and turn_request.tools is None
+          and is_cacheable(body.temperature, body.n)):
         edge.flight = flight_fingerprint(principal.user_id, body.model, turn_request.messages,
                                          **{k: v for k, v in turn_request.sampling.items() if k != "temperature"})
         turn, reply = await _start_shared(gw, edge, turn_request)
@@ -392,6 +396,8 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
         raise invalid(str(exc), "messages", "context_length_exceeded") from None
     except InputFlagged as exc:
         raise flagged_input(exc) from None
+    except ToolUnavailable as exc:
+        raise invalid(str(exc), "tools", "tool_unavailable") from None
     except NoReplica as exc:
         raise ApiError(503, str(exc), code="no_replica", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except RelayUnavailable as exc:

@@ -10,6 +10,7 @@ from fairway.conversation import Conversation, Message
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import error_responses, not_found
+from fairway.tools.prompt import openai_call
 
 router = APIRouter(dependencies=[Depends(authenticated)], responses=error_responses(401, 503))
 
@@ -22,6 +23,16 @@ def _conversation(c: Conversation) -> dict[str, Any]:
 def _message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"id": m.id, "object": "conversation.message", "role": str(m.role), "content": m.text,
                            "status": str(m.status), "created_at": m.created_at}
+    tools = m.tools or {}
+    calls = tools.get("calls") or []
+    if any(c.get("status") == "call" for c in calls):
+        out["tool_calls"] = [openai_call(c["id"], c["name"], c.get("arguments", "")) for c in calls
+                             if c.get("status") == "call"]
+    runs = [c for c in calls if c.get("status") != "call"]
+    if runs:  # the built-in tool's runs, each at the offset in the content where it was made
+        out["tool_executions"] = runs
+    if tools.get("tool_call_id"):
+        out["tool_call_id"] = tools["tool_call_id"]
     if m.client_key:
         out["client_key"] = m.client_key
     if m.reply_id:

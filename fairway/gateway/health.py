@@ -61,7 +61,11 @@ async def models(request: Request) -> dict[str, Any]:
     data = []
     for name in await gw.service.served_models():
         replicas = [r for r in live if r.model == name]
+        coding = [r for r in replicas if not r.sandbox_off]
         data.append({"id": name, "object": "model", "created": int(min(r.started_at for r in replicas)),
                      "owned_by": "fairway", "context_window": min(r.max_model_len for r in replicas),
-                     "replicas": len(replicas)})
+                     "replicas": len(replicas),
+                     # The built-in tool ({"type": "code_interpreter"}): whether a replica runs it, else why not.
+                     "code_interpreter": {"available": bool(coding),
+                                          "reason": None if coding else replicas[0].sandbox_off}})
     return {"object": "list", "data": data}

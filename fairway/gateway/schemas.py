@@ -14,18 +14,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from fairway.gateway.errors import ApiError, invalid
 from fairway.models.bundled import BUNDLED_MODEL_NAME
+from fairway.tools import ToolError, ToolSet, parse_tools
+from fairway.tools.spec import check_arguments, schema_error
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-UNSUPPORTED_ROLES = {"tool", "function"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
+UNSUPPORTED_ROLES = {"function"}  # the legacy function-calling role: use tools
 # The largest event id a client may name: what a token log can hold (Redis stream ids are 64-bit).
 MAX_EVENT_ID = 2**63 - 1
 _EVENT_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits: str.isdigit() also takes '²', which int() refuses
 
 # Accepted only at their "off" value: anything else would be silently ignored, which is worse.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []),
-    "functions": (None, []),
-    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),  # the legacy form of tools
+    "function_call": (None, "none", "auto"),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
     "audio": (None,),
@@ -42,6 +43,8 @@ class ChatMessageIn(BaseModel):
     role: str
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
 
 class ChatCompletionRequest(BaseModel):
@@ -62,6 +65,14 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = Field(default=None, ge=1)
     user: str | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens whatever the model says (benchmarks)
+    # Function calling: client functions ({"type": "function", ...}) and the built-in code tool
+    # ({"type": "code_interpreter"}: Python run in the sandbox inside the reply).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # accepted: a reply may make several calls either way
+    # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}:
+    # held to it by guided decoding in the engine.
+    response_format: dict[str, Any] | None = None
     # The seed's fields (design doc 002, section 2.1).
     conversation_id: str | None = Field(default=None, min_length=1, max_length=64)
     message_id: str | None = Field(default=None, min_length=1, max_length=128)
@@ -173,29 +184,77 @@ def _check_supported(request: ChatCompletionRequest, data: dict[str, Any]) -> No
         raise invalid("'messages' must contain at least one message.", "messages", "empty_array")
 
 
-def chat_messages(request: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The messages as {"role", "content": str}, checked; the last one must be the user's."""
-    out = []
+def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The messages as {"role", "content": str} (an assistant's with its tool_calls, a tool's with
+    its tool_call_id), checked; the last one must be the user's, or a tool result."""
+    out: list[dict[str, Any]] = []
+    calls: set[str] = set()  # the call ids the request's own assistant messages made
     for i, message in enumerate(request.messages):
         param = f"messages[{i}]"
         if message.role in UNSUPPORTED_ROLES:
-            raise invalid(f"Role '{message.role}' is not supported yet (no tools).", f"{param}.role", "unsupported_value")
+            raise invalid(f"Role '{message.role}' is not supported: send tool results as role 'tool'.",
+                          f"{param}.role", "unsupported_value")
         role = ROLES.get(message.role)
         if role is None:
             raise invalid(
-                f"Invalid role '{message.role}' in {param}: use system, developer, user or assistant.",
+                f"Invalid role '{message.role}' in {param}: use system, developer, user, assistant or tool.",
                 f"{param}.role",
                 "invalid_value",
             )
-        out.append({"role": role, "content": _text(message.content, role, param)})
-    if out[-1]["role"] != "user":
-        raise invalid("The last message must be the user's: it is the one the reply answers.", "messages")
+        item: dict[str, Any] = {"role": role, "content": _text(message.content, role, param)}
+        if message.tool_calls:
+            if role != "assistant":
+                raise invalid(f"Only an assistant message has tool_calls ({param} is {role}'s).",
+                              f"{param}.tool_calls", "invalid_value")
+            item["tool_calls"] = [_tool_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
+            calls.update(call["id"] for call in item["tool_calls"])
+        if role == "tool":
+            if not message.tool_call_id:
+                raise invalid(f"'{param}.tool_call_id' is required: the id of the call this result answers.",
+                              f"{param}.tool_call_id", "missing_required_parameter")
+            if calls and message.tool_call_id not in calls:
+                raise invalid(f"'{param}.tool_call_id' {message.tool_call_id!r} answers no tool call of the "
+                              "assistant messages before it.", f"{param}.tool_call_id", "invalid_value")
+            item["tool_call_id"] = message.tool_call_id
+        out.append(item)
+    if out[-1]["role"] not in ("user", "tool"):
+        raise invalid("The last message must be the user's (or a tool result): it is the one the reply answers.",
+                      "messages")
+    if not any(m["role"] == "user" for m in out) and not request.conversation_id:
+        raise invalid("The messages need a user message to answer.", "messages")
     return out
+
+
+def _tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
+    """An assistant message's tool call as OpenAI sends it back: id, type function, name, arguments."""
+    function = call.get("function")
+    if not isinstance(call.get("id"), str) or not call["id"]:
+        raise invalid(f"'{where}.id' must be the call's id (a non-empty string).", f"{where}.id",
+                      "missing_required_parameter")
+    if call.get("type", "function") != "function" or not isinstance(function, dict):
+        raise invalid(f"'{where}' must be {{\"type\": \"function\", \"function\": {{name, arguments}}}}.",
+                      where, "invalid_value")
+    if not isinstance(function.get("name"), str) or not function["name"]:
+        raise invalid(f"'{where}.function.name' must be a non-empty string.", f"{where}.function.name",
+                      "missing_required_parameter")
+    try:
+        arguments = check_arguments(function.get("arguments", "{}"), f"{where}.function.arguments")
+    except ToolError as exc:
+        raise invalid(str(exc), exc.param, "invalid_tool_arguments") from None
+    return {"id": call["id"], "type": "function", "function": {"name": function["name"], "arguments": arguments}}
+
+
+def tool_set(request: ChatCompletionRequest) -> ToolSet | None:
+    """The request's tools, checked (400 naming the field); None for a reply without tools."""
+    try:
+        return parse_tools(request.tools, request.tool_choice)
+    except ToolError as exc:
+        raise invalid(str(exc), exc.param, "invalid_tools") from None
 
 
 def _text(content: str | list[dict[str, Any]] | None, role: str, param: str) -> str:
     if content is None:
-        if role == "assistant":
+        if role in ("assistant", "tool"):
             return ""
         raise invalid(f"'{param}.content' is required for a {role} message.", f"{param}.content", "missing_required_parameter")
     if isinstance(content, str):
@@ -264,5 +323,37 @@ def sampling(request: ChatCompletionRequest) -> dict[str, Any]:
         out["seed"] = request.seed
     if request.ignore_eos:
         out["ignore_eos"] = True
+    guided = guided_decoding(request.response_format)
+    if guided is not None:
+        out["guided_decoding"] = guided
     return out
+
+
+def guided_decoding(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's response_format as the engine's guided decoding (None: free text); 400 if malformed."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise invalid("'response_format.json_schema.schema' must be a JSON Schema object.",
+                          "response_format.json_schema.schema", "invalid_value")
+        try:
+            json.dumps(schema)
+        except (TypeError, ValueError):
+            raise invalid("'response_format.json_schema.schema' must be plain JSON.",
+                          "response_format.json_schema.schema", "invalid_value") from None
+        error = schema_error(schema)
+        if error:
+            raise invalid(f"'response_format.json_schema.schema' cannot be used: {error}.",
+                          "response_format.json_schema.schema", "invalid_value")
+        return {"json_schema": schema}
+    raise invalid(f"'response_format.type' must be text, json_object or json_schema, got {kind!r}.",
+                  "response_format.type", "invalid_value")
 

@@ -7,12 +7,18 @@ and listening from many gateways at once costs it nothing.
 
 When the final event arrives the relay saves the reply in the store before it says [DONE], so
 the client's next turn finds it in the history.
+
+A tool event goes out as its own chunk: a client-defined call as OpenAI's `tool_calls` delta (whole:
+id, name and all its arguments at once), a built-in tool's run (execute_code) as a chunk with an
+empty delta and a `tool_execution` field (name, status running, then completed or failed with its
+output), so a client shows the pause and then the result, and the reply's text carries on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -38,8 +44,12 @@ from fairway.relay import (
     TokenEvent,
     TokenLog,
     TokenSink,
+    ToolEvent,
 )
 from fairway.router import NoReplica
+from fairway.tools import EXECUTE_CODE
+from fairway.tools.prompt import openai_call
+from fairway.tools.record import CallRecord, add_event
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +68,7 @@ class Snapshot:
     event: TokenEvent
 
 
-Item = TokenEvent | FinalEvent | Snapshot
+Item = TokenEvent | ToolEvent | FinalEvent | Snapshot
 
 
 def usage(final: FinalEvent) -> dict[str, Any]:
@@ -82,7 +92,28 @@ def content_filter_results(final: FinalEvent) -> dict[str, Any]:
 def finish_reason(final: FinalEvent) -> str:
     if final.state == ReplyState.FLAGGED:
         return "content_filter"
-    return "length" if final.finish_reason == "length" else "stop"
+    if final.finish_reason in ("length", "tool_calls"):
+        return str(final.finish_reason)
+    return "stop"
+
+
+def tool_execution(event: ToolEvent) -> dict[str, Any]:
+    """A built-in tool's run as a chunk's `tool_execution`: what runs (the code), then how it went."""
+    out: dict[str, Any] = {"id": event.call_id, "name": event.name, "status": str(event.status),
+                           "arguments": event.arguments}
+    if event.name == EXECUTE_CODE:
+        with contextlib.suppress(json.JSONDecodeError, AttributeError):
+            out["code"] = json.loads(event.arguments).get("code")
+    if event.output:
+        out["output"] = event.output
+    if event.detail:
+        out["result"] = event.detail
+    return out
+
+
+def tool_call_delta(event: ToolEvent) -> dict[str, Any]:
+    """A client-defined call as OpenAI streams it (here whole, in one delta)."""
+    return {"index": event.index, **openai_call(event.call_id, event.name, event.arguments)}
 
 
 def error_body(final: FinalEvent) -> dict[str, Any]:
@@ -172,7 +203,8 @@ class ReplyRelay:
         text = message.text if message else ""
         token = TokenEvent(last - 1, text)
         state = ReplyState(str(reply.state)) if reply.state.terminal else ReplyState.FINISHED
-        reason = reply.finish_reason if reply.finish_reason in ("stop", "length", "content_filter") else "stop"
+        reason = (reply.finish_reason if reply.finish_reason in ("stop", "length", "content_filter", "tool_calls")
+                  else "stop")
         return [
             token if after == 0 else Snapshot(token),
             FinalEvent(
@@ -197,6 +229,7 @@ class ReplyRelay:
         from the token log's callback, with no task wake at all. A keepalive comment goes out after
         keepalive_s without events. on_final runs at the final event, before [DONE]."""
         text: list[str] = []
+        tools: list[CallRecord] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         # Plain token chunks; with connection, also the sink that writes them to it as HTTP chunks
         # while this waits (appending their text to `text`), which it may not do before the first
@@ -213,11 +246,17 @@ class ReplyRelay:
                     out: list[bytes] = []
                     for event in batch:
                         if isinstance(event, FinalEvent):
-                            await self._save(reply.id, "".join(text) if after == 0 else None, event)
+                            await self._save(reply.id, "".join(text) if after == 0 else None, event, tools)
                             await _run(on_final, event)
                             out += self._final_frames(view, event, fresh, include_usage)
                             yield b"".join(out) + DONE  # one write, which EventStream makes the last
                             return
+                        if isinstance(event, ToolEvent):
+                            add_event(tools, event, sum(map(len, text)))
+                            out.append(self._tool_frame(view, event, fresh))
+                            fresh = False
+                            writer.open = True
+                            continue
                         token = event.event if isinstance(event, Snapshot) else event
                         text.append(token.text)
                         if fresh or isinstance(event, Snapshot):
@@ -240,6 +279,15 @@ class ReplyRelay:
         if isinstance(event, Snapshot):
             first["snapshot"] = True
         return frame(first, token.n)
+
+    def _tool_frame(self, view: ReplyView, event: ToolEvent, fresh: bool) -> bytes:
+        delta: dict[str, Any] = {"role": "assistant", "content": None} if fresh else {}
+        extra = dict(view.first_extra) if fresh else {}
+        if event.status == "call":
+            delta["tool_calls"] = [tool_call_delta(event)]
+        else:
+            extra["tool_execution"] = tool_execution(event)
+        return frame(chunk(view, delta, event.n, extra), event.n)
 
     def _final_frames(self, view: ReplyView, final: FinalEvent, fresh: bool, include_usage: bool) -> list[bytes]:
         if final.error:
@@ -264,6 +312,7 @@ class ReplyRelay:
     async def complete(self, reply: Reply, view: ReplyView, on_final: OnFinal | None = None) -> dict[str, Any]:
         """Wait for the whole reply (the request counts as a listener meanwhile)."""
         text: list[str] = []
+        tools: list[CallRecord] = []
         final: FinalEvent | None = None
         async with contextlib.aclosing(self.event_batches(reply, 0)) as batches:
             async for batch in batches:
@@ -271,19 +320,31 @@ class ReplyRelay:
                     if isinstance(event, FinalEvent):
                         final = event
                         break
+                    if isinstance(event, ToolEvent):
+                        add_event(tools, event, sum(map(len, text)))
+                        continue
                     token = event.event if isinstance(event, Snapshot) else event
                     text.append(token.text)
                 if final is not None:
                     break
         if final is None:
             raise ApiError(503, "The reply ended without a final event.", code="generation_failed")
-        await self._save(reply.id, "".join(text), final)
+        await self._save(reply.id, "".join(text), final, tools)
         await _run(on_final, final)
         if final.error:
             raise ApiError(503, f"The reply failed: {final.error}", code="generation_failed")
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(text), "refusal": None}
+        calls = sorted((r for r in tools if r["status"] == "call"), key=lambda r: r["index"])
+        if calls:
+            message["tool_calls"] = [openai_call(r["id"], r["name"], r["arguments"]) for r in calls]
+            message["content"] = message["content"] or None  # as OpenAI answers a reply of calls only
+        runs = [r for r in tools if r["status"] != "call"]
+        if runs:  # the built-in tool's runs, for clients that show them
+            message["tool_executions"] = [{k: r.get(k) for k in ("id", "name", "arguments", "status", "output",
+                                                                 "detail")} for r in runs]
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": "".join(text), "refusal": None},
+            "message": message,
             "finish_reason": finish_reason(final),
             "logprobs": None,
         }
@@ -307,13 +368,14 @@ class ReplyRelay:
             choice["content_filter_results"] = content_filter_results(final)
         return body
 
-    async def _save(self, reply_id: str, text: str | None, final: FinalEvent) -> None:
+    async def _save(self, reply_id: str, text: str | None, final: FinalEvent,
+                    tools: list[CallRecord] | None = None) -> None:
         """Save before [DONE]; best effort: the replica's report saves it anyway."""
         try:
             if text is None:
                 await save_from_log(self.store, self.log, reply_id)
             else:
-                await save_final(self.store, reply_id, text, final)
+                await save_final(self.store, reply_id, text, final, tools)
         except Exception:  # the stream must still end cleanly
             log.warning("could not save reply %s at its end", reply_id, exc_info=True)
 

@@ -246,6 +246,10 @@ class Tokenizer:
         return cls(HFTokenizer.from_str(data["backend"]), bos_token_id=data["bos_token_id"],
                    eos_token_id=data["eos_token_id"], chat_template=data["chat_template"])
 
+    def backend_json(self) -> str:
+        """The tokenizers library's JSON of this tokenizer (what llguidance builds its own from)."""
+        return self._backend.to_str()
+
     @property
     def vocab_size(self) -> int:
         return self._backend.get_vocab_size(with_added_tokens=True)
@@ -291,15 +295,24 @@ class Tokenizer:
             raise ValueError("this model has no chat template (tokenizer.chat_template is missing)")
         return _compile_template(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-        """Render the conversation as the prompt text the model was trained on."""
+    @property
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools itself (HF templates take a `tools` variable)."""
+        return bool(self.chat_template) and "tools" in self.chat_template
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> str:
+        """Render the conversation as the prompt text the model was trained on (with tools, in
+        OpenAI's form, for a template that renders them)."""
         # Like HF, drop None-valued keys: OpenAI clients send content=None, which templates would print.
         clean = [{k: v for k, v in message.items() if v is not None} for message in messages]
+        extra = {"tools": tools} if tools else {}
         return self._template.render(
             messages=clean,
             add_generation_prompt=add_generation_prompt,
             bos_token=self._token_string(self.bos_token_id) or "",
             eos_token=self._token_string(self.eos_token_id) or "",
+            **extra,
         )
 
     def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:

@@ -24,7 +24,7 @@ from fairway.relay.errors import (
     ReplyFinished,
     ReplyNotFound,
 )
-from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
+from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields
 from fairway.relay.inbox import Delivery, Inbox
 from fairway.relay.inbox_memory import InProcessInbox
 from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue
@@ -137,6 +137,7 @@ __all__ = [
     "ReplyNotFound",
     "ReplyState",
     "TokenEvent",
+    "ToolEvent",
     "TokenLog",
     "TokenSink",
     "event_from_fields",

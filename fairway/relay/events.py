@@ -7,9 +7,11 @@ while one that dropped just before it still gets it.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from typing import Any
 
-from fairway.domain import FinishReason, ReplyState
+from fairway.domain import FinishReason, ReplyState, ToolStatus
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,34 @@ class TokenEvent:
 
     def to_fields(self) -> dict[str, str]:
         return {"k": "t", "n": str(self.n), "text": self.text, "ids": ",".join(map(str, self.token_ids))}
+
+
+@dataclass(frozen=True)
+class ToolEvent:
+    """A tool call of the reply: a client-defined call (status call), or a built-in one running
+    (running) and then its outcome (completed / failed), each an event of its own with its own n,
+    between the reply's tokens, so every listener and every replay sees the call where it was made."""
+
+    n: int  # 0 asks append() to assign the next number
+    call_id: str
+    name: str
+    status: ToolStatus
+    arguments: str = ""  # the call's arguments, JSON text as OpenAI carries them
+    index: int = 0  # the call's place among the reply's client tool calls (OpenAI's tool_calls[].index)
+    output: str = ""  # the tool message that went back to the model (completed / failed)
+    detail: dict[str, Any] = field(default_factory=dict)  # the run's result for clients: stdout, stderr, exit code
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "status", ToolStatus(self.status))  # ValueError if not one
+
+    def to_fields(self) -> dict[str, str]:
+        fields = {"k": "x", "n": str(self.n), "id": self.call_id, "name": self.name, "status": str(self.status),
+                  "args": self.arguments, "index": str(self.index)}
+        if self.output:
+            fields["output"] = self.output
+        if self.detail:
+            fields["detail"] = json.dumps(self.detail, separators=(",", ":"), ensure_ascii=False)
+        return fields
 
 
 @dataclass(frozen=True)
@@ -62,7 +92,7 @@ class FinalEvent:
         return fields
 
 
-Event = TokenEvent | FinalEvent
+Event = TokenEvent | ToolEvent | FinalEvent
 
 
 def with_n(event: Event, n: int) -> Event:
@@ -71,6 +101,9 @@ def with_n(event: Event, n: int) -> Event:
         return event
     if isinstance(event, TokenEvent):
         return TokenEvent(n, event.text, list(event.token_ids))
+    if isinstance(event, ToolEvent):
+        return ToolEvent(n, event.call_id, event.name, event.status, event.arguments, event.index, event.output,
+                         dict(event.detail))
     return FinalEvent(
         n,
         event.finish_reason,
@@ -90,6 +123,13 @@ def event_from_fields(fields: dict[str, str]) -> Event:
     if kind == "t":
         ids = fields.get("ids", "")
         return TokenEvent(n, fields.get("text", ""), [int(i) for i in ids.split(",")] if ids else [])
+    if kind == "x":
+        try:
+            return ToolEvent(n, fields["id"], fields["name"], ToolStatus(fields["status"]), fields.get("args", ""),
+                             int(fields.get("index", 0)), fields.get("output", ""),
+                             json.loads(fields["detail"]) if fields.get("detail") else {})
+        except KeyError as exc:
+            raise ValueError(f"a tool event without its {exc.args[0]!r}") from None
     if kind == "f":
         return FinalEvent(
             n,

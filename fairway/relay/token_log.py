@@ -24,7 +24,7 @@ from contextlib import aclosing
 from typing import TypeVar
 
 from fairway.relay.errors import EventIdOutOfRange
-from fairway.relay.events import Event, FinalEvent, TokenEvent
+from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent
 
 DEFAULT_TTL_S = 1800.0  # 30 minutes: long enough for any reconnect, short enough to stay small
 LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for this long is gone
@@ -52,11 +52,11 @@ def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
         raise EventIdOutOfRange(reply_id, after, last_n)
 
 
-def check_token_events(items: Sequence[tuple[str, TokenEvent]]) -> None:
-    """append_many() takes token events only: the terminal event goes through finish()."""
+def check_token_events(items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> None:
+    """append_many() takes token and tool events only: the terminal event goes through finish()."""
     for _, event in items:
-        if not isinstance(event, TokenEvent):
-            raise TypeError("append() takes a TokenEvent; use finish() for the terminal event")
+        if not isinstance(event, TokenEvent | ToolEvent):
+            raise TypeError("append() takes a TokenEvent or ToolEvent; use finish() for the terminal event")
 
 
 def raise_if_error(result: T | Exception) -> T:
@@ -78,14 +78,14 @@ class TokenLog(ABC):
         """Open an empty log so subscribers can attach before the first token; also starts the
         listener idle clock. Returns False (and changes nothing) if the log already exists."""
 
-    async def append(self, reply_id: str, event: TokenEvent) -> int:
-        """Append one token event and return its n. event.n == 0 takes the next number; any other
+    async def append(self, reply_id: str, event: TokenEvent | ToolEvent) -> int:
+        """Append one token (or tool) event and return its n. event.n == 0 takes the next number; any other
         n must be exactly last+1 (EventOutOfOrder otherwise, so a duplicate or zombie producer
         cannot corrupt the log). Creates the log if missing; ReplyFinished after finish()."""
         return raise_if_error((await self.append_many([(reply_id, event)]))[0])
 
     @abstractmethod
-    async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
         """append() for many (reply id, event) pairs at once, in one round trip where the backend
         has them: a replica appends one engine step's tokens for all its replies together. Each
         pair's n, or the relay error append() would have raised for it, in its place; an outage

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from fairway.relay.arrivals import new_signal
 from fairway.relay.errors import EventOutOfOrder, RelayError, ReplyFinished, ReplyNotFound
-from fairway.relay.events import Event, FinalEvent, TokenEvent, with_n
+from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, with_n
 from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink, check_after, check_token_events
 
 
@@ -85,7 +85,7 @@ class InProcessTokenLog(TokenLog):
         self._logs[reply_id] = self._open()
         return True
 
-    async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
         check_token_events(items)
         results: list[int | Exception] = []
         for reply_id, event in items:

@@ -33,7 +33,7 @@ from redis.exceptions import NoScriptError, ResponseError
 from fairway.redis_client import Command, RedisClient, Script, pack, pack_call
 from fairway.redis_client.scripts import pack_call_bytes
 from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
-from fairway.relay.events import Event, FinalEvent, TokenEvent, event_from_fields
+from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields
 from fairway.relay.redis_guard import guard
 from fairway.relay.redis_live import LiveRouter, live_payload
 from fairway.relay.token_log import (
@@ -268,7 +268,7 @@ class RedisTokenLog(TokenLog):
         with guard():
             return bool(await self._client.execute(*self.create_command(reply_id)))
 
-    async def append_many(self, items: Sequence[tuple[str, TokenEvent]]) -> list[int | Exception]:
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
         check_token_events(items)
         return await self._add(items)
 

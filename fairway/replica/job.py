@@ -26,6 +26,8 @@ class GenerationJob:
     lane: str = Lane.FREE.value
     tier: str = ""  # the user's tier (metrics labels); the lane is what schedules
     submitted_at: float = 0.0  # wall clock (epoch s) when the gateway submitted it: TTFT counts from here
+    tools: dict[str, Any] = field(default_factory=dict)  # fairway.tools.ToolSet.to_dict(); empty: no tools
+    tenant: str = ""  # the user it answers: the sandbox's tenant (its fair share of runs)
     # Times a failover handed it on. From 1 the reply may have tokens in its log already: the
     # replica carries on after them (worker.serve).
     attempt: int = 0
@@ -46,5 +48,7 @@ class GenerationJob:
             lane=str(data.get("lane") or Lane.FREE.value),
             tier=str(data.get("tier") or ""),
             submitted_at=float(data.get("submitted_at") or 0.0),
+            tools=dict(data.get("tools") or {}),
+            tenant=str(data.get("tenant") or ""),
             attempt=int(data.get("attempt") or 0),
         )

@@ -41,6 +41,7 @@ class ReplicaInfo:
     max_prompt_tokens: int  # the longest prompt its KV cache could ever admit
     load: int = 0  # replies in flight: running + waiting, all lanes (what routers compare)
     capacity: int = 0  # replies it runs at once
+    sandbox_off: str = "this replica has no sandbox"  # why execute_code is off here; "": it runs
     draining: bool = False  # leaving (SIGTERM): place nothing more here
     started_at: float = field(default_factory=time.time)
     region: str = DEFAULT_REGION

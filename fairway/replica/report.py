@@ -7,7 +7,7 @@ it ends, and a report whose recorder died before saving it is taken again by ano
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 REPORTS_INBOX = "reports"
@@ -31,6 +31,7 @@ class ReplyReport:
     error: str | None = None
     ttft_s: float | None = None  # submission to first token (finished only; None if no token came)
     duration_s: float = 0.0  # submission to the end
+    tools: list[dict[str, Any]] = field(default_factory=list)  # its tool calls (fairway/tools/record.py)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

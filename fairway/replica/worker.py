@@ -19,12 +19,19 @@ cancels replies nobody has listened to for idle_cancel_s. Either way the engine 
 sequence at its next step and frees its blocks, and the text so far is kept (state STOPPED).
 When a reply ends, the final event goes to the log (listeners see it at once) and a report goes
 to the recorders, which save it in the conversation store.
+
+A reply with tools (its job's `tools`) runs its output through the call parser (fairway/tools/):
+a client-defined call becomes a tool event and ends the reply with finish_reason tool_calls; an
+execute_code call pauses it (a tool event, status running), runs in the sandbox, and the reply
+goes on here as a new engine request continuing the same prompt (fairway/tools/loop.py), its
+events numbered on, up to the job's bound on tool rounds.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import statistics
@@ -35,7 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-from fairway.domain import PRIORITY_OF_LANE, Lane, Priority
+from fairway.domain import PRIORITY_OF_LANE, Lane, Priority, ToolStatus
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
 from fairway.relay import (
     ClaimedJob,
@@ -50,12 +57,20 @@ from fairway.relay import (
     ReplyState,
     TokenEvent,
     TokenLog,
+    ToolEvent,
 )
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
 from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
 from fairway.safety import HoldBack, ModerationResult, Moderator, OutputMode
+from fairway.sandbox import Sandbox, SandboxLimits
+from fairway.tools import ToolSet
+from fairway.tools.grammar import call_grammar
+from fairway.tools.loop import ToolLoop, new_call_id
+from fairway.tools.parser import ParsedCall
+from fairway.tools.prompt import render_call
+from fairway.tools.record import CallRecord, add_event, transcript
 from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
@@ -63,6 +78,7 @@ log = logging.getLogger(__name__)
 # handoff: a drain ran out of time; the reply is left for another replica to carry on.
 CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
 T = TypeVar("T")
+SANDBOX_RECHECK_BEATS = 30  # heartbeats between two looks at a sandbox that was off
 
 
 @dataclass
@@ -77,6 +93,7 @@ class ReplicaSettings:
     max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
     output_mode: OutputMode = "check-then-release"  # the output check's (when the worker has a moderator)
     max_sentence_chars: int = 300
+    sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)  # each execute_code run's
     drain_grace_s: float = 30.0  # SIGTERM: how long the replies in flight get to finish here
 
 
@@ -87,10 +104,10 @@ class _Appender:
 
     def __init__(self, token_log: TokenLog) -> None:
         self._log = token_log
-        self._pending: list[tuple[str, TokenEvent, asyncio.Future[int]]] = []
+        self._pending: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]] = []
         self._writes: set[asyncio.Task] = set()  # strong references to batches in flight
 
-    async def append(self, reply_id: str, events: Sequence[TokenEvent]) -> int:
+    async def append(self, reply_id: str, events: Sequence[TokenEvent | ToolEvent]) -> int:
         """Append the reply's events (a held-back sentence's go out together) and return the last n."""
         loop = asyncio.get_running_loop()
         if not self._pending:
@@ -110,7 +127,7 @@ class _Appender:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, batch: list[tuple[str, TokenEvent, asyncio.Future[int]]]) -> None:
+    async def _write(self, batch: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]]) -> None:
         items = [(reply_id, event) for reply_id, event, _ in batch]
         try:
             results = await _through_outages(lambda: self._log.append_many(items), "append tokens")
@@ -145,14 +162,51 @@ class _Running:
     last_token_at: float | None = None  # monotonic, for inter-token latency
     inter_token: Any = None  # its histogram's child for the job's model and tier: labels() per token costs
     resumed_at: int = 0  # n of the last event logged before this replica took the reply on
+    request_id: str = ""  # the engine request of the current round (a tool run starts a new one)
+    chars: int = 0  # of text so far: where the next tool call is made
+    tools: list[CallRecord] = field(default_factory=list)  # its tool calls, as the conversation stores them
+    client_called: bool = False  # it made a client-defined call: the reply ends with tool_calls
+
+
+@dataclass
+class _Round:
+    """How one engine request of a reply ended."""
+
+    last: RequestOutput | None = None
+    generated: list[int] = field(default_factory=list)  # its tokens (the next round's prompt goes on from them)
+    flagged: ModerationResult | None = None
+    call: ParsedCall | None = None  # a call this replica answers (execute_code): run it, then go on
+    calls_done: bool = False  # the client's calls are made and the model went on to other text: end here
+
+
+@dataclass
+class _Counts:
+    """A reply's usage over its rounds: the first prompt plus each tool result; every token generated."""
+
+    prompt: int = 0
+    cached: int = 0
+    completion: int = 0
+
+    def add(self, first: bool, out: RequestOutput | None) -> None:
+        if out is None:
+            return
+        if first:
+            self.prompt, self.cached = out.num_prompt_tokens, out.num_cached_tokens
+        self.completion += out.num_output_tokens
+
+    def usage(self) -> tuple[int, int, int]:
+        return self.prompt, self.cached, self.completion
 
 
 class ReplicaWorker:
     def __init__(
         self, engine: AsyncEngine, relay: Relay, registry: ReplicaRegistry, settings: ReplicaSettings,
-        moderator: Moderator | None = None,
+        moderator: Moderator | None = None, sandbox: Sandbox | None = None,
     ) -> None:
         self.engine = engine
+        self.sandbox = sandbox  # execute_code's; None: the tool is off here
+        self._sandbox_off = "this replica has no sandbox" if sandbox is None else "not checked yet"
+        self._rechecking: asyncio.Task | None = None
         self.relay = relay
         self.moderator = moderator  # None: no output check
         self.registry = registry
@@ -192,6 +246,7 @@ class ReplicaWorker:
             max_prompt_tokens=engine.max_prompt_tokens,
             load=sum(running.values()) + sum(waiting.values()),
             capacity=self.settings.max_inflight,
+            sandbox_off=self._sandbox_off,
             draining=self.draining,
             started_at=self._started_at,
             region=self.settings.region,
@@ -216,6 +271,7 @@ class ReplicaWorker:
     async def start(self) -> None:
         """Announce the replica and start its loops; returns at once."""
         self.engine.start()
+        await self._check_sandbox()
         metrics.ENGINES.track(self.id, self.settings.model, self.engine)
         await self.registry.announce(self.info())
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
@@ -262,6 +318,8 @@ class ReplicaWorker:
         metrics.ENGINES.untrack(self.id)
         for loop in self._loops:
             loop.cancel()
+        if self._rechecking is not None:
+            self._rechecking.cancel()
         for reply_id in list(self._running):
             self._cancel(reply_id, "shutdown")
         if self._tasks:
@@ -328,18 +386,35 @@ class ReplicaWorker:
                     self._cancel(reply_id, "idle")
 
     async def _heartbeat_loop(self) -> None:
+        beats = 0
         while True:
             await asyncio.sleep(self.settings.heartbeat_s)
+            beats += 1
+            if self._sandbox_off and self.sandbox is not None and beats % SANDBOX_RECHECK_BEATS == 0 \
+                    and (self._rechecking is None or self._rechecking.done()):
+                # A sandbox service that was down may be back; asked aside: the beat must not wait on it.
+                self._rechecking = asyncio.create_task(self._check_sandbox())
             try:
                 await self.registry.announce(self.info(await self.relay.jobs.depth(queue=self.queue)))
             except Exception:  # a blip must not kill the replica; the next beat retries
                 log.warning("heartbeat failed", exc_info=True)
 
+    async def _check_sandbox(self) -> None:
+        """Whether execute_code runs here (the registry tells gateways), and if not why."""
+        if self.sandbox is None:
+            return
+        was = self._sandbox_off
+        self._sandbox_off = await self.sandbox.check() or ""
+        if self._sandbox_off and self._sandbox_off != was:
+            log.warning("execute_code is off on replica %s: %s", self.id, self._sandbox_off)
+
     def _cancel(self, reply_id: str, cause: CancelCause) -> None:
         running = self._running.get(reply_id)
         if running is not None and running.cancelled is None:
             running.cancelled = cause
-            self.engine.abort(reply_id)  # the engine drops it at the next step and frees its blocks
+            # The engine drops it at the next step and frees its blocks (between tool rounds there
+            # is none: the reply ends when its tool run does).
+            self.engine.abort(running.request_id or reply_id)
 
     # -- one reply ---------------------------------------------------------------------------
 
@@ -392,66 +467,184 @@ class ReplicaWorker:
             return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED)
         try:
             params = SamplingParams(**job.sampling)
-        except (TypeError, ValueError) as exc:
-            return _failed(f"bad sampling parameters: {exc}")
+            tools = self._tool_loop(job)
+        except (TypeError, ValueError, KeyError) as exc:
+            return _failed(f"bad sampling parameters or tools: {exc}")
         generated: list[int] = []
         if job.attempt:
-            resumed = await self._resume_point(running)
+            resumed = await self._resume_point(running, tools)
             if resumed is None:
                 return None
             generated = resumed
         await self._report(running, None, 0)
-        last: RequestOutput | None = None
-        flagged: ModerationResult | None = None
         hold = (HoldBack[RequestOutput](self.moderator, self.settings.output_mode, self.settings.max_sentence_chars)
                 if self.moderator is not None else None)
         priority = PRIORITY_OF_LANE.get(Lane(job.lane), Priority.FREE)
-        outputs = self.engine.generate(job.reply_id, job.prompt_token_ids, params, priority, generated)
-        try:
-            # aclosing: leaving early (a token log failure, a flagged sentence) aborts the sequence
-            # in the engine now; it leaves the batch at the next step.
-            async with contextlib.aclosing(outputs):
-                async for out in outputs:
-                    last = out
+        prompt, counts, budget = list(job.prompt_token_ids), _Counts(), params.max_tokens
+        # tool_choice required or a named function: the first round is held to one well-formed call
+        # (guided decoding); after a tool has run, the model answers freely.
+        forced = call_grammar(tools.tools) if tools is not None and not running.tools else None
+        rounds = 0
+        while True:
+            running.request_id = job.reply_id if rounds == 0 else f"{job.reply_id}#{rounds}"
+            round_params = dataclasses.replace(params, max_tokens=budget)
+            if rounds == 0 and forced is not None:
+                round_params.guided_decoding = {"lark": forced}
+            try:
+                # A reply carried on after a failover resumes with what its log holds (_resume_point).
+                step = await self._round(running, prompt, round_params, priority, hold, tools,
+                                         generated if rounds == 0 else [])
+                counts.add(rounds == 0, step.last)
+                if step.flagged is None and step.call is None and not step.calls_done and hold is not None \
+                        and running.cancelled not in ("shutdown", "handoff"):
+                    step.flagged = await self._flush(running, hold)  # the last sentence, also of a stopped reply
+            except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
+                if rounds == 0 and generated and running.events == running.resumed_at \
+                        and not isinstance(exc, EngineDead):
+                    # A continuation whose context plus what was said no longer fits: it ran out of room.
+                    return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, len(prompt), 0, len(generated))
+                return _failed(str(exc), None, counts)
+            except EventOutOfOrder:
+                if not running.events or running.events == running.resumed_at:
+                    log.info("reply %s: another replica produces it; dropping this copy", job.reply_id)
+                    return None
+                return _failed("token log: another producer wrote to the reply", None, counts)
+            except RelayError as exc:
+                return _failed(f"token log: {exc}", None, counts)
+            if step.flagged is not None:
+                return FinalEvent(0, FinishReason.CONTENT_FILTER, ReplyState.FLAGGED, *counts.usage(),
+                                  categories=tuple(step.flagged.flagged_categories))
+            if step.calls_done:
+                return FinalEvent(0, FinishReason.TOOL_CALLS, ReplyState.FINISHED, *counts.usage())
+            if step.call is None:
+                if step.last is None or step.last.finish_reason is None:
+                    return _failed("the engine ended the reply without a finish reason", step.last, counts)
+                final = _final(step.last, running.cancelled, counts)
+                if running.client_called and final.finish_reason == FinishReason.STOP and not running.cancelled:
+                    return FinalEvent(0, FinishReason.TOOL_CALLS, ReplyState.FINISHED, *counts.usage())
+                return final
+            assert tools is not None
+            try:
+                ids = await self._run_tool(running, tools, step.call)
+            except RelayError as exc:
+                return _failed(f"token log: {exc}", None, counts)
+            if ids is None:  # out of tool rounds: the reply said so and ends
+                return FinalEvent(0, FinishReason.STOP, ReplyState.FINISHED, *counts.usage())
+            if running.cancelled is not None:
+                if running.cancelled in ("shutdown", "handoff"):
+                    return _failed("the replica shut down", None, counts)
+                return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED, *counts.usage())
+            if rounds == 0:
+                prompt += generated  # a continuation's earlier tokens came before this round's
+            prompt += step.generated + ids
+            counts.prompt += len(ids)
+            budget -= len(step.generated)
+            if budget < 1:
+                return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, *counts.usage())
+            rounds += 1
+
+    def _tool_loop(self, job: GenerationJob) -> ToolLoop | None:
+        if not job.tools:
+            return None
+        tokenizer = self.engine.tokenizer
+        sandbox = self.sandbox if not self._sandbox_off else None
+        return ToolLoop(ToolSet.from_dict(job.tools), sandbox, tokenizer.apply_chat_template, tokenizer.encode,
+                        self.settings.sandbox_limits, job.tenant, bool(getattr(tokenizer, "supports_tools", False)))
+
+    async def _round(self, running: _Running, prompt: list[int], params: SamplingParams, priority: Priority,
+                     hold: HoldBack[RequestOutput] | None, tools: ToolLoop | None, resumed: list[int]) -> _Round:
+        """One engine request of the reply, its tokens released as events (through the call parser
+        when the reply has tools), up to its end or a call this replica must answer. resumed: the
+        tokens a continuation starts after (the engine counts them as generated)."""
+        step = _Round()
+        outputs = self.engine.generate(running.request_id, prompt, params, priority, resumed)
+        # aclosing: leaving early (a token log failure, a flagged sentence, a tool call) aborts the
+        # sequence in the engine now; it leaves the batch at the next step.
+        async with contextlib.aclosing(outputs):
+            async for out in outputs:
+                step.last = out
+                if out.token_id is not None:
+                    step.generated.append(out.token_id)
+                if tools is None:
                     if out.text or (out.token_id is not None and not out.finished):
                         # Every token is an event, even one whose text waits for the rest of a
                         # character; the stop token at the end is not (it has no text).
-                        if hold is None:
-                            await self._append(running, [out])
-                            continue
-                        checked = await hold.push(out, out.text)
-                        await self._append(running, checked.release)
-                        if checked.flagged is not None:
-                            flagged = checked.flagged
-                            break
-            if hold is not None and flagged is None and running.cancelled not in ("shutdown", "handoff"):
-                checked = await hold.finish()  # the last sentence, also of a stopped reply
-                await self._append(running, checked.release)
-                flagged = checked.flagged
-        except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
-            if generated and last is None and not isinstance(exc, EngineDead):
-                # A continuation whose context plus what was said no longer fits: it ran out of room.
-                return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, len(job.prompt_token_ids), 0,
-                                  len(generated))
-            return _failed(str(exc), last)
-        except EventOutOfOrder:
-            if not running.events or running.events == running.resumed_at:
-                log.info("reply %s: another replica produces it; dropping this copy", job.reply_id)
-                return None
-            return _failed("token log: another producer wrote to the reply", last)
-        except RelayError as exc:
-            return _failed(f"token log: {exc}", last)
-        if flagged is not None:
-            return FinalEvent(0, FinishReason.CONTENT_FILTER, ReplyState.FLAGGED, *_usage(last),
-                              categories=tuple(flagged.flagged_categories))
-        if last is None or last.finish_reason is None:
-            return _failed("the engine ended the reply without a finish reason", last)
-        return _final(last, running.cancelled)
+                        step.flagged = await self._release(running, hold, out)
+                        if step.flagged is not None:
+                            return step
+                    continue
+                text, calls = tools.parser.feed(out.text) if out.text else ("", [])
+                if out.finished:
+                    rest, late = tools.parser.finish()
+                    text, calls = text + rest, calls + late
+                if running.client_called:
+                    if text.strip():  # the model went on to other text after its calls: they are the answer
+                        step.calls_done = True
+                        return step
+                elif text or (out.token_id is not None and not out.finished and not tools.parser.buffering):
+                    step.flagged = await self._release(running, hold, dataclasses.replace(out, text=text))
+                    if step.flagged is not None:
+                        return step
+                for call in calls:
+                    step.flagged = await self._flush(running, hold)  # what came before the call goes out first
+                    if step.flagged is not None:
+                        return step
+                    if tools.is_client(call):
+                        await self._append_tool(running, ToolEvent(0, new_call_id(), call.name, ToolStatus.CALL,
+                                                                   call.arguments, tools.client_calls))
+                        tools.client_calls += 1
+                        running.client_called = True
+                    elif running.client_called:  # (a built-in call after the client's: theirs come first)
+                        step.calls_done = True
+                        return step
+                    else:
+                        step.call = call
+                        return step
+        return step
 
-    async def _resume_point(self, running: _Running) -> list[int] | None:
+    async def _run_tool(self, running: _Running, tools: ToolLoop, call: ParsedCall) -> list[int] | None:
+        """Run a call this replica answers, between two tool events; the tokens that continue the
+        prompt after it, or None when the reply is out of tool rounds (it says so)."""
+        if not tools.rounds_left:
+            notice = (f"\n\n(This reply reached its limit of {tools.tools.max_rounds} tool runs, so it ends here.)")
+            await self._append(running, [RequestOutput(running.job.reply_id, None, notice)])
+            return None
+        call_id = new_call_id()
+        await self._append_tool(running, ToolEvent(0, call_id, call.name, ToolStatus.RUNNING, call.arguments))
+        outcome = await tools.run(call)
+        await self._append_tool(running, ToolEvent(0, call_id, call.name, outcome.status, call.arguments,
+                                                   output=outcome.output, detail=outcome.detail))
+        return tools.continuation_ids(outcome.output)
+
+    async def _release(self, running: _Running, hold: HoldBack[RequestOutput] | None,
+                       out: RequestOutput) -> ModerationResult | None:
+        """One token's text, through the output check when there is one; the flag if it stopped it."""
+        if hold is None:
+            await self._append(running, [out])
+            return None
+        checked = await hold.push(out, out.text)
+        await self._append(running, checked.release)
+        return checked.flagged
+
+    async def _flush(self, running: _Running, hold: HoldBack[RequestOutput] | None) -> ModerationResult | None:
+        """The sentence the output check holds, checked now (before a tool call, at the end)."""
+        if hold is None:
+            return None
+        checked = await hold.finish()
+        await self._append(running, checked.release)
+        return checked.flagged
+
+    async def _append_tool(self, running: _Running, event: ToolEvent) -> None:
+        event = dataclasses.replace(event, n=running.events + 1)
+        running.events = await self._appender.append(running.job.reply_id, [event])
+        add_event(running.tools, event, running.chars)
+
+    async def _resume_point(self, running: _Running, tools: ToolLoop | None) -> list[int] | None:
         """A reply handed on by a failover: what its log holds already (its events carry on after
-        them, its text starts with theirs), as the token ids generated so far; None if it has
-        ended already (its final event is logged)."""
+        them, its text and tool calls start with theirs), as the tokens the model has had so far
+        (a reply's tool runs: each call, re-encoded, and its result, as its prompt held them);
+        None if it has ended already (its final event is logged). A run that was still going
+        when the replica died is made again by the model."""
         reply_id = running.job.reply_id
         try:
             events = await self.relay.log.read(reply_id)
@@ -459,10 +652,20 @@ class ReplicaWorker:
             return []
         if any(isinstance(e, FinalEvent) for e in events):
             return None
-        tokens = [e for e in events if isinstance(e, TokenEvent)]
-        running.events = running.resumed_at = tokens[-1].n if tokens else 0
-        running.text = [e.text for e in tokens]
-        return [t for e in tokens for t in e.token_ids]
+        running.events = running.resumed_at = events[-1].n if events else 0
+        text, running.tools = transcript(events)
+        running.text, running.chars = [e.text for e in events if isinstance(e, TokenEvent)], len(text)
+        ids: list[int] = []
+        for event in events:
+            if isinstance(event, TokenEvent):
+                ids += event.token_ids
+            elif tools is not None and event.status == ToolStatus.CALL:
+                tools.client_calls += 1
+                running.client_called = True
+            elif tools is not None and event.status in (ToolStatus.COMPLETED, ToolStatus.FAILED):
+                tools.rounds += 1
+                ids += tools.encode(render_call(event.name, event.arguments)) + tools.continuation_ids(event.output)
+        return ids
 
     async def _append(self, running: _Running, outs: Sequence[RequestOutput]) -> None:
         """Append these tokens (released by the output check) as the reply's next events. Latency
@@ -490,6 +693,7 @@ class ReplicaWorker:
         for event, out in zip(events, outs, strict=True):
             running.events = await self._appender.append(running.job.reply_id, [event])
             running.text.append(out.text)
+            running.chars += len(out.text)
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
@@ -523,6 +727,7 @@ class ReplicaWorker:
                 error=final.error,
                 ttft_s=ttft,
                 duration_s=duration,
+                tools=running.tools,
             )
         # A "started" report only marks the reply running, and generation waits for it: one try.
         await post_report(self.relay.inbox, report, REPORT_RETRY_DELAYS_S if final is not None else ())
@@ -576,17 +781,18 @@ def _usage(out: RequestOutput | None) -> tuple[int, int, int]:
     return (out.num_prompt_tokens, out.num_cached_tokens, out.num_output_tokens) if out else (0, 0, 0)
 
 
-def _final(out: RequestOutput, cancelled: CancelCause | None) -> FinalEvent:
-    usage = _usage(out)
+def _final(out: RequestOutput, cancelled: CancelCause | None, counts: _Counts | None = None) -> FinalEvent:
+    usage = counts.usage() if counts is not None else _usage(out)
     if out.finish_reason == FinishReason.ABORT:  # a cancel that lost the race to the end is no cancel
         if cancelled == "shutdown":
-            return _failed("the replica shut down", out)
+            return _failed("the replica shut down", out, counts)
         # Stop and "nobody listening" both keep the text: finish_reason stop, state STOPPED.
         return FinalEvent(0, FinishReason.STOP, ReplyState.STOPPED, *usage)
     reason = FinishReason.LENGTH if out.finish_reason == FinishReason.LENGTH else FinishReason.STOP
     return FinalEvent(0, reason, ReplyState.FINISHED, *usage)
 
 
-def _failed(error: str, out: RequestOutput | None = None) -> FinalEvent:
+def _failed(error: str, out: RequestOutput | None = None, counts: _Counts | None = None) -> FinalEvent:
     """An error ends the reply like a stop (the text so far is kept) and says why."""
-    return FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, *_usage(out), error=error)
+    usage = counts.usage() if counts is not None and counts.completion else _usage(out)
+    return FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, *usage, error=error)

@@ -14,6 +14,7 @@
 
 const KEY_STORAGE = 'fairway.apiKey';
 const MAX_TOKENS_STORAGE = 'fairway.maxTokens';
+const CODE_TOOL_STORAGE = 'fairway.codeTool'; // the "Run code" switch: offer the built-in code tool
 
 // Reconnect policy: exponential backoff with "equal jitter" (half fixed, half random), so a
 // crowd of clients dropped by the same network blip does not come back in lockstep.
@@ -278,6 +279,9 @@ class ReplyStream {
       if (event.id <= this.lastEventId) return; // a replay of what we have: the dedupe
       this.lastEventId = event.id;
     }
+    // A built-in tool's run: the reply is paused while it runs, then its code and output are
+    // shown folded under the reply, which carries on.
+    if (chunk.tool_execution) this.view.tool(chunk.tool_execution);
     const choice = chunk.choices && chunk.choices[0];
     if (!choice) return; // the usage chunk
     const content = (choice.delta && choice.delta.content) || '';
@@ -358,6 +362,44 @@ function messageElement(role, text, status) {
   return el;
 }
 
+/** A tool run as the page shows it: running (name and a spinner), or done (folded code and output). */
+function toolElement(run) {
+  const code = run.code ?? run.arguments ?? '';
+  if (run.status === 'running') {
+    const el = document.createElement('div');
+    el.className = 'tool-run running';
+    el.dataset.callId = run.id;
+    const spinner = document.createElement('span');
+    spinner.className = 'spinner';
+    const label = document.createElement('span');
+    label.textContent = `Running ${run.name}…`;
+    el.append(spinner, label);
+    return el;
+  }
+  const el = document.createElement('details');
+  el.className = `tool-run ${run.status}`;
+  el.dataset.callId = run.id;
+  const summary = document.createElement('summary');
+  summary.textContent = `${run.status === 'completed' ? 'Ran' : 'Tried'} ${run.name}`;
+  const codeEl = document.createElement('pre');
+  codeEl.className = 'code';
+  codeEl.textContent = code; // textContent: the model's code and its output are not trusted markup
+  const output = document.createElement('pre');
+  output.className = 'output';
+  output.textContent = run.output || '';
+  el.append(summary, codeEl, output);
+  return el;
+}
+
+/** A stored message's built-in tool runs, as toolElement reads them. */
+function storedRuns(m) {
+  return (m.tool_executions || []).map((r) => {
+    let code = r.arguments;
+    try { code = JSON.parse(r.arguments).code ?? r.arguments; } catch (_) { /* shown as it is */ }
+    return { id: r.id, name: r.name, status: r.status, code, output: r.output };
+  });
+}
+
 function addBadge(el, kind, text) {
   const badge = document.createElement('span');
   badge.className = `badge ${kind}`;
@@ -411,6 +453,28 @@ class AssistantView {
     if (status === 'error') addBadge(this.el, 'error', error || 'error');
     else if (status === 'flagged') addBadge(this.el, status, filterText(BADGES.flagged, categories));
     else if (BADGES[status]) addBadge(this.el, status, BADGES[status]);
+  }
+
+  /** A tool run: a spinner while it runs, then its code and output, folded. */
+  tool(run) {
+    let el = this.el.querySelector(`.tool-run[data-call-id="${CSS.escape(run.id)}"]`);
+    if (!el) {
+      el = document.createElement('div');
+      el.className = 'tool-run';
+      el.dataset.callId = run.id;
+      this.toolsBox().append(el);
+    }
+    el.replaceWith(toolElement(run));
+  }
+
+  toolsBox() {
+    let box = this.el.querySelector('.tools');
+    if (!box) {
+      box = document.createElement('div');
+      box.className = 'tools';
+      this.body.after(box);
+    }
+    return box;
   }
 
   /** The input check refused the message: it is marked, and no reply follows it. */
@@ -505,6 +569,13 @@ async function openConversation(id) {
   for (const m of conversation.messages) {
     const el = messageElement(m.role, m.content, m.status);
     if (m.reply_id) el.dataset.replyId = m.reply_id;
+    const runs = storedRuns(m);
+    if (runs.length) {
+      const tools = document.createElement('div');
+      tools.className = 'tools';
+      tools.append(...runs.map(toolElement));
+      el.querySelector('.body').after(tools);
+    }
     box.append(el);
   }
   if (!conversation.messages.length) showEmpty();
@@ -558,6 +629,7 @@ function send(text) {
     message_id: `msg_${crypto.randomUUID()}`,
   };
   if (state.conversationId) request.conversation_id = state.conversationId;
+  if ($('code-tool').checked && !$('code-tool').disabled) request.tools = [{ type: 'code_interpreter' }];
   const limit = maxTokens();
   if (limit) request.max_tokens = limit;
   startReply(request);
@@ -752,6 +824,13 @@ async function loadAll() {
   try {
     const models = await apiJson('/v1/models');
     state.model = models.data.length ? models.data[0].id : null;
+    // The built-in code tool, offered to the model when a replica can run code (else the
+    // server says why, and the page leaves it out).
+    const code = models.data.length ? models.data[0].code_interpreter : null;
+    $('code-tool').disabled = !code?.available;
+    $('code-tool').parentElement.title = code?.available
+      ? "Let the model run Python code in the server's sandbox"
+      : `Code execution is off: ${code?.reason || 'no model'}`;
     $('model-name').textContent = state.model || 'no model available';
     if (state.model && !state.current) showStatus(null);
   } catch (err) {
@@ -767,6 +846,9 @@ function main() {
   const maxTokensInput = $('max-tokens');
   maxTokensInput.value = localStorage.getItem(MAX_TOKENS_STORAGE) || '';
   maxTokensInput.addEventListener('change', () => localStorage.setItem(MAX_TOKENS_STORAGE, maxTokensInput.value));
+  const codeTool = $('code-tool');
+  codeTool.checked = localStorage.getItem(CODE_TOOL_STORAGE) === '1';
+  codeTool.addEventListener('change', () => localStorage.setItem(CODE_TOOL_STORAGE, codeTool.checked ? '1' : '0'));
 
   $('composer').addEventListener('submit', (event) => {
     event.preventDefault();

@@ -1,0 +1,217 @@
+"""The code sandbox, for real: bubblewrap, the seccomp filter, rlimits and a uid per run, reached
+through the `fairway sandbox` gRPC service (a process of its own) and in process.
+
+Every escape and abuse runs beside a probe (print(1) from another tenant) that must come back
+correct and promptly while the abuse is going on: the service keeps serving others. The limits are
+small (256 MiB, 1 s CPU, 2 s wall) so the whole file stays quick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fairway.sandbox import LocalSandbox, RunnerSettings, SandboxLimits
+from fairway.sandbox.service import GrpcSandbox
+from tests.backends import missing
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMITS = SandboxLimits(cpu_s=1.0, wall_s=2.0, memory_mb=256, procs=16, file_mb=4, tmp_mb=8, open_files=32,
+                       output_bytes=32 * 1024)
+PROBE_S = 1.5  # a probe beside an abuse must be back within this (a run alone takes ~0.05 s)
+
+
+def _need_sandbox() -> None:
+    reason = LocalSandbox().static_check()
+    if reason is not None:
+        missing("bubblewrap", reason)
+
+
+@pytest.fixture(scope="module")
+def service_url():
+    _need_sandbox()
+    proc = subprocess.Popen([sys.executable, "-m", "fairway.cli", "sandbox", "--listen", "127.0.0.1:0",
+                             "--max-concurrent", "6", "--per-tenant", "3"],
+                            cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith("sandbox listening on "), line
+        assert "off" not in line, line
+        yield "grpc://" + line.split()[3]
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+async def _beside(url: str, code: str, limits: SandboxLimits = LIMITS):
+    """Run the code as tenant "abuser" while a probe of tenant "probe" runs; both results."""
+    client = GrpcSandbox(url)
+    try:
+        abuse = asyncio.ensure_future(client.run(code, limits, tenant="abuser"))
+        await asyncio.sleep(0.3)  # the abuse is under way
+        started = time.monotonic()
+        probe = await client.run("print(1)", LIMITS, tenant="probe")
+        probe_s = time.monotonic() - started
+        result = await abuse
+    finally:
+        await client.close()
+    assert probe.ok and probe.stdout == "1\n", probe
+    assert probe_s < PROBE_S, f"the probe took {probe_s:.2f} s beside the abuse"
+    assert result.error is None, result
+    return result
+
+
+async def test_print_through_the_service(service_url):
+    client = GrpcSandbox(service_url)
+    try:
+        assert await client.check() is None
+        result = await client.run("import sys; print(6 * 7); print('oops', file=sys.stderr); sys.exit(3)", LIMITS)
+    finally:
+        await client.close()
+    assert (result.exit_code, result.stdout, result.stderr, result.limit) == (3, "42\n", "oops\n", None)
+
+
+async def test_read_etc_shadow(service_url):
+    result = await _beside(service_url, "print(open('/etc/shadow').read())")
+    assert result.exit_code == 1 and "FileNotFoundError" in result.stderr
+    assert not result.stdout
+
+
+async def test_read_the_project_and_home(service_url):
+    paths = [str(ROOT / "pyproject.toml"), "/root", "/home", "/etc", "/work"]
+    code = f"import os\nfor p in {paths!r}:\n    print(p, os.path.exists(p))\n"
+    result = await _beside(service_url, code)
+    assert result.exit_code == 0
+    assert all(line.endswith(" False") for line in result.stdout.splitlines()), result.stdout
+
+
+async def test_another_tenants_files_and_processes(service_url):
+    client = GrpcSandbox(service_url)
+    try:
+        writer = asyncio.ensure_future(client.run(
+            "open('/tmp/secret', 'w').write('s3cret'); import time; time.sleep(1.5); print(open('/tmp/secret').read())",
+            LIMITS, tenant="alice"))
+        await asyncio.sleep(0.5)
+        reader = await client.run(
+            "import os\nprint(os.listdir('/tmp'))\nprint(sorted(p for p in os.listdir('/proc') if p.isdigit()))",
+            LIMITS, tenant="mallory")
+        written = await writer
+    finally:
+        await client.close()
+    assert written.stdout == "s3cret\n"
+    listed, pids = reader.stdout.splitlines()
+    assert listed == "[]"  # a /tmp of its own
+    assert pids == "['1', '2']"  # bwrap's init and itself: no other run's processes
+
+
+async def test_sockets_to_loopback_and_outside(service_url):
+    code = ("import socket\nfor host in ('127.0.0.1', '8.8.8.8'):\n"
+            "    try:\n        socket.create_connection((host, 6379), timeout=1); print(host, 'connected')\n"
+            "    except OSError as e:\n        print(host, e.errno)\n")
+    result = await _beside(service_url, code)
+    assert result.stdout.splitlines() == ["127.0.0.1 1", "8.8.8.8 1"]  # EPERM: the seccomp filter
+
+
+async def test_fork_bomb(service_url):
+    code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    result = await _beside(service_url, code)
+    assert result.limit in ("wall_time", "cpu_time")  # bounded, and killed whole
+    assert result.duration_s < LIMITS.wall_s + 1.5
+
+
+async def test_allocate_4_gib(service_url):
+    result = await _beside(service_url, "x = bytearray(4 * 1024 ** 3)\nprint('allocated')")
+    assert result.exit_code == 1 and "MemoryError" in result.stderr and not result.stdout
+
+
+async def test_fill_the_disk(service_url):
+    code = "i = 0\nwhile True:\n    open(f'/tmp/f{i}', 'wb').write(b'x' * 1024 * 1024)\n    i += 1\n"
+    result = await _beside(service_url, code)
+    assert result.exit_code == 1 and "No space left on device" in result.stderr
+
+
+async def test_one_file_past_the_size_limit(service_url):
+    code = "open('/tmp/big', 'wb').write(b'x' * 6 * 1024 * 1024)"
+    result = await _beside(service_url, code)
+    assert result.exit_code == 1 and result.limit == "file_size", result
+
+
+async def test_infinite_loop(service_url):
+    result = await _beside(service_url, "while True:\n    pass\n")
+    assert result.limit == "cpu_time" and result.exit_code is None
+
+
+async def test_sleep_for_ever(service_url):
+    result = await _beside(service_url, "import time\ntime.sleep(10 ** 6)\n")
+    assert result.limit == "wall_time" and result.signal == 9
+    assert LIMITS.wall_s <= result.duration_s < LIMITS.wall_s + 1.0
+
+
+async def test_print_100_mb(service_url):
+    result = await _beside(service_url, "import sys\nfor _ in range(100):\n    sys.stdout.write('x' * 1024 * 1024)\n")
+    assert result.limit == "output" and result.truncated
+    assert len(result.stdout) == LIMITS.output_bytes
+
+
+async def test_kill_the_parent(service_url):
+    code = ("import os, signal\nfor pid in (os.getppid(), 1, -1):\n    try:\n        os.kill(pid, signal.SIGKILL)\n"
+            "    except OSError as e:\n        print(pid, e.errno)\nprint('still here')\n")
+    result = await _beside(service_url, code)
+    assert result.stdout.endswith("still here\n") and result.exit_code == 0
+
+
+async def test_no_privileges_inside(service_url):
+    code = ("import os\nstatus = dict(l.split(':\\t', 1) for l in open('/proc/self/status').read().splitlines() if ':\\t' in l)\n"
+            "print(os.getuid(), status['CapEff'], status['NoNewPrivs'], status['Seccomp'])\n"
+            "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+            "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n")  # CLONE_NEWUSER
+    result = await _beside(service_url, code)
+    assert result.stdout.splitlines() == ["65534 0000000000000000 1 2", "unshare -1 1"]
+
+
+async def test_limits_are_bounded_by_the_service(service_url):
+    client = GrpcSandbox(service_url)
+    try:
+        result = await client.run("import resource; print(resource.getrlimit(resource.RLIMIT_NPROC)[0])",
+                                  SandboxLimits(procs=10_000))
+    finally:
+        await client.close()
+    assert int(result.stdout) <= RunnerSettings().ceiling.procs
+
+
+async def test_in_process_runner_and_code_bounds():
+    _need_sandbox()
+    sandbox = LocalSandbox()
+    ok = await sandbox.run("print('hi')", LIMITS)
+    too_long = await sandbox.run("#" * (LIMITS.code_bytes + 1), LIMITS)
+    assert ok.stdout == "hi\n" and ok.ok
+    assert too_long.error and "longer than" in too_long.error and too_long.stdout == ""
+
+
+async def test_without_bubblewrap_the_tool_is_off(monkeypatch, tmp_path):
+    # A PATH with no bwrap on it: the sandbox says why it is off and refuses to run anything.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    sandbox = LocalSandbox()
+    reason = await sandbox.check()
+    assert reason is not None and "bwrap is not installed" in reason
+    marker = tmp_path / "ran"
+    result = await sandbox.run(f"open({str(marker)!r}, 'w')", LIMITS)
+    assert result.error == reason and not marker.exists()
+
+
+async def test_unreachable_service_is_a_result_not_a_crash():
+    client = GrpcSandbox("grpc://127.0.0.1:1", timeout_s=1.0)
+    try:
+        reason = await client.check()
+        result = await client.run("print(1)", SandboxLimits(wall_s=1.0))
+    finally:
+        await client.close()
+    assert reason and "unreachable" in reason
+    assert result.error and "failed" in result.error

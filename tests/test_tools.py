@@ -1,0 +1,474 @@
+"""Function calling and the execute_code loop, end to end: the real embedded server (gateway,
+relay, replica worker, store), the real sandbox and the OpenAI SDK, with a scripted engine in the
+model's place (tests/scripted_engine.py) so the model's calls are deterministic.
+
+Also the parser on its own (the two call forms, split anywhere, never leaking a half call) and
+the request checks (clear 400s)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import httpx
+import openai
+import pytest
+
+from fairway.relay import FinalEvent, TokenEvent, ToolEvent, make_relay
+from fairway.tools import ToolError, parse_tools
+from fairway.tools.parser import CallParser
+from tests.backends import missing
+from tests.scripted_engine import ScriptedEngine
+from tests.serving import API_KEY, MODEL, TEST_KEYS, chat_body, embedded_server, headers, sse_events
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+CODE = {"type": "code_interpreter"}
+BEFORE_CALL = "Let me compute that. "
+COMPUTE_CALL = '<tool_call name="execute_code">\nprint(6 * 7)\n</tool_call>'
+
+
+def script(prompt: str) -> str:
+    """The scripted model: it reads the prompt as a model would and answers deterministically."""
+    turn = prompt[prompt.rindex("<|im_start|>user"):]
+    if "loop forever" in prompt:
+        return 'Again.<tool_call name="execute_code">\nprint("round")\n</tool_call>'
+    if "<tool_response>" in turn:
+        result = turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
+        return f"The result is {result}."
+    if "weather" in turn and "get_weather" in prompt:
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    if "compute" in turn:
+        return BEFORE_CALL + COMPUTE_CALL + " and text after the call, never generated"
+    return "Hello there."
+
+
+# -- the parser ------------------------------------------------------------------------------
+
+def _parse_in_pieces(text: str, seed: int) -> tuple[str, list]:
+    rng = random.Random(seed)
+    parser, released, calls, i = CallParser(), [], [], 0
+    while i < len(text):
+        k = rng.randint(1, 5)
+        out, done = parser.feed(text[i:i + k])
+        released.append(out)
+        calls += done
+        i += k
+    out, done = parser.finish()
+    return "".join(released) + out, calls + done
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_parser_both_forms_split_anywhere(seed):
+    text = ('Hi <b>x</b> <tool_call name="execute_code">\n```python\nprint(6 * 7)\n```\n</tool_call> then '
+            '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call> <tool_calls> end <tool_')
+    released, calls = _parse_in_pieces(text, seed)
+    assert released == "Hi <b>x</b>  then  <tool_calls> end <tool_"
+    assert [(c.name, json.loads(c.arguments), c.error) for c in calls] == [
+        ("execute_code", {"code": "print(6 * 7)"}, None), ("get_weather", {"city": "Paris"}, None)]
+
+
+def test_parser_holds_a_call_until_it_is_whole():
+    parser = CallParser()
+    assert parser.feed("The answer: <tool") == ("The answer: ", [])
+    assert parser.feed('_call>{"name": "f", "argu') == ("", [])
+    assert parser.buffering
+    out, calls = parser.feed('ments": {"a": 1}}</tool_call>!')
+    assert out == "!" and calls[0].name == "f" and json.loads(calls[0].arguments) == {"a": 1}
+
+
+def test_parser_bad_calls_and_an_unclosed_one():
+    _, calls = _parse_in_pieces("<tool_call>{not json}</tool_call><tool_call name=\"f\">[1]</tool_call>", 0)
+    assert [c.error is not None for c in calls] == [True, True]
+    # A model that stops right after its arguments: the call counts; an unparseable open one is text.
+    assert _parse_in_pieces('<tool_call>{"name": "f", "arguments": {}}', 1)[1][0].name == "f"
+    assert _parse_in_pieces("<tool_call> oops", 1) == ("<tool_call> oops", [])
+
+
+def test_tool_specs_are_checked():
+    tools = parse_tools([WEATHER, CODE], {"type": "function", "function": {"name": "get_weather"}})
+    assert tools is not None and tools.code and tools.named == "get_weather"
+    assert parse_tools([WEATHER], "none") is None and parse_tools(None, None) is None
+    for bad_tools, choice, param in [
+        ([WEATHER], {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+        ([{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}], None,
+         "tools[0].function.parameters.type"),
+        ([{"type": "function", "function": {"name": "bad name"}}], None, "tools[0].function.name"),
+        ([{"type": "retrieval"}], None, "tools[0].type"),
+        ([WEATHER, WEATHER], None, "tools"),
+        ([], "required", "tool_choice"),
+    ]:
+        with pytest.raises(ToolError) as caught:
+            parse_tools(bad_tools, choice)
+        assert caught.value.param == param
+
+
+@pytest.mark.parametrize("url", [None, "redis://127.0.0.1:6379/0"])
+async def test_tool_events_in_both_token_logs(url):
+    relay = make_relay(url)
+    try:
+        try:
+            await relay.ping()
+        except Exception as exc:  # noqa: BLE001
+            missing("Redis", str(exc))
+        reply = f"tools-{random.getrandbits(48)}"
+        await relay.log.create(reply)
+        await relay.log.append(reply, TokenEvent(1, "a"))
+        await relay.log.append(reply, ToolEvent(2, "call_1", "execute_code", "running", '{"code": "1"}'))
+        await relay.log.append(reply, ToolEvent(3, "call_1", "execute_code", "completed", '{"code": "1"}',
+                                                output="1", detail={"stdout": "1\n", "exit_code": 0}))
+        await relay.log.finish(reply, FinalEvent(4, "stop", "FINISHED"))
+        events = [e async for e in relay.log.subscribe(reply)]
+    finally:
+        await relay.close()
+    assert [type(e).__name__ for e in events] == ["TokenEvent", "ToolEvent", "ToolEvent", "FinalEvent"]
+    assert events[2].detail == {"stdout": "1\n", "exit_code": 0} and events[2].output == "1"
+
+
+# -- end to end ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory):
+    from fairway.assembly import ServerOptions, load_tokenizer
+    from fairway.sandbox import LocalSandbox
+
+    if (reason := LocalSandbox().static_check()) is not None:
+        missing("bubblewrap", reason)
+    engine = ScriptedEngine(load_tokenizer(None), script)
+    db = tmp_path_factory.mktemp("tools") / "fairway.db"
+    options = ServerOptions(database=f"sqlite:///{db}", api_keys=list(TEST_KEYS), memory=False)
+    with embedded_server(options, engine) as server:
+        server.engine = engine
+        yield server
+
+
+@pytest.fixture
+def http(scripted):
+    with httpx.Client(base_url=scripted.url, headers=headers(), timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def sdk(scripted):
+    return openai.OpenAI(base_url=f"{scripted.url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def _stream(http: httpx.Client, body: dict, **kwargs) -> list:
+    with http.stream("POST", "/v1/chat/completions", json=body, **kwargs) as response:
+        assert response.status_code == 200, response.read()
+        return list(sse_events(response))
+
+
+def _executions(events: list) -> list[dict]:
+    return [e.data["tool_execution"] for e in events if isinstance(e.data, dict) and "tool_execution" in e.data]
+
+
+def test_execute_code_inside_one_reply(scripted, http):
+    body = chat_body("Please compute 6 times 7.", max_tokens=200, tools=[CODE])
+    events = _stream(http, body)
+    ids = [e.id for e in events if e.id is not None]
+    assert ids == list(range(1, len(ids) + 1))  # one reply: the ids carry on through the pause
+    running, done = _executions(events)
+    assert (running["name"], running["status"], running["code"]) == ("execute_code", "running", "print(6 * 7)")
+    assert (done["status"], done["output"], done["result"]["stdout"], done["result"]["exit_code"]) == \
+        ("completed", "42", "42\n", 0)
+    content = "".join(e.content for e in events)
+    assert content == BEFORE_CALL + "The result is 42."  # the call itself is never shown as text
+    assert events[-2].finish_reason == "stop" and events[-1].data == "[DONE]"
+    # The pause event comes after the text before the call and before the text after it.
+    kinds = ["tool" if isinstance(e.data, dict) and "tool_execution" in e.data else "text" if e.content else "-"
+             for e in events]
+    assert kinds.index("tool") > kinds.index("text") and "text" in kinds[kinds.index("tool") + 2:]
+
+    # The reply went on as a continuation on the same engine: the second request's prompt is the
+    # first one, the tokens generated up to the call's end, then the result.
+    reply_id = events[0].data["reply_id"]
+    (first_id, first), (second_id, second) = [p for p in scripted.engine.prompts if p[0].startswith(reply_id)]
+    assert (first_id, second_id) == (reply_id, f"{reply_id}#1")
+    assert second[:len(first)] == first
+    tokenizer = scripted.engine.tokenizer
+    continued = tokenizer.decode(second[len(first):])
+    assert continued.startswith(BEFORE_CALL + COMPUTE_CALL) and "<tool_response>\n42\n</tool_response>" in continued
+
+    # Stored with the conversation: the text, and the call with its code and output where it was made.
+    conversation = http.get(f"/v1/conversations/{events[0].data['conversation_id']}").json()
+    assistant = conversation["messages"][-1]
+    assert assistant["content"] == content
+    (run,) = assistant["tool_executions"]
+    assert (run["name"], run["status"], run["output"], run["at"]) == ("execute_code", "completed", "42",
+                                                                      len(BEFORE_CALL))
+    assert json.loads(run["arguments"]) == {"code": "print(6 * 7)"}
+
+    # A reconnect replays from where it dropped: the pause and the result included.
+    pause_n = next(e.id for e in events if isinstance(e.data, dict) and "tool_execution" in e.data)
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(pause_n - 1)}) as r:
+        replay = list(sse_events(r))
+    assert [e.id for e in replay if e.id is not None] == ids[pause_n - 1:]
+    assert [x["status"] for x in _executions(replay)] == ["running", "completed"]
+    assert "".join(e.content for e in replay) == "The result is 42."
+
+
+def test_execute_code_without_streaming(http):
+    answer = http.post("/v1/chat/completions", json=chat_body("compute it", max_tokens=200, stream=False,
+                                                              tools=[CODE])).json()
+    message = answer["choices"][0]["message"]
+    assert message["content"] == BEFORE_CALL + "The result is 42."
+    assert [(t["name"], t["status"], t["output"]) for t in message["tool_executions"]] == \
+        [("execute_code", "completed", "42")]
+    assert answer["choices"][0]["finish_reason"] == "stop"
+
+
+def test_a_bound_on_tool_rounds(scripted, http):
+    events = _stream(http, chat_body("loop forever", max_tokens=500, tools=[CODE]))
+    assert [x["status"] for x in _executions(events)] == ["running", "completed"] * 5  # the default bound
+    content = "".join(e.content for e in events)
+    assert content.endswith("(This reply reached its limit of 5 tool runs, so it ends here.)")
+    assert events[-2].finish_reason == "stop"
+    scripted.gateway.service.settings.max_tool_rounds = 2  # --max-tool-rounds
+    try:
+        events = _stream(http, chat_body("loop forever, again", max_tokens=500, tools=[CODE]))
+    finally:
+        scripted.gateway.service.settings.max_tool_rounds = 5
+    assert [x["status"] for x in _executions(events)] == ["running", "completed"] * 2
+    assert "".join(e.content for e in events).endswith("limit of 2 tool runs, so it ends here.)")
+
+
+def test_sdk_client_tool_calls_and_the_follow_up(sdk):
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    first = sdk.chat.completions.create(model=MODEL, messages=question, tools=[WEATHER], max_tokens=100)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+    follow = sdk.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=100, messages=[
+        *question, choice.message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}])
+    assert follow.choices[0].finish_reason == "stop"
+    assert follow.choices[0].message.content == "The result is sunny, 21 C."
+
+
+def test_sdk_streamed_tool_calls(sdk):
+    stream = sdk.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=100, stream=True,
+                                         messages=[{"role": "user", "content": "weather in Paris, please"}])
+    chunks = list(stream)
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert len(calls) == 1 and calls[0].index == 0 and calls[0].function.name == "get_weather"
+    assert json.loads(calls[0].function.arguments) == {"city": "Paris"}
+    assert "".join(d.content or "" for d in deltas) == ""  # nothing of the call leaked as text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"
+    # The SDK's own accumulating stream reads the same.
+    with sdk.chat.completions.stream(model=MODEL, tools=[WEATHER], max_tokens=100,
+                                     messages=[{"role": "user", "content": "weather in Paris, please"}]) as s:
+        final = s.get_final_completion()
+    assert final.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_a_follow_up_in_a_stored_conversation(http):
+    first = http.post("/v1/chat/completions", json=chat_body("weather?", stream=False, max_tokens=100,
+                                                             tools=[WEATHER])).json()
+    (call,) = first["choices"][0]["message"]["tool_calls"]
+    follow = http.post("/v1/chat/completions", json={
+        "model": MODEL, "conversation_id": first["conversation_id"], "tools": [WEATHER], "max_tokens": 100,
+        "messages": [{"role": "tool", "tool_call_id": call["id"], "content": "rain"}]}).json()
+    assert follow["choices"][0]["message"]["content"] == "The result is rain."
+    stored = http.get(f"/v1/conversations/{first['conversation_id']}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant", "tool", "assistant"]
+    assert stored[1]["tool_calls"][0]["id"] == call["id"] and stored[2]["tool_call_id"] == call["id"]
+
+
+@pytest.mark.parametrize(("change", "param"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "unknown"}}}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                         "function": {"name": "f", "arguments": "{not json"}}]},
+                   {"role": "tool", "tool_call_id": "c1", "content": "x"}]}, "messages[1].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+    ({"messages": [{"role": "user", "content": "hi"},
+                   {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                         "function": {"name": "f", "arguments": "{}"}}]},
+                   {"role": "tool", "tool_call_id": "c2", "content": "x"}]}, "messages[2].tool_call_id"),
+])
+def test_bad_tool_input_is_a_400(http, change, param):
+    response = http.post("/v1/chat/completions", json={**chat_body("hi", stream=False), **change})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+
+
+def test_without_a_sandbox_the_code_tool_is_off(tmp_path):
+    from fairway.assembly import ServerOptions, load_tokenizer
+
+    options = ServerOptions(database=f"sqlite:///{tmp_path / 'off.db'}", api_keys=list(TEST_KEYS), memory=False,
+                            sandbox="off")
+    with embedded_server(options, ScriptedEngine(load_tokenizer(None), script)) as server:
+        response = httpx.post(f"{server.url}/v1/chat/completions", headers=headers(), timeout=30,
+                              json=chat_body("compute", stream=False, tools=[CODE]))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["code"] == "tool_unavailable" and "Code execution is off" in error["message"]
+
+
+# A template with tool support of its own (the shape of Qwen's and Hermes'): tools and tool turns
+# are the template's to render, and no system block is added.
+NATIVE_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t.function.name }}{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>tool\n{{ m.content }}<|im_end|>\n"
+    "{% elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}<tool_call>"
+    "{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_template_with_tool_support_renders_them_itself():
+    from fairway.assembly import load_tokenizer
+    from fairway.conversation.service import ConversationService
+    from fairway.models.tokenizer import Tokenizer
+    from fairway.tools.prompt import continuation
+
+    base = load_tokenizer(None)
+    native = Tokenizer(base._backend, bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
+                       chat_template=NATIVE_TEMPLATE)
+    assert native.supports_tools and not base.supports_tools
+    service = ConversationService(None, None, None, {"m": native, "plain": base})  # only its context building
+    tools = parse_tools([WEATHER, CODE], "auto")
+    messages = [{"role": "user", "content": "weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = native.decode(service._build("m", 4096, [], messages, 64, None, tools).prompt_token_ids)
+    assert text == ("<|im_start|>system\nTools: get_weather execute_code<|im_end|>\n<|im_start|>user\nweather?<|im_end|>\n"
+                    '<|im_start|>assistant\n<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+                    "<|im_end|>\n<|im_start|>tool\nsunny<|im_end|>\n<|im_start|>assistant\n")
+    plain = base.decode(service._build("plain", 4096, [], messages, 64, None, tools).prompt_token_ids)
+    assert "# Tools" in plain and "<tool_response>\nsunny\n</tool_response>" in plain
+    assert continuation(native.apply_chat_template, "42", [t.to_openai() for t in tools.offered]) == \
+        "<|im_end|>\n<|im_start|>tool\n42<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_loop_at_scale_redis_postgresql_and_the_sandbox_service(tmp_path):
+    """The same loop on the at-scale backends: the token log and the job on Redis, the store on
+    PostgreSQL, the code run by a `fairway sandbox` process over gRPC."""
+    import os
+    import subprocess
+    import sys
+    import uuid
+    from pathlib import Path
+
+    import redis
+
+    from fairway.assembly import ServerOptions, load_tokenizer
+    from fairway.sandbox import LocalSandbox
+    from tests.pg_admin import temporary_database
+
+    if (reason := LocalSandbox().static_check()) is not None:
+        missing("bubblewrap", reason)
+    redis_url = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    try:
+        redis.Redis.from_url(redis_url).ping()
+    except redis.RedisError as exc:
+        missing("Redis", str(exc))
+    root = Path(__file__).resolve().parent.parent
+    service = subprocess.Popen([sys.executable, "-m", "fairway.cli", "sandbox", "--listen", "127.0.0.1:0"], cwd=root,
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+    namespace = f"test:{uuid.uuid4().hex[:12]}:"
+    try:
+        sandbox_url = "grpc://" + service.stdout.readline().split()[3]
+        with temporary_database() as database:
+            if database is None:
+                missing("PostgreSQL", "nothing answers for the test database")
+            options = ServerOptions(database=database, redis=redis_url, namespace=namespace,
+                                    api_keys=list(TEST_KEYS), memory=False, sandbox=sandbox_url)
+            engine = ScriptedEngine(load_tokenizer(None), script)
+            with embedded_server(options, engine) as server, \
+                    httpx.Client(base_url=server.url, headers=headers(), timeout=60) as http:
+                events = _stream(http, chat_body("compute, please", max_tokens=200, tools=[CODE]))
+                asked = http.post("/v1/chat/completions", json=chat_body(
+                    "weather?", stream=False, max_tokens=100, tools=[WEATHER])).json()
+                stored = http.get(f"/v1/conversations/{events[0].data['conversation_id']}").json()["messages"]
+    finally:
+        service.terminate()
+        service.wait(10)
+        client = redis.Redis.from_url(redis_url)
+        keys = list(client.scan_iter(match=f"{namespace}*"))
+        if keys:
+            client.delete(*keys)
+    ids = [e.id for e in events if e.id is not None]
+    assert ids == list(range(1, len(ids) + 1))
+    assert [x["status"] for x in _executions(events)] == ["running", "completed"]
+    assert "".join(e.content for e in events) == BEFORE_CALL + "The result is 42."
+    assert stored[-1]["tool_executions"][0]["output"] == "42"
+    assert asked["choices"][0]["finish_reason"] == "tool_calls"
+    assert asked["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+
+
+def test_old_turns_with_tool_rounds_are_dropped_whole():
+    """A tool result is no user turn: when the window is short, a turn leaves with its calls and results."""
+    from fairway.assembly import load_tokenizer
+    from fairway.conversation.service import ConversationService
+
+    service = ConversationService(None, None, None, {"m": load_tokenizer(None)})
+    call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    old = [{"role": "user", "content": "weather in Paris? " * 20},
+           {"role": "assistant", "content": "", "tool_calls": [call]},
+           {"role": "tool", "tool_call_id": "c1", "content": "sunny " * 20},
+           {"role": "assistant", "content": "It is sunny. " * 10}]
+    new = [{"role": "user", "content": "thanks"}]
+    full = service._build("m", 4096, [], old + new, 64, None, parse_tools([WEATHER], "auto"))
+    tight = service._build("m", full.num_tokens + 64 - 20, [], old + new, 64, None, parse_tools([WEATHER], "auto"))
+    assert (full.dropped_turns, tight.dropped_turns, tight.dropped_messages) == (0, 1, 4)
+
+
+async def test_a_replica_finds_a_sandbox_service_that_comes_up_late():
+    """Off (and saying why) while the service is unreachable; on once it answers, without a restart."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fairway.assembly import load_tokenizer
+    from fairway.engine import AsyncEngine
+    from fairway.replica.registry import InProcessRegistry
+    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+    from fairway.sandbox import LocalSandbox
+    from fairway.sandbox.service import GrpcSandbox
+    from tests.serving import free_port
+
+    if (reason := LocalSandbox().static_check()) is not None:
+        missing("bubblewrap", reason)
+    port = free_port()
+    sandbox = GrpcSandbox(f"grpc://127.0.0.1:{port}", timeout_s=0.5)
+    registry = InProcessRegistry()
+    worker = ReplicaWorker(AsyncEngine(ScriptedEngine(load_tokenizer(None), script)), make_relay(None), registry,
+                           ReplicaSettings(model=MODEL, heartbeat_s=0.02), sandbox=sandbox)
+    await worker.start()
+    root = Path(__file__).resolve().parent.parent
+    service = None
+    try:
+        (info,) = await registry.live()
+        assert "unreachable" in info.sandbox_off
+        service = subprocess.Popen([sys.executable, "-m", "fairway.cli", "sandbox", "--listen", f"127.0.0.1:{port}"],
+                                   cwd=root, stdout=subprocess.PIPE, text=True,
+                                   env={**os.environ, "PYTHONPATH": str(root)})
+        service.stdout.readline()
+        for _ in range(200):
+            (info,) = await registry.live()
+            if info.sandbox_off == "":
+                break
+            await asyncio.sleep(0.05)
+        assert info.sandbox_off == ""
+    finally:
+        await worker.stop()
+        worker.engine.shutdown()
+        await sandbox.close()
+        if service is not None:
+            service.terminate()
+            service.wait(10)
