@@ -340,11 +340,12 @@ async def test_the_workers_heartbeat_describes_its_engines_cache_and_load(tiny_m
         assert (first.region, first.load, first.kv_blocks, first.free_kv_blocks) == ("eu-west", 0, 256, 256)
         assert first.ttft_s is None and first.prefix is not None and first.prefix.count == 0
         await relay.launch("r1", {"reply_id": "r1", "model": "m", "prompt_token_ids": prompt,
-                                  "sampling": {"max_tokens": 40, "temperature": 0, "ignore_eos": True},
+                                  # long enough to be seen running by several heartbeats
+                                  "sampling": {"max_tokens": 600, "temperature": 0, "ignore_eos": True},
                                   "lane": "paid", "tier": "paid", "submitted_at": time.time()},
                            "paid", queue=worker.queue)
         busy = None
-        for _ in range(200):
+        for _ in range(1000):
             await asyncio.sleep(0.02)
             latest = (await registry.live())[0]
             if latest.running:
