@@ -124,8 +124,8 @@ async def test_a_second_producer_of_a_reply_drops_its_copy(replica):
         await relay.log.append("rep2", TokenEvent(i, "x", [300 + i]))
     read_log = worker._resume_point
 
-    async def then_the_first_producer_appends(running):
-        resumed = await read_log(running)
+    async def then_the_first_producer_appends(*args):
+        resumed = await read_log(*args)
         await relay.log.append("rep2", TokenEvent(5, "y", [400]))
         return resumed
 
