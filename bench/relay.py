@@ -279,10 +279,10 @@ class SyntheticEngine:
         self._waiting.append(step)
         await step
 
-    async def generate(self, request_id, prompt_token_ids, params, priority=0):
+    async def generate(self, request_id, prompt_token_ids, params, priority=0, output_token_ids=None):
         from fairway.engine import FinishReason, RequestOutput
 
-        for i in range(params.max_tokens):
+        for i in range(len(output_token_ids or []), params.max_tokens):  # (a continuation: after those)
             await self._next_step()
             if request_id in self._aborted:
                 self._aborted.discard(request_id)
