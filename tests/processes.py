@@ -9,6 +9,14 @@ import time
 from pathlib import Path
 
 
+def create_key(database: str, user: str, tier: str = "paid") -> str:
+    """A key for the user in the database, made as an operator makes one (`fairway keys create`
+    prints it last)."""
+    out = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", tier,
+                          "--database", database], check=True, capture_output=True, text=True, timeout=60)
+    return out.stdout.strip().splitlines()[-1]
+
+
 class Processes:
     def __init__(self, logs: Path) -> None:
         self.logs = logs

@@ -9,8 +9,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -21,17 +19,11 @@ import pytest
 import redis
 from backends import missing
 from pg_admin import temporary_database
-from processes import PrivateRedis, Processes
+from processes import PrivateRedis, Processes, create_key
 from serving import MODEL, free_port, sse_events, wait_for, wait_ready
 
 MAX_TOKENS = 32
 STREAMS = 16
-
-
-def create_key(database: str, user: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", "paid",
-                          "--database", database], check=True, capture_output=True, text=True, timeout=60)
-    return out.stdout.strip().splitlines()[-1]
 
 
 @dataclass

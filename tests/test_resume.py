@@ -7,11 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 import uuid
-from pathlib import Path
 
 import asyncpg
 import httpx
@@ -19,6 +16,7 @@ import openai
 import pytest
 from backends import missing
 from pg_admin import PG_HOST, temporary_database, terminate_lock_waiters
+from processes import Processes, create_key
 from serving import (
     HERD_MAX_TOKENS,
     MODEL,
@@ -40,14 +38,6 @@ KEYS: dict[str, str] = {}  # user -> key, made with `fairway keys create` agains
 
 def headers(user: str = "resume-user") -> dict[str, str]:
     return {"Authorization": f"Bearer {KEYS[user]}"}
-
-
-def create_key(database: str, user: str, tier: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", tier,
-                          "--database", database], check=True, capture_output=True, text=True, timeout=60)
-    return out.stdout.strip().splitlines()[-1]
-
-
 
 
 @pytest.fixture(scope="module", params=["redis", "cluster"])
@@ -76,29 +66,6 @@ def namespace():
     if keys:
         client.delete(*keys)
     client.close()
-
-
-class Processes:
-    def __init__(self, logs: Path) -> None:
-        self.logs = logs
-        self.procs: list[tuple[str, subprocess.Popen]] = []
-
-    def start(self, name: str, *args: str) -> None:
-        out = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115  closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "fairway.cli", *args], stdout=out, stderr=subprocess.STDOUT)
-        self.procs.append((name, proc))
-
-    def tails(self) -> str:
-        return "\n".join(f"--- {name}\n{(self.logs / f'{name}.log').read_text()[-3000:]}" for name, _ in self.procs)
-
-    def stop(self) -> None:
-        for _, proc in self.procs:
-            proc.terminate()
-        for _, proc in self.procs:
-            try:
-                proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
 
 
 @pytest.fixture(scope="module")

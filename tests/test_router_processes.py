@@ -14,9 +14,9 @@ import httpx
 import pytest
 from backends import missing
 from pg_admin import temporary_database
+from processes import Processes, create_key
 from redis_keys import delete_prefixed
 from serving import MODEL, free_port, wait_for, wait_ready
-from test_resume import Processes, create_key
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 KEY: dict[str, str] = {}
