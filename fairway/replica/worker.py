@@ -778,35 +778,38 @@ class _Tried(Generic[T]):
     retried: bool  # an earlier try failed with an outage: its writes may have happened
 
 
-async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
-    """call(), again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
-    for attempt, delay in enumerate((*LOG_RETRY_DELAYS_S, None)):
+async def _retrying(call: Callable[[], Awaitable[T]], what: str, delays: Sequence[float],
+                   errors: type[Exception] | tuple[type[Exception], ...]) -> _Tried[T]:
+    """call(), again after each of delays while it raises one of errors (Redis away for a
+    moment); the last error is raised."""
+    for attempt, delay in enumerate((*delays, None)):
         try:
             return _Tried(await call(), attempt > 0)
-        except RelayUnavailable:
+        except errors:
             if delay is None:
                 raise
-            log.warning("token log unreachable (%s); retrying in %.2f s", what, delay)
+            log.warning("%s failed (Redis unreachable?); retrying in %.2f s", what, delay)
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")
+
+
+async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
+    """A token log write, again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
+    return await _retrying(call, f"token log: {what}", LOG_RETRY_DELAYS_S, RelayUnavailable)
 
 
 async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:
     """Post a report to the recorders, retrying after each delay while the inbox is unreachable:
     for a reply nobody watched, a "finished" report is the only record of its text and usage.
     False if it never got through."""
-    for attempt, delay in enumerate((*delays, None)):
-        try:
-            await inbox.post(REPORTS_INBOX, report.to_dict())
-            return True
-        except RelayError:
-            if delay is None:
-                log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
-                              attempt + 1)
-                return False
-            log.warning("reply %s: could not report %s; retrying in %.1f s", report.reply_id, report.kind, delay)
-            await asyncio.sleep(delay)
-    return False
+    try:
+        await _retrying(lambda: inbox.post(REPORTS_INBOX, report.to_dict()),
+                        f"reply {report.reply_id}: report {report.kind}", delays, RelayError)
+        return True
+    except RelayError:
+        log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
+                      len(delays) + 1)
+        return False
 
 
 def _usage(out: RequestOutput | None) -> tuple[int, int, int]:
