@@ -221,6 +221,7 @@ class ReplicaWorker:
         self._capacity = asyncio.Semaphore(settings.max_inflight)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
+        self._stopping = False  # stop() has begun: the loops' cancellations are its own
         self.draining = False
         self._claiming: asyncio.Future[ClaimedJob | None] | None = None  # the claim loop's wait
         self._started_at = time.time()
@@ -277,6 +278,7 @@ class ReplicaWorker:
 
     async def start(self) -> None:
         """Announce the replica and start its loops; returns at once."""
+        self._stopping = False
         self.engine.start()
         if self._health is not None:
             await self._health.start()
@@ -285,7 +287,7 @@ class ReplicaWorker:
         await self.registry.announce(self.info())
         await self._resume_own()
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
-            self._loops.append(asyncio.create_task(loop(), name=f"{self.id}:{loop.__name__}"))
+            self._loops.append(asyncio.create_task(self._supervised(loop), name=f"{self.id}:{loop.__name__}"))
 
     async def run(self) -> None:
         """start() and serve until cancelled, or until drain() (or stop()) ends the loops."""
@@ -323,6 +325,7 @@ class ReplicaWorker:
 
     async def stop(self) -> None:
         """Leave routing, end the replies in flight (their clients get a final event), stop."""
+        self._stopping = True
         with contextlib.suppress(Exception):
             await self.registry.withdraw(self.id)
         metrics.ENGINES.untrack(self.id)
@@ -340,6 +343,24 @@ class ReplicaWorker:
         self._loops.clear()
         if self._health is not None:
             await self._health.close()
+
+    async def _supervised(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the worker's loops for as long as the worker runs: one that fails, or is
+        cancelled by anything but stop() (a connection lost under it can surface as a
+        cancellation), starts again, so a Redis outage never ends a replica quietly. A loop that
+        returns has ended by design (the claim loop, on drain)."""
+        while True:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if self._stopping or (me is not None and me.cancelling()):
+                    raise
+                log.error("replica %s: %s was cancelled under it; starting it again", self.id, loop.__name__)
+            except Exception:
+                log.exception("replica %s: %s failed; starting it again", self.id, loop.__name__)
+            await asyncio.sleep(0.5)
 
     async def _resume_own(self) -> None:
         """Restarted under the same id before a failover took its queue over: the jobs its last
