@@ -410,13 +410,17 @@ class EventStream(Response):
         assert task is not None
         streaming, gone = True, False
 
+        cancels = 0
+
         async def watch() -> None:
-            nonlocal gone
+            nonlocal gone, cancels
             while (await receive())["type"] != "http.disconnect":
                 pass
-            if streaming:  # (receive also says "disconnect" once the response is complete)
-                gone = True
+            gone = streaming  # (receive also says "disconnect" once the response is complete)
+            while streaming:  # a cancel an await swallowed is asked again: the listener must leave
+                cancels += 1
                 task.cancel()
+                await asyncio.sleep(1.0)
 
         watcher = asyncio.ensure_future(watch())
         try:
@@ -432,7 +436,8 @@ class EventStream(Response):
         except asyncio.CancelledError:
             if not gone:
                 raise
-            task.uncancel()  # the client left: that ends the response, not the request's task
+            for _ in range(cancels):
+                task.uncancel()  # the client left: that ends the response, not the request's task
         finally:
             streaming = False
             watcher.cancel()
