@@ -9,6 +9,7 @@ small (256 MiB, 1 s CPU, 2 s wall) so the whole file stays quick.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,13 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from fairway.sandbox import LocalSandbox, RunnerSettings, SandboxLimits
+from fairway.sandbox import LocalSandbox, RunnerSettings, SandboxLimits, runner
+from fairway.sandbox.cgroup import RunGroup, find_parent
 from fairway.sandbox.service import GrpcSandbox
 from tests.backends import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITS = SandboxLimits(cpu_s=1.0, wall_s=2.0, memory_mb=256, procs=16, file_mb=4, tmp_mb=8, open_files=32,
                        output_bytes=32 * 1024)
+ROOMY = dataclasses.replace(LIMITS, wall_s=8.0)  # the kernel's reclaim, then its OOM kill, take a while
 PROBE_S = 1.5  # a probe beside an abuse must be back within this (a run alone takes ~0.05 s)
 
 
@@ -129,6 +132,52 @@ async def test_fork_bomb(service_url):
 async def test_allocate_4_gib(service_url):
     result = await _beside(service_url, "x = bytearray(4 * 1024 ** 3)\nprint('allocated')")
     assert result.exit_code == 1 and "MemoryError" in result.stderr and not result.stdout
+
+
+def _need_cgroup() -> None:
+    parent, why = find_parent()
+    if parent is None:
+        pytest.skip(f"no memory cgroup for runs here: {why}")
+
+
+# Each child stays within the per-process bound (RLIMIT_AS 256 MiB); together they are past it.
+FORKED_ALLOCATIONS = """import os, time
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * (100 * 1024 * 1024)
+        time.sleep(0.5)
+        os._exit(0)
+    kids.append(pid)
+print([os.waitpid(k, 0)[1] for k in kids])
+"""
+
+
+async def test_processes_together_past_the_memory_limit(service_url):
+    _need_cgroup()
+    result = await _beside(service_url, FORKED_ALLOCATIONS, ROOMY)
+    assert result.limit == "memory", result  # the run's cgroup: the kernel killed one of them
+
+
+async def test_each_run_has_a_memory_cgroup_of_its_own_removed_after(monkeypatch):
+    _need_sandbox()
+    _need_cgroup()
+    made: list[RunGroup] = []
+
+    class Recorded(RunGroup):
+        def create(self) -> None:
+            super().create()
+            made.append(self)
+
+    monkeypatch.setattr(runner, "RunGroup", Recorded)
+    sandbox = LocalSandbox()
+    ok, over = await asyncio.gather(sandbox.run("print(len(open('/proc/self/cgroup').read()) > 0)", LIMITS),
+                                    sandbox.run(FORKED_ALLOCATIONS, ROOMY))
+    assert ok.ok and ok.stdout == "True\n", ok
+    assert over.limit == "memory", over
+    assert len({g.path for g in made}) == len(made) >= 2  # (and the availability probe's)
+    assert not any(g.path.exists() for g in made)
 
 
 async def test_fill_the_disk(service_url):
