@@ -22,10 +22,10 @@ from serving import (
     wait_ready,
 )
 
+from fairway.conversation.extras import TurnInfo
 from fairway.files import sniff as kinds
 from fairway.files.extract import ExtractionFailed, ExtractLimits, chunk_pages, extract_pages
 from fairway.files.objects import LocalObjectStore, S3ObjectStore
-from fairway.conversation.extras import TurnInfo
 from fairway.files.service import FileRejected, FileService, FileSettings
 from fairway.files.source import FileSource
 from fairway.files.store import FileStore
