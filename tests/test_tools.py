@@ -37,6 +37,9 @@ def script(prompt: str) -> str:
     if "<tool_response>" in turn:
         result = turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
         return f"The result is {result}."
+    if "two cities" in turn and "get_weather" in prompt:
+        return "".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>\n'
+                       for city in ("Paris", "Rome"))
     if "weather" in turn and "get_weather" in prompt:
         return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     if "compute" in turn:
@@ -264,6 +267,25 @@ def test_sdk_streamed_tool_calls(sdk):
                                      messages=[{"role": "user", "content": "weather in Paris, please"}]) as s:
         final = s.get_final_completion()
     assert final.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_parallel_tool_calls_false_holds_the_reply_to_one_call(sdk, scripted):
+    question = [{"role": "user", "content": "The weather in two cities, Paris and Rome?"}]
+    both = sdk.chat.completions.create(model=MODEL, messages=question, tools=[WEATHER], max_tokens=100)
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    for stream in (False, True):
+        one = sdk.chat.completions.create(model=MODEL, messages=question, tools=[WEATHER], max_tokens=100,
+                                          parallel_tool_calls=False, stream=stream)
+        if stream:
+            chunks = list(one)
+            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            calls, finish = one.choices[0].message.tool_calls, one.choices[0].finish_reason
+        assert finish == "tool_calls" and [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris"]
+    # The model is told so too (a template without tool support: the system block).
+    prompt = scripted.engine.tokenizer.decode(scripted.engine.prompts[-1][1])
+    assert "Call at most one function in your reply." in prompt
 
 
 def test_a_follow_up_in_a_stored_conversation(http):

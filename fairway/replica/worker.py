@@ -594,6 +594,9 @@ class ReplicaWorker:
                                                                    call.arguments, tools.client_calls))
                         tools.client_calls += 1
                         running.client_called = True
+                        if not tools.tools.parallel:  # parallel_tool_calls false: this call is the answer
+                            step.calls_done = True
+                            return step
                     elif running.client_called:  # (a built-in call after the client's: theirs come first)
                         step.calls_done = True
                         return step
