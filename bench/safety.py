@@ -17,6 +17,7 @@ policy and alt-profanity-check. Also the per-sentence cost of the output check's
 
     .venv/bin/python bench/safety.py            # ~4 min on 2 cores
     .venv/bin/python bench/safety.py --quick    # smoke run: 4 chats of 32 tokens, one round
+    .venv/bin/python bench/safety.py --classifiers-only   # part 2 alone (seconds)
 
 Results: bench/results/safety.json (safety_quick.json for --quick).
 """
@@ -170,6 +171,16 @@ async def main(args: argparse.Namespace) -> None:
     verdict = "within" if classifiers["input_p99_within_target"] else "OVER"
     print(f"  input check p99 {classifiers['input_check_new_message']['p99_ms']:.2f} ms: {verdict} the target",
           flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / ("safety_quick.json" if args.quick else "safety.json")
+    if args.classifiers_only:  # part 2 again; part 1's figures (and their date) stay as they were
+        earlier = json.loads(out.read_text()) if out.exists() else {}
+        if "holdback" in earlier:
+            report["holdback"] = earlier["holdback"]
+            report["holdback_date"] = earlier.get("holdback_date", earlier.get("date"))
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results: {out}")
+        return
     print(f"hold-back: fairway serve x2 (no check / check-then-release), {args.chats} chats of {args.tokens} tokens",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="fairway-bench-") as tmp:
@@ -179,8 +190,7 @@ async def main(args: argparse.Namespace) -> None:
     for name, m in holdback["medians"].items():
         print(f"{name:20s} {m['ttft_p50_s']:8.2f}s {m['ttft_p99_s']:8.2f}s {m['itl_p50_ms']:8.0f}ms {m['itl_p99_ms']:8.0f}ms"
               f" {m['aggregate_tokens_per_s']:9.1f}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("safety_quick.json" if args.quick else "safety.json")
+    report["holdback_date"] = report["date"]
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"results: {out}")
 
@@ -192,6 +202,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None, help="classifier checks timed per figure")
+    parser.add_argument("--classifiers-only", action="store_true",
+                        help="part 2 only, written into the results beside part 1's earlier figures")
     args = parser.parse_args()
     args.chats = args.chats or (4 if args.quick else 16)
     args.tokens = args.tokens or (32 if args.quick else 128)
