@@ -285,6 +285,35 @@ async def test_a_run_interrupted_by_a_failover_runs_again_under_its_call_id():
     assert isinstance(events[-1], FinalEvent) and events[-1].finish_reason == "stop"
 
 
+def test_after_its_log_expired_a_reply_replays_its_tool_runs_from_the_store(scripted, http):
+    events = _stream(http, chat_body("Please compute 6 times 7, once more.", max_tokens=200, tools=[CODE]))
+    reply_id = events[0].data["reply_id"]
+    http.get(f"/v1/conversations/{events[0].data['conversation_id']}")  # (saved before [DONE])
+
+    async def expire() -> None:  # what the log's retention does, now
+        scripted.gateway.token_log._logs.pop(reply_id, None)
+
+    scripted.call(expire())
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream") as r:
+        replay = list(sse_events(r))
+    ids = [e.id for e in replay if e.id is not None]
+    assert ids == sorted(set(ids)) and ids[-1] == events[-2].id  # increasing, ending where the log ended
+    assert [(x["status"], x.get("output")) for x in _executions(replay)] == [("running", None), ("completed", "42")]
+    assert "".join(e.content for e in replay) == "".join(e.content for e in events) == BEFORE_CALL + "The result is 42."
+    kinds = ["tool" if isinstance(e.data, dict) and "tool_execution" in e.data else "text" if e.content else "-"
+             for e in replay]
+    assert kinds.index("tool") > kinds.index("text") and "text" in kinds[kinds.index("tool") + 2:]  # in place
+    # From a cursor inside the reply: the whole text as a snapshot, and each run's outcome.
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "2"}) as r:
+        resumed = list(sse_events(r))
+    assert resumed[0].data["snapshot"] is True and resumed[0].content == BEFORE_CALL + "The result is 42."
+    assert [(x["status"], x["output"]) for x in _executions(resumed)] == [("completed", "42")]
+    assert all(e.id > 2 for e in resumed if e.id is not None)
+    # Read again from the store, the stored message keeps its run.
+    conversation = http.get(f"/v1/conversations/{events[0].data['conversation_id']}").json()
+    assert [r["output"] for r in conversation["messages"][-1]["tool_executions"]] == ["42"]
+
+
 def test_execute_code_without_streaming(http):
     answer = http.post("/v1/chat/completions", json=chat_body("compute it", max_tokens=200, stream=False,
                                                               tools=[CODE])).json()
