@@ -81,6 +81,7 @@ def test_a_flagged_message_is_refused_stored_flagged_and_never_generated(server,
     conversation = http.get(f"/v1/conversations/{r.headers['x-conversation-id']}").json()
     assert [(m["role"], m["status"]) for m in conversation["messages"]] == [("user", "flagged")]
     assert conversation["messages"][0]["id"] == r.headers["x-message-id"]
+    assert "illicit/violent" in conversation["messages"][0]["flagged_categories"]  # stored, for a page reloaded later
     assert reserved_tokens(server) == reserved  # nothing reserved
     assert metric(http, "fairway:safety_flagged_total", stage="input", category="illicit/violent") == before + 1
     # The SDK sees OpenAI's error; the same refused message sent again is refused again, stored once.
@@ -129,6 +130,7 @@ def test_a_reply_that_turns_flagged_ends_with_content_filter_and_keeps_what_was_
     message = next(m for m in http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
                    if m.get("reply_id") == reply_id)
     assert message["status"] == "flagged" and message["content"] == text
+    assert message["flagged_categories"] == ["violence"]
     assert metric(http, "fairway:safety_flagged_total", stage="output", category="violence") == before + 1
     assert metric(http, "fairway:safety_check_seconds_count", stage="output") > 0
 

@@ -23,6 +23,8 @@ def _conversation(c: Conversation) -> dict[str, Any]:
 def _message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"id": m.id, "object": "conversation.message", "role": str(m.role), "content": m.text,
                            "status": str(m.status), "created_at": m.created_at}
+    if m.flagged_categories:
+        out["flagged_categories"] = list(m.flagged_categories)
     tools = m.tools or {}
     calls = tools.get("calls") or []
     if any(c.get("status") == "call" for c in calls):

@@ -770,6 +770,7 @@ class ReplicaWorker:
                 ttft_s=ttft,
                 duration_s=duration,
                 tools=running.tools,
+                categories=list(final.categories),
             )
         # A "started" report only marks the reply running, and generation waits for it: one try.
         await post_report(self.relay.inbox, report, REPORT_RETRY_DELAYS_S if final is not None else ())
