@@ -127,6 +127,12 @@ async def test_upload_processes_and_is_per_user(files: FileService):
     assert quota.value.code == "storage_quota_exceeded"
     assert await files.delete("u1", record.file_id) and not await files.delete("u1", record.file_id)
     assert await files.get("u1", record.file_id) is None
+    for i in range(5):  # the count per user (5 here)
+        await files.upload("u3", f"note{i}.txt", b"a short note", "multimodal_input")
+    with pytest.raises(FileRejected) as count:
+        await files.upload("u3", "note5.txt", b"one too many", "multimodal_input")
+    assert (count.value.status, count.value.code) == (413, "too_many_files")
+    await files.wait_processed()
 
 
 async def test_deleting_a_file_or_a_conversation_leaves_no_chunks(files: FileService):

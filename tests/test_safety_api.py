@@ -113,9 +113,12 @@ def test_a_flagged_message_in_a_conversation_stays_out_of_later_contexts(http):
 
 def test_a_reply_that_turns_flagged_ends_with_content_filter_and_keeps_what_was_released(server, http, client):
     before = metric(http, "fairway:safety_flagged_total", stage="output", category="violence")
-    with http.stream("POST", "/v1/chat/completions", json=chat_body(CATS, max_tokens=60, message_id="cats-1")) as r:
+    with http.stream("POST", "/v1/chat/completions", json=chat_body(CATS, max_tokens=300, message_id="cats-1")) as r:
         assert r.status_code == 200
         events = list(sse_events(r))
+    # The replica dropped the sequence at the flag (its blocks freed): nothing generates on towards
+    # the 300 tokens it was allowed.
+    wait_for(lambda: metric(http, "fairway:num_requests_running") == 0, timeout=3)
     reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
     final = next(e for e in events if e.finish_reason)
     assert final.finish_reason == "content_filter"
@@ -141,7 +144,7 @@ def test_a_reply_that_turns_flagged_ends_with_content_filter_and_keeps_what_was_
 
     # The same message again, as one JSON response through the SDK: the finished reply, replayed.
     completion = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": CATS}],
-                                                max_tokens=60, temperature=0, extra_body={"message_id": "cats-1"})
+                                                max_tokens=300, temperature=0, extra_body={"message_id": "cats-1"})
     assert completion.id == reply_id and completion.choices[0].finish_reason == "content_filter"
     assert completion.choices[0].message.content == text
 

@@ -63,6 +63,7 @@ class RunnerSettings:
     uid_count: int = 1024
     ceiling: SandboxLimits = SandboxLimits()  # no request gets more than this
     cgroup: str | None = None  # the parent of the runs' memory cgroups; None: found (cgroup.py)
+    memory_cgroups: bool = True  # False: per-process memory bounds only (bench/sandbox.py's peer)
 
 
 @dataclass
@@ -82,7 +83,8 @@ class LocalSandbox(Sandbox):
         self._as_root = os.geteuid() == 0
         # Each run's memory cgroup goes here; None: per-process bounds only (memory_bound says why).
         self.cgroup: CgroupParent | None
-        self.cgroup, self.memory_bound = find_parent(self.settings.cgroup)
+        self.cgroup, self.memory_bound = (find_parent(self.settings.cgroup) if self.settings.memory_cgroups
+                                          else (None, "memory cgroups are turned off"))
         if self.cgroup is None:
             log.info("sandbox runs are bounded per process only: %s", self.memory_bound)
 
