@@ -160,24 +160,39 @@ async def test_processes_together_past_the_memory_limit(service_url):
     assert result.limit == "memory", result  # the run's cgroup: the kernel killed one of them
 
 
-async def test_each_run_has_a_memory_cgroup_of_its_own_removed_after(monkeypatch):
+async def test_runs_at_once_have_memory_cgroups_of_their_own_kept_for_the_next(monkeypatch):
     _need_sandbox()
     _need_cgroup()
-    made: list[RunGroup] = []
+    used: list[Path] = []
 
     class Recorded(RunGroup):
-        def create(self) -> None:
-            super().create()
-            made.append(self)
+        def prepare(self, memory_bytes: int) -> None:
+            super().prepare(memory_bytes)
+            used.append(self.path)
 
     monkeypatch.setattr(runner, "RunGroup", Recorded)
     sandbox = LocalSandbox()
-    ok, over = await asyncio.gather(sandbox.run("print(len(open('/proc/self/cgroup').read()) > 0)", LIMITS),
-                                    sandbox.run(FORKED_ALLOCATIONS, ROOMY))
-    assert ok.ok and ok.stdout == "True\n", ok
-    assert over.limit == "memory", over
-    assert len({g.path for g in made}) == len(made) >= 2  # (and the availability probe's)
-    assert not any(g.path.exists() for g in made)
+    try:
+        await sandbox.check()
+        used.clear()
+        ok, over = await asyncio.gather(sandbox.run("print(1)", LIMITS), sandbox.run(FORKED_ALLOCATIONS, ROOMY))
+        assert ok.ok and ok.stdout == "1\n", ok
+        assert over.limit == "memory", over
+        assert len(set(used)) == 2  # one each while both ran
+        assert all(p.exists() and not (p / "cgroup.procs").read_text().strip() for p in used)  # kept, empty
+    finally:
+        await sandbox.close()
+    assert not any(p.exists() for p in used)
+    # One uid, so one group for every run: a run after an OOM kill there is not taken for one.
+    single = LocalSandbox(RunnerSettings(uid_count=1, max_concurrent=1))
+    try:
+        await single.check()
+        used.clear()
+        over, ok = await single.run(FORKED_ALLOCATIONS, ROOMY), await single.run("print(1)", LIMITS)
+    finally:
+        await single.close()
+    assert over.limit == "memory" and ok.ok and ok.limit is None, (over, ok)
+    assert len(used) == 2 and len(set(used)) == 1
 
 
 async def test_fill_the_disk(service_url):

@@ -1,10 +1,10 @@
 """A memory cgroup per run: the resident memory of a run's whole process tree, bounded by the kernel.
 
 RLIMIT_AS bounds each process's address space; a run may start up to `procs` processes, so without
-this its total is their product. Where the host lets the runner make cgroups, each run gets a
-group of its own under a parent, its limit set before the code starts (the runner's command moves
-itself into the group, then drops to the run's uid, then execs bubblewrap), swap included, and is
-removed after the run. A run the kernel's OOM killer ended in its group is reported as hitting the
+this its total is their product. Where the host lets the runner make cgroups, each run is in a
+group of its own under a parent (from a pool of groups the runner reuses: RunGroup), its limit
+set before the code starts (the runner's command moves itself into the group, then drops to the
+run's uid, then execs bubblewrap), swap included. A run the kernel's OOM killer ended in its group is reported as hitting the
 memory limit.
 
 The parent:
@@ -68,7 +68,7 @@ def _own_groups() -> dict[str, str]:
 
 
 def _writable(parent: CgroupParent) -> tuple[CgroupParent | None, str]:
-    probe = parent.path / f"fairway-probe-{uuid.uuid4().hex[:8]}"
+    probe = parent.path / f"fairway-{os.getpid()}-probe-{uuid.uuid4().hex[:8]}"
     try:
         probe.mkdir()
         probe.rmdir()
@@ -85,56 +85,71 @@ def _read(path: Path) -> str:
 
 
 class RunGroup:
-    """One run's group: made with its limit, joined by the run's first process, removed after."""
+    """A memory cgroup that runs use one at a time (the runner keeps a pool, one per run at once):
+    made on first use and kept, since a process started in a new memory cgroup costs tens of
+    milliseconds more than in one that has run processes before; limited afresh for each run;
+    removed with the runner (or, left behind by a runner that died, by the next one's sweep)."""
 
-    def __init__(self, parent: CgroupParent, memory_bytes: int) -> None:
+    def __init__(self, parent: CgroupParent, name: str) -> None:
         self.parent = parent
-        self.path = parent.path / f"fairway-run-{uuid.uuid4().hex[:12]}"
-        self.memory_bytes = memory_bytes
+        self.path = parent.path / name
+        self._ooms = 0  # the group's OOM kills before this run
 
     @property
     def procs_file(self) -> str:
         return str(self.path / "cgroup.procs")
 
-    def create(self) -> None:
-        """OSError when the group cannot be made or limited (the run then does not start)."""
-        self.path.mkdir()
-        try:
-            if self.parent.version == 1:
-                (self.path / "memory.limit_in_bytes").write_text(str(self.memory_bytes))
-                swap = self.path / "memory.memsw.limit_in_bytes"  # memory + swap: no way round it by swapping
-                if swap.exists():
-                    swap.write_text(str(self.memory_bytes))
-            else:
-                (self.path / "memory.max").write_text(str(self.memory_bytes))
-                swap = self.path / "memory.swap.max"
-                if swap.exists():
-                    swap.write_text("0")
-        except OSError:
-            self.path.rmdir()
-            raise
+    def prepare(self, memory_bytes: int) -> None:
+        """Ready for a run within memory_bytes. OSError when the group cannot be made or limited
+        (the run then does not start)."""
+        self.path.mkdir(exist_ok=True)
+        if self.parent.version == 1:
+            limit, swap = self.path / "memory.limit_in_bytes", self.path / "memory.memsw.limit_in_bytes"
+            # memory + swap: no way round the limit by swapping. The kernel keeps memsw >= the
+            # memory limit at every step, so which goes first depends on the direction.
+            order = [limit, swap] if memory_bytes <= int(_read(limit) or 0) else [swap, limit]
+            for path in order:
+                if path.exists():
+                    path.write_text(str(memory_bytes))
+        else:
+            (self.path / "memory.max").write_text(str(memory_bytes))
+            swap = self.path / "memory.swap.max"
+            if swap.exists():
+                swap.write_text("0")
+        self._ooms = self._oom_kills()
 
     def oom_killed(self) -> bool:
-        """Whether the kernel killed a process of the run for going over the group's limit."""
+        """Whether the kernel killed a process of this run for going over the group's limit."""
+        return self._oom_kills() > self._ooms
+
+    def _oom_kills(self) -> int:
         text = _read(self.path / ("memory.oom_control" if self.parent.version == 1 else "memory.events"))
         for line in text.splitlines():
             name, _, value = line.partition(" ")
             if name == "oom_kill":
-                return int(value or 0) > 0
-        return self.parent.version == 1 and int(_read(self.path / "memory.failcnt") or 0) > 0
+                return int(value or 0)
+        return int(_read(self.path / "memory.failcnt") or 0) if self.parent.version == 1 else 0
 
-    async def remove(self) -> None:
-        """After the run: once its last process is gone (a killed tree takes a moment to exit)."""
-        for _ in range(50):
-            try:
-                self.path.rmdir()
+    async def settle(self) -> None:
+        """After a run: until its last process is gone (a killed tree takes a moment to exit), so
+        the next run starts alone in the group."""
+        for _ in range(100):
+            if not _read(Path(self.procs_file)).strip():
                 return
-            except FileNotFoundError:
-                return
-            except OSError:
-                await asyncio.sleep(0.02)
+            await asyncio.sleep(0.01)
+
+    def remove(self) -> None:
         with contextlib.suppress(OSError):
             self.path.rmdir()
+
+
+def sweep(parent: CgroupParent, prefix: str = "fairway-") -> None:
+    """Remove the empty groups runners that are gone left behind (named prefix + their pid)."""
+    for path in parent.path.glob(f"{prefix}*"):
+        pid = path.name[len(prefix):].split("-", 1)[0]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            with contextlib.suppress(OSError):
+                path.rmdir()
 
 
 def join_args(group: RunGroup) -> list[str]:

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fairway.sandbox.bwrap import bwrap_args, prlimit_args, setpriv_args
-from fairway.sandbox.cgroup import CgroupParent, RunGroup, find_parent, join_args
+from fairway.sandbox.cgroup import CgroupParent, RunGroup, find_parent, join_args, sweep
 from fairway.sandbox.limits import MIB, RunResult, SandboxLimits
 from fairway.sandbox.seccomp_filter import SeccompUnavailable, filter_bpf
 
@@ -85,8 +85,12 @@ class LocalSandbox(Sandbox):
         self.cgroup: CgroupParent | None
         self.cgroup, self.memory_bound = (find_parent(self.settings.cgroup) if self.settings.memory_cgroups
                                           else (None, "memory cgroups are turned off"))
+        self._groups: list[RunGroup] = []  # every memory cgroup made, at most max_concurrent
+        self._idle_groups: list[RunGroup] = []  # those no run is in, the last one used on top
         if self.cgroup is None:
             log.info("sandbox runs are bounded per process only: %s", self.memory_bound)
+        else:
+            sweep(self.cgroup)
 
     # -- availability ------------------------------------------------------------------------
 
@@ -154,18 +158,35 @@ class LocalSandbox(Sandbox):
             if entry.users == 0:
                 del self._tenants[tenant]
 
+    async def close(self) -> None:
+        for group in self._groups:
+            group.remove()
+        self._groups.clear()
+        self._idle_groups.clear()
+
+    def _take_group(self) -> RunGroup | None:
+        """A memory cgroup no run is in: the one used last (warm), else a new one."""
+        if self.cgroup is None:
+            return None
+        if self._idle_groups:
+            return self._idle_groups.pop()
+        group = RunGroup(self.cgroup, f"fairway-{os.getpid()}-{id(self):x}-{len(self._groups)}")
+        self._groups.append(group)
+        return group
+
     async def _execute(self, code: str, limits: SandboxLimits, uid: int) -> RunResult:
-        group = RunGroup(self.cgroup, limits.memory_mb * MIB) if self.cgroup is not None else None
-        if group is not None:
+        group = self._take_group()
+        if group is None:
+            return await self._execute_in(code, limits, uid, None)
+        try:
             try:
-                group.create()
+                group.prepare(limits.memory_mb * MIB)
             except OSError as exc:
                 return RunResult.failed(f"could not make the run's memory cgroup: {exc}")
-        try:
             return await self._execute_in(code, limits, uid, group)
         finally:
-            if group is not None:
-                await group.remove()
+            await group.settle()
+            self._idle_groups.append(group)
 
     async def _execute_in(self, code: str, limits: SandboxLimits, uid: int, group: RunGroup | None) -> RunResult:
         started = time.monotonic()
