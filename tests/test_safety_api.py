@@ -148,6 +148,18 @@ def test_a_reply_that_turns_flagged_ends_with_content_filter_and_keeps_what_was_
     assert completion.id == reply_id and completion.choices[0].finish_reason == "content_filter"
     assert completion.choices[0].message.content == text
 
+    # Once its token log has expired, from the store: the same text, the same end, and why.
+    async def expire() -> None:
+        server.gateway.token_log._logs.pop(reply_id, None)
+
+    server.call(expire())
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream") as stored:
+        replay = list(sse_events(stored))
+    assert "".join(e.content for e in replay) == text
+    end = next(e for e in replay if e.finish_reason)
+    assert end.finish_reason == "content_filter"
+    assert end.data["choices"][0]["content_filter_results"] == {"violence": {"filtered": True}}
+
 
 # -- /v1/moderations ------------------------------------------------------------------------------
 

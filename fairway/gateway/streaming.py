@@ -227,6 +227,7 @@ class ReplyRelay:
                 message.prompt_tokens if message else 0,
                 message.cached_tokens if message else 0,
                 message.completion_tokens if message else 0,
+                categories=tuple(message.flagged_categories or ()) if message else (),
             ),
         ]
 
