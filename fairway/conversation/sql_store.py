@@ -640,6 +640,21 @@ class SqlConversationStore(ConversationStore):
             row = (await conn.execute(query)).mappings().first()
         return UsageRecord(**row) if row else None
 
+    async def flagged_totals(self, user_id: str, since: float, until: float) -> dict[str, dict[str, int]]:
+        m = messages.c
+        query = (sa.select(m.role, m.flagged_categories)
+                 .join_from(messages, conversations, conversations.c.id == m.conversation_id)
+                 .where(conversations.c.user_id == user_id, m.status == MessageStatus.FLAGGED.value,
+                        m.created_at >= since, m.created_at < until))
+        async with self._one_statement() as conn:
+            rows = (await conn.execute(query)).all()
+        totals: dict[str, dict[str, int]] = {"input": {}, "output": {}}
+        for role, categories in rows:
+            stage = totals["input" if role == Role.USER.value else "output"]
+            for category in categories or ["unknown"]:  # (flagged before categories were kept)
+                stage[category] = stage.get(category, 0) + 1
+        return totals
+
     async def usage_totals(self, user_id: str, first_day: str, last_day: str) -> list[dict[str, Any]]:
         u = usage_records.c
         query = (

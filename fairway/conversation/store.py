@@ -244,6 +244,12 @@ class ConversationStore(ABC):
     async def get_usage(self, reply_id: str) -> UsageRecord | None: ...
 
     @abstractmethod
+    async def flagged_totals(self, user_id: str, since: float, until: float) -> dict[str, dict[str, int]]:
+        """How often the user's messages written in [since, until) were flagged, per category: the
+        input check's ({"input": {category: n}}: their own messages) and the output check's
+        ({"output": ...}: replies to them)."""
+
+    @abstractmethod
     async def usage_totals(self, user_id: str, first_day: str, last_day: str) -> list[dict[str, Any]]:
         """The user's totals per (day, model) for days first_day..last_day (YYYY-MM-DD, UTC, both
         included), oldest day first: requests, prompt/cached/completion tokens, cost."""
