@@ -46,6 +46,9 @@ def test_content_is_sniffed_not_trusted_from_the_name():
     assert kinds.sniff("héllo wörld\n".encode(), "a.bin") == kinds.TEXT
     assert kinds.sniff(b"# Title\n\ntext", "README.md") == kinds.MARKDOWN
     assert kinds.sniff(b"RIFF\x24\x00\x00\x00WAVEfmt ", "a.txt") == "audio/wav"
+    assert kinds.sniff(b"\x00\x00\x00\x20ftypM4A \x00\x00", "voice.bin") == "audio/mp4"
+    assert kinds.sniff(b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81", "note") == "audio/webm"
+    assert all(kind in kinds.AUDIO for kind in ("audio/mp4", "audio/webm"))  # 415: no speech model
     assert kinds.sniff(b"\x00\x01\x02binary\x00", "a.txt") == "application/octet-stream"
 
 
