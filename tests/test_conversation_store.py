@@ -440,9 +440,9 @@ async def test_init_is_idempotent_and_matches_schema(store: SqlConversationStore
 
 
 async def test_a_database_whose_parts_made_their_own_tables_migrates_in_place(open_store: StoreFactory) -> None:
-    """Before revision 0005 memory, files and the vector index made their tables themselves
+    """Before revision 0006 memory, files and the vector index made their tables themselves
     (create_all): such a database goes to head keeping their rows, and flagged messages keep
-    their categories from 0006 on."""
+    their categories from 0007 on."""
     from alembic import command
 
     from fairway.files.store import metadata as files_metadata
@@ -452,14 +452,14 @@ async def test_a_database_whose_parts_made_their_own_tables_migrates_in_place(op
 
     store = open_store()
 
-    def to_0004(conn: sa.Connection) -> None:
+    def to_0005(conn: sa.Connection) -> None:
         cfg = alembic_config()
         cfg.attributes["connection"] = conn
-        command.upgrade(cfg, "0004")
+        command.upgrade(cfg, "0005")
 
     try:
         async with store._engine.begin() as conn:
-            await conn.run_sync(to_0004)
+            await conn.run_sync(to_0005)
             for part in (memory_metadata, files_metadata, _tables(DEFAULT_DIM, False)[0]):
                 await conn.run_sync(part.create_all)
             await conn.execute(sa.insert(memories).values(memory_id="mem_1", user_id="u1", fact="likes tea",

@@ -1,8 +1,8 @@
 """messages.flagged_categories: the moderation categories that flagged a message
 
-Revision ID: 0006
-Revises: 0005
-Create Date: 2025-01-06
+Revision ID: 0007
+Revises: 0006
+Create Date: 2026-12-01
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-revision: str = "0006"
-down_revision: str | None = "0005"
+revision: str = "0007"
+down_revision: str | None = "0006"
 branch_labels: str | None = None
 depends_on: str | None = None
 

@@ -1,8 +1,8 @@
 """memory's, files' and the vector index's tables, beside the conversations they serve
 
-Revision ID: 0005
-Revises: 0004
-Create Date: 2025-01-05
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-12-01
 
 Their parts (fairway/memory/store.py, fairway/files/store.py, fairway/retrieval/sql_index.py)
 query them; they used to create them themselves (create_all), so a database from then has some
@@ -20,8 +20,8 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects.postgresql import JSONB
 
-revision: str = "0005"
-down_revision: str | None = "0004"
+revision: str = "0006"
+down_revision: str | None = "0005"
 branch_labels: str | None = None
 depends_on: str | None = None
 
