@@ -222,6 +222,7 @@ class ReplicaWorker:
         self._capacity = asyncio.Semaphore(settings.max_inflight)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
+        self._stopping = False  # stop() has begun: the loops' cancellations are its own
         self.draining = False
         self._claiming: asyncio.Future[ClaimedJob | None] | None = None  # the claim loop's wait
         self._started_at = time.time()
@@ -278,6 +279,7 @@ class ReplicaWorker:
 
     async def start(self) -> None:
         """Announce the replica and start its loops; returns at once."""
+        self._stopping = False
         self.engine.start()
         if self._health is not None:
             await self._health.start()
@@ -286,7 +288,7 @@ class ReplicaWorker:
         await self.registry.announce(self.info())
         await self._resume_own()
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
-            self._loops.append(asyncio.create_task(loop(), name=f"{self.id}:{loop.__name__}"))
+            self._loops.append(asyncio.create_task(self._supervised(loop), name=f"{self.id}:{loop.__name__}"))
 
     async def run(self) -> None:
         """start() and serve until cancelled, or until drain() (or stop()) ends the loops."""
@@ -324,6 +326,7 @@ class ReplicaWorker:
 
     async def stop(self) -> None:
         """Leave routing, end the replies in flight (their clients get a final event), stop."""
+        self._stopping = True
         with contextlib.suppress(Exception):
             await self.registry.withdraw(self.id)
         metrics.ENGINES.untrack(self.id)
@@ -341,6 +344,24 @@ class ReplicaWorker:
         self._loops.clear()
         if self._health is not None:
             await self._health.close()
+
+    async def _supervised(self, loop: Callable[[], Awaitable[None]]) -> None:
+        """Run one of the worker's loops for as long as the worker runs: one that fails, or is
+        cancelled by anything but stop() (a connection lost under it can surface as a
+        cancellation), starts again, so a Redis outage never ends a replica quietly. A loop that
+        returns has ended by design (the claim loop, on drain)."""
+        while True:
+            try:
+                await loop()
+                return
+            except asyncio.CancelledError:
+                me = asyncio.current_task()
+                if self._stopping or (me is not None and me.cancelling()):
+                    raise
+                log.error("replica %s: %s was cancelled under it; starting it again", self.id, loop.__name__)
+            except Exception:
+                log.exception("replica %s: %s failed; starting it again", self.id, loop.__name__)
+            await asyncio.sleep(0.5)
 
     async def _resume_own(self) -> None:
         """Restarted under the same id before a failover took its queue over: the jobs its last
@@ -821,35 +842,38 @@ class _Tried(Generic[T]):
     retried: bool  # an earlier try failed with an outage: its writes may have happened
 
 
-async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
-    """call(), again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
-    for attempt, delay in enumerate((*LOG_RETRY_DELAYS_S, None)):
+async def _retrying(call: Callable[[], Awaitable[T]], what: str, delays: Sequence[float],
+                   errors: type[Exception] | tuple[type[Exception], ...]) -> _Tried[T]:
+    """call(), again after each of delays while it raises one of errors (Redis away for a
+    moment); the last error is raised."""
+    for attempt, delay in enumerate((*delays, None)):
         try:
             return _Tried(await call(), attempt > 0)
-        except RelayUnavailable:
+        except errors:
             if delay is None:
                 raise
-            log.warning("token log unreachable (%s); retrying in %.2f s", what, delay)
+            log.warning("%s failed (Redis unreachable?); retrying in %.2f s", what, delay)
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")
+
+
+async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
+    """A token log write, again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
+    return await _retrying(call, f"token log: {what}", LOG_RETRY_DELAYS_S, RelayUnavailable)
 
 
 async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:
     """Post a report to the recorders, retrying after each delay while the inbox is unreachable:
     for a reply nobody watched, a "finished" report is the only record of its text and usage.
     False if it never got through."""
-    for attempt, delay in enumerate((*delays, None)):
-        try:
-            await inbox.post(REPORTS_INBOX, report.to_dict())
-            return True
-        except RelayError:
-            if delay is None:
-                log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
-                              attempt + 1)
-                return False
-            log.warning("reply %s: could not report %s; retrying in %.1f s", report.reply_id, report.kind, delay)
-            await asyncio.sleep(delay)
-    return False
+    try:
+        await _retrying(lambda: inbox.post(REPORTS_INBOX, report.to_dict()),
+                        f"reply {report.reply_id}: report {report.kind}", delays, RelayError)
+        return True
+    except RelayError:
+        log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
+                      len(delays) + 1)
+        return False
 
 
 def _usage(out: RequestOutput | None) -> tuple[int, int, int]:
