@@ -17,6 +17,7 @@ policy and alt-profanity-check. Also the per-sentence cost of the output check's
 
     .venv/bin/python bench/safety.py            # ~4 min on 2 cores
     .venv/bin/python bench/safety.py --quick    # smoke run: 4 chats of 32 tokens, one round
+    .venv/bin/python bench/safety.py --classifiers-only   # part 2 alone (seconds)
 
 Results: bench/results/safety.json (safety_quick.json for --quick).
 """
@@ -93,14 +94,19 @@ def percentiles_ms(samples: list[float]) -> dict[str, float]:
             "p99_ms": round(relay.percentile(ordered, 0.99) * 1000, 3)}
 
 
-async def timed(moderator, texts: list[str], stage: str, samples: int) -> list[float]:
-    out = []
+async def timed(moderator, texts: list[str], stage: str, samples: int) -> dict[str, float]:
+    """p50/p99 of each check's wall time, and of the CPU time this thread spent on it: on a shared
+    machine the wall time's tail is mostly other processes' turns on the cores, the CPU time is the
+    check's own cost."""
+    wall, cpu = [], []
     for i in range(samples):
         text = f"{texts[i % len(texts)]} ({i})"  # each text new: fold()'s cache must not answer it
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         await moderator.moderate_one(text, stage)
-        out.append(time.perf_counter() - start)
-    return out
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.thread_time() - start_cpu)
+    cpu_figures = percentiles_ms(cpu)
+    return {**percentiles_ms(wall), "cpu_p50_ms": cpu_figures["p50_ms"], "cpu_p99_ms": cpu_figures["p99_ms"]}
 
 
 async def bench_classifiers(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,11 +141,12 @@ async def bench_classifiers(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "context_tokens": context.num_tokens,
         "new_message_tokens": new_tokens,
-        "input_check_new_message": percentiles_ms(new_only),
-        "input_check_whole_context": percentiles_ms(everything),
-        "output_check_per_sentence": percentiles_ms(per_sentence),
+        "input_check_new_message": new_only,
+        "input_check_whole_context": everything,
+        "output_check_per_sentence": per_sentence,
         "samples": args.samples,
         "input_p99_target_ms": INPUT_P99_TARGET_MS,
+        "input_p99_within_target": new_only["p99_ms"] <= INPUT_P99_TARGET_MS,
     }
 
 
@@ -153,13 +160,27 @@ async def main(args: argparse.Namespace) -> None:
                               "machine": machine.describe()}
     print("classifiers, in process (policy + alt-profanity-check)", flush=True)
     report["classifiers"] = classifiers = await bench_classifiers(args)
-    print(f"  input check, a {classifiers['context_tokens']}-token context, only the new "
-          f"{classifiers['new_message_tokens']}-token message: p50 {classifiers['input_check_new_message']['p50_ms']:.2f}"
-          f" ms p99 {classifiers['input_check_new_message']['p99_ms']:.2f} ms (target p99 <= {INPUT_P99_TARGET_MS} ms)")
-    print(f"  the whole context instead: p50 {classifiers['input_check_whole_context']['p50_ms']:.2f} ms "
-          f"p99 {classifiers['input_check_whole_context']['p99_ms']:.2f} ms")
-    print(f"  output check, one sentence: p50 {classifiers['output_check_per_sentence']['p50_ms']:.3f} ms "
-          f"p99 {classifiers['output_check_per_sentence']['p99_ms']:.3f} ms", flush=True)
+    print(f"  {classifiers['context_tokens']}-token context, only its new {classifiers['new_message_tokens']}-token "
+          f"message classified; target: input check p99 <= {INPUT_P99_TARGET_MS} ms")
+    print(f"  {'':34s} {'p50':>8s} {'p99':>8s} {'CPU p50':>8s} {'CPU p99':>8s}")
+    for label, key in (("input check (the new message)", "input_check_new_message"),
+                       ("input check (the whole context)", "input_check_whole_context"),
+                       ("output check (one sentence)", "output_check_per_sentence")):
+        f = classifiers[key]
+        print(f"  {label:34s} {f['p50_ms']:6.2f}ms {f['p99_ms']:6.2f}ms {f['cpu_p50_ms']:6.2f}ms {f['cpu_p99_ms']:6.2f}ms")
+    verdict = "within" if classifiers["input_p99_within_target"] else "OVER"
+    print(f"  input check p99 {classifiers['input_check_new_message']['p99_ms']:.2f} ms: {verdict} the target",
+          flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / ("safety_quick.json" if args.quick else "safety.json")
+    if args.classifiers_only:  # part 2 again; part 1's figures (and their date) stay as they were
+        earlier = json.loads(out.read_text()) if out.exists() else {}
+        if "holdback" in earlier:
+            report["holdback"] = earlier["holdback"]
+            report["holdback_date"] = earlier.get("holdback_date", earlier.get("date"))
+        out.write_text(json.dumps(report, indent=2) + "\n")
+        print(f"results: {out}")
+        return
     print(f"hold-back: fairway serve x2 (no check / check-then-release), {args.chats} chats of {args.tokens} tokens",
           flush=True)
     with tempfile.TemporaryDirectory(prefix="fairway-bench-") as tmp:
@@ -169,8 +190,7 @@ async def main(args: argparse.Namespace) -> None:
     for name, m in holdback["medians"].items():
         print(f"{name:20s} {m['ttft_p50_s']:8.2f}s {m['ttft_p99_s']:8.2f}s {m['itl_p50_ms']:8.0f}ms {m['itl_p99_ms']:8.0f}ms"
               f" {m['aggregate_tokens_per_s']:9.1f}")
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / ("safety_quick.json" if args.quick else "safety.json")
+    report["holdback_date"] = report["date"]
     out.write_text(json.dumps(report, indent=2) + "\n")
     print(f"results: {out}")
 
@@ -182,6 +202,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--samples", type=int, default=None, help="classifier checks timed per figure")
+    parser.add_argument("--classifiers-only", action="store_true",
+                        help="part 2 only, written into the results beside part 1's earlier figures")
     args = parser.parse_args()
     args.chats = args.chats or (4 if args.quick else 16)
     args.tokens = args.tokens or (32 if args.quick else 128)

@@ -3,9 +3,10 @@ the throughput of concurrent runs, side by side with its peer, the same interpre
 (`/usr/bin/python3 -c`, no isolation): the difference is bubblewrap's namespaces and mounts, the
 seccomp filter, setpriv and prlimit.
 
-Three ways, each `--samples` sequential runs then `--concurrent` runs at a time for `--burst`
-runs: bare python3 (the floor), the runner in process (LocalSandbox), and the gRPC service
-(`fairway sandbox`, a process of its own) through GrpcSandbox. Run it under nice (the numbers on
+Four ways, each `--samples` sequential runs then `--concurrent` runs at a time for `--burst`
+runs: bare python3 (the floor), the runner in process (LocalSandbox), the same without a memory
+cgroup per run (what the cgroup costs; where the host allows none, both are the same), and the
+gRPC service (`fairway sandbox`, a process of its own) through GrpcSandbox. Run it under nice (the numbers on
 a shared 2-core machine are what the other processes leave).
 
     nice -n 19 .venv/bin/python bench/sandbox.py            # ~1 min
@@ -81,6 +82,8 @@ async def measure(run: Run, samples: int, concurrent: int, burst: int) -> dict[s
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
     local = LocalSandbox(RunnerSettings(max_concurrent=args.concurrent, per_tenant=args.concurrent))
+    uncapped = LocalSandbox(RunnerSettings(max_concurrent=args.concurrent, per_tenant=args.concurrent,
+                                           memory_cgroups=False))
     reason = await local.check()
     if reason:
         raise SystemExit(f"the sandbox is off here: {reason}")
@@ -96,12 +99,15 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         async def in_process() -> str:
             return (await local.run(CODE, LIMITS)).stdout
 
+        async def without_cgroup() -> str:
+            return (await uncapped.run(CODE, LIMITS)).stdout
+
         async def over_grpc() -> str:
             assert client is not None
             return (await client.run(CODE, LIMITS)).stdout
 
         ways = {"bare python3 (no isolation)": bare, "sandbox in process": in_process,
-                "sandbox over gRPC": over_grpc}
+                "  the same, no memory cgroup": without_cgroup, "sandbox over gRPC": over_grpc}
         figures = {}
         for name, run in ways.items():
             figures[name] = await measure(run, args.samples, args.concurrent, args.burst)
@@ -138,7 +144,7 @@ if __name__ == "__main__":
     print(table(figures))
     out = {"benchmark": "sandbox", "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
            "machine": machine.describe(), "nice": os.nice(0), "load_average": os.getloadavg(), "code": CODE,
-           "limits": LIMITS.to_dict(),
+           "limits": LIMITS.to_dict(), "memory_bound": LocalSandbox().memory_bound,
            "figures": figures}
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / ("sandbox_quick.json" if args.quick else "sandbox.json")

@@ -299,6 +299,7 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         await server.stop(grace=2.0)
+        await sandbox.close()  # (its runs' memory cgroups)
 
     asyncio.run(main())
     return 0

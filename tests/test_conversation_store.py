@@ -422,10 +422,59 @@ async def test_init_is_idempotent_and_matches_schema(store: SqlConversationStore
             return not (name or "").startswith("messages_p")
 
         ctx = MigrationContext.configure(conn, opts={"include_object": include})
-        return compare_metadata(ctx, metadata)
+        return compare_metadata(ctx, every_table)
+
+    # The migrations make memory's, files' and the vector index's tables too, in the same database
+    # (the vectors' embedding as bytes: these servers have no pgvector).
+    from fairway.files.store import metadata as files_metadata
+    from fairway.memory.store import metadata as memory_metadata
+    from fairway.retrieval.sql_index import DEFAULT_DIM, _tables
+
+    every_table = sa.MetaData()
+    for part in (metadata, memory_metadata, files_metadata, _tables(DEFAULT_DIM, False)[0]):
+        for table in part.tables.values():
+            table.to_metadata(every_table)
 
     async with store._engine.connect() as conn:
         assert await conn.run_sync(diff) == []
+
+
+async def test_a_database_whose_parts_made_their_own_tables_migrates_in_place(open_store: StoreFactory) -> None:
+    """Before revision 0006 memory, files and the vector index made their tables themselves
+    (create_all): such a database goes to head keeping their rows, and flagged messages keep
+    their categories from 0007 on."""
+    from alembic import command
+
+    from fairway.files.store import metadata as files_metadata
+    from fairway.memory.store import memories
+    from fairway.memory.store import metadata as memory_metadata
+    from fairway.retrieval.sql_index import DEFAULT_DIM, _tables
+
+    store = open_store()
+
+    def to_0005(conn: sa.Connection) -> None:
+        cfg = alembic_config()
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, "0005")
+
+    try:
+        async with store._engine.begin() as conn:
+            await conn.run_sync(to_0005)
+            for part in (memory_metadata, files_metadata, _tables(DEFAULT_DIM, False)[0]):
+                await conn.run_sync(part.create_all)
+            await conn.execute(sa.insert(memories).values(memory_id="mem_1", user_id="u1", fact="likes tea",
+                                                          conversation_id=None, created_at=1.0, updated_at=1.0))
+        await store.init()
+        assert await _alembic_heads(store) == set(ScriptDirectory.from_config(alembic_config()).get_heads())
+        async with store._engine.connect() as conn:
+            assert (await conn.execute(sa.select(memories.c.fact))).scalars().all() == ["likes tea"]
+        conv = Conversation(new_id("conv"), "u1", "free", "m", "t", now(), now())
+        flagged, _ = await store.store_turn(NewTurn(conv, True, [(Role.USER, "a threat")], "k1", flagged=True,
+                                                    flagged_categories=["violence", "harassment"]))
+        (kept,) = await store.list_messages(conv.id)
+        assert (kept.status, kept.flagged_categories) == (MessageStatus.FLAGGED, ["violence", "harassment"])
+    finally:
+        await store.close()
 
 
 async def test_messages_are_hash_partitioned_on_postgres(store: SqlConversationStore) -> None:

@@ -22,12 +22,14 @@ from serving import (
     wait_ready,
 )
 
+from fairway.conversation.extras import TurnInfo
 from fairway.files import sniff as kinds
 from fairway.files.extract import ExtractionFailed, ExtractLimits, chunk_pages, extract_pages
 from fairway.files.objects import LocalObjectStore, S3ObjectStore
 from fairway.files.service import FileRejected, FileService, FileSettings
+from fairway.files.source import FileSource
 from fairway.files.store import FileStore
-from fairway.retrieval import SqlVectorIndex
+from fairway.retrieval import CONVERSATION_CHUNKS, FILE_CHUNKS, SqlVectorIndex
 
 pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
 
@@ -44,6 +46,9 @@ def test_content_is_sniffed_not_trusted_from_the_name():
     assert kinds.sniff("héllo wörld\n".encode(), "a.bin") == kinds.TEXT
     assert kinds.sniff(b"# Title\n\ntext", "README.md") == kinds.MARKDOWN
     assert kinds.sniff(b"RIFF\x24\x00\x00\x00WAVEfmt ", "a.txt") == "audio/wav"
+    assert kinds.sniff(b"\x00\x00\x00\x20ftypM4A \x00\x00", "voice.bin") == "audio/mp4"
+    assert kinds.sniff(b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81", "note") == "audio/webm"
+    assert all(kind in kinds.AUDIO for kind in ("audio/mp4", "audio/webm"))  # 415: no speech model
     assert kinds.sniff(b"\x00\x01\x02binary\x00", "a.txt") == "application/octet-stream"
 
 
@@ -125,6 +130,38 @@ async def test_upload_processes_and_is_per_user(files: FileService):
     assert quota.value.code == "storage_quota_exceeded"
     assert await files.delete("u1", record.file_id) and not await files.delete("u1", record.file_id)
     assert await files.get("u1", record.file_id) is None
+    for i in range(5):  # the count per user (5 here)
+        await files.upload("u3", f"note{i}.txt", b"a short note", "multimodal_input")
+    with pytest.raises(FileRejected) as count:
+        await files.upload("u3", "note5.txt", b"one too many", "multimodal_input")
+    assert (count.value.status, count.value.code) == (413, "too_many_files")
+    await files.wait_processed()
+
+
+async def test_deleting_a_file_or_a_conversation_leaves_no_chunks(files: FileService):
+    """A deleted file's chunks go from its own partition and from every conversation it was attached
+    to; a deleted conversation's copies go, the file stays and attaches elsewhere."""
+    source = FileSource(files)
+    kept = await files.upload("u1", "kept.txt", "\n\n".join(PAGES).encode(), "multimodal_input")
+    dropped = await files.upload("u1", "dropped.txt", "\n\n".join(PAGES).encode(), "multimodal_input")
+    await files.wait_processed()
+    for conversation in ("conv_a", "conv_b"):
+        extras = await source.extras(TurnInfo("u1", conversation, False, "the warehouse code?",
+                                              [kept.file_id, dropped.file_id]))
+        assert {s["file_id"] for s in extras.info["sources"]} <= {kept.file_id, dropped.file_id}
+    chunks = (await files.get("u1", kept.file_id)).chunks
+    assert await files.index.count(CONVERSATION_CHUNKS, "conv_a") == 2 * chunks
+
+    assert await files.delete("u1", dropped.file_id)
+    assert await files.index.count(FILE_CHUNKS, dropped.file_id) == 0
+    for conversation in ("conv_a", "conv_b"):
+        assert await files.index.count(CONVERSATION_CHUNKS, conversation) == chunks  # the kept file's
+
+    await files.forget_conversation("conv_a")
+    assert await files.index.count(CONVERSATION_CHUNKS, "conv_a") == 0
+    assert await files.store.attached("conv_a") == {}
+    assert await files.index.count(FILE_CHUNKS, kept.file_id) == chunks  # the file itself stays
+    assert await files.index.count(CONVERSATION_CHUNKS, "conv_b") == chunks
 
 
 async def test_an_image_is_read_by_ocr(files: FileService):

@@ -9,6 +9,7 @@ small (256 MiB, 1 s CPU, 2 s wall) so the whole file stays quick.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,13 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from fairway.sandbox import LocalSandbox, RunnerSettings, SandboxLimits
+from fairway.sandbox import LocalSandbox, RunnerSettings, SandboxLimits, runner
+from fairway.sandbox.cgroup import RunGroup, find_parent
 from fairway.sandbox.service import GrpcSandbox
 from tests.backends import missing
 
 ROOT = Path(__file__).resolve().parent.parent
 LIMITS = SandboxLimits(cpu_s=1.0, wall_s=2.0, memory_mb=256, procs=16, file_mb=4, tmp_mb=8, open_files=32,
                        output_bytes=32 * 1024)
+ROOMY = dataclasses.replace(LIMITS, wall_s=8.0)  # the kernel's reclaim, then its OOM kill, take a while
 PROBE_S = 1.5  # a probe beside an abuse must be back within this (a run alone takes ~0.05 s)
 
 
@@ -129,6 +132,67 @@ async def test_fork_bomb(service_url):
 async def test_allocate_4_gib(service_url):
     result = await _beside(service_url, "x = bytearray(4 * 1024 ** 3)\nprint('allocated')")
     assert result.exit_code == 1 and "MemoryError" in result.stderr and not result.stdout
+
+
+def _need_cgroup() -> None:
+    parent, why = find_parent()
+    if parent is None:
+        pytest.skip(f"no memory cgroup for runs here: {why}")
+
+
+# Each child stays within the per-process bound (RLIMIT_AS 256 MiB); together they are past it.
+FORKED_ALLOCATIONS = """import os, time
+kids = []
+for _ in range(4):
+    pid = os.fork()
+    if pid == 0:
+        block = b"x" * (100 * 1024 * 1024)
+        time.sleep(0.5)
+        os._exit(0)
+    kids.append(pid)
+print([os.waitpid(k, 0)[1] for k in kids])
+"""
+
+
+async def test_processes_together_past_the_memory_limit(service_url):
+    _need_cgroup()
+    result = await _beside(service_url, FORKED_ALLOCATIONS, ROOMY)
+    assert result.limit == "memory", result  # the run's cgroup: the kernel killed one of them
+
+
+async def test_runs_at_once_have_memory_cgroups_of_their_own_kept_for_the_next(monkeypatch):
+    _need_sandbox()
+    _need_cgroup()
+    used: list[Path] = []
+
+    class Recorded(RunGroup):
+        def prepare(self, memory_bytes: int) -> None:
+            super().prepare(memory_bytes)
+            used.append(self.path)
+
+    monkeypatch.setattr(runner, "RunGroup", Recorded)
+    sandbox = LocalSandbox()
+    try:
+        await sandbox.check()
+        used.clear()
+        ok, over = await asyncio.gather(sandbox.run("print(1)", LIMITS), sandbox.run(FORKED_ALLOCATIONS, ROOMY))
+        assert ok.ok and ok.stdout == "1\n", ok
+        assert over.limit == "memory", over
+        assert len(set(used)) == 2  # one each while both ran
+        assert all(p.exists() and not (p / "cgroup.procs").read_text().strip() for p in used)  # kept, empty
+    finally:
+        await sandbox.close()
+    assert not any(p.exists() for p in used)
+    # One uid, so one group for every run: a run after an OOM kill there is not taken for one.
+    single = LocalSandbox(RunnerSettings(uid_count=1, max_concurrent=1))
+    try:
+        await single.check()
+        used.clear()
+        over, ok = await single.run(FORKED_ALLOCATIONS, ROOMY), await single.run("print(1)", LIMITS)
+    finally:
+        await single.close()
+    assert over.limit == "memory" and ok.ok and ok.limit is None, (over, ok)
+    assert len(used) == 2 and len(set(used)) == 1
 
 
 async def test_fill_the_disk(service_url):

@@ -27,6 +27,7 @@ WEATHER = {"type": "function", "function": {"name": "get_weather", "description"
 CODE = {"type": "code_interpreter"}
 BEFORE_CALL = "Let me compute that. "
 COMPUTE_CALL = '<tool_call name="execute_code">\nprint(6 * 7)\n</tool_call>'
+THREAT = "I will kill you."  # the bundled policy flags it (harassment/threatening, violence)
 
 
 def script(prompt: str) -> str:
@@ -37,8 +38,15 @@ def script(prompt: str) -> str:
     if "<tool_response>" in turn:
         result = turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
         return f"The result is {result}."
+    if "two cities" in turn and "get_weather" in prompt:
+        return "".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>\n'
+                       for city in ("Paris", "Rome"))
     if "weather" in turn and "get_weather" in prompt:
         return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    if "print a threat" in turn:  # the code passes the output check; what it prints does not
+        return f'Sure. <tool_call name="execute_code">\nprint("".join(reversed({THREAT[::-1]!r})))\n</tool_call>'
+    if "threatening code" in turn:
+        return f'Sure. <tool_call name="execute_code">\nprint("{THREAT}")\n</tool_call>'
     if "compute" in turn:
         return BEFORE_CALL + COMPUTE_CALL + " and text after the call, never generated"
     return "Hello there."
@@ -209,6 +217,103 @@ def test_execute_code_inside_one_reply(scripted, http):
     assert "".join(e.content for e in replay) == "The result is 42."
 
 
+@pytest.mark.parametrize(("ask", "runs"), [("print a threat", ["running", "failed"]), ("threatening code", [])],
+                         ids=["output", "code"])
+def test_a_tool_call_and_its_output_pass_the_output_check(http, ask, runs):
+    """What a tool prints reaches the client only through the output check, like the reply's text;
+    so does the code the model wrote (shown in the running event)."""
+    events = _stream(http, chat_body(ask, max_tokens=200, tools=[CODE]))
+    executions = _executions(events)
+    assert [x["status"] for x in executions] == runs
+    if runs:
+        assert "withheld" in executions[-1]["output"] and "violence" in executions[-1]["result"]["flagged"]
+    assert "kill" not in json.dumps([e.data for e in events]).lower()  # nothing flagged reached the client
+    assert events[-2].finish_reason == "content_filter" and events[-1].data == "[DONE]"
+    assert "".join(e.content for e in events) == "Sure. "
+    stored = http.get(f"/v1/conversations/{events[0].data['conversation_id']}").json()["messages"][-1]
+    assert stored["status"] == "flagged" and "kill" not in json.dumps(stored).lower()
+
+
+async def test_a_run_interrupted_by_a_failover_runs_again_under_its_call_id():
+    """The replica died while the code ran: its log has the running event and no outcome. The
+    replica that carries the reply on runs that call again (the code's runs leave nothing behind to
+    repeat) under the same call id, so the client sees one call go from running to completed, and
+    the model goes on after its result instead of being asked to call again."""
+    from fairway.assembly import load_tokenizer
+    from fairway.domain import Lane
+    from fairway.engine import AsyncEngine
+    from fairway.replica.job import GenerationJob
+    from fairway.replica.registry import InProcessRegistry
+    from fairway.replica.worker import ReplicaSettings, ReplicaWorker
+    from fairway.sandbox import LocalSandbox
+    from fairway.tools.prompt import system_block
+
+    if (reason := LocalSandbox().static_check()) is not None:
+        missing("bubblewrap", reason)
+    tokenizer = load_tokenizer(None)
+    engine = ScriptedEngine(tokenizer, script)
+    relay = make_relay(None)
+    worker = ReplicaWorker(AsyncEngine(engine), relay, InProcessRegistry(), ReplicaSettings(model=MODEL),
+                           sandbox=LocalSandbox())
+    await worker.start()
+    try:
+        tools = parse_tools([CODE], "auto")
+        prompt = tokenizer.encode(tokenizer.apply_chat_template(
+            [{"role": "system", "content": system_block(tools)},
+             {"role": "user", "content": "Please compute 6 times 7."}], add_generation_prompt=True))
+        before = tokenizer.encode(BEFORE_CALL)
+        await relay.log.create("handed")
+        for i, token in enumerate(before, 1):
+            await relay.log.append("handed", TokenEvent(i, tokenizer.decode([token]), [token]))
+        arguments = json.dumps({"code": "print(6 * 7)"})
+        await relay.log.append("handed", ToolEvent(len(before) + 1, "call_before", "execute_code", "running",
+                                                   arguments))
+        job = GenerationJob("handed", MODEL, prompt, {"temperature": 0, "max_tokens": 200}, Lane.PAID.value,
+                            tools={**tools.to_dict(), "max_rounds": 5}, attempt=1)
+        assert await worker.serve(job) is True
+        events = await relay.log.read("handed")
+    finally:
+        await worker.stop()
+        worker.engine.shutdown()
+    assert [e.n for e in events] == list(range(1, len(events) + 1))
+    calls = [(e.call_id, str(e.status), e.output) for e in events if isinstance(e, ToolEvent)]
+    assert calls == [("call_before", "running", ""), ("call_before", "completed", "42")]
+    text = "".join(e.text for e in events if isinstance(e, TokenEvent))
+    assert text == BEFORE_CALL + "The result is 42."
+    (request_id, continued), = engine.prompts  # one engine request: after the result, not before the call
+    assert request_id == "handed" and "<tool_response>\n42\n</tool_response>" in tokenizer.decode(continued)
+    assert isinstance(events[-1], FinalEvent) and events[-1].finish_reason == "stop"
+
+
+def test_after_its_log_expired_a_reply_replays_its_tool_runs_from_the_store(scripted, http):
+    events = _stream(http, chat_body("Please compute 6 times 7, once more.", max_tokens=200, tools=[CODE]))
+    reply_id = events[0].data["reply_id"]
+    http.get(f"/v1/conversations/{events[0].data['conversation_id']}")  # (saved before [DONE])
+
+    async def expire() -> None:  # what the log's retention does, now
+        scripted.gateway.token_log._logs.pop(reply_id, None)
+
+    scripted.call(expire())
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream") as r:
+        replay = list(sse_events(r))
+    ids = [e.id for e in replay if e.id is not None]
+    assert ids == sorted(set(ids)) and ids[-1] == events[-2].id  # increasing, ending where the log ended
+    assert [(x["status"], x.get("output")) for x in _executions(replay)] == [("running", None), ("completed", "42")]
+    assert "".join(e.content for e in replay) == "".join(e.content for e in events) == BEFORE_CALL + "The result is 42."
+    kinds = ["tool" if isinstance(e.data, dict) and "tool_execution" in e.data else "text" if e.content else "-"
+             for e in replay]
+    assert kinds.index("tool") > kinds.index("text") and "text" in kinds[kinds.index("tool") + 2:]  # in place
+    # From a cursor inside the reply: the whole text as a snapshot, and each run's outcome.
+    with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": "2"}) as r:
+        resumed = list(sse_events(r))
+    assert resumed[0].data["snapshot"] is True and resumed[0].content == BEFORE_CALL + "The result is 42."
+    assert [(x["status"], x["output"]) for x in _executions(resumed)] == [("completed", "42")]
+    assert all(e.id > 2 for e in resumed if e.id is not None)
+    # Read again from the store, the stored message keeps its run.
+    conversation = http.get(f"/v1/conversations/{events[0].data['conversation_id']}").json()
+    assert [r["output"] for r in conversation["messages"][-1]["tool_executions"]] == ["42"]
+
+
 def test_execute_code_without_streaming(http):
     answer = http.post("/v1/chat/completions", json=chat_body("compute it", max_tokens=200, stream=False,
                                                               tools=[CODE])).json()
@@ -264,6 +369,25 @@ def test_sdk_streamed_tool_calls(sdk):
                                      messages=[{"role": "user", "content": "weather in Paris, please"}]) as s:
         final = s.get_final_completion()
     assert final.choices[0].message.tool_calls[0].function.name == "get_weather"
+
+
+def test_parallel_tool_calls_false_holds_the_reply_to_one_call(sdk, scripted):
+    question = [{"role": "user", "content": "The weather in two cities, Paris and Rome?"}]
+    both = sdk.chat.completions.create(model=MODEL, messages=question, tools=[WEATHER], max_tokens=100)
+    assert [json.loads(c.function.arguments)["city"] for c in both.choices[0].message.tool_calls] == ["Paris", "Rome"]
+    for stream in (False, True):
+        one = sdk.chat.completions.create(model=MODEL, messages=question, tools=[WEATHER], max_tokens=100,
+                                          parallel_tool_calls=False, stream=stream)
+        if stream:
+            chunks = list(one)
+            calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+            finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        else:
+            calls, finish = one.choices[0].message.tool_calls, one.choices[0].finish_reason
+        assert finish == "tool_calls" and [json.loads(c.function.arguments)["city"] for c in calls] == ["Paris"]
+    # The model is told so too (a template without tool support: the system block).
+    prompt = scripted.engine.tokenizer.decode(scripted.engine.prompts[-1][1])
+    assert "Call at most one function in your reply." in prompt
 
 
 def test_a_follow_up_in_a_stored_conversation(http):

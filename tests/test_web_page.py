@@ -427,15 +427,16 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
     stored = stored_message(server, conversation_id, assistant.get_attribute("data-reply-id"))
     assert stored["status"] == "flagged" and stored["content"] == shown
 
-    # 3. From the store after a reload: both still say what happened.
+    # 3. From the store after a reload: both still say what happened, and why.
     page.reload()
     page.click(f"#conversations li[data-id='{conversation_id}']")
     page.wait_for_selector("#messages .msg.assistant")
     statuses = page.locator("#messages .msg").evaluate_all(
         "els => els.map(e => [e.classList[1], e.dataset.status, e.querySelector('.badge')?.textContent])")
-    assert statuses == [["user", "flagged", "refused by the content filter: not sent to the model"],
+    assert statuses == [["user", "flagged", "refused by the content filter: not sent to the model "
+                                            "(illicit, illicit/violent)"],
                         ["user", "complete", None],
-                        ["assistant", "flagged", "stopped by the content filter"]]
+                        ["assistant", "flagged", "stopped by the content filter (violence)"]]
     assert not errors, errors
 
 

@@ -64,6 +64,9 @@ class Message:
     # An assistant message's tool calls {"calls": [...]} (fairway/tools/record.py), or a tool
     # message's {"tool_call_id": ...}; None for a message without tools.
     tools: dict[str, Any] | None = None
+    # A flagged message (the input check refused it, the output check stopped it): which of the
+    # moderation categories did, by name; None for any other.
+    flagged_categories: list[str] | None = None
 
 
 @dataclass

@@ -27,7 +27,8 @@ def _ending(reply_id: str, text: str, final: FinalEvent, tools: list[CallRecord]
     if state not in STATUS_OF_STATE:
         return None
     return Ending(reply_id, text, STATUS_OF_STATE[state], "error" if final.error else final.finish_reason,
-                  final.prompt_tokens, final.completion_tokens, final.cached_tokens, final.n, stored_tools(tools or []))
+                  final.prompt_tokens, final.completion_tokens, final.cached_tokens, final.n, stored_tools(tools or []),
+                  list(final.categories) or None)
 
 
 async def save_final(store: ConversationStore, reply_id: str, text: str, final: FinalEvent,
@@ -42,7 +43,8 @@ async def save_final(store: ConversationStore, reply_id: str, text: str, final: 
         saved = await store.finish_reply(
             reply_id, text, ending.status, ending.finish_reason, prompt_tokens=ending.prompt_tokens,
             completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens,
-            last_event_id=ending.last_event_id, look_up_existing=False, tools=ending.tools)
+            last_event_id=ending.last_event_id, look_up_existing=False, tools=ending.tools,
+            flagged_categories=ending.flagged_categories)
         return saved is not None
     except (ReplyFinished, NotFound):
         return False
@@ -191,4 +193,5 @@ def _final_of(report: ReplyReport) -> FinalEvent:
         report.cached_tokens,
         report.completion_tokens,
         report.error,
+        tuple(report.categories),
     )

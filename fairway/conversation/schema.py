@@ -1,5 +1,6 @@
 """SQLAlchemy Core tables the queries are written against. The migrations create them (and
-must stay in step: tests compare a migrated database with this metadata)."""
+must stay in step: tests compare a migrated database with this metadata, and with memory's,
+files' and the vector index's, whose tables the migrations create in the same database)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ messages = sa.Table(
     sa.Column("completion_tokens", sa.Integer, nullable=False),
     sa.Column("cached_tokens", sa.Integer, nullable=False),
     sa.Column("tools", Json, nullable=True),  # its tool calls, or the call a tool message answers
+    sa.Column("flagged_categories", Json, nullable=True),  # flagged: by which moderation categories
     sa.PrimaryKeyConstraint("conversation_id", "id", name="pk_messages"),
     sa.UniqueConstraint("conversation_id", "client_key", name="uq_messages_client_key"),
     sa.Index("ix_messages_conversation_created", "conversation_id", "created_at"),

@@ -235,7 +235,8 @@ class ConversationService:
         conversation = conversation or self._new_conversation(req)
         try:
             message, _ = await self.store.store_turn(NewTurn(
-                conversation, new_conversation, [_stored(m) for m in new], req.client_key, flagged=True))
+                conversation, new_conversation, [_stored(m) for m in new], req.client_key, flagged=True,
+                flagged_categories=result.flagged_categories))
         except DuplicateClientKey as dup:  # the same refused message, sent again
             message = dup.existing
         raise InputFlagged(result, conversation.id, message.id)

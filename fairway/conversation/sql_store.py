@@ -21,7 +21,7 @@ from alembic.config import Config
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, make_url
 from sqlalchemy.exc import IntegrityError
-from sqlalchemy.ext.asyncio import AsyncConnection, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
 from fairway.domain import STATE_OF_STATUS
@@ -71,6 +71,20 @@ _MIGRATION_LOCKS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.L
 def _migration_lock() -> asyncio.Lock:
     loop = asyncio.get_running_loop()
     return _MIGRATION_LOCKS.setdefault(loop, asyncio.Lock())
+
+
+async def migrate(engine: AsyncEngine) -> None:
+    """The database to the migrations' head: the conversation store's tables and those that live
+    beside them (memory's, files', the vector index's). Safe to call again, and from many
+    processes at once."""
+    # Alembic keeps the running migration in a module-global context, so two upgrades in one
+    # process must not interleave (the database lock below only orders separate processes).
+    async with _migration_lock(), engine.begin() as conn:
+        if conn.dialect.name == "postgresql":
+            # Replicas and gateways start together: one migrates, the others wait and then find
+            # the schema at head.
+            await conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_MIGRATION_LOCK_KEY)))
+        await conn.run_sync(_upgrade_to_head)
 
 
 def _upgrade_to_head(connection: Connection) -> None:
@@ -280,7 +294,8 @@ def _ending(ending: Ending) -> tuple[dict[str, Any], Message]:
         final["last_event_id"] = ending.last_event_id
     msg = Message(id=new_id("msg"), conversation_id="", role=Role.ASSISTANT, text=ending.text, status=ending.status,
                   created_at=ts, reply_id=ending.reply_id, prompt_tokens=ending.prompt_tokens,
-                  completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens, tools=ending.tools)
+                  completion_tokens=ending.completion_tokens, cached_tokens=ending.cached_tokens, tools=ending.tools,
+                  flagged_categories=ending.flagged_categories)
     return final, msg
 
 
@@ -360,17 +375,7 @@ class SqlConversationStore(ConversationStore):
 
     async def init(self) -> None:
         with _reaching_database():
-            await self._migrate()
-
-    async def _migrate(self) -> None:
-        # Alembic keeps the running migration in a module-global context, so two upgrades in one
-        # process must not interleave (the database lock below only orders separate processes).
-        async with _migration_lock(), self._engine.begin() as conn:
-            if self._dialect == "postgresql":
-                # Replicas and gateways start together: one migrates, the others wait and
-                # then find the schema at head.
-                await conn.execute(sa.select(sa.func.pg_advisory_xact_lock(_MIGRATION_LOCK_KEY)))
-            await conn.run_sync(_upgrade_to_head)
+            await migrate(self._engine)
 
     async def close(self) -> None:
         if self._hot_path is not None:
@@ -425,7 +430,9 @@ class SqlConversationStore(ConversationStore):
         msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(item[0]), text=item[1],
                         client_key=turn.client_key if i == len(turn.messages) - 1 else None,
                         status=MessageStatus.FLAGGED if turn.flagged and i == len(turn.messages) - 1
-                        else MessageStatus.COMPLETE, created_at=now(), tools=item[2] if len(item) > 2 else None)
+                        else MessageStatus.COMPLETE, created_at=now(), tools=item[2] if len(item) > 2 else None,
+                        flagged_categories=list(turn.flagged_categories) or None
+                        if turn.flagged and i == len(turn.messages) - 1 else None)
                 for i, item in enumerate(turn.messages)]
         reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id, state=ReplyState.QUEUED,
                       replica_id=turn.replica_id,
@@ -546,9 +553,10 @@ class SqlConversationStore(ConversationStore):
         last_event_id: int | None = None,
         look_up_existing: bool = True,
         tools: dict[str, Any] | None = None,
+        flagged_categories: list[str] | None = None,
     ) -> Message | None:
         final, msg = _ending(Ending(reply_id, text, MessageStatus(status), finish_reason, prompt_tokens,
-                                    completion_tokens, cached_tokens, last_event_id, tools))
+                                    completion_tokens, cached_tokens, last_event_id, tools, flagged_categories))
         ts = msg.created_at
         if self._dialect == "postgresql":
             rows = await self._rows(_finish_statement(frozenset(final)), _finish_params(reply_id, final, msg),
@@ -631,6 +639,21 @@ class SqlConversationStore(ConversationStore):
         async with self._one_statement() as conn:
             row = (await conn.execute(query)).mappings().first()
         return UsageRecord(**row) if row else None
+
+    async def flagged_totals(self, user_id: str, since: float, until: float) -> dict[str, dict[str, int]]:
+        m = messages.c
+        query = (sa.select(m.role, m.flagged_categories)
+                 .join_from(messages, conversations, conversations.c.id == m.conversation_id)
+                 .where(conversations.c.user_id == user_id, m.status == MessageStatus.FLAGGED.value,
+                        m.created_at >= since, m.created_at < until))
+        async with self._one_statement() as conn:
+            rows = (await conn.execute(query)).all()
+        totals: dict[str, dict[str, int]] = {"input": {}, "output": {}}
+        for role, categories in rows:
+            stage = totals["input" if role == Role.USER.value else "output"]
+            for category in categories or ["unknown"]:  # (flagged before categories were kept)
+                stage[category] = stage.get(category, 0) + 1
+        return totals
 
     async def usage_totals(self, user_id: str, first_day: str, last_day: str) -> list[dict[str, Any]]:
         u = usage_records.c

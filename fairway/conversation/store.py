@@ -63,6 +63,7 @@ class NewTurn:
     replica_id: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
     flagged: bool = False
+    flagged_categories: Sequence[str] = ()  # a flagged turn's: what the input check flagged it for
 
 
 # Fields update_reply may change; ids, the answered message and created_at are fixed.
@@ -84,6 +85,7 @@ class Ending:
     cached_tokens: int = 0
     last_event_id: int | None = None
     tools: dict[str, Any] | None = None  # the message's tool calls
+    flagged_categories: list[str] | None = None  # status flagged: by which moderation categories
 
 
 class ConversationStore(ABC):
@@ -180,7 +182,8 @@ class ConversationStore(ABC):
         for e in endings:
             await self.finish_reply(e.reply_id, e.text, e.status, e.finish_reason, prompt_tokens=e.prompt_tokens,
                                     completion_tokens=e.completion_tokens, cached_tokens=e.cached_tokens,
-                                    last_event_id=e.last_event_id, look_up_existing=False, tools=e.tools)
+                                    last_event_id=e.last_event_id, look_up_existing=False, tools=e.tools,
+                                    flagged_categories=e.flagged_categories)
 
     @abstractmethod
     async def finish_reply(
@@ -196,6 +199,7 @@ class ConversationStore(ABC):
         last_event_id: int | None = None,
         look_up_existing: bool = True,
         tools: dict[str, Any] | None = None,
+        flagged_categories: list[str] | None = None,
     ) -> Message | None:
         """In one transaction: store the assistant message and mark the reply FINISHED,
         STOPPED or FLAGGED (by status). If the reply was already finished with a message, that
@@ -238,6 +242,12 @@ class ConversationStore(ABC):
 
     @abstractmethod
     async def get_usage(self, reply_id: str) -> UsageRecord | None: ...
+
+    @abstractmethod
+    async def flagged_totals(self, user_id: str, since: float, until: float) -> dict[str, dict[str, int]]:
+        """How often the user's messages written in [since, until) were flagged, per category: the
+        input check's ({"input": {category: n}}: their own messages) and the output check's
+        ({"output": ...}: replies to them)."""
 
     @abstractmethod
     async def usage_totals(self, user_id: str, first_day: str, last_day: str) -> list[dict[str, Any]]:

@@ -222,6 +222,11 @@ class FileService:
         await self.objects.delete(record.object_key)
         return True
 
+    async def forget_conversation(self, conversation_id: str) -> None:
+        """A deleted conversation: its attachments and its copies of their chunks go; the files stay."""
+        await self.store.detach_all(conversation_id)
+        await self.index.delete_partition(CONVERSATION_CHUNKS, conversation_id)
+
     async def wait_processed(self) -> None:
         """Until every processing task of this process is done (tests, shutdown)."""
         while self._tasks:

@@ -112,6 +112,13 @@ class FileStore(SqlTables):
                 await conn.execute(sa.delete(conversation_files).where(conversation_files.c.file_id == file_id))
         return FileRecord(**row._mapping) if row else None
 
+    async def detach_all(self, conversation_id: str) -> int:
+        """The conversation is gone: its attachments go too (the files stay, the user's)."""
+        async with self.engine.begin() as conn:
+            result = await conn.execute(sa.delete(conversation_files)
+                                        .where(conversation_files.c.conversation_id == conversation_id))
+        return result.rowcount
+
     async def conversations_of(self, file_id: str) -> list[str]:
         async with self.engine.connect() as conn:
             rows = (await conn.execute(sa.select(conversation_files.c.conversation_id)

@@ -23,6 +23,8 @@ def _conversation(c: Conversation) -> dict[str, Any]:
 def _message(m: Message) -> dict[str, Any]:
     out: dict[str, Any] = {"id": m.id, "object": "conversation.message", "role": str(m.role), "content": m.text,
                            "status": str(m.status), "created_at": m.created_at}
+    if m.flagged_categories:
+        out["flagged_categories"] = list(m.flagged_categories)
     tools = m.tools or {}
     calls = tools.get("calls") or []
     if any(c.get("status") == "call" for c in calls):
@@ -64,6 +66,12 @@ async def get_conversation(conversation_id: str, request: Request) -> dict[str, 
 
 @router.delete("/v1/conversations/{conversation_id}", responses=error_responses(404))
 async def delete_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
-    if not await gateway(request).store.delete_conversation(conversation_id, user_id(request)):
+    state = gateway(request)
+    if not await state.store.delete_conversation(conversation_id, user_id(request)):
         raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")
+    # What memory and files keep per conversation goes with it (its attached chunks, its block).
+    if state.files is not None:
+        await state.files.forget_conversation(conversation_id)
+    if state.memory is not None:
+        await state.memory.store.forget_conversation(conversation_id)
     return {"id": conversation_id, "object": "conversation.deleted", "deleted": True}

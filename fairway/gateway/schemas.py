@@ -69,7 +69,7 @@ class ChatCompletionRequest(BaseModel):
     # ({"type": "code_interpreter"}: Python run in the sandbox inside the reply).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
-    parallel_tool_calls: bool | None = None  # accepted: a reply may make several calls either way
+    parallel_tool_calls: bool | None = None  # false: at most one client call per reply (default: several)
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}:
     # held to it by guided decoding in the engine.
     response_format: dict[str, Any] | None = None
@@ -247,7 +247,7 @@ def _tool_call(call: dict[str, Any], where: str) -> dict[str, Any]:
 def tool_set(request: ChatCompletionRequest) -> ToolSet | None:
     """The request's tools, checked (400 naming the field); None for a reply without tools."""
     try:
-        return parse_tools(request.tools, request.tool_choice)
+        return parse_tools(request.tools, request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
     except ToolError as exc:
         raise invalid(str(exc), exc.param, "invalid_tools") from None
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -49,7 +50,7 @@ from fairway.relay import (
 from fairway.router import NoReplica
 from fairway.tools import EXECUTE_CODE
 from fairway.tools.prompt import openai_call
-from fairway.tools.record import CallRecord, add_event
+from fairway.tools.record import CallRecord, add_event, replayed
 
 log = logging.getLogger(__name__)
 
@@ -196,17 +197,29 @@ class ReplyRelay:
                 yield batch
 
     async def _from_store(self, reply: Reply, after: int) -> list[Item]:
+        """A finished reply whose log expired, from its stored message: from the start, its text and
+        its tool calls where they were made; after an event, its whole text (a snapshot, which
+        replaces the client's) and each call's outcome (which replaces the client's view of it)."""
         message = next((m for m in await self.store.list_messages(reply.conversation_id) if m.reply_id == reply.id), None)
-        last = max(reply.last_event_id, 2)
+        text = message.text if message else ""
+        calls = ((message.tools or {}).get("calls") or []) if message else []
+        events = replayed(text, calls, outcomes_only=after > 0)
+        if after > 0 or not events:
+            events.insert(0, TokenEvent(0, text))
+        last = max(reply.last_event_id, len(events) + 1)
         if after >= last:
             return []
-        text = message.text if message else ""
-        token = TokenEvent(last - 1, text)
+        # The events the log held end just before `last`; a resumed client's come after its own id
+        # (squeezed into what is left before `last`: the log held them in fewer numbers).
+        items: list[Item] = [dataclasses.replace(e, n=min(last - 1, max(after + 1 + i, last - len(events) + i)))
+                             for i, e in enumerate(events)]
+        if after > 0:
+            items[0] = Snapshot(items[0])  # type: ignore[arg-type]
         state = ReplyState(str(reply.state)) if reply.state.terminal else ReplyState.FINISHED
         reason = (reply.finish_reason if reply.finish_reason in ("stop", "length", "content_filter", "tool_calls")
                   else "stop")
         return [
-            token if after == 0 else Snapshot(token),
+            *items,
             FinalEvent(
                 last,
                 reason,  # type: ignore[arg-type]
@@ -214,6 +227,7 @@ class ReplyRelay:
                 message.prompt_tokens if message else 0,
                 message.cached_tokens if message else 0,
                 message.completion_tokens if message else 0,
+                categories=tuple(message.flagged_categories or ()) if message else (),
             ),
         ]
 

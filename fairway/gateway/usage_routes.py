@@ -62,8 +62,12 @@ async def usage(
     totals = {k: sum(d[k] for d in data) for k in ("requests", "prompt_tokens", "cached_tokens",
                                                     "completion_tokens", "total_tokens")}
     totals["cost"] = round(sum(d["cost"] for d in data), 8)
+    # What the safety checks flagged in the period, per category (a refused message has no usage).
+    since = dt.datetime.combine(first, dt.time(), dt.UTC).timestamp()
+    until = dt.datetime.combine(last + dt.timedelta(days=1), dt.time(), dt.UTC).timestamp()
+    flagged = await gateway(request).store.flagged_totals(me, since, until)
     return {"object": "list", "user": me, "from": first.isoformat(), "to": last.isoformat(), "data": data,
-            "totals": totals}
+            "totals": totals, "flagged": flagged}
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -207,6 +207,14 @@ class MemoryStore(SqlTables):
                 await self.flush_notes()
         await super().close()
 
+    async def forget_conversation(self, conversation_id: str) -> None:
+        """A deleted conversation: nothing left to extract from it, no block to keep (the facts
+        learnt from it stay: they are the user's, deleted through the memory API)."""
+        self._notes.pop(conversation_id, None)
+        async with self.engine.begin() as conn:
+            await conn.execute(sa.delete(memory_conversations)
+                               .where(memory_conversations.c.conversation_id == conversation_id))
+
     async def idle_conversations(self, idle_s: float, limit: int = 20) -> list[tuple[str, str, float]]:
         """(user id, conversation id, last turn at) of conversations whose last turn is older than
         idle_s and came after their last extraction, oldest first."""

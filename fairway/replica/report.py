@@ -32,6 +32,7 @@ class ReplyReport:
     ttft_s: float | None = None  # submission to first token (finished only; None if no token came)
     duration_s: float = 0.0  # submission to the end
     tools: list[dict[str, Any]] = field(default_factory=list)  # its tool calls (fairway/tools/record.py)
+    categories: list[str] = field(default_factory=list)  # flagged: the moderation categories that stopped it
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

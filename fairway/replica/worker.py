@@ -170,6 +170,7 @@ class _Running:
     chars: int = 0  # of text so far: where the next tool call is made
     tools: list[CallRecord] = field(default_factory=list)  # its tool calls, as the conversation stores them
     client_called: bool = False  # it made a client-defined call: the reply ends with tool_calls
+    interrupted: ToolEvent | None = None  # a failover's: a run its log shows started and never ended
 
 
 @dataclass
@@ -530,6 +531,16 @@ class ReplicaWorker:
                 return None
             generated = resumed
         await self._report(running, None, 0)
+        if running.interrupted is not None and tools is not None:
+            event, running.interrupted = running.interrupted, None
+            try:
+                ran = await self._run_tool(running, tools, ParsedCall(event.name, event.arguments, ""), event.call_id)
+            except RelayError as exc:
+                return _failed(f"token log: {exc}", None)
+            if isinstance(ran, ModerationResult):
+                return FinalEvent(0, FinishReason.CONTENT_FILTER, ReplyState.FLAGGED,
+                                  categories=tuple(ran.flagged_categories))
+            generated += tools.encode(render_call(event.name, event.arguments)) + (ran or [])
         hold = (HoldBack[RequestOutput](self.moderator, self.settings.output_mode, self.settings.max_sentence_chars)
                 if self.moderator is not None else None)
         priority = PRIORITY_OF_LANE.get(Lane(job.lane), Priority.FREE)
@@ -581,6 +592,9 @@ class ReplicaWorker:
                 ids = await self._run_tool(running, tools, step.call)
             except RelayError as exc:
                 return _failed(f"token log: {exc}", None, counts)
+            if isinstance(ids, ModerationResult):  # the call or its output failed the output check
+                return FinalEvent(0, FinishReason.CONTENT_FILTER, ReplyState.FLAGGED, *counts.usage(),
+                                  categories=tuple(ids.flagged_categories))
             if ids is None:  # out of tool rounds: the reply said so and ends
                 return FinalEvent(0, FinishReason.STOP, ReplyState.FINISHED, *counts.usage())
             if running.cancelled is not None:
@@ -647,6 +661,9 @@ class ReplicaWorker:
                                                                    call.arguments, tools.client_calls))
                         tools.client_calls += 1
                         running.client_called = True
+                        if not tools.tools.parallel:  # parallel_tool_calls false: this call is the answer
+                            step.calls_done = True
+                            return step
                     elif running.client_called:  # (a built-in call after the client's: theirs come first)
                         step.calls_done = True
                         return step
@@ -655,19 +672,40 @@ class ReplicaWorker:
                         return step
         return step
 
-    async def _run_tool(self, running: _Running, tools: ToolLoop, call: ParsedCall) -> list[int] | None:
+    async def _run_tool(self, running: _Running, tools: ToolLoop, call: ParsedCall,
+                        resumed_id: str | None = None) -> list[int] | ModerationResult | None:
         """Run a call this replica answers, between two tool events; the tokens that continue the
-        prompt after it, or None when the reply is out of tool rounds (it says so)."""
-        if not tools.rounds_left:
-            notice = (f"\n\n(This reply reached its limit of {tools.tools.max_rounds} tool runs, so it ends here.)")
-            await self._append(running, [RequestOutput(running.job.reply_id, None, notice)])
-            return None
-        call_id = new_call_id()
-        await self._append_tool(running, ToolEvent(0, call_id, call.name, ToolStatus.RUNNING, call.arguments))
+        prompt after it, or None when the reply is out of tool rounds (it says so). The code, and
+        then its output, pass the output check as the reply's text does: flagged, the result is
+        what flagged it, and nothing flagged reaches the log (a flagged output is withheld).
+        resumed_id: a run a failover found interrupted, whose running event is logged already."""
+        if resumed_id is None:
+            if not tools.rounds_left:
+                notice = (f"\n\n(This reply reached its limit of {tools.tools.max_rounds} tool runs, so it ends here.)")
+                await self._append(running, [RequestOutput(running.job.reply_id, None, notice)])
+                return None
+            if (flagged := await self._check_tool_text(call.arguments)) is not None:
+                return flagged
+        call_id = resumed_id or new_call_id()
+        if resumed_id is None:
+            await self._append_tool(running, ToolEvent(0, call_id, call.name, ToolStatus.RUNNING, call.arguments))
         outcome = await tools.run(call)
+        if (flagged := await self._check_tool_text(outcome.output)) is not None:
+            await self._append_tool(running, ToolEvent(
+                0, call_id, call.name, ToolStatus.FAILED, call.arguments,
+                output="(withheld: the output was flagged by the content policy)",
+                detail={"flagged": flagged.flagged_categories}))
+            return flagged
         await self._append_tool(running, ToolEvent(0, call_id, call.name, outcome.status, call.arguments,
                                                    output=outcome.output, detail=outcome.detail))
         return tools.continuation_ids(outcome.output)
+
+    async def _check_tool_text(self, text: str) -> ModerationResult | None:
+        """A tool call's code or output through the output check (once per call, whole)."""
+        if self.moderator is None or not text.strip():
+            return None
+        result = await self.moderator.moderate_one(text, "output")
+        return result if result.flagged else None
 
     async def _release(self, running: _Running, hold: HoldBack[RequestOutput] | None,
                        out: RequestOutput) -> ModerationResult | None:
@@ -697,7 +735,8 @@ class ReplicaWorker:
         them, its text and tool calls start with theirs), as the tokens the model has had so far
         (a reply's tool runs: each call, re-encoded, and its result, as its prompt held them);
         None if it has ended already (its final event is logged). A run that was still going
-        when the replica died is made again by the model."""
+        when the replica died (running, no outcome) is kept in running.interrupted: it runs again
+        here, under the same call id, before the model goes on."""
         reply_id = running.job.reply_id
         try:
             events = await self.relay.log.read(reply_id)
@@ -715,7 +754,10 @@ class ReplicaWorker:
             elif tools is not None and event.status == ToolStatus.CALL:
                 tools.client_calls += 1
                 running.client_called = True
+            elif tools is not None and event.status == ToolStatus.RUNNING:
+                running.interrupted = event
             elif tools is not None and event.status in (ToolStatus.COMPLETED, ToolStatus.FAILED):
+                running.interrupted = None
                 tools.rounds += 1
                 ids += tools.encode(render_call(event.name, event.arguments)) + tools.continuation_ids(event.output)
         return ids
@@ -781,6 +823,7 @@ class ReplicaWorker:
                 ttft_s=ttft,
                 duration_s=duration,
                 tools=running.tools,
+                categories=list(final.categories),
             )
         # A "started" report only marks the reply running, and generation waits for it: one try.
         await post_report(self.relay.inbox, report, REPORT_RETRY_DELAYS_S if final is not None else ())

@@ -22,6 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import StaticPool
 
 from fairway.conversation.hot_path import shared_hot_path
+from fairway.conversation.sql_store import migrate
 
 from .exact import PartitionCache, PartitionMatrix, top_k
 from .index import Entry, Hit, VectorIndex, as_unit_vector
@@ -80,16 +81,6 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-_SCHEMA_LOCK_KEY = 0x0FA1_7EC5  # any fixed bigint: PostgreSQL advisory locks are keyed by one
-
-
-async def lock_schema(conn: AsyncConnection) -> None:
-    """On PostgreSQL, hold an advisory lock until the transaction ends: gateways starting together
-    would otherwise race their CREATE TABLE IF NOT EXISTS (a duplicate pg_type row)."""
-    if conn.dialect.name == "postgresql":
-        await conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _SCHEMA_LOCK_KEY})
-
-
 def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> AsyncEngine:
     """An async engine for an async SQLAlchemy URL (fairway.conversation.database_url's)."""
     parsed = make_url(url)
@@ -105,8 +96,9 @@ def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> AsyncEn
 
 
 class SqlTables:
-    """Tables of their own in the conversation store's database (memory's, files'): created at
-    init if missing, on an engine of their own or one shared with another part."""
+    """Tables of their own in the conversation store's database (memory's, files'), on an engine
+    of their own or one shared with another part. The store's migrations make them (init runs
+    them to head); `metadata` is what the queries are written against."""
 
     metadata: sa.MetaData
 
@@ -118,9 +110,7 @@ class SqlTables:
         self.hot = shared_hot_path(self.engine)
 
     async def init(self) -> None:
-        async with self.engine.begin() as conn:
-            await lock_schema(conn)
-            await conn.run_sync(self.metadata.create_all)
+        await migrate(self.engine)
 
     async def close(self) -> None:
         if self.hot is not None:
@@ -154,13 +144,13 @@ class SqlTables:
 
 
 class SqlVectorIndex(VectorIndex):
-    def __init__(self, url: str, dim: int = DEFAULT_DIM, use_pgvector: bool | None = None,
+    def __init__(self, url: str, dim: int = DEFAULT_DIM, require_pgvector: bool = False,
                  cache_bytes: int = 256 << 20, connect_args: dict[str, Any] | None = None) -> None:
         self.url = url
         self.dim = dim
         self.engine = make_engine(url, connect_args)
         self.postgres = self.engine.dialect.name == "postgresql"
-        self._want_pgvector = use_pgvector  # None: whenever the server has it
+        self._require_pgvector = require_pgvector  # else pgvector whenever the table has its type
         self.kind = "exact"
         self._metadata, self.vectors, self.partitions = _tables(dim, False)
         self._cache = PartitionCache(cache_bytes)
@@ -168,39 +158,25 @@ class SqlVectorIndex(VectorIndex):
     # -- schema ------------------------------------------------------------------------------
 
     async def init(self) -> None:
-        async with self.engine.begin() as conn:
-            await lock_schema(conn)
+        """The store's migrations make the table (pgvector's type where the server has it); its
+        column's type says which search this is."""
+        await migrate(self.engine)
+        async with self.engine.connect() as conn:
             pgvector = self.postgres and await self._pgvector(conn)
-            self.kind = "pgvector" if pgvector else "exact"
-            self._metadata, self.vectors, self.partitions = _tables(self.dim, pgvector)
-            await conn.run_sync(self._metadata.create_all)
-            if pgvector:
-                await conn.execute(sa.text("CREATE INDEX IF NOT EXISTS ix_vectors_hnsw ON vectors "
-                                           "USING hnsw (embedding vector_cosine_ops)"))
+        if self._require_pgvector and not pgvector:
+            raise RuntimeError("pgvector was asked for but the vectors table does not use it (the server "
+                               "lacked the extension when the table was made)")
+        self.kind = "pgvector" if pgvector else "exact"
+        self._metadata, self.vectors, self.partitions = _tables(self.dim, pgvector)
         log.info("vector index on %s: %s search", self.engine.dialect.name, self.kind)
 
-    async def _pgvector(self, conn: AsyncConnection) -> bool:
-        """Whether to store vectors as pgvector's type: the existing table decides; else the
-        extension, created here if the server has it and we may."""
+    @staticmethod
+    async def _pgvector(conn: AsyncConnection) -> bool:
+        """Whether the vectors table stores pgvector's type."""
         existing = (await conn.execute(sa.text(
             "SELECT udt_name FROM information_schema.columns WHERE table_schema = current_schema() "
             "AND table_name = 'vectors' AND column_name = 'embedding'"))).scalar()
-        if existing is not None:
-            return existing == "vector"
-        if self._want_pgvector is False:
-            return False
-        available = (await conn.execute(sa.text(
-            "SELECT 1 FROM pg_available_extensions WHERE name = 'vector'"))).scalar() is not None
-        if available:
-            async with conn.begin_nested():
-                try:
-                    await conn.execute(sa.text("CREATE EXTENSION IF NOT EXISTS vector"))
-                except sa.exc.DBAPIError as e:  # no privilege: exact search still works
-                    log.warning("pgvector is installed but cannot be enabled (%s): exact search", e.orig)
-                    available = False
-        if self._want_pgvector and not available:
-            raise RuntimeError("pgvector was asked for but this PostgreSQL server does not have it")
-        return available
+        return existing == "vector"
 
     async def close(self) -> None:
         hot = shared_hot_path(self.engine)  # the pool memory's and files' tables share with it

@@ -16,7 +16,9 @@ class SandboxLimits:
 
     cpu_s: float = 5.0  # CPU seconds per process (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later)
     wall_s: float = 10.0  # the whole run, sleeping included: the runner kills it after this
-    memory_mb: int = 512  # address space per process (RLIMIT_AS)
+    # Address space per process (RLIMIT_AS), and resident memory of the whole run, all its
+    # processes together, swap included (its cgroup, where the host lets the runner make one).
+    memory_mb: int = 512
     procs: int = 32  # processes and threads of the run's uid (RLIMIT_NPROC)
     file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE)
     tmp_mb: int = 32  # its private /tmp (a tmpfs of this size): all it may write
@@ -48,7 +50,7 @@ class SandboxLimits:
 @dataclass(frozen=True)
 class RunResult:
     """How a run ended. exit_code is the program's (None when a signal ended it); limit names the
-    limit that ended or cut it ("wall_time", "cpu_time", "output", "file_size"); error says why
+    limit that ended or cut it ("wall_time", "cpu_time", "memory", "output", "file_size"); error says why
     nothing ran at all (the sandbox is off, the code too long, the service unreachable)."""
 
     exit_code: int | None = None

@@ -4,8 +4,10 @@ event loop, many runs at once.
 Each run gets an unprivileged uid of its own (from a pool, least recently used first) before
 anything else: the process limit counts per uid, so a fork bomb exhausts its own run's processes
 and nobody else's, and no run can touch another's files or processes. Then rlimits (prlimit),
-then bubblewrap (bwrap.py) with the seccomp filter (seccomp_filter.py). The runner bounds wall
-time and output itself and kills the run's whole process tree when either is exceeded.
+then bubblewrap (bwrap.py) with the seccomp filter (seccomp_filter.py). Where the host allows it,
+the run's whole process tree is in a memory cgroup of its own first (cgroup.py), so its processes
+together stay within memory_mb. The runner bounds wall time and output itself and kills the run's
+whole process tree when either is exceeded.
 
 Without bubblewrap, the seccomp filter or the interpreter, `unavailable` says why and run()
 refuses: code never runs unisolated.
@@ -26,7 +28,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fairway.sandbox.bwrap import bwrap_args, prlimit_args, setpriv_args
-from fairway.sandbox.limits import RunResult, SandboxLimits
+from fairway.sandbox.cgroup import CgroupParent, RunGroup, find_parent, join_args, sweep
+from fairway.sandbox.limits import MIB, RunResult, SandboxLimits
 from fairway.sandbox.seccomp_filter import SeccompUnavailable, filter_bpf
 
 log = logging.getLogger(__name__)
@@ -59,6 +62,8 @@ class RunnerSettings:
     uid_base: int = 200_000  # the pool of uids runs take, outside any real user's range
     uid_count: int = 1024
     ceiling: SandboxLimits = SandboxLimits()  # no request gets more than this
+    cgroup: str | None = None  # the parent of the runs' memory cgroups; None: found (cgroup.py)
+    memory_cgroups: bool = True  # False: per-process memory bounds only (bench/sandbox.py's peer)
 
 
 @dataclass
@@ -76,6 +81,16 @@ class LocalSandbox(Sandbox):
         self._reason: str | None = None
         self._probed = False
         self._as_root = os.geteuid() == 0
+        # Each run's memory cgroup goes here; None: per-process bounds only (memory_bound says why).
+        self.cgroup: CgroupParent | None
+        self.cgroup, self.memory_bound = (find_parent(self.settings.cgroup) if self.settings.memory_cgroups
+                                          else (None, "memory cgroups are turned off"))
+        self._groups: list[RunGroup] = []  # every memory cgroup made, at most max_concurrent
+        self._idle_groups: list[RunGroup] = []  # those no run is in, the last one used on top
+        if self.cgroup is None:
+            log.info("sandbox runs are bounded per process only: %s", self.memory_bound)
+        else:
+            sweep(self.cgroup)
 
     # -- availability ------------------------------------------------------------------------
 
@@ -143,18 +158,50 @@ class LocalSandbox(Sandbox):
             if entry.users == 0:
                 del self._tenants[tenant]
 
+    async def close(self) -> None:
+        for group in self._groups:
+            group.remove()
+        self._groups.clear()
+        self._idle_groups.clear()
+
+    def _take_group(self) -> RunGroup | None:
+        """A memory cgroup no run is in: the one used last (warm), else a new one."""
+        if self.cgroup is None:
+            return None
+        if self._idle_groups:
+            return self._idle_groups.pop()
+        group = RunGroup(self.cgroup, f"fairway-{os.getpid()}-{id(self):x}-{len(self._groups)}")
+        self._groups.append(group)
+        return group
+
     async def _execute(self, code: str, limits: SandboxLimits, uid: int) -> RunResult:
+        group = self._take_group()
+        if group is None:
+            return await self._execute_in(code, limits, uid, None)
+        try:
+            try:
+                group.prepare(limits.memory_mb * MIB)
+            except OSError as exc:
+                return RunResult.failed(f"could not make the run's memory cgroup: {exc}")
+            return await self._execute_in(code, limits, uid, group)
+        finally:
+            await group.settle()
+            self._idle_groups.append(group)
+
+    async def _execute_in(self, code: str, limits: SandboxLimits, uid: int, group: RunGroup | None) -> RunResult:
         started = time.monotonic()
         seccomp_read, seccomp_write = os.pipe()
         try:
             os.write(seccomp_write, filter_bpf())  # (a few hundred bytes: fits the pipe)
             os.close(seccomp_write)
-            # The uid first (util-linux's setpriv: uvloop's subprocesses take no user=), then the
-            # rlimits, then the sandbox.
+            # Into its cgroup, then the uid (util-linux's setpriv: uvloop's subprocesses take no
+            # user=), then the rlimits, then the sandbox.
+            joined = join_args(group) if group is not None else []
             identity = setpriv_args(uid) if self._as_root else []
             try:
                 proc = await asyncio.create_subprocess_exec(
-                    *identity, *prlimit_args(limits), *bwrap_args(self.settings.python, code, seccomp_read, limits),
+                    *joined, *identity, *prlimit_args(limits),
+                    *bwrap_args(self.settings.python, code, seccomp_read, limits),
                     stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                     pass_fds=(seccomp_read,), start_new_session=True, env={"PATH": os.environ.get("PATH", "/usr/bin")},
                     cwd="/")
@@ -162,9 +209,10 @@ class LocalSandbox(Sandbox):
                 return RunResult.failed(f"could not start the sandbox: {exc}")
         finally:
             os.close(seccomp_read)
-        return await self._collect(proc, limits, started)
+        return await self._collect(proc, limits, started, group)
 
-    async def _collect(self, proc: asyncio.subprocess.Process, limits: SandboxLimits, started: float) -> RunResult:
+    async def _collect(self, proc: asyncio.subprocess.Process, limits: SandboxLimits, started: float,
+                       group: RunGroup | None = None) -> RunResult:
         """Read both outputs up to their bound, until the process ends or a limit ends it."""
         assert proc.stdout is not None and proc.stderr is not None
         out, err = bytearray(), bytearray()
@@ -195,6 +243,8 @@ class LocalSandbox(Sandbox):
         exit_code, sig = _status(code)
         if over:
             limit = limit or "output"
+        elif limit is None and group is not None and group.oom_killed():
+            limit = "memory"  # the kernel killed a process of the run over its cgroup's limit
         elif limit is None and sig in (signal.SIGXCPU, signal.SIGKILL) and _cpu_bound(proc, limits, started):
             limit = "cpu_time"
         stderr = err.decode("utf-8", "replace")

@@ -85,7 +85,7 @@ def _cut(text: str) -> str:
 
 
 _LIMITS = {"wall_time": "the wall-time limit ({wall_s:g} s)", "cpu_time": "the CPU-time limit ({cpu_s:g} s)",
-           "output": "the output limit ({output_bytes} bytes)", "file_size": "the file-size limit ({file_mb} MiB)"}
+           "memory": "the memory limit ({memory_mb} MiB)", "output": "the output limit ({output_bytes} bytes)", "file_size": "the file-size limit ({file_mb} MiB)"}
 
 
 def outcome(result: RunResult, limits: SandboxLimits) -> ToolOutcome:

@@ -48,6 +48,8 @@ def system_block(tools: ToolSet) -> str:
         lines += ["", "To run Python code, write it inside the tag, like this:",
                   f'{OPEN} name="{EXECUTE_CODE}">', "print(2 + 2)", CLOSE,
                   "Its output comes back inside <tool_response></tool_response> tags; then go on with your answer."]
+    if not tools.parallel:
+        lines += ["", "Call at most one function in your reply."]
     if tools.choice == "required":
         lines += ["", "You must call one of these functions now."]
     elif tools.choice == "function":

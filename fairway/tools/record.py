@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from fairway.domain import ToolStatus
 from fairway.relay.events import Event, TokenEvent, ToolEvent
 
 CallRecord = dict[str, Any]  # id, name, arguments, status, index, output, detail, at
@@ -45,6 +46,28 @@ def transcript(events: Sequence[Event]) -> tuple[str, list[CallRecord]]:
         elif isinstance(event, ToolEvent):
             add_event(records, event, size)
     return "".join(text), records
+
+
+def replayed(text: str, records: Sequence[CallRecord], outcomes_only: bool = False) -> list[TokenEvent | ToolEvent]:
+    """transcript() the other way round: a stored reply as events (numbered 0: the caller numbers
+    them), its text cut where each call was made, each call's events there (a built-in one's
+    running event, then its outcome). outcomes_only: the calls' last events alone, no text."""
+    events: list[TokenEvent | ToolEvent] = []
+    pos = 0
+    for record in records:
+        at = min(max(int(record.get("at", 0)), pos), len(text))
+        if at > pos and not outcomes_only:
+            events.append(TokenEvent(0, text[pos:at]))
+        pos = at
+        status = ToolStatus(record["status"])
+        call = ToolEvent(0, record["id"], record["name"], status, record.get("arguments", ""),
+                         int(record.get("index", 0)), record.get("output", ""), record.get("detail") or {})
+        if status in (ToolStatus.COMPLETED, ToolStatus.FAILED) and not outcomes_only:
+            events.append(ToolEvent(0, call.call_id, call.name, ToolStatus.RUNNING, call.arguments))
+        events.append(call)
+    if pos < len(text) and not outcomes_only:
+        events.append(TokenEvent(0, text[pos:]))
+    return events
 
 
 def stored_tools(records: Sequence[CallRecord]) -> dict[str, Any] | None:

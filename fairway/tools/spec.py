@@ -60,6 +60,7 @@ class ToolSet:
     choice: str = "auto"  # auto | required | function (none never makes a ToolSet: no tools at all)
     named: str | None = None  # with choice "function": the tool that must be called
     max_rounds: int = DEFAULT_MAX_ROUNDS
+    parallel: bool = True  # parallel_tool_calls: false holds the model to one client call per reply
 
     @property
     def offered(self) -> tuple[FunctionTool, ...]:
@@ -72,19 +73,21 @@ class ToolSet:
     def to_dict(self) -> dict[str, Any]:
         return {"functions": [{"name": f.name, "description": f.description, "parameters": f.parameters}
                               for f in self.functions],
-                "code": self.code, "choice": self.choice, "named": self.named, "max_rounds": self.max_rounds}
+                "code": self.code, "choice": self.choice, "named": self.named, "max_rounds": self.max_rounds,
+                "parallel": self.parallel}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ToolSet:
         return cls(tuple(FunctionTool(f["name"], f.get("description", ""), f.get("parameters") or {})
                          for f in data.get("functions") or ()),
                    bool(data.get("code")), str(data.get("choice") or "auto"), data.get("named"),
-                   int(data.get("max_rounds") or DEFAULT_MAX_ROUNDS))
+                   int(data.get("max_rounds") or DEFAULT_MAX_ROUNDS), bool(data.get("parallel", True)))
 
 
-def parse_tools(tools: Any, tool_choice: Any, max_rounds: int = DEFAULT_MAX_ROUNDS) -> ToolSet | None:
-    """The request's tools and tool_choice as a ToolSet; None when the reply has no tools (none
-    given, or tool_choice "none"). ToolError for anything malformed."""
+def parse_tools(tools: Any, tool_choice: Any, max_rounds: int = DEFAULT_MAX_ROUNDS,
+                parallel_tool_calls: bool | None = None) -> ToolSet | None:
+    """The request's tools, tool_choice and parallel_tool_calls as a ToolSet; None when the reply
+    has no tools (none given, or tool_choice "none"). ToolError for anything malformed."""
     if tools is None:
         tools = []
     if not isinstance(tools, list):
@@ -111,7 +114,7 @@ def parse_tools(tools: Any, tool_choice: Any, max_rounds: int = DEFAULT_MAX_ROUN
     choice, named = _choice(tool_choice, set(names) | ({EXECUTE_CODE} if code else set()))
     if choice == "none" or not (functions or code):
         return None
-    return ToolSet(tuple(functions), code, choice, named, max_rounds)
+    return ToolSet(tuple(functions), code, choice, named, max_rounds, parallel_tool_calls is not False)
 
 
 def _function(raw: Any, where: str) -> FunctionTool:

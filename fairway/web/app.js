@@ -341,12 +341,12 @@ class ReplyStream {
 const BADGES = { stopped: 'stopped', flagged: 'stopped by the content filter', error: 'error' };
 const USER_BADGES = { flagged: 'refused by the content filter: not sent to the model' };
 
-/** What a badge says: which categories, when we know them (a stored message does not keep them). */
+/** What a badge says: which categories, when we know them (stored messages keep them too). */
 function filterText(text, categories) {
   return categories && categories.length ? `${text} (${categories.join(', ')})` : text;
 }
 
-function messageElement(role, text, status) {
+function messageElement(role, text, status, categories) {
   const el = document.createElement('div');
   el.className = `msg ${role}`;
   el.dataset.status = status;
@@ -358,7 +358,7 @@ function messageElement(role, text, status) {
   body.textContent = text; // textContent, never innerHTML: model output is not trusted markup
   el.append(label, body);
   const badges = role === 'user' ? USER_BADGES : BADGES;
-  if (badges[status]) addBadge(el, status, badges[status]);
+  if (badges[status]) addBadge(el, status, status === 'flagged' ? filterText(badges[status], categories) : badges[status]);
   return el;
 }
 
@@ -567,7 +567,7 @@ async function openConversation(id) {
   const box = $('messages');
   box.replaceChildren();
   for (const m of conversation.messages) {
-    const el = messageElement(m.role, m.content, m.status);
+    const el = messageElement(m.role, m.content, m.status, m.flagged_categories);
     if (m.reply_id) el.dataset.replyId = m.reply_id;
     const runs = storedRuns(m);
     if (runs.length) {
