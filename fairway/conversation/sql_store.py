@@ -468,6 +468,15 @@ class SqlConversationStore(ConversationStore):
         if not await self._rows(_turn_statement(turn.new_conversation, len(msgs), not turn.flagged), values, write=True):
             raise NotFound(f"conversation {conv.id}")
 
+    async def add_reply(self, conversation_id: str, message_id: str, prompt_token_ids: Sequence[int] | None,
+                        replica_id: str | None, job: dict[str, Any]) -> Reply:
+        reply = Reply(id=new_id("rep"), conversation_id=conversation_id, message_id=message_id,
+                      state=ReplyState.QUEUED, replica_id=replica_id,
+                      prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
+                      created_at=now(), job=job)
+        await self._rows(_INSERT["replies"].returning(replies.c.id), _values(reply), write=True)
+        return reply
+
     async def list_messages(self, conversation_id: str) -> list[Message]:
         return [_message(r) for r in await self._rows(_MESSAGES_OF, {"b_conversation": conversation_id})]
 

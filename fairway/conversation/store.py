@@ -132,6 +132,11 @@ class ConversationStore(ABC):
         id)."""
 
     @abstractmethod
+    async def add_reply(self, conversation_id: str, message_id: str, prompt_token_ids: Sequence[int] | None,
+                        replica_id: str | None, job: dict[str, Any]) -> Reply:
+        """Another reply (QUEUED) to a stored user message: a resend of one whose reply was shed."""
+
+    @abstractmethod
     async def list_messages(self, conversation_id: str) -> list[Message]:
         """Oldest first."""
 

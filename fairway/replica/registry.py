@@ -53,6 +53,10 @@ class ReplicaInfo:
     free_kv_blocks: int = 0
     kv_blocks: int = 0
     ttft_s: float | None = None
+    # Replies it finished per second lately (None before the first): the router predicts a new
+    # reply's wait as the queue ahead of it over this (fairway/router/pressure.py).
+    drain_rate: float | None = None
+    mini_of: str = ""  # the main model whose mini pool it serves; "": the model's own pool
     block_size: int = BLOCK_SIZE  # tokens per KV block: how the router hashes a prompt for this replica
     prefix: PrefixSummary | None = None  # the blocks it most recently used (prefix_summary.py)
     measured_at: float = field(default_factory=time.time)  # wall clock when the load above was taken
