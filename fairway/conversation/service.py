@@ -260,12 +260,12 @@ class ConversationService:
         try:
             if start.shed_before is not None:
                 message = start.shed_before
-                reply = await self.store.add_reply(conversation.id, message.id, None, None, job)
+                reply = await self.store.add_reply(conversation.id, message.id, None, None, job, shed=True)
             else:
                 message, reply = await self.store.store_turn(NewTurn(
-                    conversation, new_conversation, [_stored(m) for m in start.new], req.client_key, job=job))
+                    conversation, new_conversation, [_stored(m) for m in start.new], req.client_key, job=job,
+                    shed=True))
             assert reply is not None
-            await self.store.update_reply(reply.id, state=ReplyState.SHED)
         except DuplicateClientKey:  # the same message raced in twice: the other one is answered
             raise Shed(retry_after_s, conversation.id, None, None) from None
         raise Shed(retry_after_s, conversation.id, message.id, reply.id)

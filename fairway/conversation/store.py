@@ -53,7 +53,8 @@ class NewTurn:
     """What starting one turn writes, all or nothing (ConversationStore.store_turn): the
     conversation when it is new, the request's messages in order (the last is the user's and
     carries client_key) and the queued reply that answers it; a flagged turn (the input check
-    refused its message) stores its last message with status flagged and no reply."""
+    refused its message) stores its last message with status flagged and no reply; a shed one
+    stores its reply SHED."""
 
     conversation: Conversation
     new_conversation: bool
@@ -63,6 +64,7 @@ class NewTurn:
     replica_id: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
     flagged: bool = False
+    shed: bool = False  # refused at capacity: the reply is stored SHED (final) at once
 
 
 # Fields update_reply may change; ids, the answered message and created_at are fixed.
@@ -133,8 +135,8 @@ class ConversationStore(ABC):
 
     @abstractmethod
     async def add_reply(self, conversation_id: str, message_id: str, prompt_token_ids: Sequence[int] | None,
-                        replica_id: str | None, job: dict[str, Any]) -> Reply:
-        """Another reply (QUEUED) to a stored user message: a resend of one whose reply was shed."""
+                        replica_id: str | None, job: dict[str, Any], shed: bool = False) -> Reply:
+        """Another reply (QUEUED, or SHED) to a stored user message: a resend of one whose reply was shed."""
 
     @abstractmethod
     async def list_messages(self, conversation_id: str) -> list[Message]:

@@ -53,8 +53,8 @@ class ReplicaInfo:
     free_kv_blocks: int = 0
     kv_blocks: int = 0
     ttft_s: float | None = None
-    # Replies it finished per second lately (None before the first): the router predicts a new
-    # reply's wait as the queue ahead of it over this (fairway/router/pressure.py).
+    # Replies it finishes per second with its seats full, measured (seats.py; None before the
+    # first ends): the router predicts a new reply's wait as the queue ahead of it over this.
     drain_rate: float | None = None
     mini_of: str = ""  # the main model whose mini pool it serves; "": the model's own pool
     block_size: int = BLOCK_SIZE  # tokens per KV block: how the router hashes a prompt for this replica

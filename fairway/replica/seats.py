@@ -8,8 +8,11 @@ the seats waits in the replica's queue, where the router sees it (ReplicaInfo.wa
 Background work there ages as in the engine: once some has waited background_max_wait_s (by the
 queue depths each heartbeat reads) the next free seat takes background work first.
 
-Drain rate: replies that left their seat per second over the last DRAIN_WINDOW_S, what the
-router divides the queue ahead of a request by to predict its wait (fairway/router/pressure.py).
+Drain rate: how many replies a second the replica finishes when its seats are full: its seats
+over the mean time its last DRAIN_SAMPLES replies held one (claim to end, engine wait included).
+The router divides the queue ahead of a new request by it to predict its wait
+(fairway/router/pressure.py). Measured over seat time, not wall time, so a replica that was idle
+a minute ago is not taken for a slow one the moment a burst arrives.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections import Counter, deque
 
 from fairway.domain import LANE_ORDER, Lane
 
-DRAIN_WINDOW_S = 30.0  # long enough to hold a few long replies, short enough to follow a change
+DRAIN_SAMPLES = 64  # replies the drain rate is measured over: the latest ones
 
 
 AGED_ORDER: tuple[Lane, ...] = (Lane.BACKGROUND, Lane.PAID, Lane.FREE)
@@ -33,8 +36,7 @@ class Seats:
         self._background_since: float | None = None  # background work waits in the queue since
         self.taken: Counter[Lane] = Counter()
         self._freed = asyncio.Event()
-        self._left: deque[float] = deque()  # monotonic times replies left their seats, oldest first
-        self._since = time.monotonic()
+        self._held: deque[float] = deque(maxlen=DRAIN_SAMPLES)  # seconds the latest replies held a seat
 
     def open_lanes(self) -> tuple[Lane, ...]:
         """The lanes a claim may take from now, in claim order (none: wait for a seat)."""
@@ -54,14 +56,16 @@ class Seats:
         elif self._background_since is None:
             self._background_since = time.monotonic()
 
-    def take(self, lane: Lane) -> None:
+    def take(self, lane: Lane) -> float:
+        """A seat for a reply of this lane; returns when it was taken (for give)."""
         self.taken[lane] += 1
         if lane == Lane.BACKGROUND and self._background_since is not None:
-            self._background_since = time.monotonic()  # the next background job waits its own bound
+            self._background_since = time.monotonic()  # one background job per bound while work floods in
+        return time.monotonic()
 
-    def give(self, lane: Lane) -> None:
+    def give(self, lane: Lane, taken_at: float) -> None:
         self.taken[lane] -= 1
-        self._left.append(time.monotonic())
+        self._held.append(time.monotonic() - taken_at)
         self._freed.set()
 
     async def freed(self) -> None:
@@ -69,12 +73,8 @@ class Seats:
         await self._freed.wait()
         self._freed.clear()
 
-    def drain_rate(self, now: float | None = None) -> float | None:
-        """Replies finished per second over the window (over the replica's life while it is
-        younger); None before any has: nothing measured yet."""
-        now = time.monotonic() if now is None else now
-        while self._left and self._left[0] < now - DRAIN_WINDOW_S:
-            self._left.popleft()
-        if not self._left:
+    def drain_rate(self) -> float | None:
+        """Replies finished per second with every seat busy; None before any reply ended."""
+        if not self._held:
             return None
-        return len(self._left) / max(1.0, min(DRAIN_WINDOW_S, now - self._since))
+        return self.capacity / max(sum(self._held) / len(self._held), 1e-3)

@@ -360,14 +360,14 @@ class ReplicaWorker:
                 continue
             if claimed is None:
                 continue
-            self._seats.take(claimed.lane)
+            taken_at = self._seats.take(claimed.lane)
             task = asyncio.create_task(self._serve_claimed(claimed))
             self._tasks.add(task)
-            task.add_done_callback(lambda done, lane=claimed.lane: self._done(done, lane))
+            task.add_done_callback(lambda done, lane=claimed.lane, at=taken_at: self._done(done, lane, at))
 
-    def _done(self, task: asyncio.Task, lane: Lane) -> None:
+    def _done(self, task: asyncio.Task, lane: Lane, taken_at: float) -> None:
         self._tasks.discard(task)
-        self._seats.give(lane)
+        self._seats.give(lane, taken_at)
 
     async def _stop_loop(self) -> None:
         while True:
