@@ -59,6 +59,7 @@ from fairway.relay import (
     TokenLog,
     ToolEvent,
 )
+from fairway.replica.health import HealthServer
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
 from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
@@ -97,6 +98,9 @@ class ReplicaSettings:
     max_sentence_chars: int = 300
     sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)  # each execute_code run's
     drain_grace_s: float = 30.0  # SIGTERM: how long the replies in flight get to finish here
+    # The health endpoint (replica/health.py): port 0 takes a free one, None serves none.
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None
     mini_of: str = ""  # the main model whose mini pool this replica serves ("": a main-pool replica)
     background_max_wait_s: float | None = 30.0  # background work queued this long is claimed first (seats.py)
 
@@ -226,6 +230,8 @@ class ReplicaWorker:
         self._started_at = time.time()
         self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
+        self._health = None if settings.health_port is None else \
+            HealthServer(lambda: not self.draining, settings.health_host, settings.health_port)
         engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
@@ -263,6 +269,7 @@ class ReplicaWorker:
             mini_of=self.settings.mini_of,
             block_size=engine.kv.block_size,
             prefix=self._prefix_summary(),
+            health_url=self._health.url if self._health is not None and self._health.port else "",
         )
 
     def _prefix_summary(self) -> PrefixSummary:
@@ -277,9 +284,12 @@ class ReplicaWorker:
     async def start(self) -> None:
         """Announce the replica and start its loops; returns at once."""
         self.engine.start()
+        if self._health is not None:
+            await self._health.start()
         await self._check_sandbox()
         metrics.ENGINES.track(self.id, self.settings.model, self.engine)
         await self.registry.announce(self.info())
+        await self._resume_own()
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
             self._loops.append(asyncio.create_task(loop(), name=f"{self.id}:{loop.__name__}"))
 
@@ -334,6 +344,25 @@ class ReplicaWorker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loop
         self._loops.clear()
+        if self._health is not None:
+            await self._health.close()
+
+    async def _resume_own(self) -> None:
+        """Restarted under the same id before a failover took its queue over: the jobs its last
+        run claimed and did not finish (still pending in its queue) carry on here, each as a
+        continuation after what its log holds, as a failover would have handed them on."""
+        try:
+            every = await self.relay.jobs.unfinished(queue=self.queue)
+            waiting = {c.id for c in await self.relay.jobs.unfinished(queue=self.queue, waiting_only=True)}
+        except RelayError:
+            log.warning("could not look for jobs a previous run left; a failover hands them on", exc_info=True)
+            return
+        left = [c for c in every if c.id not in waiting]
+        for claimed in left:
+            job = {**claimed.job, "attempt": int(claimed.job.get("attempt", 0)) + 1}
+            self._seat(dataclasses.replace(claimed, job=job))
+        if left:
+            log.info("replica %s: carrying on %d replies its previous run left", self.id, len(left))
 
     # -- loops -------------------------------------------------------------------------------
 
@@ -354,16 +383,20 @@ class ReplicaWorker:
                 if self.draining and me is not None and not me.cancelling():
                     return  # drain() stopped the claims, not a cancel of this loop
                 raise
-            except RelayError:  # Redis away for a moment: claim again shortly
+            except Exception:  # Redis away for a moment (or a reply it did not expect): claim again shortly
                 log.warning("claiming jobs failed; retrying", exc_info=True)
                 await asyncio.sleep(0.5)
                 continue
             if claimed is None:
                 continue
-            taken_at = self._seats.take(claimed.lane)
-            task = asyncio.create_task(self._serve_claimed(claimed))
-            self._tasks.add(task)
-            task.add_done_callback(lambda done, lane=claimed.lane, at=taken_at: self._done(done, lane, at))
+            self._seat(claimed)
+
+    def _seat(self, claimed: ClaimedJob) -> None:
+        """Serve a claimed job in a seat of its lane, given back when its reply has ended."""
+        taken_at = self._seats.take(claimed.lane)
+        task = asyncio.create_task(self._serve_claimed(claimed))
+        self._tasks.add(task)
+        task.add_done_callback(lambda done: self._done(done, claimed.lane, taken_at))
 
     def _done(self, task: asyncio.Task, lane: Lane, taken_at: float) -> None:
         self._tasks.discard(task)
