@@ -89,6 +89,11 @@ class ServerOptions:
     # execute_code's sandbox: "local" (the runner in the replica's process), grpc://host:port (a
     # `fairway sandbox` service), or "off".
     sandbox: str = "local"
+    # The mini pool: a replica's mini_of (it serves its model as the mini pool of this main
+    # model); a gateway's mini_model (the mini model, a path or "bundled": its tokenizer builds
+    # the prompts the pool serves; `fairway serve` runs it as a second replica too).
+    mini_of: str | None = None
+    mini_model: str | None = None
 
 
 def open_sandbox(options: ServerOptions) -> Sandbox | None:
@@ -105,20 +110,29 @@ def open_sandbox(options: ServerOptions) -> Sandbox | None:
 
 
 def model_name(model: str | None) -> str:
-    return BUNDLED_MODEL_NAME if model is None else Path(model).stem.lower()
+    return BUNDLED_MODEL_NAME if model is None or model == BUNDLED else Path(model).stem.lower()
+
+
+BUNDLED = "bundled"  # --mini-model bundled: the bundled model
+
+
+def _model_path(model: str | None) -> str | None:
+    return None if model == BUNDLED else model
 
 
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The model's tokenizer alone (no weights, no torch): what a gateway needs to build prompts."""
     from fairway.models.tokenizer import Tokenizer
 
+    model = _model_path(model)
     path = Path(model) if model else bundled_model_path()
     return Tokenizer.from_hf_folder(path) if path.is_dir() else Tokenizer.from_gguf(path)
 
 
-def build_engine(options: ServerOptions) -> LLMEngine:
+def build_engine(options: ServerOptions, model: str | None = None) -> LLMEngine:
     """The engine for an AsyncEngine, loaded in a passing thread (factory.in_passing_thread) since
-    its steps will run in the AsyncEngine's own thread."""
+    its steps will run in the AsyncEngine's own thread. model: another than the options' (the
+    mini pool's)."""
     from fairway.engine import EngineConfig
     from fairway.engine.factory import build_engine as build
     from fairway.engine.factory import in_passing_thread
@@ -126,7 +140,8 @@ def build_engine(options: ServerOptions) -> LLMEngine:
     config = EngineConfig(max_model_len=options.max_model_len)
     if options.num_kv_blocks:
         config.num_kv_blocks = options.num_kv_blocks
-    return in_passing_thread(lambda: build(options.model, options.dtype, options.device, config))
+    path = _model_path(model) if model is not None else options.model
+    return in_passing_thread(lambda: build(path, options.dtype, options.device, config))
 
 
 class Background:
@@ -246,25 +261,34 @@ def gateway_context(
     return context
 
 
-def embedded_app(options: ServerOptions, engine: LLMEngine | None = None) -> FastAPI:
-    """One process: gateway, recorder and a replica on the engine (built here unless given)."""
+def embedded_app(options: ServerOptions, engine: LLMEngine | None = None,
+                 mini_engine: LLMEngine | None = None) -> FastAPI:
+    """One process: gateway, recorder and a replica on the engine (built here unless given); with
+    options.mini_model a second replica on the mini model (mini_engine, else built), the mini
+    pool of the first."""
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaWorker
 
     engine = engine or build_engine(options)
     name = model_name(options.model)
     relay, store, registry = open_backends(options)
-    async_engine = AsyncEngine(engine)
     moderator = make_moderator(options.safety)  # one for the gateway's checks and the replica's
     sandbox = open_sandbox(options)
-    worker = ReplicaWorker(async_engine, relay, registry, replica_settings(options, name),
-                           moderator if options.safety.check_output else None, sandbox)
-    context = gateway_context(options, relay, store, registry, {name: engine.tokenizer}, moderator)
-    context.on_startup.append(worker.start)
+    engines = [(name, engine, replica_settings(options, name))]
+    if options.mini_model:
+        mini = model_name(options.mini_model)
+        settings = replica_settings(dataclasses.replace(options, replica_id=None, mini_of=name), mini)
+        engines.append((mini, mini_engine or build_engine(options, options.mini_model), settings))
+    workers = [(ReplicaWorker(AsyncEngine(e), relay, registry, settings,
+                              moderator if options.safety.check_output else None, sandbox))
+               for _, e, settings in engines]
+    context = gateway_context(options, relay, store, registry, {n: e.tokenizer for n, e, _ in engines}, moderator)
+    context.on_startup += [worker.start for worker in workers]
 
     async def stop_engine() -> None:
-        await worker.stop()
-        await asyncio.to_thread(async_engine.shutdown)
+        for worker in workers:
+            await worker.stop()
+            await asyncio.to_thread(worker.engine.shutdown)
         if sandbox is not None:
             await sandbox.close()
 
@@ -284,6 +308,8 @@ def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
         settings.replica_id = options.replica_id
     if options.region:
         settings.region = options.region
+    if options.mini_of:
+        settings.mini_of = options.mini_of
     return settings
 
 
@@ -291,6 +317,8 @@ def gateway_app(options: ServerOptions) -> FastAPI:
     """A stateless gateway process: Redis and a database shared with the other processes."""
     relay, store, registry = open_backends(options)
     tokenizers = {model_name(options.model): load_tokenizer(options.model)}
+    if options.mini_model:
+        tokenizers[model_name(options.mini_model)] = load_tokenizer(options.mini_model)
     return create_app(gateway_context(options, relay, store, registry, tokenizers))
 
 

@@ -150,16 +150,25 @@ def _server_options(args: argparse.Namespace):
         files=getattr(args, "files", None),
         safety=_safety_settings(args),
         sandbox=getattr(args, "sandbox", "local"),
+        mini_of=getattr(args, "mini_of", None),
+        mini_model=getattr(args, "mini_model", None),
     )
 
 
 def _router_settings(args: argparse.Namespace):
     from fairway.router import RouterSettings
+    from fairway.router.pressure import PressureSettings
 
     default = RouterSettings()
+    pressure = default.pressure
     return RouterSettings(routing=getattr(args, "routing", default.routing),
                           overflow_abs=getattr(args, "overflow_abs", default.overflow_abs),
-                          overflow_rel=getattr(args, "overflow_rel", default.overflow_rel))
+                          overflow_rel=getattr(args, "overflow_rel", default.overflow_rel),
+                          pressure=PressureSettings(
+                              max_wait_s=getattr(args, "max_wait", pressure.max_wait_s),
+                              free_at_capacity=getattr(args, "free_at_capacity", pressure.free_at_capacity),
+                              shorter_max_tokens=getattr(args, "shorter_max_tokens", pressure.shorter_max_tokens),
+                              mini_past_quota=not getattr(args, "no_mini_past_quota", False)))
 
 
 def _safety_settings(args: argparse.Namespace):
@@ -408,6 +417,25 @@ def _router_args(p: argparse.ArgumentParser) -> None:
                    help="... and more than X times the least loaded one's load more")
 
 
+def _pressure_args(p: argparse.ArgumentParser) -> None:
+    from fairway.router.pressure import AT_CAPACITY, PressureSettings
+
+    default = PressureSettings()
+    g = p.add_argument_group("peak load: free requests at capacity, the mini pool (fairway/router/pressure.py)")
+    g.add_argument("--max-wait", type=float, default=default.max_wait_s, metavar="S",
+                   help="a free request predicted to wait longer than S seconds to start (the queue ahead of it "
+                        "over the replica's measured drain rate) finds its model's pool at capacity")
+    g.add_argument("--free-at-capacity", default=default.free_at_capacity, choices=AT_CAPACITY,
+                   help="what it gets then: shed (503 + Retry-After, the reply stored SHED), mini (the model's mini "
+                        "pool serves it), shorten (at most --shorter-max-tokens)")
+    g.add_argument("--shorter-max-tokens", type=int, default=default.shorter_max_tokens, metavar="N")
+    g.add_argument("--mini-model", default=None, metavar="PATH",
+                   help="the mini pool's model (a .gguf file or Hugging Face folder, or 'bundled'): its replicas "
+                        "run `fairway replica --model PATH --mini-of MAIN`")
+    g.add_argument("--no-mini-past-quota", action="store_true",
+                   help="a user whose token quota for the model is spent gets a 429, not the mini pool")
+
+
 def _safety_args(p: argparse.ArgumentParser, stages: tuple[str, ...]) -> None:
     g = p.add_argument_group("safety (fairway/safety/)")
     g.add_argument("--safety-policy", default=None, metavar="PATH",
@@ -476,6 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--default-max-tokens", type=int, default=512)
     s.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
     _limits_args(s)
+    _pressure_args(s)
     _memory_files_args(s)
     _safety_args(s, ("input", "output"))
     s.set_defaults(func=cmd_serve)
@@ -492,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--default-max-tokens", type=int, default=512)
     gw.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
     _router_args(gw)
+    _pressure_args(gw)
     _limits_args(gw)
     _memory_files_args(gw)
     _safety_args(gw, ("input",))
@@ -513,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--health-port", type=int, default=0,
                    help="GET /health and /ready here (0: a free port; the heartbeat announces it to routers)")
     r.add_argument("--health-host", default="127.0.0.1", help="where /health listens (0.0.0.0 in a container)")
+    r.add_argument("--mini-of", default=None, metavar="MODEL",
+                   help="serve this replica's model as the mini pool of MODEL (the main model's name, as its "
+                        "replicas announce it): past a limit, gateways send MODEL's requests here")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
     r.add_argument("--metrics-host", default="127.0.0.1")

@@ -68,12 +68,13 @@ class ThreadServer:
 
 
 @contextlib.contextmanager
-def embedded_server(options: Any, engine: Any = None) -> Iterator[ThreadServer]:
-    """`fairway serve`'s app for these ServerOptions (on this engine, else the options' model),
-    served on a free port until the block ends (server.gateway: its GatewayContext)."""
+def embedded_server(options: Any, engine: Any = None, mini_engine: Any = None) -> Iterator[ThreadServer]:
+    """`fairway serve`'s app for these ServerOptions (on this engine, else the options' model; its
+    mini pool's on mini_engine), served on a free port until the block ends (server.gateway: its
+    GatewayContext)."""
     from fairway.assembly import embedded_app
 
-    app = embedded_app(options, engine)
+    app = embedded_app(options, engine, mini_engine)
     server = ThreadServer(app).start()
     server.gateway = app.state.gateway
     try:

@@ -298,6 +298,18 @@ async def test_final_states_are_final(store: ConversationStore) -> None:
     assert (await store.get_reply_for_message(conv.id, msg.id)).id == reply.id
 
 
+async def test_a_shed_turn_is_stored_final_and_its_resend_gets_a_reply_of_its_own(store: ConversationStore) -> None:
+    conv, msg, shed = await _turn(store, shed=True, job={"model": "m", "lane": "free"})
+    assert shed.state is ReplyState.SHED and shed.finished_at is not None
+    assert (await store.get_reply(shed.id)).state is ReplyState.SHED
+    assert shed.id not in {r.id for r in await store.list_unfinished_replies()}
+    again = await store.add_reply(conv.id, msg.id, [1, 2, 3], "replica-1", {"model": "m", "lane": "free"})
+    newest = await store.get_reply_for_message(conv.id, msg.id)
+    assert newest.id == again.id != shed.id and newest.state is ReplyState.QUEUED
+    assert newest.prompt_token_ids == [1, 2, 3] and newest.replica_id == "replica-1"
+    assert (await store.get_reply(shed.id)).state is ReplyState.SHED
+
+
 async def test_a_started_reply_runs_unless_it_is_final_and_its_job_reads_alone(store: ConversationStore) -> None:
     job = {"model": "smollm2", "meta": {"user": "u1", "tier": "paid"}}
     _, _, reply = await _turn(store, prompt_token_ids=list(range(3000)), job=job)

@@ -580,6 +580,27 @@ async def test_a_claimed_job_stays_in_its_queue_until_acknowledged(backend: Back
     assert await replica.claim(queue=q) is None
 
 
+async def test_a_claim_can_take_from_some_lanes_only_in_its_own_order(backend: Backend) -> None:
+    """A replica whose seats are full takes paid work only; one whose background work has waited
+    too long takes that first (fairway/replica/seats.py). Either acks like any claim."""
+    gateway, replica = backend.jobs(), backend.jobs()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    await gateway.submit({"n": "free"}, Lane.FREE, queue=q)
+    await gateway.submit({"n": "bg"}, Lane.BACKGROUND, queue=q)
+    start = time.monotonic()
+    assert await replica.claim(queue=q, timeout=0.2, lanes=(Lane.PAID,)) is None  # free waits: none paid
+    assert 0.15 <= time.monotonic() - start < 2
+    waiting = asyncio.create_task(replica.claim(queue=q, timeout=5, lanes=(Lane.PAID,)))
+    await asyncio.sleep(0.05)
+    await gateway.submit({"n": "paid"}, Lane.PAID, queue=q, front=True)
+    paid = await asyncio.wait_for(waiting, 5)
+    assert paid is not None and (paid.lane, paid.job["n"]) == (Lane.PAID, "paid")
+    aged = await replica.claim(queue=q, lanes=(Lane.BACKGROUND, Lane.PAID, Lane.FREE))
+    assert aged is not None and (aged.lane, aged.job["n"]) == (Lane.BACKGROUND, "bg")
+    await replica.ack([paid, aged], queue=q)
+    assert [j.job["n"] for j in await replica.unfinished(queue=q)] == ["free"]
+
+
 async def test_bus_blocked_claim_wakes_on_submit(backend: Backend) -> None:
     gateway, replica = backend.jobs(), backend.jobs()
     q = f"q{uuid.uuid4().hex[:6]}"

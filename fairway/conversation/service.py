@@ -27,7 +27,7 @@ from fairway.conversation.context_builder import (
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
 from fairway.conversation.extras import ContextSource, TurnExtras, TurnInfo
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
-from fairway.domain import Tier, lane_of_tier
+from fairway.domain import Lane, ReplyState, Tier, lane_of_tier
 from fairway.relay import Relay
 from fairway.replica.job import GenerationJob
 from fairway.replica.registry import ReplicaInfo
@@ -35,6 +35,7 @@ from fairway.router import Router, region_fallback
 from fairway.safety import ModerationResult, Moderator
 from fairway.tools import ToolSet
 from fairway.tools.prompt import expand_assistant, prompt_messages, system_block
+from fairway.usage import metrics
 
 
 class NothingToResume(NotFound):
@@ -83,9 +84,33 @@ class TurnRequest:
     file_ids: list[str] = field(default_factory=list)  # files the new message attaches
     tools: ToolSet | None = None  # what the reply may call (None: no tools)
     region: str | None = None  # the region the request asked to be served in (X-Fairway-Region)
-    # Called once the context is built, before anything is stored, with (prompt tokens,
-    # max_tokens): the gateway reserves tokens here (and may refuse by raising).
-    admit: Callable[[int, int], Awaitable[Admitted]] | None = None
+    # Called once the context is built, before anything is stored, with (the model that will
+    # serve, prompt tokens, max_tokens): the gateway reserves tokens here, and may refuse by
+    # raising (OverQuota: the user's quota for that model is spent; the mini pool may serve).
+    admit: Callable[[str, int, int], Awaitable[Admitted]] | None = None
+
+
+class OverQuota(Exception):
+    """Raised by admit(): the user's token quota for the model is spent. `error` is the refusal
+    to raise when no mini pool serves the request instead."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Shed(Exception):
+    """A free request refused at capacity: its message is stored, its reply SHED (both None
+    when another copy of the same message was stored first)."""
+
+    def __init__(self, retry_after_s: int, conversation_id: str, message_id: str | None,
+                 reply_id: str | None) -> None:
+        super().__init__("The service is at capacity for free requests right now; retry in "
+                         f"{retry_after_s} s, or use a paid key.")
+        self.retry_after_s = retry_after_s
+        self.conversation_id = conversation_id
+        self.message_id = message_id
+        self.reply_id = reply_id
 
 
 class Admitted:
@@ -102,6 +127,24 @@ class Admitted:
         if not self.released and self._release is not None:
             self.released = True
             await self._release()
+
+
+@dataclass
+class _Start:
+    """A new turn on its way to a replica: what start_turn found, and how pressure changed it."""
+
+    req: TurnRequest
+    conversation: Conversation | None
+    stored: list[Message]
+    new: list[ChatMessage]
+    lane: Lane
+    shed_before: Message | None = None
+    model: str = ""  # the model that serves it: the requested one, or its mini pool's
+    treated: str = ""  # "", or why it is served otherwise: shorten, mini (capacity), quota
+    max_tokens_cap: int | None = None
+
+    def __post_init__(self) -> None:
+        self.model = self.model or self.req.model
 
 
 @dataclass
@@ -160,38 +203,97 @@ class ConversationService:
     async def start_turn(self, req: TurnRequest) -> Turn:
         """Store the message and start its reply, or attach to the reply already started for it.
 
-        Raises UnknownModel, NotFound (conversation), InputFlagged, ContextTooLong, NoReplica."""
+        A free request whose model's pool is at capacity is treated as configured
+        (fairway/router/pressure.py): shed (Shed raised, the reply stored SHED), served by the
+        mini pool, or with fewer max tokens; one whose user's quota for the model is spent
+        (admit raised OverQuota) is served by the mini pool when one runs.
+
+        Raises UnknownModel, NotFound (conversation), InputFlagged, ContextTooLong, NoReplica, Shed."""
         self.check_model(req.model)
         if req.resume_only:
             return await self._resume(req)
         conversation, stored = await self._find_conversation(req)
+        shed_before: Message | None = None  # a resent message whose earlier reply was shed: answered now
         if conversation is not None and req.client_key:
             turn = await self._existing_turn(conversation, req.client_key)
-            if turn is not None:
+            if turn is not None and turn.reply.state != ReplyState.SHED:
                 return turn
-        new = _new_messages(req.messages, stored)
-        if self.moderator is not None:
+            if turn is not None:
+                shed_before = turn.message  # stored with what came before it: the context is the store's
+        new = _new_messages(req.messages, stored) if shed_before is None else []
+        if self.moderator is not None and shed_before is None:
             await self._check_input(req, conversation, new)
-        replicas = await self._replicas(req.model)
+        lane = lane_of_tier(conversation.tier if conversation else req.tier or self.settings.default_tier)
+        start = _Start(req, conversation, stored, new, lane, shed_before)
+        pressure = await self.router.pressure(req.model, lane) if lane == Lane.FREE else None
+        if pressure is not None and pressure.at_capacity:
+            treatment = self.router.settings.pressure.free_at_capacity
+            mini = await self._mini(req.model) if treatment == "mini" else None
+            metrics.FREE_AT_CAPACITY.labels(req.model, treatment if treatment != "mini" or mini else "shed").inc()
+            if treatment == "shorten":
+                start.max_tokens_cap = self.router.settings.pressure.shorter_max_tokens
+                start.treated = "shorten"
+            elif mini is not None:
+                start.model, start.treated = mini, "mini"
+            else:  # shed (or mini with no mini pool running)
+                await self._shed(start, pressure.retry_after_s)
+        try:
+            return await self._start_on(start)
+        except OverQuota as over:
+            mini = await self._mini(req.model) if self.router.settings.pressure.mini_past_quota else None
+            if mini is None or start.model == mini:
+                raise over.error from None
+            start.model, start.treated, start.max_tokens_cap = mini, "quota", None
+            return await self._start_on(start)
+
+    async def _mini(self, model: str) -> str | None:
+        """The model's mini pool, when a replica of it runs and this gateway can tokenize for it."""
+        mini = await self.router.mini_pool(model)
+        return mini if mini in self.tokenizers else None
+
+    async def _shed(self, start: _Start, retry_after_s: int) -> None:
+        """Refuse a free request at capacity: its message is stored, answered by a SHED reply."""
+        req, conversation = start.req, start.conversation
+        new_conversation = conversation is None
+        conversation = conversation or self._new_conversation(req)
+        job = {"model": req.model, "lane": start.lane.value, "tier": conversation.tier}
+        try:
+            if start.shed_before is not None:
+                message = start.shed_before
+                reply = await self.store.add_reply(conversation.id, message.id, None, None, job, shed=True)
+            else:
+                message, reply = await self.store.store_turn(NewTurn(
+                    conversation, new_conversation, [_stored(m) for m in start.new], req.client_key, job=job,
+                    shed=True))
+            assert reply is not None
+        except DuplicateClientKey:  # the same message raced in twice: the other one is answered
+            raise Shed(retry_after_s, conversation.id, None, None) from None
+        raise Shed(retry_after_s, conversation.id, message.id, reply.id)
+
+    async def _start_on(self, start: _Start) -> Turn:
+        req, conversation, model = start.req, start.conversation, start.model
+        replicas = await self._replicas(model)
         if req.tools is not None and req.tools.code and all(r.sandbox_off for r in replicas):
             raise ToolUnavailable(f"Code execution is off on this server: {replicas[0].sandbox_off}.")
         window = min(r.max_model_len for r in replicas)
         max_tokens = int(req.sampling.get("max_tokens") or min(self.settings.default_max_tokens, window // 2))
+        if start.max_tokens_cap is not None:
+            max_tokens = min(max_tokens, start.max_tokens_cap)
         new_conversation = conversation is None
         conversation = conversation or self._new_conversation(req)  # stored only once the reply can run
-        extras = await self._extras(req, conversation, new_conversation, new)
-        context = self._build(req.model, window, stored, new, max_tokens, extras, req.tools)
+        extras = await self._extras(req, model, conversation, new_conversation, start.new)
+        context = self._build(model, window, start.stored, start.new, max_tokens, extras, req.tools)
         longest = min(r.max_prompt_tokens for r in replicas)
         if context.num_tokens > longest:
             raise ContextTooLong(context.num_tokens, longest, window, max_tokens)
-        admitted = await req.admit(context.num_tokens, max_tokens) if req.admit else Admitted()
+        admitted = await req.admit(model, context.num_tokens, max_tokens) if req.admit else Admitted()
         try:
             job = GenerationJob(
                 reply_id="",
-                model=req.model,
+                model=model,
                 prompt_token_ids=context.prompt_token_ids,
                 sampling={**req.sampling, "max_tokens": max_tokens},
-                lane=lane_of_tier(conversation.tier).value,
+                lane=start.lane.value,
                 tier=conversation.tier,
                 tools=({**req.tools.to_dict(), "max_rounds": self.settings.max_tool_rounds}
                        if req.tools is not None else {}),
@@ -199,11 +301,18 @@ class ConversationService:
             )
             info = {"prompt_tokens": context.num_tokens, "dropped_turns": context.dropped_turns,
                     "dropped_messages": context.dropped_messages, "max_tokens": max_tokens, **extras.info}
-            replica = await self.router.place(job.model, context.prompt_token_ids, req.region)
+            if start.treated:
+                info["fallback"] = start.treated  # why it is served so: the response says it
+            replica = await self.router.place(job.model, context.prompt_token_ids, req.region, start.lane)
             try:
-                message, reply = await self.store.store_turn(NewTurn(
-                    conversation, new_conversation, [_stored(m) for m in new], req.client_key,
-                    job.prompt_token_ids, replica.id, _stored_job(job, admitted.meta, info)))
+                if start.shed_before is not None:
+                    message = start.shed_before
+                    reply = await self.store.add_reply(conversation.id, message.id, job.prompt_token_ids,
+                                                       replica.id, _stored_job(job, admitted.meta, info))
+                else:
+                    message, reply = await self.store.store_turn(NewTurn(
+                        conversation, new_conversation, [_stored(m) for m in start.new], req.client_key,
+                        job.prompt_token_ids, replica.id, _stored_job(job, admitted.meta, info)))
                 assert reply is not None
             except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
                 if new_conversation:  # the stored one: the other request's
@@ -280,14 +389,14 @@ class ConversationService:
     async def _replicas(self, model: str) -> list[ReplicaInfo]:
         return await self.router.serving(model)  # raises NoReplica after a fresh look
 
-    async def _extras(self, req: TurnRequest, conversation: Conversation, new_conversation: bool,
+    async def _extras(self, req: TurnRequest, model: str, conversation: Conversation, new_conversation: bool,
                       new: list[ChatMessage]) -> TurnExtras:
         """What the context sources add to this turn (memories, file chunks)."""
         extras = TurnExtras()
         if not self.sources:
             return extras
         question = next((m["content"] for m in reversed(new) if m["role"] == "user"), "")
-        tokenizer = self.tokenizers[req.model]
+        tokenizer = self.tokenizers[model]
         info = TurnInfo(req.user_id, conversation.id, new_conversation, question, list(req.file_ids),
                         lambda text: len(tokenizer.encode(text)))
         for source in self.sources:

@@ -434,10 +434,12 @@ class SqlConversationStore(ConversationStore):
                         flagged_categories=list(turn.flagged_categories) or None
                         if turn.flagged and i == len(turn.messages) - 1 else None)
                 for i, item in enumerate(turn.messages)]
-        reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id, state=ReplyState.QUEUED,
-                      replica_id=turn.replica_id,
+        reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id,
+                      state=ReplyState.SHED if turn.shed else ReplyState.QUEUED, replica_id=turn.replica_id,
                       prompt_token_ids=list(turn.prompt_token_ids) if turn.prompt_token_ids is not None else None,
                       created_at=now(), job=turn.job)
+        if turn.shed:
+            reply.finished_at = reply.created_at
         try:
             if self._dialect == "postgresql":
                 await self._store_turn_at_once(turn, msgs, reply)
@@ -474,6 +476,16 @@ class SqlConversationStore(ConversationStore):
             values.update(t_id=conv.id, t_ts=msgs[0].created_at)
         if not await self._rows(_turn_statement(turn.new_conversation, len(msgs), not turn.flagged), values, write=True):
             raise NotFound(f"conversation {conv.id}")
+
+    async def add_reply(self, conversation_id: str, message_id: str, prompt_token_ids: Sequence[int] | None,
+                        replica_id: str | None, job: dict[str, Any], shed: bool = False) -> Reply:
+        reply = Reply(id=new_id("rep"), conversation_id=conversation_id, message_id=message_id,
+                      state=ReplyState.SHED if shed else ReplyState.QUEUED, replica_id=replica_id,
+                      prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
+                      created_at=now(), job=job)
+        reply.finished_at = reply.created_at if shed else None
+        await self._rows(_INSERT["replies"].returning(replies.c.id), _values(reply), write=True)
+        return reply
 
     async def list_messages(self, conversation_id: str) -> list[Message]:
         return [_message(r) for r in await self._rows(_MESSAGES_OF, {"b_conversation": conversation_id})]

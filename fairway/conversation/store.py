@@ -53,7 +53,8 @@ class NewTurn:
     """What starting one turn writes, all or nothing (ConversationStore.store_turn): the
     conversation when it is new, the request's messages in order (the last is the user's and
     carries client_key) and the queued reply that answers it; a flagged turn (the input check
-    refused its message) stores its last message with status flagged and no reply."""
+    refused its message) stores its last message with status flagged and no reply; a shed one
+    stores its reply SHED."""
 
     conversation: Conversation
     new_conversation: bool
@@ -64,6 +65,7 @@ class NewTurn:
     job: dict[str, Any] = field(default_factory=dict)
     flagged: bool = False
     flagged_categories: Sequence[str] = ()  # a flagged turn's: what the input check flagged it for
+    shed: bool = False  # refused at capacity: the reply is stored SHED (final) at once
 
 
 # Fields update_reply may change; ids, the answered message and created_at are fixed.
@@ -132,6 +134,11 @@ class ConversationStore(ABC):
         gone, DuplicateClientKey (with the stored message) if the client key is already there,
         as when the same request raced in twice (for a new conversation, under the same derived
         id)."""
+
+    @abstractmethod
+    async def add_reply(self, conversation_id: str, message_id: str, prompt_token_ids: Sequence[int] | None,
+                        replica_id: str | None, job: dict[str, Any], shed: bool = False) -> Reply:
+        """Another reply (QUEUED, or SHED) to a stored user message: a resend of one whose reply was shed."""
 
     @abstractmethod
     async def list_messages(self, conversation_id: str) -> list[Message]:

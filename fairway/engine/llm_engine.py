@@ -43,6 +43,7 @@ class EngineConfig:
     bound_step_time: bool = False
     step_time_target: float | None = None
     step_time_headroom: float = 1.5
+    background_max_wait_s: float | None = 30.0  # background work waiting this long moves up a lane
     # Speculative decoding (None: off). On by default with prompt lookup: it needs no second model
     # and turns itself off per sequence and for large batches where it would not pay.
     speculative: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
@@ -61,7 +62,8 @@ class LLMEngine:
         self.step_time = StepTimeModel()
         target = c.step_time_target or DEFAULT_STEP_TIME_TARGET[self.runner.device.type == "cuda"]
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,
-                                                   target if c.bound_step_time else None, c.step_time_headroom),
+                                                   target if c.bound_step_time else None, c.step_time_headroom,
+                                                   c.background_max_wait_s),
                                    self.kv, self.step_time)
         self.requests: dict[str, Sequence] = {}
         self._aborts: list[str] = []

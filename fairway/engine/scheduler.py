@@ -1,11 +1,19 @@
-"""Decides each step's batch: one token for every running sequence, then prefill chunks for arrivals.
+"""Decides each step's batch: one token for every running sequence, then prefill chunks, lane by lane.
 
-Waiting sequences sit in one lane per priority (paid, free, background); a lane is served only
-when the lanes before it are empty. Preempted sequences go back to the front of their lane.
+Waiting sequences sit in one lane per priority (paid, free, background). Prompt tokens go lane by
+lane: the paid prompts already prefilling, then the paid arrivals, then free, then background, so
+a paid prompt never waits behind a lower lane's. An arrival that finds no seat or no blocks takes
+them from a running sequence of a lower lane (the lowest lane first, the newest first), which
+goes back to the front of its lane and is recomputed later, mostly from the prefix cache. So a
+flood of free requests delays a paid one by a step, not by a whole reply.
+
+Background work ages: one that has waited background_max_wait_s moves up to the free lane (by its
+arrival), and after twice that to the paid lane, so a busy replica never starves it for ever.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -26,6 +34,8 @@ class SchedulerConfig:
     # than a typical one.
     step_time_target: float | None = None
     step_time_headroom: float = 1.5
+    # A background sequence that waited this long moves up a lane (twice: up two); None: never.
+    background_max_wait_s: float | None = 30.0
 
 
 @dataclass
@@ -49,6 +59,7 @@ class Scheduler:
         self.lanes: list[deque[Sequence]] = [deque() for _ in range(Priority.BACKGROUND + 1)]
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_aged = 0  # background sequences moved up a lane
 
     @property
     def num_waiting(self) -> int:
@@ -59,6 +70,25 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.lanes[seq.priority].append(seq)
+
+    def age(self, now: float | None = None) -> None:
+        """Move background sequences that waited past the bound up a lane, each by its arrival
+        (so among the free lane's it stands where it would have had it arrived free)."""
+        bound = self.config.background_max_wait_s
+        if bound is None:
+            return
+        now = time.monotonic() if now is None else now
+        for priority in (Priority.FREE, Priority.BACKGROUND):  # free first: a sequence climbs one lane per call
+            lane = self.lanes[priority]
+            due = [s for s in lane if s.base_priority == Priority.BACKGROUND
+                   and now - s.arrival > bound * (Priority.BACKGROUND - priority + 1)]
+            for seq in due:
+                lane.remove(seq)
+                seq.priority = priority - 1
+                higher = self.lanes[seq.priority]
+                at = next((i for i, s in enumerate(higher) if s.arrival > seq.arrival), len(higher))
+                higher.insert(at, seq)
+                self.num_aged += 1
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the scheduler (finished or aborted) and free its blocks."""
@@ -95,12 +125,15 @@ class Scheduler:
             budget -= self._take(seq, 1 + len(seq.spec_token_ids), chosen, batch)
         whole_batch = min(self.config.max_num_seqs, len(self.running) + self.num_waiting)
         budget = min(budget, self.prefill_budget(sum(chosen.values()), whole_batch))
-        for seq in running:
-            if seq.is_decoding or seq.status != SequenceStatus.RUNNING or budget == 0:
-                continue
-            budget -= self._take(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), chosen, batch)
-        if not batch.preempted:
-            budget = self._admit_waiting(chosen, budget)
+        self.age()
+        for priority, lane in enumerate(self.lanes):  # prompt tokens lane by lane, paid first
+            for seq in running:
+                if seq.priority != priority or seq.is_decoding or seq.status != SequenceStatus.RUNNING \
+                        or budget == 0:
+                    continue
+                budget -= self._take(seq, min(seq.num_tokens - seq.num_computed_tokens, budget), chosen, batch)
+            if not batch.preempted:
+                budget = self._admit_waiting(lane, chosen, budget, batch)
         ones = [s for s, n in chosen.items() if n == 1 or s.is_decoding]
         many = [s for s, n in chosen.items() if n > 1 and not s.is_decoding]
         batch.seqs = ones + many
@@ -150,16 +183,23 @@ class Scheduler:
         self.lanes[seq.priority].appendleft(seq)
         batch.preempted.append(seq)
 
-    def _admit_waiting(self, chosen: dict[Sequence, int], budget: int) -> int:
-        for lane in self.lanes:
-            while lane and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                seq = lane[0]
-                if not self.kv.admit(seq):
-                    return budget  # head of the highest lane does not fit: nothing behind it jumps ahead
-                lane.popleft()
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-                chosen[seq] = n
-                budget -= n
+    def _admit_waiting(self, lane: deque[Sequence], chosen: dict[Sequence, int], budget: int,
+                       batch: ScheduledBatch) -> int:
+        """Admit the lane's sequences in order while the budget lasts, each taking a seat and
+        blocks from lower lanes' running sequences when none are free."""
+        while lane and budget > 0:
+            seq = lane[0]
+            while len(self.running) >= self.config.max_num_seqs or not self.kv.admit(seq):
+                lower = [s for s in self.running if s.priority > seq.priority]
+                if not lower:
+                    return budget  # the head does not fit: nothing behind it jumps ahead
+                victim = max(lower, key=lambda s: (s.priority, s.arrival))  # the lowest lane, the newest
+                self._preempt(victim, batch)
+                budget += chosen.pop(victim, 0)
+            lane.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            chosen[seq] = n
+            budget -= n
         return budget

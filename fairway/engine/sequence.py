@@ -27,7 +27,7 @@ class Sequence:
     request_id: str
     token_ids: list[int]  # prompt followed by generated tokens
     params: SamplingParams
-    priority: int = Priority.PAID
+    priority: int = Priority.PAID  # its lane now (a background sequence that waited long moves up)
     arrival: float = field(default_factory=time.monotonic)
     num_prompt_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
@@ -47,8 +47,11 @@ class Sequence:
     last_token_time: float | None = None
     inter_token_times: list[float] = field(default_factory=list)
     guide: Any = None  # the llguidance matcher of a guided request (guided_decoding.py), at its last token
+    base_priority: int = -1  # the lane it was added in (-1: priority's)
 
     def __post_init__(self) -> None:
+        if self.base_priority < 0:
+            self.base_priority = self.priority
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)

@@ -27,6 +27,8 @@ from fairway.conversation.service import (
     Admitted,
     InputFlagged,
     NothingToResume,
+    OverQuota,
+    Shed,
     ToolUnavailable,
     Turn,
     TurnRequest,
@@ -115,15 +117,17 @@ class Edge:
             raise overloaded_error(exc) from None
         add_cleanup(self.request, slot.release)  # when the response (stream included) is over
 
-    async def admit_tokens(self, prompt_tokens: int, max_tokens: int) -> Admitted:
-        """Called by the service once the context is built: reserve prompt + max_tokens."""
+    async def admit_tokens(self, model: str, prompt_tokens: int, max_tokens: int) -> Admitted:
+        """Called by the service once the context is built: reserve prompt + max_tokens of the
+        model that serves (the mini pool's has its own quota). Spent: OverQuota, so the mini
+        pool may serve instead (the service raises the 429 when none does)."""
         tier = self.principal.tier
-        got = await guarded(self.limits.tokens.reserve(self.user, self.body.model, tier, prompt_tokens + max_tokens))
+        got = await guarded(self.limits.tokens.reserve(self.user, model, tier, prompt_tokens + max_tokens))
         if isinstance(got, Denied):
             assert self.requests_state is not None
             headers = rate_limit_headers(self.requests_state, got.state)
             set_ratelimit_headers(self.request, headers)
-            raise denied_error(got, headers)
+            raise OverQuota(denied_error(got, headers))
         self.reservation = got
         meta: dict[str, Any] = {"user": self.user, "tier": tier, "quota": reservation_meta(got)}
         if self.key:
@@ -212,10 +216,30 @@ SSE_RESPONSE = {"content": {"text/event-stream": {"schema": SSE_EVENT}},
                 "description": "Server-sent events: one chat.completion.chunk per event (id: n), then [DONE]."}
 
 
+# What a response says about how it is served (also when a free request met a pool at capacity).
+SERVED_HEADERS = {
+    "X-Fairway-Model": {"description": "The model that serves the reply (as the body's `model`): the requested "
+                                       "one, or its mini pool's past a limit.", "schema": {"type": "string"}},
+    "X-Fairway-Fallback": {"description": "Why the reply is not served as asked: `mini` (the model's pool was at "
+                                          "capacity for a free request), `quota` (the user's quota for the model "
+                                          "is spent: its mini pool serves), `shorten` (at capacity: fewer max "
+                                          "tokens).", "schema": {"type": "string", "enum": ["mini", "quota", "shorten"]}},
+    "X-Fairway-Max-Tokens": {"description": "The most tokens the reply may generate (fewer than asked under "
+                                            "`shorten`); also the first chunk's `context.max_tokens`.",
+                             "schema": {"type": "integer"}},
+}
+_ERRORS = error_responses(400, 401, 404, 409, 429, 503)
+_ERRORS[503] = {**_ERRORS[503], "description": _ERRORS[503]["description"] + " Code `shed`: a free request met its "
+                "model's pool at capacity (predicted wait over the limit); its message is stored, its reply "
+                "SHED, and Retry-After says when a place may be free.",
+                "headers": {"Retry-After": {"schema": {"type": "integer"}}}}
+
+
 @router.post("/v1/chat/completions", openapi_extra=_OPENAPI,
-             responses={200: {**SSE_RESPONSE, "description": "A chat.completion (JSON), or with stream: true "
-                                                             "chat.completion.chunk events (SSE)."},
-                        **error_responses(400, 401, 404, 409, 429, 503)})
+             responses={200: {**SSE_RESPONSE, "headers": SERVED_HEADERS,
+                              "description": "A chat.completion (JSON), or with stream: true "
+                                             "chat.completion.chunk events (SSE)."},
+                        **_ERRORS})
 async def chat_completions(request: Request) -> Any:
     principal = await authenticate(request)
     gw = gateway(request)
@@ -276,16 +300,20 @@ async def chat_completions(request: Request) -> Any:
     assert reply is not None
     set_ratelimit_headers(request, await edge.ratelimit_headers())
 
-    view = ReplyView.of(reply, body.model)
-    headers = {**view.headers(), **extra_headers}
+    served = str((reply.job or {}).get("model") or body.model)  # the mini pool's past a limit
+    view = ReplyView.of(reply, served)
+    headers = {**view.headers(), **extra_headers, "X-Fairway-Model": served}
     stored = (reply.job or {}).get("context")
     if stored:  # said by the request that built it and by every duplicate: identical streams
         # In a fixed order: PostgreSQL's JSONB does not keep the order it was given.
         context = {k: stored[k] for k in ("prompt_tokens", "dropped_turns", "dropped_messages", "max_tokens")}
-        context.update({k: stored[k] for k in ("memories", "memory_ids", "sources") if k in stored})
+        context.update({k: stored[k] for k in ("memories", "memory_ids", "sources", "fallback") if k in stored})
         view.first_extra = {"context": context}
         headers.update({"X-Context-Tokens": str(context["prompt_tokens"]),
-                        "X-Context-Dropped-Turns": str(context["dropped_turns"])})
+                        "X-Context-Dropped-Turns": str(context["dropped_turns"]),
+                        "X-Fairway-Max-Tokens": str(context["max_tokens"])})
+        if "fallback" in context:
+            headers["X-Fairway-Fallback"] = str(context["fallback"])
 
     async def on_final(final: FinalEvent) -> None:
         await edge.on_final(reply.id, final)
@@ -399,6 +427,11 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
         raise invalid(str(exc), "tools", "tool_unavailable") from None
     except NoReplica as exc:
         raise ApiError(503, str(exc), code="no_replica", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except Shed as exc:
+        shed = {"Retry-After": str(exc.retry_after_s), "X-Conversation-Id": exc.conversation_id}
+        if exc.reply_id:
+            shed.update({"X-Message-Id": exc.message_id or "", "X-Reply-Id": exc.reply_id})
+        raise ApiError(503, str(exc), code="shed", type="server_error", headers=shed) from None
     except RelayUnavailable as exc:
         raise unavailable(f"The token log is unavailable: {exc}", "relay_unavailable") from None
 

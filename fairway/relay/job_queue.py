@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairway.domain import Lane
+from fairway.domain import LANE_ORDER, Lane
 
 DEFAULT_QUEUE = "default"
 
@@ -51,18 +51,20 @@ class JobQueue(ABC):
         """Queue a JSON-able job; returns its id. front=True puts it at the head of its lane
         (failover continuations go there so the client's pause stays short)."""
 
-    async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0) -> ClaimedJob | None:
+    async def claim(self, *, queue: str = DEFAULT_QUEUE, timeout: float | None = 0.0,
+                    lanes: Sequence[Lane] = LANE_ORDER) -> ClaimedJob | None:
         """Take the next job, paid before free before background. timeout: 0 = don't wait,
-        None = wait until one arrives, else seconds; returns None when it runs out."""
-        claimed = await self.claim_many(queue=queue, max_count=1, timeout=timeout)
+        None = wait until one arrives, else seconds; returns None when it runs out. lanes: only
+        these, in this order (a replica whose seats are full still takes paid work)."""
+        claimed = await self.claim_many(queue=queue, max_count=1, timeout=timeout, lanes=lanes)
         return claimed[0] if claimed else None
 
     @abstractmethod
     async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
-                         timeout: float | None = 0.0) -> list[ClaimedJob]:
-        """Take up to max_count jobs waiting in the first lane that has any (paid before free
-        before background), waiting as claim() does for there to be one; [] when the wait ran
-        out."""
+                         timeout: float | None = 0.0, lanes: Sequence[Lane] = LANE_ORDER) -> list[ClaimedJob]:
+        """Take up to max_count jobs waiting in the first of these lanes that has any (paid
+        before free before background), waiting as claim() does for there to be one; [] when the
+        wait ran out."""
 
     @abstractmethod
     async def ack(self, claimed: Sequence[ClaimedJob], *, queue: str = DEFAULT_QUEUE) -> None:

@@ -35,11 +35,11 @@ class InProcessJobQueue(JobQueue):
         return job_id
 
     async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
-                         timeout: float | None = 0.0) -> list[ClaimedJob]:
+                         timeout: float | None = 0.0, lanes: Sequence[Lane] = LANE_ORDER) -> list[ClaimedJob]:
         q = self._queues.setdefault(queue, _Queue())
-        if not await q.wait_until(lambda: any(q.lanes.values()), timeout):
+        if not await q.wait_until(lambda: any(q.lanes[lane] for lane in lanes), timeout):
             return []
-        lane = next(lane for lane in LANE_ORDER if q.lanes[lane])
+        lane = next(lane for lane in lanes if q.lanes[lane])
         waiting = q.lanes[lane]
         claimed = [decode_job(waiting.popleft()[1], lane) for _ in range(min(max_count, len(waiting)))]
         q.claimed.update((c.id, c) for c in claimed)

@@ -74,8 +74,11 @@ class RedisJobQueue(JobQueue):
         return job_id
 
     async def claim_many(self, *, queue: str = DEFAULT_QUEUE, max_count: int,
-                         timeout: float | None = 0.0) -> list[ClaimedJob]:
-        keys = self._keys(queue)
+                         timeout: float | None = 0.0, lanes: Sequence[Lane] = LANE_ORDER) -> list[ClaimedJob]:
+        every = self._keys(queue)
+        # The streams of these lanes in claim order, each by its index among all (the receipt's).
+        streams = [_STREAMS.index((lane, front)) for lane in lanes for front in (True, False)]
+        keys = [every[i] for i in streams]
         deadline = None if timeout is None else time.monotonic() + timeout
         with guard():
             while True:
@@ -84,7 +87,7 @@ class RedisJobQueue(JobQueue):
                     raise result
                 index, found = result
                 if index:
-                    return [_claimed(keys, index - 1, entry) for entry in found]
+                    return [_claimed(every, streams[index - 1], entry) for entry in found]
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     return []

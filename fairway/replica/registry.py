@@ -55,6 +55,10 @@ class ReplicaInfo:
     free_kv_blocks: int = 0
     kv_blocks: int = 0
     ttft_s: float | None = None
+    # Replies it finishes per second with its seats full, measured (seats.py; None before the
+    # first ends): the router predicts a new reply's wait as the queue ahead of it over this.
+    drain_rate: float | None = None
+    mini_of: str = ""  # the main model whose mini pool it serves; "": the model's own pool
     block_size: int = BLOCK_SIZE  # tokens per KV block: how the router hashes a prompt for this replica
     prefix: PrefixSummary | None = None  # the blocks it most recently used (prefix_summary.py)
     measured_at: float = field(default_factory=time.time)  # wall clock when the load above was taken

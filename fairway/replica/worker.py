@@ -42,7 +42,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
-from fairway.domain import PRIORITY_OF_LANE, Lane, Priority, ToolStatus
+from fairway.domain import LANE_ORDER, PRIORITY_OF_LANE, Lane, Priority, ToolStatus
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
 from fairway.relay import (
     ClaimedJob,
@@ -64,6 +64,7 @@ from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
 from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
+from fairway.replica.seats import Seats
 from fairway.safety import HoldBack, ModerationResult, Moderator, OutputMode
 from fairway.sandbox import Sandbox, SandboxLimits
 from fairway.tools import ToolSet
@@ -80,6 +81,7 @@ log = logging.getLogger(__name__)
 CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
 T = TypeVar("T")
 SANDBOX_RECHECK_BEATS = 30  # heartbeats between two looks at a sandbox that was off
+SEAT_RECHECK_S = 0.1  # every seat taken: how long a claim of paid work waits before looking for a freed seat
 
 
 @dataclass
@@ -91,7 +93,7 @@ class ReplicaSettings:
     heartbeat_s: float = 0.5  # registry announcements; the registry's ttl (2 s) is a few of these
     region: str = field(default_factory=lambda: os.environ.get("FAIRWAY_REGION") or DEFAULT_REGION)
     prefix_summary_blocks: int = DEFAULT_CAPACITY  # cached blocks the heartbeat describes (most recent)
-    max_inflight: int = 256  # jobs claimed at once; beyond this they wait on the bus for others
+    max_inflight: int = 256  # jobs claimed at once (paid work beyond them: seats.py); the rest wait in the queue
     output_mode: OutputMode = "check-then-release"  # the output check's (when the worker has a moderator)
     max_sentence_chars: int = 300
     sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)  # each execute_code run's
@@ -99,6 +101,8 @@ class ReplicaSettings:
     # The health endpoint (replica/health.py): port 0 takes a free one, None serves none.
     health_host: str = "127.0.0.1"
     health_port: int | None = None
+    mini_of: str = ""  # the main model whose mini pool this replica serves ("": a main-pool replica)
+    background_max_wait_s: float | None = 30.0  # background work queued this long is claimed first (seats.py)
 
 
 class _Appender:
@@ -219,7 +223,7 @@ class ReplicaWorker:
         self.queue = replica_queue(settings.replica_id)
         self._running: dict[str, _Running] = {}
         self._appender = _Appender(relay.log)
-        self._capacity = asyncio.Semaphore(settings.max_inflight)
+        self._seats = Seats(settings.max_inflight, settings.background_max_wait_s)
         self._tasks: set[asyncio.Task] = set()
         self._loops: list[asyncio.Task] = []
         self._stopping = False  # stop() has begun: the loops' cancellations are its own
@@ -263,6 +267,8 @@ class ReplicaWorker:
             free_kv_blocks=stats.kv_blocks_total - stats.kv_blocks_used,
             kv_blocks=stats.kv_blocks_total,
             ttft_s=statistics.median(self._ttfts) if self._ttfts else None,
+            drain_rate=self._seats.drain_rate(),
+            mini_of=self.settings.mini_of,
             block_size=engine.kv.block_size,
             prefix=self._prefix_summary(),
             health_url=self._health.url if self._health is not None and self._health.port else "",
@@ -376,10 +382,7 @@ class ReplicaWorker:
         left = [c for c in every if c.id not in waiting]
         for claimed in left:
             job = {**claimed.job, "attempt": int(claimed.job.get("attempt", 0)) + 1}
-            await self._capacity.acquire()
-            task = asyncio.create_task(self._serve_claimed(dataclasses.replace(claimed, job=job)))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            self._seat(dataclasses.replace(claimed, job=job))
         if left:
             log.info("replica %s: carrying on %d replies its previous run left", self.id, len(left))
 
@@ -387,34 +390,39 @@ class ReplicaWorker:
 
     async def _claim_loop(self) -> None:
         while not self.draining:
-            await self._capacity.acquire()  # claim only what we can run: the rest stays for others
-            self._claiming = asyncio.ensure_future(self.relay.jobs.claim(queue=self.queue, timeout=None))
+            lanes = self._seats.open_lanes()  # claim only what we can run: the rest stays for others
+            if not lanes:
+                await self._seats.freed()
+                continue
+            # Every seat taken: paid work only, in short waits, so a seat freed meanwhile is seen.
+            timeout = None if len(lanes) == len(LANE_ORDER) else SEAT_RECHECK_S
+            self._claiming = asyncio.ensure_future(self.relay.jobs.claim(queue=self.queue, timeout=timeout,
+                                                                         lanes=lanes))
             try:
                 claimed = await self._claiming
             except asyncio.CancelledError:
-                self._capacity.release()
                 me = asyncio.current_task()
                 if self.draining and me is not None and not me.cancelling():
                     return  # drain() stopped the claims, not a cancel of this loop
                 raise
             except Exception:  # Redis away for a moment (or a reply it did not expect): claim again shortly
-                self._capacity.release()
                 log.warning("claiming jobs failed; retrying", exc_info=True)
                 await asyncio.sleep(0.5)
                 continue
-            except BaseException:
-                self._capacity.release()
-                raise
             if claimed is None:
-                self._capacity.release()
                 continue
-            task = asyncio.create_task(self._serve_claimed(claimed))
-            self._tasks.add(task)
-            task.add_done_callback(self._done)
+            self._seat(claimed)
 
-    def _done(self, task: asyncio.Task) -> None:
+    def _seat(self, claimed: ClaimedJob) -> None:
+        """Serve a claimed job in a seat of its lane, given back when its reply has ended."""
+        taken_at = self._seats.take(claimed.lane)
+        task = asyncio.create_task(self._serve_claimed(claimed))
+        self._tasks.add(task)
+        task.add_done_callback(lambda done: self._done(done, claimed.lane, taken_at))
+
+    def _done(self, task: asyncio.Task, lane: Lane, taken_at: float) -> None:
         self._tasks.discard(task)
-        self._capacity.release()
+        self._seats.give(lane, taken_at)
 
     async def _stop_loop(self) -> None:
         while True:
@@ -449,7 +457,9 @@ class ReplicaWorker:
                 # A sandbox service that was down may be back; asked aside: the beat must not wait on it.
                 self._rechecking = asyncio.create_task(self._check_sandbox())
             try:
-                await self.registry.announce(self.info(await self.relay.jobs.depth(queue=self.queue)))
+                depth = await self.relay.jobs.depth(queue=self.queue)
+                self._seats.waiting(depth)
+                await self.registry.announce(self.info(depth))
             except Exception:  # a blip must not kill the replica; the next beat retries
                 log.warning("heartbeat failed", exc_info=True)
 

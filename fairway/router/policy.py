@@ -15,10 +15,11 @@ Round-robin, for comparison (bench/routing.py): each in turn, load and cache ign
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from fairway.replica.registry import ReplicaInfo
+from fairway.router.pressure import PressureSettings
 
 Routing = Literal["affinity", "round-robin"]
 ROUTINGS: tuple[Routing, ...] = ("affinity", "round-robin")
@@ -32,6 +33,7 @@ class RouterSettings:
     overflow_abs: int = 4
     overflow_rel: float = 0.5
     cache_s: float = 0.5  # how long a look at the registry serves (heartbeats come every 0.5 s)
+    pressure: PressureSettings = field(default_factory=PressureSettings)  # free requests at capacity
 
 
 @dataclass(frozen=True)

@@ -16,9 +16,11 @@ import time
 from collections.abc import Sequence
 
 from fairway.block_hash import prefix_block_hashes
+from fairway.domain import Lane
 from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 from fairway.router.placed import Placed
 from fairway.router.policy import Choice, RouterSettings, choose
+from fairway.router.pressure import Pressure, pool_pressure, under_limit
 from fairway.usage import metrics
 
 
@@ -80,21 +82,33 @@ class Router:
             raise NoReplica(f"No replica is serving model {model!r} right now; retry in a few seconds.")
         return candidates
 
+    async def mini_pool(self, model: str) -> str | None:
+        """The model of the main model's mini pool, if a replica of one is live."""
+        return next((r.model for r in await self.live() if r.mini_of == model and not r.draining), None)
+
+    async def pressure(self, model: str, lane: Lane) -> Pressure:
+        """How long a new reply of this lane would wait in the model's pool (pressure.py).
+        Raises NoReplica."""
+        return pool_pressure(await self.serving(model), lane, self._placed.since_heartbeat, self.settings.pressure)
+
     def load(self, replica: ReplicaInfo) -> int:
         """Its announced load plus what this gateway placed on it since it measured that."""
         return replica.load + self._placed.since_heartbeat(replica)
 
     async def place(self, model: str, prompt_token_ids: Sequence[int] | None = None,
-                    region: str | None = None) -> ReplicaInfo:
+                    region: str | None = None, lane: Lane | None = None) -> ReplicaInfo:
         """The replica for a prompt (None: no affinity to weigh) of this model, in this region if
-        it has one. Raises NoReplica."""
-        return (await self.choose(model, prompt_token_ids, region)).replica
+        it has one; a free request's among those not predicted past the wait limit, when any
+        is. Raises NoReplica."""
+        return (await self.choose(model, prompt_token_ids, region, lane)).replica
 
     async def choose(self, model: str, prompt_token_ids: Sequence[int] | None = None,
-                     region: str | None = None) -> Choice:
+                     region: str | None = None, lane: Lane | None = None) -> Choice:
         candidates = await self.serving(model)
         if region:
             candidates = [r for r in candidates if r.region == region] or candidates
+        if lane is not None:
+            candidates = under_limit(candidates, lane, self._placed.since_heartbeat, self.settings.pressure)
         hashes: dict[int, list[int]] = {}
 
         def score(replica: ReplicaInfo) -> int:

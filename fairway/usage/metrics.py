@@ -44,6 +44,9 @@ ROUTER_PLACEMENTS = Counter("fairway:router_placements", "Replies placed by this
                             "replica: affinity (the most cached prefix), overflow (the best-scoring one was "
                             "too loaded), least-loaded (nothing cached anywhere), round-robin.",
                             ["model", "reason"])
+FREE_AT_CAPACITY = Counter("fairway:free_at_capacity", "Free requests that found their model's pool at capacity "
+                           "(predicted wait over the limit), by what they got: shed (503), mini (the mini "
+                           "pool served), shorten (fewer max tokens).", ["model", "treatment"])
 RATE_LIMITED = Counter("fairway:rate_limited", "Requests refused by a limit: tokens (TPM), requests (RPM), "
                        "admission (the gateway's queue was full or timed out).", ["type"])
 
