@@ -147,6 +147,9 @@ def p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
+STEP_SLACK_S = 0.025
+
+
 def idle(server) -> None:
     """Until the replica has nothing in flight: each flood starts from an empty queue."""
     deadline = time.monotonic() + 30
@@ -170,8 +173,11 @@ def test_a_free_flood_is_treated_as_configured_while_paid_ttft_stays_near_idle(s
     # sharing its cores and its GIL; deployed, the mini pool is replica processes of its own.)
     assert paid and all(a.status == 200 and a.tokens == 4 for a in paid)
     flood_p99, idle_p99 = p99([a.ttft for a in paid]), p99(baseline)
+    # (Plus one engine step of slack: idle TTFTs here are ~12 ms, where a step's or the event loop's
+    # jitter alone moves a p99 past 2x; a paid request queued behind the free flood waits seconds.)
     if treatment != "mini":
-        assert flood_p99 <= 2 * idle_p99, (treatment, flood_p99, idle_p99, sorted(a.ttft for a in paid))
+        assert flood_p99 <= 2 * idle_p99 + STEP_SLACK_S, (treatment, flood_p99, idle_p99,
+                                                          sorted(a.ttft for a in paid))
 
     served = [a for a in free if a.status == 200]
     treated = [a for a in served if "x-fairway-fallback" in a.headers]
