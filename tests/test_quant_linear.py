@@ -1,0 +1,108 @@
+"""The quantized-weight kernels (Q8_0, Q4_0, Q4_1; every path this CPU has) against float64
+products with the dequantized weights, and the weights quantized here by ggml's block formats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fairway.models.cpu_kernels import QuantKernels, quant_kernels
+from fairway.models.quant_linear import QuantLinear
+
+kernel = quant_kernels()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
+PATHS = [(isa, dtype) for isa, dtype in ((QuantKernels.AVX2, torch.float32), (QuantKernels.AVX512, torch.float32),
+                                         (QuantKernels.AVX512, torch.bfloat16),
+                                         (QuantKernels.AVX512_BF16, torch.bfloat16))
+         if kernel is not None and kernel.isas & isa]
+
+
+def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
+    """A reference quantizer after ggml (quantize_row_*_ref): rows of [n, k] float -> block bytes."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
+    if qtype == "Q8_0":
+        d = np.abs(blocks).max(-1) / 127
+        q = np.round(blocks / np.where(d == 0, 1, d)[..., None]).astype(np.int8)
+        return np.concatenate([d.astype(np.float16)[..., None].view(np.uint8), q.view(np.uint8)], -1).reshape(n, -1)
+    if qtype == "Q4_0":  # d = the signed extreme / -8, values round(x / d) + 8 clipped to 0..15
+        idx = np.abs(blocks).argmax(-1)
+        d = np.take_along_axis(blocks, idx[..., None], -1)[..., 0] / -8
+        q = np.clip(np.floor(blocks / np.where(d == 0, 1, d)[..., None] + 8.5), 0, 15).astype(np.uint8)
+        head = [d.astype(np.float16)[..., None].view(np.uint8)]
+    else:  # Q4_1: d = (max - min) / 15, m = min, values round((x - m) / d)
+        lo, hi = blocks.min(-1), blocks.max(-1)
+        d = (hi - lo) / 15
+        q = np.clip(np.floor((blocks - lo[..., None]) / np.where(d == 0, 1, d)[..., None] + 0.5), 0, 15)
+        q = q.astype(np.uint8)
+        head = [d.astype(np.float16)[..., None].view(np.uint8), lo.astype(np.float16)[..., None].view(np.uint8)]
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    return np.concatenate([*head, qs], -1).reshape(n, -1)
+
+
+def dequantize64(raw: np.ndarray, qtype: str, k: int) -> np.ndarray:
+    """The weight the blocks stand for, in float64, straight from ggml's block layout."""
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
+    b = raw.reshape(raw.shape[0], k // 32, size)
+    d = b[..., :2].copy().view(np.float16).astype(np.float64)
+    if qtype == "Q8_0":
+        return (d * b[..., 2:].view(np.int8)).reshape(raw.shape[0], k)
+    qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+    q = np.concatenate([qs & 15, qs >> 4], -1).astype(np.float64)
+    if qtype == "Q4_0":
+        return (d * (q - 8)).reshape(raw.shape[0], k)
+    m = b[..., 2:4].copy().view(np.float16).astype(np.float64)
+    return (d * q + m).reshape(raw.shape[0], k)
+
+
+def case(qtype: str, n: int, k: int, rows: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    raw = quantize(rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    return raw, x
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("isa,dtype", PATHS)
+@pytest.mark.parametrize("rows,n", [(1, 576), (2, 40), (3, 100), (5, 64), (8, 16), (13, 200), (40, 48)])
+def test_matches_float64_with_the_dequantized_weights(qtype, isa, dtype, rows, n):
+    """Every tile shape (rows 1..8 in 1, 2 and 4 panels, chunks beyond) and a last panel cut short."""
+    k = 96 if n != 576 else 576
+    raw, x = case(qtype, n, k, rows)
+    x = x.to(dtype)
+    want = x.double().numpy() @ dequantize64(raw, qtype, k).T
+    layer = QuantLinear(raw, qtype, k, dtype)
+    layer.isa = isa
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    scale = np.abs(want).max()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output is rounded to 8 bits
+    assert np.abs(got.double().numpy() - want).max() <= tol * scale
+
+
+@needs_kernel
+def test_kernel_refuses_what_it_does_not_compute():
+    raw, x = case("Q4_1", 32, 64, 2)
+    layer = QuantLinear(raw, "Q4_1", 64, torch.float32)
+    with pytest.raises(RuntimeError):  # bf16 dot products need bf16 activations
+        kernel(x, layer.panels, 32, layer.qtype_id, QuantKernels.AVX512_BF16)
+    with pytest.raises(RuntimeError):  # a type without a kernel
+        kernel(x, layer.panels, 32, 12, layer.isa)
+    with pytest.raises(ValueError):  # widths not a whole number of blocks
+        QuantLinear(raw[:, :20], "Q4_1", 48, torch.float32)
+
+
+@needs_kernel
+def test_same_result_with_one_thread_and_several():
+    raw, x = case("Q4_0", 1024, 256, 3)
+    layer = QuantLinear(raw, "Q4_0", 256, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(one, layer(x))
+    finally:
+        torch.set_num_threads(threads)
