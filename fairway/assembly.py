@@ -55,6 +55,7 @@ class ServerOptions:
 
     model: str | None = None  # a .gguf file or Hugging Face folder; None: the bundled model
     dtype: str = "bfloat16"
+    weights: str = "native"  # a GGUF's quantized layers run as stored, or "dequantized" to dtype
     device: str = "cpu"
     redis: str | None = None  # None: in-process token log, bus and registry
     database: str | None = None  # None: SQLite under ./.fairway/
@@ -124,7 +125,8 @@ def build_engine(options: ServerOptions) -> LLMEngine:
     config = EngineConfig(max_model_len=options.max_model_len)
     if options.num_kv_blocks:
         config.num_kv_blocks = options.num_kv_blocks
-    return in_passing_thread(lambda: build(options.model, options.dtype, options.device, config))
+    return in_passing_thread(lambda: build(options.model, options.dtype, options.device, config,
+                                             options.weights))
 
 
 class Background:

@@ -7,7 +7,9 @@ import numpy as np
 import pytest
 import torch
 
+from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.models.cpu_kernels import QuantKernels, quant_kernels
+from fairway.models.loader import load_model
 from fairway.models.quant_linear import QuantLinear
 
 kernel = quant_kernels()
@@ -106,3 +108,78 @@ def test_same_result_with_one_thread_and_several():
         assert torch.equal(one, layer(x))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def native_fp32(model_path):
+    return load_model(model_path, torch.float32, weights="native")
+
+
+@needs_kernel
+def test_bundled_q4_1_weights_run_as_stored_give_the_dequantized_greedy_tokens(native_fp32, real_model_fp32,
+                                                                              real_tokenizer):
+    """The bundled GGUF holds its layers as Q4_1 and its (tied) embedding as Q8_0: run as stored
+    with float32 activations, greedy tokens equal the float32 dequantized model's."""
+    from test_engine_correctness import QUESTIONS
+
+    linears = [layer.mlp.down_proj for layer in native_fp32.layers] + [native_fp32.layers[0].self_attn.qkv_proj]
+    assert {lin.qtype for lin in linears} == {"Q4_1"} and native_fp32.lm_head.qtype == "Q8_0"
+    prompts = [real_tokenizer.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    config = EngineConfig(num_kv_blocks=512, max_num_batched_tokens=256)
+    native = LLMEngine(native_fp32, config).generate(prompts, params)
+    dequantized = LLMEngine(real_model_fp32, config).generate(prompts, params)
+    same = [a == b for a, b in zip(native, dequantized, strict=True)]
+    assert sum(same) >= 9, same
+
+
+@needs_kernel
+def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_path, real_tokenizer):
+    model = load_model(model_path, torch.bfloat16)  # native: the default
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
+    if model.native_decode is None:
+        pytest.skip("no whole-step decode pass in this build")
+    eng = LLMEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=real_tokenizer)
+    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
+    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20))
+    assert "Paris" in real_tokenizer.decode(got[0])
+    with pytest.raises(ValueError, match="weights"):
+        load_model(model_path, torch.bfloat16, weights="bf16")
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(qtype):
+    """A tiny random bf16 model with its linears quantized here: every decode step's one-call pass
+    (decode_forward.c calling the quantized kernel) against the layer-by-layer path, bit for bit."""
+    from fairway.models.config import LlamaConfig
+    from fairway.models.llama import random_model
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    model = random_model(cfg, seed=3, dtype=torch.bfloat16)
+    for parent in [m for layer in model.layers for m in (layer.self_attn, layer.mlp)]:
+        for name, child in list(parent.named_children()):
+            raw = quantize(child.weight.detach().float().numpy(), qtype)
+            setattr(parent, name, QuantLinear(raw, qtype, child.in_features, torch.bfloat16))
+    if not model.use_native_decode():
+        pytest.skip("no whole-step decode pass in this build")
+    native, layer_by_layer, compared = model.native_decode, model.forward, []
+
+    def both(ids, positions, kv, meta):
+        got = layer_by_layer(ids, positions, kv, meta)
+        if native.takes(ids.shape[0], kv, meta):
+            model.native_decode = None
+            try:
+                assert torch.equal(got, layer_by_layer(ids, positions, kv, meta)), f"{ids.shape[0]} rows"
+            finally:
+                model.native_decode = native
+            compared.append(ids.shape[0])
+        return got
+
+    model.forward = both
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=256))
+    for batch in (1, 6, 19):
+        prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
+        engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert {1, 6, 19} <= set(compared)

@@ -285,7 +285,7 @@ class DecodeShape(ctypes.Structure):
                                                     "num_layers")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64)]
                 + [(name, ctypes.c_int) for name in ("block_size", "max_blocks", "table_bf16", "amx", "nv", "mr",
-                                                      "prefetch", "num_threads")])
+                                                      "prefetch", "num_threads", "quant", "isa")])
 
 
 class DecodeForward:
