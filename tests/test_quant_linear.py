@@ -16,7 +16,7 @@ kernel = quant_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
 PATHS = [(isa, dtype) for isa, dtype in ((QuantKernels.AVX2, torch.float32), (QuantKernels.AVX512, torch.float32),
                                          (QuantKernels.AVX512, torch.bfloat16),
-                                         (QuantKernels.AVX512_BF16, torch.bfloat16))
+                                         (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16))
          if kernel is not None and kernel.isas & isa]
 
 
@@ -68,9 +68,10 @@ def case(qtype: str, n: int, k: int, rows: int, seed: int = 0):
 @needs_kernel
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("isa,dtype", PATHS)
-@pytest.mark.parametrize("rows,n", [(1, 576), (2, 40), (3, 100), (5, 64), (8, 16), (13, 200), (40, 48)])
+@pytest.mark.parametrize("rows,n", [(1, 576), (2, 40), (3, 100), (5, 64), (6, 32), (8, 16), (13, 200), (40, 48), (70, 40)])
 def test_matches_float64_with_the_dequantized_weights(qtype, isa, dtype, rows, n):
-    """Every tile shape (rows 1..8 in 1, 2 and 4 panels, chunks beyond) and a last panel cut short."""
+    """Every tile shape (rows 1..8 in 1, 2 and 4 panels, chunks beyond; AMX: fewer rows than it
+    takes, one tile, padded 16-row chunks, more than four) and a last panel cut short."""
     k = 96 if n != 576 else 576
     raw, x = case(qtype, n, k, rows)
     x = x.to(dtype)

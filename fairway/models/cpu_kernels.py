@@ -45,7 +45,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "amx_linear.c", "sample.c",
-                         "decode_forward.c", "quant_linear.c")]
+                         "decode_forward.c", "quant_linear.c",
+                         "quant_amx.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The C side's fixed limits.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
@@ -230,8 +231,9 @@ class QuantKernels:
 
     # ggml's type ids, the C side's too
     TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-    # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16
-    AVX2, AVX512, AVX512_BF16 = 1, 2, 4
+    # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations from a few rows;
+    # fewer rows then go to the AVX512F path)
+    AVX2, AVX512, AVX512_BF16, AMX = 1, 2, 4, 8
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.quant_linear
@@ -244,8 +246,12 @@ class QuantKernels:
         self.isas = int(lib.quant_isas())
 
     def isa_for(self, dtype: torch.dtype) -> int:
-        """The fastest path this CPU offers for activations of this dtype, or 0 for none."""
-        if dtype == torch.bfloat16 and self.isas & self.AVX512_BF16:
+        """The fastest path this CPU offers for activations of this dtype, or 0 for none. An Intel
+        core multiplies bf16 few-row products faster widened to float32 (FMA on two ports, not
+        VDPBF16PS on one: bench/README.md, "Quantized weights"); an AMD one takes VDPBF16PS."""
+        if dtype == torch.bfloat16 and self.isas & self.AMX:
+            return self.AMX
+        if dtype == torch.bfloat16 and self.isas & self.AVX512_BF16 and not _intel():
             return self.AVX512_BF16
         if self.isas & self.AVX512:
             return self.AVX512

@@ -17,7 +17,7 @@
  *
  * Paths, chosen at run time by what the CPU reports (quant_isas): AVX512-BF16 (bf16 activations),
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
- * vector); the file is built with -march=native but each path carries its own target attribute,
+ * vector); and AMX tiles (quant_amx.c) for bf16 activations from QUANT_AMX_MIN_ROWS rows; the file is built with -march=native but each path carries its own target attribute,
  * so it compiles on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
  * and Python keeps the dequantized weights. Built with the other kernels by cpu_kernels.py.
  */
@@ -36,6 +36,12 @@
 #define ISA_AVX2 1
 #define ISA_AVX512 2
 #define ISA_AVX512BF16 4
+#define ISA_AMX 8 /* quant_amx.c, from QUANT_AMX_MIN_ROWS bf16 rows; fewer go to the AVX512F path */
+#define QUANT_AMX_MIN_ROWS 6
+
+int quant_amx_available(void);
+int quant_amx_linear(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
+                     int num_threads);
 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
 static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
@@ -77,6 +83,7 @@ int quant_isas(void) {
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas |= ISA_AVX2;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) isas |= ISA_AVX512;
     if ((isas & ISA_AVX512) && __builtin_cpu_supports("avx512bf16")) isas |= ISA_AVX512BF16;
+    if ((isas & ISA_AVX512BF16) && quant_amx_available()) isas |= ISA_AMX;
     return known = isas;
 }
 
@@ -367,6 +374,11 @@ static void run_panels(int path, const void *x, int ldx, const float *sx, const 
 int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt, int x_bf16, int isa,
                  int num_threads) {
     if (m < 1 || n < 1 || k < QK || k % QK || !known_type(qt) || !(quant_isas() & isa)) return -1;
+    if (isa == ISA_AMX) {
+        if (!x_bf16) return -1;
+        if (m >= QUANT_AMX_MIN_ROWS) return quant_amx_linear(x, packed, y, m, n, k, qt, num_threads);
+        isa = ISA_AVX512;
+    }
     const int path = isa == ISA_AVX512BF16 ? 1 : isa == ISA_AVX512 ? 0 : isa == ISA_AVX2 ? 2 : -1;
     if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
