@@ -16,7 +16,9 @@ kernel = quant_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
 PATHS = [(isa, dtype) for isa, dtype in ((QuantKernels.AVX2, torch.float32), (QuantKernels.AVX512, torch.float32),
                                          (QuantKernels.AVX512, torch.bfloat16),
-                                         (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16))
+                                         (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16),
+                                         (QuantKernels.AVX512_VNNI, torch.float32),
+                                         (QuantKernels.AVX512_VNNI, torch.bfloat16))
          if kernel is not None and kernel.isas & isa]
 
 
@@ -81,7 +83,8 @@ def test_matches_float64_with_the_dequantized_weights(qtype, isa, dtype, rows, n
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, n)
     scale = np.abs(want).max()
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output is rounded to 8 bits
+    # bf16: the output is rounded to 8 bits; VNNI: x is rounded to int16 per block
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-4 if isa == QuantKernels.AVX512_VNNI else 1e-5
     assert np.abs(got.double().numpy() - want).max() <= tol * scale
 
 

@@ -232,27 +232,28 @@ class QuantKernels:
     # ggml's type ids, the C side's too
     TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
     # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations from a few rows;
-    # fewer rows then go to the AVX512F path)
-    AVX2, AVX512, AVX512_BF16, AMX = 1, 2, 4, 8
+    # fewer rows then go to VNNI), AVX512-VNNI (activations quantized to int16 per block)
+    AVX2, AVX512, AVX512_BF16, AMX, AVX512_VNNI = 1, 2, 4, 8, 16
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.quant_linear
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7
         fn.restype = ctypes.c_int
-        deq = lib.quant_dequantize
-        deq.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 4
-        deq.restype = ctypes.c_int
-        self._fn, self._deq = fn, deq
+        self._fn = fn
         self.isas = int(lib.quant_isas())
 
     def isa_for(self, dtype: torch.dtype) -> int:
-        """The fastest path this CPU offers for activations of this dtype, or 0 for none. An Intel
-        core multiplies bf16 few-row products faster widened to float32 (FMA on two ports, not
-        VDPBF16PS on one: bench/README.md, "Quantized weights"); an AMD one takes VDPBF16PS."""
-        if dtype == torch.bfloat16 and self.isas & self.AMX:
-            return self.AMX
-        if dtype == torch.bfloat16 and self.isas & self.AVX512_BF16 and not _intel():
-            return self.AVX512_BF16
+        """The fastest path this CPU offers for activations of this dtype, or 0 for none. float32
+        activations stay float32 (FMA). bf16 ones: AMX (few rows on VNNI); on an Intel core
+        without AMX, VNNI, which beat VDPBF16PS there several times over (bench/README.md,
+        "Quantized weights"); on an AMD core VDPBF16PS (not measured against VNNI there)."""
+        if dtype == torch.bfloat16:
+            if self.isas & self.AMX:
+                return self.AMX
+            if self.isas & self.AVX512_BF16 and not _intel():
+                return self.AVX512_BF16
+            if self.isas & self.AVX512_VNNI:
+                return self.AVX512_VNNI
         if self.isas & self.AVX512:
             return self.AVX512
         return self.AVX2 if dtype == torch.float32 and self.isas & self.AVX2 else 0
@@ -267,15 +268,6 @@ class QuantKernels:
             raise RuntimeError(f"quant linear kernel: unsupported x {tuple(x.shape)} {x.dtype}, type {qtype}, "
                                f"path {isa}")
         return y
-
-    def dequantize(self, panels: torch.Tensor, out_features: int, in_features: int, qtype: int,
-                   dtype: torch.dtype) -> torch.Tensor:
-        """The weight [out_features, in_features] in float32 or bf16."""
-        w = torch.empty(out_features, in_features, dtype=dtype)
-        if self._deq(panels.data_ptr(), w.data_ptr(), out_features, in_features, qtype,
-                     dtype == torch.bfloat16) != 0:
-            raise RuntimeError(f"quant dequantize: unsupported shape {out_features}x{in_features} or type {qtype}")
-        return w
 
 
 class DecoderWeights(ctypes.Structure):
