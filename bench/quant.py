@@ -11,7 +11,7 @@ time from the first submission to the last token (llama-server: 16 slots, reques
 threads). Each configuration runs --repeats times, the order rotating; figures are medians.
 
 Also the floor: the bytes of weights one decode step reads (per engine, from the loaded layers)
-over this machine's read bandwidth (one pass over 1 GiB, all threads).
+over this machine's read bandwidth for a buffer of that size (all threads).
 
 llama-server and llama-quantize: built from the PyPI sdist of llama-cpp-python (bench/README.md,
 "Quantized weights"); --llama-bin names their folder. Without them the Fairway rows still run.
@@ -25,6 +25,7 @@ import argparse
 import datetime
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import machine  # noqa: E402  (bench/machine.py: this script's folder is on the path)
-from engine_vs_hf import CpuMeter  # noqa: E402
+from engine_vs_hf import CpuMeter, wait_for_quiet  # noqa: E402
 from itl import chat_prompts, run  # noqa: E402
 
 from fairway.engine.factory import build_engine  # noqa: E402
@@ -56,11 +57,13 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def read_bandwidth() -> float:
-    """Bytes/s of one read pass over 1 GiB (float32 sum, all torch threads); best of 3."""
-    t = torch.ones(2 ** 28)
+def read_bandwidth(size: int) -> float:
+    """Bytes/s of a read pass over `size` bytes (float32 sum, all torch threads), best of 5: the
+    weights of a step are read again every step, so a buffer of their size, which may sit in a
+    large last-level cache as they do."""
+    t = torch.ones(size // 4)
     best = float("inf")
-    for _ in range(3):
+    for _ in range(5):
         t0 = time.perf_counter()
         float(t.sum())
         best = min(best, time.perf_counter() - t0)
@@ -150,8 +153,11 @@ def main() -> None:
     ap.add_argument("--llama-bin", type=Path, default=None, help="folder with llama-server and llama-quantize")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--quiet-wait", type=float, default=60,
+                    help="seconds to wait, before each measurement, for other processes to leave the CPUs")
     ap.add_argument("--out", type=Path, default=RESULTS / "quant.json")
     args = ap.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a killed run still stops llama-server
     tmp = Path(tempfile.mkdtemp(prefix="fairway-quant-"))
     bundled = bundled_model_path()
     server_bin = args.llama_bin / "llama-server" if args.llama_bin else None
@@ -167,10 +173,10 @@ def main() -> None:
         engines["fairway native Q4_0"] = build_engine(q4_0, "bfloat16", config=config, weights="native")
     tok = engines["fairway native Q4_1"].tokenizer
     prompts = chat_prompts(tok, 16)
-    bandwidth = read_bandwidth()
     floors = {n: {"weight_bytes_per_token": weight_bytes(e.model)} for n, e in engines.items()}
     for f in floors.values():
-        f["floor_tokens_per_s"] = bandwidth / f["weight_bytes_per_token"]
+        f["read_bytes_per_s"] = read_bandwidth(f["weight_bytes_per_token"])
+        f["floor_tokens_per_s"] = f["read_bytes_per_s"] / f["weight_bytes_per_token"]
     servers = {"llama-server Q4_0": LlamaServer(server_bin, q4_0, 16)} if q4_0 is not None else {}
     names = list(engines) + list(servers)
     runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "16": []} for n in names}
@@ -185,6 +191,7 @@ def main() -> None:
             for n in order:
                 for chats in ("1", "16"):
                     batch = prompts[:int(chats)] if chats == "16" else [prompts[rep]]
+                    wait_for_quiet(args.quiet_wait)
                     r = (servers[n].run(batch, args.max_tokens) if n in servers
                          else fairway_run(engines[n], batch, args.max_tokens, f"{n}-{rep}-{chats}"))
                     runs[n][chats].append(r["tokens_per_s"])
@@ -195,12 +202,12 @@ def main() -> None:
             s.stop()
         shutil.rmtree(tmp, ignore_errors=True)
     medians = {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
-    print(f"\n{args.max_tokens} forced tokens, medians of {args.repeats}; read bandwidth {bandwidth / 1e9:.0f} GB/s")
-    print("| engine | MB weights/token | floor tok/s | 1 stream tok/s | of floor | 16 chats tok/s |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(f"\n{args.max_tokens} forced tokens, medians of {args.repeats}")
+    print("| engine | MB weights/token | read GB/s | floor tok/s | 1 stream tok/s | of floor | 16 chats tok/s |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for n in names:
         f = floors.get(n)
-        mb = f"{f['weight_bytes_per_token'] / 1e6:.1f}" if f else "-"
+        mb = f"{f['weight_bytes_per_token'] / 1e6:.1f} | {f['read_bytes_per_s'] / 1e9:.0f}" if f else "- | -"
         floor = f"{f['floor_tokens_per_s']:.0f}" if f else "-"
         share = f"{medians[n]['1'] / f['floor_tokens_per_s']:.0%}" if f else "-"
         print(f"| {n} | {mb} | {floor} | {medians[n]['1']:.0f} | {share} | {medians[n]['16']:.0f} |")
@@ -216,7 +223,7 @@ def main() -> None:
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine.describe(), "other_processes_cpu_share": other_share,
         "args": {k: str(v) for k, v in vars(args).items()}, "targets": TARGETS,
-        "read_bandwidth_bytes_per_s": bandwidth, "floors": floors, "medians": medians, "runs": runs,
+        "floors": floors, "medians": medians, "runs": runs,
         "ratios": ratios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -231,9 +231,9 @@ class QuantKernels:
 
     # ggml's type ids, the C side's too
     TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-    # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations from a few rows;
-    # fewer rows then go to VNNI), AVX512-VNNI (activations quantized to int16 per block)
-    AVX2, AVX512, AVX512_BF16, AMX, AVX512_VNNI = 1, 2, 4, 8, 16
+    # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations from a few
+    # rows; fewer go to AVX512F)
+    AVX2, AVX512, AVX512_BF16, AMX = 1, 2, 4, 8
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.quant_linear
@@ -244,16 +244,14 @@ class QuantKernels:
 
     def isa_for(self, dtype: torch.dtype) -> int:
         """The fastest path this CPU offers for activations of this dtype, or 0 for none. float32
-        activations stay float32 (FMA). bf16 ones: AMX (few rows on VNNI); on an Intel core
-        without AMX, VNNI, which beat VDPBF16PS there several times over (bench/README.md,
-        "Quantized weights"); on an AMD core VDPBF16PS (not measured against VNNI there)."""
+        activations stay float32 (FMA). bf16 ones: AMX where there is some (few rows still on
+        FMA); on an Intel core otherwise widened to float32 for FMA on two ports, which beat
+        VDPBF16PS there (bench/README.md, "Quantized weights"); on an AMD core VDPBF16PS."""
         if dtype == torch.bfloat16:
             if self.isas & self.AMX:
                 return self.AMX
             if self.isas & self.AVX512_BF16 and not _intel():
                 return self.AVX512_BF16
-            if self.isas & self.AVX512_VNNI:
-                return self.AVX512_VNNI
         if self.isas & self.AVX512:
             return self.AVX512
         return self.AVX2 if dtype == torch.float32 and self.isas & self.AVX2 else 0

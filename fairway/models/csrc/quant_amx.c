@@ -1,17 +1,17 @@
-/* y = x @ w.T on AMX tiles for bf16 x and a weight held as GGUF Q8_0/Q4_0/Q4_1 blocks (Intel
- * Sapphire Rapids and later), for the rows of a batched decode step or a prefill.
+/* quant_linear.c's AVX512F sums on AMX tiles (Intel Sapphire Rapids and later), for the many rows
+ * of a batched decode step or a prefill, with bf16 activations.
  *
- * The weight is quant_linear.c's panels (16 output columns, block by block along k). Each thread
- * unpacks one panel at a time into bf16 (d * q + m in float32, rounded to bf16: the very values
- * --weights dequantized holds) in a buffer of 1 KB a block that is AMX's B operand (16 k-pairs x
- * 16 columns x 2), then multiplies every row against it with TDPBF16PS: the unpacking, ~150 vector
- * instructions a block, is paid once per panel and block however many rows there are, and the
- * products cost next to nothing. Below QUANT_AMX_MIN_ROWS rows quant_linear.c's register kernels
- * are faster (they multiply as they unpack) and take the call (bench/README.md, "Quantized weights").
+ * The AVX512F path takes, per row, column and block of 32, the float32 sum of x * q over the block
+ * (q the 4- or 8-bit value as an integer: exact in bf16, and each product exact in float32), then
+ * adds d * sum (and m * sum x, Q4_1) to the row's total. Here TDPBF16PS takes the block sums for
+ * 16 rows at once from the same exact products; only the order of the float32 additions inside a
+ * block differs, so the outputs are the AVX512F path's to float32 rounding, whatever the rows
+ * (spec-decode verification and a lone decode row agree as closely as bf16 matmuls do).
  *
- * Tiles: C0..C3 accumulate four 16-row chunks of outputs, A (tile 4) a chunk's x, B (tile 6) the
- * panel's k-block. Up to 16 rows, tiles are m rows high; past that x is padded to whole 16-row
- * chunks. Tile state and permission are amx_linear.c's (amx_linear_available()).
+ * Per panel and block: the values become a B operand once (16 k-pairs x 16 columns x 2 bf16, by
+ * table lookup for Q4 as the AVX512-BF16 path does), each 16-row chunk of x is an A operand, C0
+ * takes the block's sums, and the rows are scaled from the stored tile into float32 totals.
+ * Tile state and permission are amx_linear.c's (amx_linear_available()).
  * Built with the other kernels by cpu_kernels.py (-march=native): without AMX it compiles to a
  * stub that says so.
  */
@@ -44,99 +44,78 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
+/* C0: rows x 16 float32; A (4): rows x 32 bf16; B (6): 16 k-pairs x 16 columns x 2 bf16. */
 static void configure(int rows) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = (uint8_t)(t >= 6 ? QK / 2 : rows);
-    }
+    cfg.colsb[0] = cfg.colsb[4] = cfg.colsb[6] = 64;
+    cfg.rows[0] = cfg.rows[4] = (uint8_t)rows;
+    cfg.rows[6] = QK / 2;
     _tile_loadconfig(&cfg);
 }
 
-/* Two B rows' worth of 16 columns: floats for words 0..15 (columns 0..7) and 16..31 (8..15). */
-static inline void put_row(uint16_t *row, __m512i lo, __m512i hi, __m512 d_lo, __m512 d_hi, __m512 m_lo,
-                           __m512 m_hi) {
-    const __m512 a = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), d_lo, m_lo);
-    const __m512 b = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), d_hi, m_hi);
-    _mm512_store_si512(row, (__m512i)_mm512_cvtne2ps_pbh(b, a));
-}
-
-/* One panel's blocks -> nb B operands of [16 k-pairs][16 columns][2] bf16. */
-static void unpack_panel(const uint8_t *panel, int nb, int qt, uint16_t *out) {
-    const __m512i pair_lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    const __m512i pair_hi = _mm512_add_epi32(pair_lo, _mm512_set1_epi32(8));
-    const __m512i nib = _mm512_set1_epi32(0x0F);
-    for (int b = 0; b < nb; b++) {
-        const uint8_t *blk = panel + (int64_t)b * block_bytes(qt), *q = blk + quants_at(qt);
-        uint16_t *B = out + (int64_t)b * 512;
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const __m512 m = qt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                       : qt == Q4_0 ? _mm512_mul_ps(d, _mm512_set1_ps(-8.0f)) : _mm512_setzero_ps();
-        const __m512 d_lo = _mm512_permutexvar_ps(pair_lo, d), d_hi = _mm512_permutexvar_ps(pair_hi, d);
-        const __m512 m_lo = _mm512_permutexvar_ps(pair_lo, m), m_hi = _mm512_permutexvar_ps(pair_hi, m);
-        if (qt == Q8_0) {
-            for (int g = 0; g < 16; g++) /* k-pair g: byte j is column j/2 at 2g + j%2 */
-                put_row(B + g * 32, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))),
-                        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))), d_lo, d_hi, m_lo,
-                        m_hi);
-        } else {
-            for (int g = 0; g < 8; g++) { /* k-quad g: low nibbles pair 2g, high nibbles pair 2g + 1 */
-                const __m512i lo = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32)));
-                const __m512i hi = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16)));
-                put_row(B + 2 * g * 32, _mm512_and_si512(lo, nib), _mm512_and_si512(hi, nib), d_lo, d_hi, m_lo, m_hi);
-                put_row(B + (2 * g + 1) * 32, _mm512_srli_epi32(lo, 4), _mm512_srli_epi32(hi, 4), d_lo, d_hi, m_lo,
-                        m_hi);
-            }
+/* A block's values as B: row q = k-pair q, words (column c at 2q, at 2q + 1). */
+static void to_operand(const uint8_t *q, int qt, uint16_t *B) {
+    if (qt == Q8_0) { /* k-pair g: byte j is column j/2 at 2g + j%2, exact in bf16 */
+        for (int g = 0; g < 16; g++) {
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
+            const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))));
+            _mm512_store_si512(B + g * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
         }
+        return;
+    }
+    /* bf16 bit patterns of 0..15 (Q4_0: -8..7), twice: VPERMW reads 5 index bits */
+    const __m512i lut = qt == Q4_0
+        ? _mm512_set_epi16(0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040,
+                           0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+                           0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100)
+        : _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                           0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                           0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    for (int g = 0; g < 8; g++) { /* k-quad g: low nibbles k-pair 2g, high nibbles 2g + 1 */
+        const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + g * 32)));
+        _mm512_store_si512(B + 2 * g * 32, _mm512_permutexvar_epi16(_mm512_and_si512(raw, _mm512_set1_epi16(0x0F)), lut));
+        _mm512_store_si512(B + (2 * g + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut));
     }
 }
 
-/* Rows [0, rows) of C tile contents `acc` (16 x 16 float32) as bf16 into y, `cols` columns. */
-static inline void store_rows(const float *acc, int rows, uint16_t *y, int64_t ldy, int cols) {
-    const __mmask16 mask = cols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);
-    for (int r = 0; r < rows; r++)
-        _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * PANEL)));
-}
-
-#define STORE(tile, chunk)                                                                               \
-    do {                                                                                                 \
-        _tile_stored(tile, buf, PANEL * 4);                                                              \
-        store_rows(buf, min_int(16, m - r - 16 * (chunk)), y + (int64_t)(r + 16 * (chunk)) * n + p * PANEL, n, \
-                   n - p * PANEL);                                                                       \
-    } while (0)
-
-/* One thread's panels [p0, p1) against rows [0, mp) of x (mp: m, or m padded to 16s). */
-static void run_panels(const uint16_t *x, int m, int mp, int n, int k, const uint8_t *packed, int qt,
-                       uint16_t *y, int p0, int p1, uint16_t *unpacked) {
-    float buf[16 * PANEL] __attribute__((aligned(64)));
+/* One thread's panels [p0, p1): out [m][n] gets every row's totals; x has mp rows (zeros past m). */
+static void run_panels(const uint16_t *x, int m, int mp, int n, int k, const float *sx, const uint8_t *packed, int qt,
+                       float *out, int p0, int p1, float *acc) {
+    float sums[16 * PANEL] __attribute__((aligned(64)));
+    uint16_t B[QK / 2 * 32] __attribute__((aligned(64)));
     const int nb = k / QK, step = mp <= 16 ? mp : 16;
-    const int64_t ldx = (int64_t)k * 2, panel_bytes = (int64_t)nb * block_bytes(qt);
+    const int64_t panel_bytes = (int64_t)nb * block_bytes(qt), ldx = (int64_t)k * 2;
     for (int p = p0; p < p1; p++) {
-        unpack_panel(packed + p * panel_bytes, nb, qt, unpacked);
-        for (int r = 0; r < mp; r += 4 * step) {
-            const int chunks = min_int(4, (mp - r + step - 1) / step);
-            const char *xa = (const char *)x + r * ldx;
-            _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-            for (int b = 0; b < nb; b++) {
-                _tile_loadd(6, unpacked + (int64_t)b * 512, 64);
-                _tile_loadd(4, xa + b * 64, ldx);
+        memset(acc, 0, sizeof(float) * (size_t)m * PANEL);
+        for (int b = 0; b < nb; b++) {
+            const uint8_t *blk = packed + p * panel_bytes + (int64_t)b * block_bytes(qt);
+            to_operand(blk + quants_at(qt), qt, B);
+            _tile_loadd(6, B, 64);
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            const __m512 mins = qt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                           : _mm512_setzero_ps();
+            for (int r0 = 0; r0 < mp; r0 += step) {
+                _tile_zero(0);
+                _tile_loadd(4, (const char *)x + r0 * ldx + b * 64, ldx);
                 _tile_dpbf16ps(0, 4, 6);
-                if (chunks > 1) { _tile_loadd(4, xa + 16 * ldx + b * 64, ldx); _tile_dpbf16ps(1, 4, 6); }
-                if (chunks > 2) { _tile_loadd(4, xa + 32 * ldx + b * 64, ldx); _tile_dpbf16ps(2, 4, 6); }
-                if (chunks > 3) { _tile_loadd(4, xa + 48 * ldx + b * 64, ldx); _tile_dpbf16ps(3, 4, 6); }
+                _tile_stored(0, sums, 64);
+                for (int r = 0; r < min_int(step, m - r0); r++) { /* as quant_linear.c's finish_block */
+                    float *a = acc + (int64_t)(r0 + r) * PANEL;
+                    __m512 v = _mm512_fmadd_ps(_mm512_load_ps(sums + r * PANEL), d, _mm512_loadu_ps(a));
+                    if (qt == Q4_1) v = _mm512_fmadd_ps(mins, _mm512_set1_ps(sx[(int64_t)(r0 + r) * nb + b]), v);
+                    _mm512_storeu_ps(a, v);
+                }
             }
-            STORE(0, 0);
-            if (chunks > 1) STORE(1, 1);
-            if (chunks > 2) STORE(2, 2);
-            if (chunks > 3) STORE(3, 3);
         }
+        const int cols = min_int(PANEL, n - p * PANEL);
+        for (int r = 0; r < m; r++) memcpy(out + (int64_t)r * n + p * PANEL, acc + (int64_t)r * PANEL, cols * 4);
     }
 }
 #endif
 
-/* 1 when this build and CPU multiply quantized weights on AMX tiles. */
+/* 1 when this build and CPU multiply on AMX bf16 tiles (asks Linux for the tile state once). */
 int quant_amx_available(void) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     return amx_linear_available();
@@ -145,10 +124,11 @@ int quant_amx_available(void) {
 #endif
 }
 
-/* x: [m, k] bf16, contiguous; packed: quant_linear.c's panels of a [n, k] weight of type qt;
- * y: [m, n] bf16. Returns 0, -1 for what it does not take (everything without AMX), -2 out of memory. */
-int quant_amx_linear(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
-                     int num_threads) {
+/* x: [m, k] bf16 with its block sums sx [m][k/32] (float32, as quant_linear.c takes them); packed:
+ * quant_linear.c's panels of a [n, k] weight of type qt. out: [m, n] float32, the totals before
+ * rounding to bf16. Returns 0, -1 for what it does not take (everything without AMX), -2 out of memory. */
+int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, float *out, int m, int n, int k, int qt,
+                   int num_threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (m < 1 || n < 1 || k < QK || k % QK || !(qt == Q8_0 || qt == Q4_0 || qt == Q4_1) || !quant_amx_available())
         return -1;
@@ -166,21 +146,21 @@ int quant_amx_linear(const uint16_t *x, const uint8_t *packed, uint16_t *y, int 
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        uint16_t *unpacked = aligned_alloc(64, (size_t)(k / QK) * 1024);
-        if (unpacked == NULL) {
+        float *acc = aligned_alloc(64, (size_t)mp * PANEL * 4);
+        if (acc == NULL) {
             failed = 1;
         } else {
             configure(mp <= 16 ? mp : 16);
-            run_panels(xs, m, mp, n, k, packed, qt, y, (int)((int64_t)panels * t / nt),
-                       (int)((int64_t)panels * (t + 1) / nt), unpacked);
+            run_panels(xs, m, mp, n, k, sx, packed, qt, out, (int)((int64_t)panels * t / nt),
+                       (int)((int64_t)panels * (t + 1) / nt), acc);
             _tile_release();
-            free(unpacked);
+            free(acc);
         }
     }
     free(padded);
     return failed ? -2 : 0;
 #else
-    (void)x, (void)packed, (void)y, (void)m, (void)n, (void)k, (void)qt, (void)num_threads;
+    (void)x, (void)sx, (void)packed, (void)out, (void)m, (void)n, (void)k, (void)qt, (void)num_threads;
     return -1;
 #endif
 }

@@ -17,9 +17,10 @@
  *
  * Paths, chosen at run time by what the CPU reports (quant_isas): AVX512-BF16 (bf16 activations),
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
- * vector); AVX512-VNNI (activations quantized to int16 per block, VPDPWSSD); and AMX tiles
- * (quant_amx.c) for bf16 activations from QUANT_AMX_MIN_ROWS rows; the file is built with -march=native but each path carries its own target attribute,
- * so it compiles on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
+ * vector); and for bf16 activations from QUANT_AMX_MIN_ROWS rows, AMX tiles (quant_amx.c), which
+ * take each block's sum as the AVX512F path does but for the order of the float32 additions. The
+ * file is built with -march=native but each path carries its own target attribute, so it compiles
+ * on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
  * and Python keeps the dequantized weights. Built with the other kernels by cpu_kernels.py.
  */
 #include <stdint.h>
@@ -37,13 +38,12 @@
 #define ISA_AVX2 1
 #define ISA_AVX512 2
 #define ISA_AVX512BF16 4
-#define ISA_AMX 8 /* quant_amx.c, from QUANT_AMX_MIN_ROWS bf16 rows; fewer go to VNNI, else AVX512F */
-#define ISA_AVX512VNNI 16
+#define ISA_AMX 8 /* bf16 activations: the AVX512F path's sums on AMX tiles (quant_amx.c) from QUANT_AMX_MIN_ROWS */
 #define QUANT_AMX_MIN_ROWS 6
 
 int quant_amx_available(void);
-int quant_amx_linear(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
-                     int num_threads);
+int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, float *out, int m, int n, int k, int qt,
+                   int num_threads);
 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
 static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
@@ -70,13 +70,11 @@ int quant_isas(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) isas |= ISA_AVX512;
     if ((isas & ISA_AVX512) && __builtin_cpu_supports("avx512bf16")) isas |= ISA_AVX512BF16;
     if ((isas & ISA_AVX512BF16) && quant_amx_available()) isas |= ISA_AMX;
-    if ((isas & ISA_AVX512) && __builtin_cpu_supports("avx512vnni")) isas |= ISA_AVX512VNNI;
     return known = isas;
 }
 
 #define T512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
 #define TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
-#define TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,fma,f16c")))
 #define T256 __attribute__((target("avx2,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
@@ -87,8 +85,6 @@ typedef struct {
     int ldx; /* elements (float32) or pairs (bf16) per row */
     const float *sx;
     int nb;
-    const float *dx;     /* VNNI: each row's block scales [rows][nb] of its int16 x */
-    const int32_t *sxi;  /* VNNI: the int16 x's block sums [rows][nb] */
     const uint8_t *w;
     int64_t panel_bytes;
     void *y;
@@ -243,98 +239,11 @@ TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int NV, cons
         for (int v = 0; v < NV; v++) store16(a->y, (int64_t)r * a->ldy + v * PANEL, acc[r][v], a->cols - v * PANEL, a->y_bf16);
 }
 
-/* bf16 (or float32) activations quantized to int16 per block of 32 (scale: the block's largest
- * magnitude / 32767, finer than bf16's 8 bits for all but the block's smallest values), multiplied
- * by VPDPWSSD: 32 products an instruction against 16 from an FMA, and the 4-bit values need no
- * conversion to float. */
-TVNNI INLINE void vnni_tile(const tile_args *a, const int MR, const int NV, const int QT) {
-    const uint32_t *x = a->x;
-    __m512 acc[MAX_MR][4];
-    __m512i blk[MAX_MR][4];
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
-    for (int b = 0; b < a->nb; b++) {
-        for (int r = 0; r < MR; r++)
-            for (int v = 0; v < NV; v++) blk[r][v] = _mm512_setzero_si512();
-        const uint32_t *xb = x + (int64_t)b * (QK / 2);
-        if (QT == Q8_0) {
-#pragma GCC unroll 4
-            for (int g = 0; g < 16; g++) {
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + 32 + g * 32;
-                    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
-#pragma GCC unroll 8
-                    for (int r = 0; r < MR; r++)
-                        blk[r][v] = _mm512_dpwssd_epi32(blk[r][v], w, _mm512_set1_epi32((int)xb[(int64_t)r * a->ldx + g]));
-                }
-            }
-        } else {
-#pragma GCC unroll 4
-            for (int g = 0; g < 8; g++) {
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + g * 32;
-                    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
-                    const __m512i w01 = _mm512_and_si512(raw, _mm512_set1_epi16(0x0F));
-                    const __m512i w23 = _mm512_srli_epi16(raw, 4);
-#pragma GCC unroll 8
-                    for (int r = 0; r < MR; r++) {
-                        const uint32_t *xr = xb + (int64_t)r * a->ldx + 2 * g;
-                        blk[r][v] = _mm512_dpwssd_epi32(blk[r][v], w01, _mm512_set1_epi32((int)xr[0]));
-                        blk[r][v] = _mm512_dpwssd_epi32(blk[r][v], w23, _mm512_set1_epi32((int)xr[1]));
-                    }
-                }
-            }
-        }
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; v++) {
-            const uint8_t *blkp = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT);
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blkp));
-#pragma GCC unroll 8
-            for (int r = 0; r < MR; r++) {
-                const int64_t at = (int64_t)r * a->nb + b;
-                __m512i sums = blk[r][v];
-                if (QT == Q4_0) sums = _mm512_sub_epi32(sums, _mm512_set1_epi32(8 * a->sxi[at]));
-                acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(d, _mm512_set1_ps(a->dx[at])),
-                                            acc[r][v]);
-                if (QT == Q4_1)
-                    acc[r][v] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blkp + 32))),
-                                                _mm512_set1_ps(a->sx[at]), acc[r][v]);
-            }
-        }
-    }
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < NV; v++) store16(a->y, (int64_t)r * a->ldy + v * PANEL, acc[r][v], a->cols - v * PANEL, a->y_bf16);
-}
-
-/* x [m, k] (bf16 or float32) -> int16 xi, block scales dx and the int16 blocks' sums sxi; sx (the
- * float sums, Q4_1's offset term) too. */
-TVNNI static void quantize_x(const void *x, int x_bf16, int m, int k, int16_t *xi, float *dx, int32_t *sxi,
-                             float *sx) {
-    const int nb = k / QK;
-    for (int r = 0; r < m; r++)
-        for (int b = 0; b < nb; b++) {
-            const int64_t at = (int64_t)r * k + b * QK;
-            __m512 v0, v1;
-            if (x_bf16) {
-                const __m512i h = _mm512_loadu_si512((const uint16_t *)x + at);
-                v0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16));
-                v1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16));
-            } else {
-                v0 = _mm512_loadu_ps((const float *)x + at);
-                v1 = _mm512_loadu_ps((const float *)x + at + 16);
-            }
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-            const float scale = top / 32767.0f, inv = top > 0 ? 32767.0f / top : 0.0f;
-            const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, _mm512_set1_ps(inv)));
-            const __m512i i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, _mm512_set1_ps(inv)));
-            _mm256_storeu_si256((__m256i *)(xi + at), _mm512_cvtepi32_epi16(i0));
-            _mm256_storeu_si256((__m256i *)(xi + at + 16), _mm512_cvtepi32_epi16(i1));
-            dx[(int64_t)r * nb + b] = scale;
-            sxi[(int64_t)r * nb + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-            sx[(int64_t)r * nb + b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
-        }
+/* out [count] float32 -> y in float32 or bf16, rounded as store16 does for the tiles. */
+T512 static void store_all(const float *out, void *y, int64_t count, int y_bf16) {
+    for (int64_t i = 0; i < count; i += PANEL)
+        store16(y, i, _mm512_maskz_loadu_ps(count - i >= PANEL ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1),
+                                            out + i), (int)(count - i), y_bf16);
 }
 
 /* float32 activations on AVX2: a panel as two halves of 8 columns; Q4_0's offset of 8 is taken
@@ -407,7 +316,6 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
     TILE3(KIND, T, 3, 2) TILE3(KIND, T, 4, 2) TILE3(KIND, T, 1, 4) TILE3(KIND, T, 2, 4)
 TILES(f32, T512)
 TILES(bf16, TBF16)
-TILES(vnni, TVNNI)
 #define AVX2_TILE(MR)                                                                                     \
     T256 static void avx2_##MR##_q40(const tile_args *a) { avx2_tile(a, MR, Q4_0); }                     \
     T256 static void avx2_##MR##_q41(const tile_args *a) { avx2_tile(a, MR, Q4_1); }                     \
@@ -421,8 +329,8 @@ AVX2_TILE(1) AVX2_TILE(2) AVX2_TILE(3) AVX2_TILE(4)
 #define BY_MR(KIND)                                                                                        \
     {BY_NV(KIND, 1), BY_NV(KIND, 2), BY_NV2(KIND, 3), BY_NV2(KIND, 4), BY_NV1(KIND, 5), BY_NV1(KIND, 6), \
      BY_NV1(KIND, 7), BY_NV1(KIND, 8)}
-/* [path: 0 f32, 1 bf16, 2 unused (AVX2 has its own), 3 vnni][MR - 1][NV - 1][type] */
-static const tile_fn TILE_TABLE[4][MAX_MR][4][3] = {BY_MR(f32), BY_MR(bf16), {{{0}}}, BY_MR(vnni)};
+/* [path: 0 f32, 1 bf16][MR - 1][NV - 1][type] */
+static const tile_fn TILE_TABLE[2][MAX_MR][4][3] = {BY_MR(f32), BY_MR(bf16)};
 static const tile_fn AVX2_TABLE[4][3] = {BY_TYPE(avx2_1), BY_TYPE(avx2_2), BY_TYPE(avx2_3), BY_TYPE(avx2_4)};
 
 static int type_index(int qt) { return qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2; }
@@ -431,8 +339,7 @@ static int type_index(int qt) { return qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2; }
 static int nv_for(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
 
 /* One thread's panels [p0, p1): every row, in balanced chunks of at most max_mr. */
-static void run_panels(int path, const void *x, int ldx, const float *sx, const float *dx, const int32_t *sxi,
-                       const uint8_t *packed, void *y, int y_bf16, int m, int n, int nb, int qt, int p0, int p1) {
+static void run_panels(int path, const void *x, int ldx, const float *sx, const uint8_t *packed, void *y, int y_bf16, int m, int n, int nb, int qt, int p0, int p1) {
     const int64_t panel_bytes = (int64_t)nb * block_bytes(qt);
     const int max_mr = path == 2 ? 4 : MAX_MR;
     const int chunks = (m + max_mr - 1) / max_mr, rows_per_chunk = (m + chunks - 1) / chunks;
@@ -443,7 +350,6 @@ static void run_panels(int path, const void *x, int ldx, const float *sx, const 
         for (int r = 0; r < m; r += rows_per_chunk) {
             const int rows = min_int(rows_per_chunk, m - r);
             const tile_args a = {(const char *)x + (int64_t)r * ldx * 4, ldx, sx + (int64_t)r * nb, nb,
-                                 dx ? dx + (int64_t)r * nb : NULL, sxi ? sxi + (int64_t)r * nb : NULL,
                                  packed + p * panel_bytes, panel_bytes, (char *)y + ((int64_t)r * n + p * PANEL) * y_elem,
                                  n, min_int(n - p * PANEL, nv * PANEL), y_bf16};
             if (path == 2) AVX2_TABLE[rows - 1][ti](&a);
@@ -455,58 +361,52 @@ static void run_panels(int path, const void *x, int ldx, const float *sx, const 
 
 /* x: [m, k] float32 or bf16 (x_bf16), contiguous; packed: the panels above for a weight [n, k] of
  * type qt; y: [m, n] in x's dtype. isa: one ISA_* bit that quant_isas() reported: AVX512-BF16 and
- * AMX take bf16 x only (AMX from QUANT_AMX_MIN_ROWS rows, fewer going to VNNI where there is
- * one, else AVX512F); AVX2 float32 only; AVX512F widens bf16 x to float32 first.
+ * AMX take bf16 x only (AMX from QUANT_AMX_MIN_ROWS rows, fewer going to AVX512F); AVX2 float32
+ * only; AVX512F widens bf16 x to float32 first.
  * Returns 0, -1 for a shape or type this kernel does not take, -2 out of memory. */
 int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt, int x_bf16, int isa,
                  int num_threads) {
     if (m < 1 || n < 1 || k < QK || k % QK || !known_type(qt) || !(quant_isas() & isa)) return -1;
+    const int amx = isa == ISA_AMX && m >= QUANT_AMX_MIN_ROWS;
     if (isa == ISA_AMX) {
         if (!x_bf16) return -1;
-        if (m >= QUANT_AMX_MIN_ROWS) return quant_amx_linear(x, packed, y, m, n, k, qt, num_threads);
-        isa = quant_isas() & ISA_AVX512VNNI ? ISA_AVX512VNNI : ISA_AVX512;
+        isa = ISA_AVX512;
     }
-    const int path = isa == ISA_AVX512BF16 ? 1 : isa == ISA_AVX512 ? 0 : isa == ISA_AVX2 ? 2
-                     : isa == ISA_AVX512VNNI ? 3 : -1;
+    const int path = isa == ISA_AVX512BF16 ? 1 : isa == ISA_AVX512 ? 0 : isa == ISA_AVX2 ? 2 : -1;
     if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
-    const int widen = x_bf16 && (path == 0 || path == 2);
-    /* sx [m][nb]; VNNI: dx [m][nb], sxi [m][nb], xi [m][k] int16; widened: xf [m][k] */
-    const size_t blocks = (size_t)m * nb, extra = path == 3 ? 2 * blocks + (size_t)m * k / 2 : widen ? (size_t)m * k : 0;
+    const int widen = x_bf16 && !amx && path != 1;
+    /* sx [m][nb]: the block sums of x (Q4_1's offset term); widened x [m][k]; AMX's sums [m][n] */
+    const size_t blocks = (size_t)m * nb, extra = amx ? (size_t)m * n : widen ? (size_t)m * k : 0;
     float *scratch = malloc(sizeof(float) * (blocks + extra));
     if (!scratch) return -2;
-    float *sx = scratch, *dx = NULL, *xf = NULL;
-    int32_t *sxi = NULL;
-    const void *xin = x;
-    if (path == 3) {
-        dx = sx + blocks;
-        sxi = (int32_t *)(dx + blocks);
-        int16_t *xi = (int16_t *)(sxi + blocks);
-        quantize_x(x, x_bf16, m, k, xi, dx, sxi, sx);
-        xin = xi;
-    } else {
-        xf = widen ? sx + blocks : NULL;
-        for (int r = 0; r < m; r++)
-            for (int b = 0; b < nb; b++) {
-                float s = 0;
-                for (int i = 0; i < QK; i++) {
-                    const int64_t at = (int64_t)r * k + b * QK + i;
-                    const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-                    if (xf) xf[at] = v;
-                    s += v;
-                }
-                sx[(int64_t)r * nb + b] = s;
+    float *sx = scratch, *xf = widen ? sx + blocks : NULL;
+    for (int r = 0; r < m; r++)
+        for (int b = 0; b < nb; b++) {
+            float s = 0;
+            for (int i = 0; i < QK; i++) {
+                const int64_t at = (int64_t)r * k + b * QK + i;
+                const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                if (xf) xf[at] = v;
+                s += v;
             }
-        if (xf) xin = xf;
+            sx[(int64_t)r * nb + b] = s;
+        }
+    if (amx) {
+        float *out = sx + blocks;
+        const int rc = quant_amx_sums(x, sx, packed, out, m, n, k, qt, num_threads);
+        if (rc == 0) store_all(out, y, (int64_t)m * n, 1);
+        free(scratch);
+        return rc;
     }
-    /* float32 values, or bf16 / int16 pairs: 4 bytes either way */
-    const int ldx = path == 1 || path == 3 ? k / 2 : k;
+    const void *xin = xf ? (const void *)xf : x;
+    const int ldx = path == 1 ? k / 2 : k; /* float32 values, or bf16 pairs: 4 bytes either way */
     /* Waking the second thread costs microseconds: a small weight (< 32 KB) is read by one. */
     const int threads = (int64_t)panels * nb * block_bytes(qt) < 32 * 1024 ? 1 : num_threads;
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        run_panels(path, xin, ldx, sx, dx, sxi, packed, y, x_bf16, m, n, nb, qt, (int)((int64_t)panels * t / nt),
+        run_panels(path, xin, ldx, sx, packed, y, x_bf16, m, n, nb, qt, (int)((int64_t)panels * t / nt),
                    (int)((int64_t)panels * (t + 1) / nt));
     }
     free(scratch);
