@@ -67,6 +67,8 @@ class ServerOptions:
     replica_id: str | None = None
     drain_grace_s: float = 30.0  # a replica's SIGTERM: how long its replies get to end there
     max_inflight: int = 256  # replies a replica claims at once; the rest wait in its queue
+    health_host: str = "127.0.0.1"  # a replica process's /health and /ready (replica/health.py)
+    health_port: int | None = None  # 0: a free port; None: none
     region: str | None = None  # a replica's region (default: FAIRWAY_REGION, else "local")
     router: RouterSettings = field(default_factory=RouterSettings)  # a gateway's placement
     default_max_tokens: int = 512
@@ -276,7 +278,8 @@ def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
     from fairway.replica.worker import ReplicaSettings
 
     settings = ReplicaSettings(model=model, idle_cancel_s=options.idle_cancel_s, drain_grace_s=options.drain_grace_s,
-                               max_inflight=options.max_inflight,
+                               max_inflight=options.max_inflight, health_host=options.health_host,
+                               health_port=options.health_port,
                                output_mode=options.safety.output_mode,
                                max_sentence_chars=options.safety.max_sentence_chars)
     if options.replica_id:

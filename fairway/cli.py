@@ -141,6 +141,8 @@ def _server_options(args: argparse.Namespace):
         replica_id=getattr(args, "replica_id", None),
         drain_grace_s=getattr(args, "drain_grace", 30.0),
         max_inflight=getattr(args, "max_inflight", 256),
+        health_host=getattr(args, "health_host", "127.0.0.1"),
+        health_port=getattr(args, "health_port", None),
         region=getattr(args, "region", None),
         router=_router_settings(args),
         default_max_tokens=getattr(args, "default_max_tokens", 512),
@@ -330,8 +332,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
         await store.init()
         try:
             if args.keys_command == "create":
-                record, key = await keys.create_key(store, args.user, args.tier, args.name or "")
-                print(f"Created {record.id} for user {record.user_id!r} (tier {record.tier}). "
+                try:
+                    record, key = await keys.create_key(store, args.user, args.tier, args.name or "",
+                                                        region=args.region)
+                except ValueError as exc:
+                    print(f"fairway: {exc}", file=sys.stderr)
+                    return 2
+                served = f", served in region {record.region}" if record.region else ""
+                print(f"Created {record.id} for user {record.user_id!r} (tier {record.tier}{served}). "
                       "The key is shown this once:")
                 print(key, flush=True)
             elif args.keys_command == "revoke":
@@ -506,6 +514,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds the replies in flight get to finish here before they are handed on")
     r.add_argument("--region", default=None, help="the region it serves, for requests that name one "
                    "(X-Fairway-Region; default: FAIRWAY_REGION, else 'local')")
+    r.add_argument("--health-port", type=int, default=0,
+                   help="GET /health and /ready here (0: a free port; the heartbeat announces it to routers)")
+    r.add_argument("--health-host", default="127.0.0.1", help="where /health listens (0.0.0.0 in a container)")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
     r.add_argument("--metrics-host", default="127.0.0.1")
@@ -541,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--user", required=True)
     kc.add_argument("--tier", default=Tier.FREE.value, choices=[tier.value for tier in Tier])
     kc.add_argument("--name", default="", help="a note to tell keys apart")
+    kc.add_argument("--region", default=None,
+                    help="serve this key's requests in this region unless they name one (X-Fairway-Region)")
     kc.add_argument("--database", default=None, help=database_help)
     kr = ksub.add_parser("revoke", help="revoke a key, given the key itself or its id (key_...)")
     kr.add_argument("key", metavar="KEY_OR_ID")

@@ -9,11 +9,11 @@ import time
 from pathlib import Path
 
 
-def create_key(database: str, user: str, tier: str = "paid") -> str:
+def create_key(database: str, user: str, tier: str = "paid", *options: str) -> str:
     """A key for the user in the database, made as an operator makes one (`fairway keys create`
-    prints it last)."""
+    prints it last; options such as "--region", "eu" passed on)."""
     out = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", tier,
-                          "--database", database], check=True, capture_output=True, text=True, timeout=60)
+                          "--database", database, *options], check=True, capture_output=True, text=True, timeout=60)
     return out.stdout.strip().splitlines()[-1]
 
 
