@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
+from fairway.engine.factory import build_engine
 from fairway.models.cpu_kernels import QuantKernels, quant_kernels
 from fairway.models.loader import load_model
 from fairway.models.quant_linear import QuantLinear
@@ -163,6 +164,8 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
     assert "Paris" in real_tokenizer.decode(got[0])
     with pytest.raises(ValueError, match="weights"):
         load_model(model_path, torch.bfloat16, weights="bf16")
+    dequantized = build_engine(model_path, "bfloat16", weights="dequantized").model  # --weights dequantized
+    assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())
 
 
 @needs_kernel
