@@ -8,8 +8,10 @@ products). Workload as relay.py's model part: distinct ~90-token chat prompts, 1
 (greedy, ignore_eos). One stream: decode tokens/s after the first token (Fairway: the engine's own
 timestamps; llama-server: its reported `predicted_per_second`). 16 chats: all tokens over the wall
 time from the first submission to the last token (llama-server: 16 slots, requests from 16
-threads). Each configuration runs --repeats times, the order rotating; figures are medians, and
-the best of the repeats beside them (on a shared machine the best is the one least disturbed).
+threads). Beside each, the decode rate from the median inter-token interval (rows a step / its
+median; llama-server: streamed, per stream), which a process stopped or crowded out for part of
+the run leaves alone. Each configuration runs --repeats times, the order rotating; figures are
+medians, and the best of the repeats beside them.
 
 Also the floor: the bytes of weights one decode step reads (per engine, from the loaded layers)
 over this machine's read bandwidth for a buffer of that size (all threads).
@@ -85,9 +87,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 def fairway_run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict[str, float]:
     r = run(eng, prompts, max_tokens, tag)
+    itl_rate = len(prompts) / r["itl_p50_s"]
     if len(prompts) == 1:  # one stream: the decode rate after the first token
-        return {"tokens_per_s": (max_tokens - 1) / (r["wall_s"] - r["ttft_p50_s"])}
-    return {"tokens_per_s": r["tokens_per_s"]}
+        return {"tokens_per_s": (max_tokens - 1) / (r["wall_s"] - r["ttft_p50_s"]), "itl_tokens_per_s": itl_rate}
+    return {"tokens_per_s": r["tokens_per_s"], "itl_tokens_per_s": itl_rate}
 
 
 class LlamaServer:
@@ -115,18 +118,22 @@ class LlamaServer:
         self.stop()
         raise RuntimeError("llama-server did not come up")
 
-    def complete(self, prompt: list[int], max_tokens: int) -> dict:
+    def complete(self, prompt: list[int], max_tokens: int) -> tuple[dict, list[float]]:
+        """The final event's fields (timings) and each token's arrival time, streamed."""
         body = json.dumps({"prompt": prompt, "n_predict": max_tokens, "temperature": 0, "ignore_eos": True,
-                           "cache_prompt": False}).encode()
+                           "cache_prompt": False, "stream": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", body,
                                      {"Content-Type": "application/json"})
+        arrivals, last = [], {}
         with urllib.request.urlopen(req, timeout=600) as r:
-            return json.loads(r.read())
+            for line in r:
+                if line.startswith(b"data: "):
+                    last = json.loads(line[6:])
+                    arrivals.append(time.perf_counter())
+        return last, arrivals
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
-        if len(prompts) == 1:
-            return {"tokens_per_s": self.complete(prompts[0], max_tokens)["timings"]["predicted_per_second"]}
-        out: list[dict] = []
+        out: list[tuple[dict, list[float]]] = []
         threads = [threading.Thread(target=lambda p=p: out.append(self.complete(p, max_tokens))) for p in prompts]
         t0 = time.perf_counter()
         for t in threads:
@@ -134,7 +141,11 @@ class LlamaServer:
         for t in threads:
             t.join()
         wall = time.perf_counter() - t0
-        return {"tokens_per_s": sum(o["timings"]["predicted_n"] for o in out) / wall}
+        gaps = [b - a for _, arrivals in out for a, b in zip(arrivals[1:-1], arrivals[2:], strict=False)]
+        itl_rate = len(prompts) / statistics.median(gaps)
+        if len(prompts) == 1:
+            return {"tokens_per_s": out[0][0]["timings"]["predicted_per_second"], "itl_tokens_per_s": itl_rate}
+        return {"tokens_per_s": sum(o["timings"]["predicted_n"] for o, _ in out) / wall, "itl_tokens_per_s": itl_rate}
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -182,7 +193,7 @@ def main() -> None:
         f["floor_tokens_per_s"] = f["read_bytes_per_s"] / f["weight_bytes_per_token"]
     servers = {"llama-server Q4_0": LlamaServer(server_bin, q4_0, 16)} if q4_0 is not None else {}
     names = list(engines) + list(servers)
-    runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "16": []} for n in names}
+    runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "16": [], "1 itl": [], "16 itl": []} for n in names}
     try:
         for n, e in engines.items():  # warm-up
             fairway_run(e, prompts[:4], 16, f"warm-{n}")
@@ -201,7 +212,9 @@ def main() -> None:
                     r = (servers[n].run(batch, args.max_tokens) if n in servers
                          else fairway_run(engines[n], batch, args.max_tokens, f"{n}-{rep}-{chats}"))
                     runs[n][chats].append(r["tokens_per_s"])
-                    log(f"repeat {rep + 1} {n}, {chats} chat(s): {r['tokens_per_s']:.0f} tok/s")
+                    runs[n][f"{chats} itl"].append(r["itl_tokens_per_s"])
+                    log(f"repeat {rep + 1} {n}, {chats} chat(s): {r['tokens_per_s']:.0f} tok/s, "
+                        f"from the median inter-token interval {r['itl_tokens_per_s']:.0f}")
             done = rep + 1
         other_share = meter.other_share()
     finally:
@@ -211,15 +224,16 @@ def main() -> None:
     medians = {n: {c: statistics.median(v) for c, v in r.items()} for n, r in runs.items()}
     best = {n: {c: max(v) for c, v in r.items()} for n, r in runs.items()}
     print(f"\n{args.max_tokens} forced tokens, median (best) of {done}")
-    print("| engine | MB weights/token | read GB/s | floor tok/s | 1 stream tok/s | of floor | 16 chats tok/s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| engine | MB weights/token | read GB/s | floor tok/s | 1 stream tok/s | of floor | 16 chats tok/s "
+          "| 1 stream, median ITL | 16 chats, median ITL |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in names:
         f = floors.get(n)
         mb = f"{f['weight_bytes_per_token'] / 1e6:.1f} | {f['read_bytes_per_s'] / 1e9:.0f}" if f else "- | -"
         floor = f"{f['floor_tokens_per_s']:.0f}" if f else "-"
         share = f"{best[n]['1'] / f['floor_tokens_per_s']:.0%}" if f else "-"
         print(f"| {n} | {mb} | {floor} | {medians[n]['1']:.0f} ({best[n]['1']:.0f}) | {share} | "
-              f"{medians[n]['16']:.0f} ({best[n]['16']:.0f}) |")
+              f"{medians[n]['16']:.0f} ({best[n]['16']:.0f}) | {medians[n]['1 itl']:.0f} | {medians[n]['16 itl']:.0f} |")
     ratios = {}
     if servers:
         for stat, figures in (("median", medians), ("best", best)):
@@ -227,7 +241,10 @@ def main() -> None:
             ratios[stat] = {
                 "one_stream_native_q4_1_over_llama_q4_0": figures["fairway native Q4_1"]["1"] / llama["1"],
                 "one_stream_native_q4_0_over_llama_q4_0": figures["fairway native Q4_0"]["1"] / llama["1"],
-                "chats16_native_q4_1_over_llama": figures["fairway native Q4_1"]["16"] / max(llama.values())}
+                "chats16_native_q4_1_over_llama": figures["fairway native Q4_1"]["16"] / max(llama["1"], llama["16"]),
+                "one_stream_itl_native_q4_1_over_llama_q4_0": figures["fairway native Q4_1"]["1 itl"] / llama["1 itl"],
+                "chats16_itl_native_q4_1_over_llama": figures["fairway native Q4_1"]["16 itl"]
+                / max(llama["1 itl"], llama["16 itl"])}
         for stat, r in ratios.items():
             print(f"{stat}: " + "; ".join(f"{k} {v:.2f}x" for k, v in r.items()))
     print(f"other processes used {100 * (other_share or 0):.0f}% of the CPUs")
