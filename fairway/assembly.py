@@ -55,6 +55,7 @@ class ServerOptions:
 
     model: str | None = None  # a .gguf file or Hugging Face folder; None: the bundled model
     dtype: str = "bfloat16"
+    weights: str = "native"  # a GGUF's quantized layers run as stored, or "dequantized" to dtype
     device: str = "cpu"
     redis: str | None = None  # None: in-process token log, bus and registry
     database: str | None = None  # None: SQLite under ./.fairway/
@@ -141,7 +142,7 @@ def build_engine(options: ServerOptions, model: str | None = None) -> LLMEngine:
     if options.num_kv_blocks:
         config.num_kv_blocks = options.num_kv_blocks
     path = _model_path(model) if model is not None else options.model
-    return in_passing_thread(lambda: build(path, options.dtype, options.device, config))
+    return in_passing_thread(lambda: build(path, options.dtype, options.device, config, options.weights))
 
 
 class Background:

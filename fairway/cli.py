@@ -20,14 +20,18 @@ from fairway.server_gc import settle_heap
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: bundled SmolLM2)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                   help="activations and KV cache (and the weights, where they are not run as stored)")
+    p.add_argument("--weights", default="native", choices=["native", "dequantized"],
+                   help="a GGUF's Q8_0/Q4_0/Q4_1 layers: multiplied as stored (native, where this CPU has the "
+                        "kernels) or dequantized to --dtype at load")
     p.add_argument("--device", default="cpu")
 
 
 def _build(args: argparse.Namespace):
     from fairway.engine.factory import build_engine
 
-    return build_engine(args.model, args.dtype, args.device)
+    return build_engine(args.model, args.dtype, args.device, weights=args.weights)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -126,6 +130,7 @@ def _server_options(args: argparse.Namespace):
     return ServerOptions(
         model=getattr(args, "model", None),
         dtype=getattr(args, "dtype", "bfloat16"),
+        weights=getattr(args, "weights", "native"),
         device=getattr(args, "device", "cpu"),
         redis=getattr(args, "redis", None),
         database=getattr(args, "database", None),

@@ -37,7 +37,7 @@ def real_tokenizer(model_path):
 def real_model_fp32(model_path):
     from fairway.models.loader import load_model
 
-    return load_model(model_path, torch.float32)
+    return load_model(model_path, torch.float32, weights="dequantized")  # the weights transformers runs
 
 
 @pytest.fixture(scope="session")

@@ -93,7 +93,7 @@ def test_packed_linear_matches_plain_linear(dtype, tol):
 def test_bf16_weights_compute_in_the_dtype_this_cpu_multiplies_fast(model_path):
     from fairway.models.precision import compute_dtype, cpu_half_matmul_supported
 
-    model = load_model(model_path, torch.bfloat16, pack=False)
+    model = load_model(model_path, torch.bfloat16, pack=False, weights="dequantized")
     weight = model.layers[0].mlp.down_proj.weight
     if cpu_half_matmul_supported(torch.bfloat16):
         assert weight.dtype == torch.bfloat16

@@ -52,7 +52,9 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
 
 
 def build_engine(model: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
-                 device: str = "cpu", config: EngineConfig | None = None) -> LLMEngine:
+                 device: str = "cpu", config: EngineConfig | None = None, weights: str = "native") -> LLMEngine:
+    """weights: "native" runs a GGUF's quantized layers as stored where a kernel exists (dtype is then
+    the activations' and the KV cache's), "dequantized" rounds every weight to dtype at load."""
     path = Path(model) if model else bundled_model_path()
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    return LLMEngine(load_model(path, torch_dtype, device), config, tokenizer=load_tokenizer(path))
+    return LLMEngine(load_model(path, torch_dtype, device, weights=weights), config, tokenizer=load_tokenizer(path))

@@ -14,6 +14,8 @@ Six things portable PyTorch does badly on a CPU:
   * the small ops of a decoder layer on a few rows (layer_ops.c: residual add + RMSNorm, SiLU
     gating, RoPE + the KV cache write), where PyTorch's per-op overhead dwarfs the arithmetic;
   * temperature sampling over a large vocabulary (sample.c): one pass per row instead of ~8 ops.
+  * matmuls on weights kept as GGUF Q8_0/Q4_0/Q4_1 blocks (quant_linear.c, unpacked in registers):
+    reading 4-8 bits a weight instead of 16 is what bounds a decode step.
 And one thing the interpreter does badly: calling those kernels ~9 times a layer at decode
 (decode_forward.c runs a bf16 decode step's layers in one call; fairway/models/native_decode.py).
 The measurements behind these choices are in bench/README.md ("CPU kernels").
@@ -43,7 +45,8 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "amx_linear.c", "sample.c",
-                         "decode_forward.c")]
+                         "decode_forward.c", "quant_linear.c",
+                         "quant_amx.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The C side's fixed limits.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
@@ -222,6 +225,49 @@ class AmxLinear(Bf16Linear):
             raise RuntimeError(f"AMX linear kernel: unsupported shape {tuple(x.shape)}, or out of memory")
 
 
+class QuantKernels:
+    """ctypes binding of quant_linear.c: y = x @ w.T for w in GGUF Q8_0/Q4_0/Q4_1 blocks repacked
+    into 16-column panels (fairway/models/quant_linear.py), x float32 or bf16."""
+
+    # ggml's type ids, the C side's too
+    TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
+    # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations from a few
+    # rows; fewer go to AVX512F)
+    AVX2, AVX512, AVX512_BF16, AMX = 1, 2, 4, 8
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        fn = lib.quant_linear
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 7
+        fn.restype = ctypes.c_int
+        self._fn = fn
+        self.isas = int(lib.quant_isas())
+
+    def isa_for(self, dtype: torch.dtype) -> int:
+        """The fastest path this CPU offers for activations of this dtype, or 0 for none. float32
+        activations stay float32 (FMA). bf16 ones: AMX where there is some (few rows still on
+        FMA); on an Intel core otherwise widened to float32 for FMA on two ports, which beat
+        VDPBF16PS there (bench/README.md, "Quantized weights"); on an AMD core VDPBF16PS."""
+        if dtype == torch.bfloat16:
+            if self.isas & self.AMX:
+                return self.AMX
+            if self.isas & self.AVX512_BF16 and not _intel():
+                return self.AVX512_BF16
+        if self.isas & self.AVX512:
+            return self.AVX512
+        return self.AVX2 if dtype == torch.float32 and self.isas & self.AVX2 else 0
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, out_features: int, qtype: int,
+                 isa: int) -> torch.Tensor:
+        """x: [rows, k] float32 or bf16, contiguous. Returns [rows, out_features] in x's dtype."""
+        rows, k = x.shape
+        y = torch.empty(rows, out_features, dtype=x.dtype)
+        if rows and self._fn(x.data_ptr(), panels.data_ptr(), y.data_ptr(), rows, out_features, k, qtype,
+                             x.dtype == torch.bfloat16, isa, torch.get_num_threads()) != 0:
+            raise RuntimeError(f"quant linear kernel: unsupported x {tuple(x.shape)} {x.dtype}, type {qtype}, "
+                               f"path {isa}")
+        return y
+
+
 class DecoderWeights(ctypes.Structure):
     """decode_forward.c's decoder_weights: one layer's norms and packed linears."""
 
@@ -235,7 +281,7 @@ class DecodeShape(ctypes.Structure):
                                                     "num_layers")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64)]
                 + [(name, ctypes.c_int) for name in ("block_size", "max_blocks", "table_bf16", "amx", "nv", "mr",
-                                                      "prefetch", "num_threads")])
+                                                      "prefetch", "num_threads", "quant", "isa")])
 
 
 class DecodeForward:
@@ -358,7 +404,7 @@ def _check(*tensors: torch.Tensor) -> None:
 
 
 Binding = TypeVar("Binding", DecodeKernels, SkinnyLinear, Bf16Linear, AmxLinear, LayerOps, TemperatureSampler,
-                  DecodeForward)
+                  DecodeForward, QuantKernels)
 
 
 def decode_kernels() -> DecodeKernels | None:
@@ -383,6 +429,13 @@ def amx_linear() -> AmxLinear | None:
     its kernel) offers no AMX tiles."""
     kernel = _bound(AmxLinear) if native_enabled() else None
     return kernel if kernel is not None and kernel.available else None
+
+
+def quant_kernels() -> QuantKernels | None:
+    """The quantized-weight matmuls, or None when FAIRWAY_NATIVE_KERNELS=0, they can't be built, or
+    this CPU has none of their paths (the loader then dequantizes)."""
+    kernel = _bound(QuantKernels) if native_enabled() else None
+    return kernel if kernel is not None and kernel.isas else None
 
 
 def decode_forward() -> DecodeForward | None:

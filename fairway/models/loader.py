@@ -1,4 +1,9 @@
-"""Load weights: a GGUF file (dequantized once, then cached as safetensors) or a Hugging Face folder."""
+"""Load weights: a GGUF file or a Hugging Face folder.
+
+A GGUF file is dequantized once and cached as safetensors; with weights="native" (the default) its
+Q8_0/Q4_0/Q4_1 linear layers are then swapped for ones that multiply the blocks as stored
+(quant_linear.py), and only the rest (norms, the embedding lookup, other types) stays dequantized.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 
 from fairway.cache_dir import cache_dir
 from fairway.models.bundled import ModelFileError
@@ -15,6 +21,9 @@ from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
 from fairway.models.packed_linear import pack_linears, packing_supported
 from fairway.models.precision import compute_dtype
+from fairway.models.quant_linear import QuantLinear, native_types
+
+WEIGHTS = ("native", "dequantized")  # --weights: run quantized GGUF layers as stored, or in --dtype
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -30,11 +39,15 @@ _GGUF_LAYER_NAMES = {
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", pack: bool = True) -> LlamaModel:
+               device: str | torch.device = "cpu", pack: bool = True, weights: str = "native") -> LlamaModel:
     """A .gguf file or a folder with config.json + *.safetensors, its weights rounded to `dtype`.
     On a CPU without native half-precision matmuls they are then held in float32 (precision.py).
-    On CPU the linear layers are pre-packed for oneDNN (pack=False keeps plain nn.Linear)."""
+    weights="native": a GGUF's linear layers in a type with a native kernel stay in it, `dtype` then
+    only the activations' and the KV cache's. On CPU the other linear layers are pre-packed for
+    oneDNN (pack=False keeps plain nn.Linear)."""
     path = Path(path)
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, not {weights!r}")
     if not path.exists():
         raise ModelFileError(f"model file {path} does not exist: pass a .gguf file or a Hugging Face folder")
     if path.is_dir():
@@ -53,6 +66,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if held != dtype:
         model = model.to(held)  # exact: every bf16/fp16 value is a float32 value
         model.kv_cache_dtype = dtype
+    if weights == "native" and path.is_file() and torch.device(device).type == "cpu":
+        use_quantized_linears(model, path, held)
     if pack and packing_supported(held, torch.device(device)):
         pack_linears(model, bf16_copy=dtype == torch.bfloat16 and held == torch.float32)
         model.use_native_decode()
@@ -128,6 +143,52 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
             values = _unpermute(values, config.num_kv_heads)
         state[name] = torch.from_numpy(np.ascontiguousarray(values))
     return config, state
+
+
+def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype) -> int:
+    """Swap each linear layer whose GGUF weight has a native kernel (Q8_0/Q4_0/Q4_1) for a
+    QuantLinear on the file's blocks; a fused layer (QKV, gate|up) only when its parts share a type.
+    Activations stay in `dtype` (float32 or bf16; others keep the dequantized layers). Returns how many."""
+    import gguf
+
+    kinds = native_types() if dtype in (torch.float32, torch.bfloat16) else frozenset()
+    if not kinds:
+        return 0
+    reader = gguf.GGUFReader(str(path))
+    tensors = {t.name: t for t in reader.tensors}
+    c = model.cfg
+
+    def blocks(*names: str) -> tuple[np.ndarray, str] | None:
+        parts = [tensors.get(name) for name in names]
+        types = {p.tensor_type.name for p in parts if p is not None}
+        if None in parts or len(types) != 1 or not types <= kinds:
+            return None
+        rows = []
+        for name, part in zip(names, parts, strict=True):
+            raw = np.asarray(part.data)  # [out_features, bytes of a row of blocks]
+            if name.endswith("attn_q.weight"):  # block rows are output features: unpermute them as read_gguf does
+                raw = _unpermute(raw, c.num_heads)
+            elif name.endswith("attn_k.weight"):
+                raw = _unpermute(raw, c.num_kv_heads)
+            rows.append(raw)
+        return np.concatenate(rows), types.pop()
+
+    swaps: list[tuple[nn.Module, str, tuple[np.ndarray, str] | None, int]] = []
+    for i, layer in enumerate(model.layers):
+        p = f"blk.{i}."
+        swaps += [(layer.self_attn, "qkv_proj", blocks(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                   c.hidden_size),
+                  (layer.self_attn, "o_proj", blocks(p + "attn_output.weight"), c.q_size),
+                  (layer.mlp, "gate_up_proj", blocks(p + "ffn_gate.weight", p + "ffn_up.weight"), c.hidden_size),
+                  (layer.mlp, "down_proj", blocks(p + "ffn_down.weight"), c.intermediate_size)]
+    head = "token_embd.weight" if c.tie_word_embeddings else "output.weight"
+    swaps.append((model, "lm_head", blocks(head), c.hidden_size))
+    done = 0
+    for parent, name, found, width in swaps:
+        if found is not None and width % 32 == 0:
+            setattr(parent, name, QuantLinear(found[0], found[1], width, dtype))
+            done += 1
+    return done
 
 
 def _hf_name(name: str) -> str:

@@ -4,8 +4,10 @@ The layer-by-layer path (llama.py) calls ~9 kernels a layer from Python; at deco
 rows, the interpreter, module calls, ctypes and allocations around them cost about as much as the
 kernels (bench/README.md, "CPU kernels"). A step qualifies when every row is a sequence's single
 new token read through the native attention kernel, the model, its cache and RoPE tables are
-bf16, and every linear runs on one native kernel (AMX or AVX512-BF16) for this many rows. The C side calls the same kernels in the same order, so hidden states are
-bit-identical to the layer-by-layer path; anything else keeps that path.
+bf16, and every linear runs on one native kernel for this many rows: AMX or AVX512-BF16 on bf16
+panels, or the quantized-weight kernel on GGUF blocks of one type (quant_linear.py). The C side
+calls the same kernels in the same order, so hidden states are bit-identical to the layer-by-layer
+path; anything else keeps that path.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import torch
 from fairway.models.cpu_kernels import AmxLinear, DecoderWeights, DecodeShape, decode_forward, layer_ops
 from fairway.models.packed_linear import PackedLinear
 from fairway.models.paged_attention import AttentionMetadata, PagedKVCache
+from fairway.models.quant_linear import QuantLinear
 
 
 class NativeDecode:
@@ -24,8 +27,10 @@ class NativeDecode:
         """linears: _linears(model), each a PackedLinear with a native kernel (for_model checks)."""
         self.model = model
         self.kernel = decode_forward()
-        self.amx = isinstance(linears[0].native, AmxLinear)
-        limits = {lin.native_max_rows for lin in linears}
+        first = linears[0]
+        self.quant, self.isa = (first.qtype_id, first.isa) if isinstance(first, QuantLinear) else (0, 0)
+        self.amx = not self.quant and isinstance(first.native, AmxLinear)
+        limits = {getattr(lin, "native_max_rows", None) for lin in linears}
         self.max_rows = None if limits == {None} else min(r for r in limits if r is not None)
         # The weights' pointers, read once: the model's tensors stay where they are while it serves.
         self.layers = (DecoderWeights * len(model.layers))(*(
@@ -41,9 +46,12 @@ class NativeDecode:
         if decode_forward() is None or layer_ops() is None or model.embed_tokens.weight.dtype != torch.bfloat16:
             return None
         linears = _linears(model)
-        if not all(isinstance(lin, PackedLinear) and lin.native is not None for lin in linears):
+        if all(isinstance(lin, QuantLinear) for lin in linears):
+            if len({(lin.qtype_id, lin.isa) for lin in linears}) != 1:  # one type and path for every linear
+                return None
+        elif not all(isinstance(lin, PackedLinear) and lin.native is not None for lin in linears):
             return None
-        if len({type(lin.native) for lin in linears}) != 1:  # one kernel for every linear
+        elif len({type(lin.native) for lin in linears}) != 1:  # one kernel for every linear
             return None
         norms = [n.weight for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in [*norms, model.norm.weight]):
@@ -63,12 +71,13 @@ class NativeDecode:
         c, dt = self.model.cfg, meta.decode_tables
         assert dt is not None
         tokens = x.shape[0]
-        nv, mr, prefetch = (0, 0, 0) if self.amx else self.model.layers[0].mlp.down_proj.native.tile_for(tokens)
+        nv, mr, prefetch = ((0, 0, 0) if self.amx or self.quant
+                            else self.model.layers[0].mlp.down_proj.native.tile_for(tokens))
         rotary = self.model.rotary
         shape = DecodeShape(tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                             c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], dt.block_size,
                             dt.block_tables.shape[1], rotary.cos.dtype == torch.bfloat16, self.amx, nv, mr,
-                            prefetch, torch.get_num_threads())
+                            prefetch, torch.get_num_threads(), self.quant, self.isa)
         return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
                            positions, meta.slot_mapping, kv.k, kv.v, dt.block_tables, dt.context_lens)
 

@@ -8,7 +8,8 @@
  * the same inputs from C, so the hidden states are bit-identical to the layer-by-layer path
  * (fairway/models/llama.py), which remains for prefill, other dtypes and portable builds.
  *
- * bf16 weights, activations and KV cache only. Built with the other kernels by cpu_kernels.py.
+ * bf16 activations and KV cache only; the linears' weights bf16 panels, or GGUF blocks of one type
+ * for quant_linear.c. Built with the other kernels by cpu_kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,8 +27,11 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
 int bf16_linear(const uint16_t *x, const uint16_t *packed, uint16_t *y, int m, int n, int k, int nv, int mr,
                 int prefetch, int num_threads);
 int amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t *y, int m, int n, int k, int num_threads);
+int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt, int x_bf16, int isa,
+                 int num_threads);
 
-/* One layer's weights: the norms [hidden] bf16, the linears packed into panels (bf16_linear.c). */
+/* One layer's weights: the norms [hidden] bf16, the linears packed into panels (bf16_linear.c or
+ * quant_linear.c). */
 typedef struct {
     const void *input_norm, *qkv, *o, *post_norm, *gate_up, *down;
 } decoder_weights;
@@ -41,9 +45,11 @@ typedef struct {
     int table_bf16;          /* the RoPE tables' dtype */
     int amx, nv, mr, prefetch; /* the linear kernel: AMX, or AVX512-BF16 with this tile */
     int num_threads;
+    int quant, isa; /* quant: the linears' GGUF type for quant_linear() on this path, or 0: bf16 panels */
 } decode_shape;
 
 static int linear(const decode_shape *s, const void *x, const void *panels, void *y, int n, int k) {
+    if (s->quant) return quant_linear(x, panels, y, s->tokens, n, k, s->quant, 1, s->isa, s->num_threads);
     return s->amx ? amx_linear(x, panels, y, s->tokens, n, k, s->num_threads)
                   : bf16_linear(x, panels, y, s->tokens, n, k, s->nv, s->mr, s->prefetch, s->num_threads);
 }

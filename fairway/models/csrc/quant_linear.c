@@ -1,0 +1,422 @@
+/* y = x @ w.T with w held as GGUF Q8_0, Q4_0 or Q4_1 blocks: the 4- or 8-bit values are unpacked
+ * in registers and multiplied in float32 (FMA) or bf16 (VDPBF16PS); nothing is dequantized to
+ * memory. A decode step reads the weights once, so reading 4.5-5 bits a weight instead of bf16's 16
+ * is the gain (bench/README.md, "Quantized weights").
+ *
+ * The weight is repacked once at load (fairway/models/quant_linear.py) into panels of 16 output
+ * columns, block by block along k, with the same bytes a ggml block holds (16 blocks of a panel):
+ *   [16 fp16 scales d][16 fp16 mins m, Q4_1 only][quants of 16 columns x 32 k]
+ * Q4 quants: 8 k-quads of 32 bytes; byte j holds column j/2's value at k0 + j%2 (low nibble) and at
+ * k0 + 2 + j%2 (high nibble). Zero-extended to 32 words, the low nibbles are a VDPBF16PS operand
+ * (16 columns x a k-pair); zero-extended to 16 dwords, shifts by 0/4/8/12 give the columns at each
+ * of the quad's four k. Q8_0 quants: 16 k-pairs of 32 bytes, byte j column j/2 at k0 + j%2.
+ * A nibble becomes its float (Q4_0: minus 8) by a 16-entry table lookup (VPERMPS / VPERMW).
+ *
+ * A tile of MR rows x NV panels keeps per block an accumulator of sum_k x q per row and column, and
+ * adds d * that (and m * sum_k x, Q4_1's offset) to the running sums at the block's end.
+ *
+ * Paths, chosen at run time by what the CPU reports (quant_isas): AVX512-BF16 (bf16 activations),
+ * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
+ * vector); and for bf16 activations from QUANT_AMX_MIN_ROWS rows, AMX tiles (quant_amx.c), which
+ * take each block's sum as the AVX512F path does but for the order of the float32 additions. The
+ * file is built with -march=native but each path carries its own target attribute, so it compiles
+ * on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
+ * and Python keeps the dequantized weights. Built with the other kernels by cpu_kernels.py.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PANEL 16
+#define QK 32
+#define MAX_MR 8
+/* ggml's type ids */
+#define Q4_0 2
+#define Q4_1 3
+#define Q8_0 8
+/* quant_isas() bits */
+#define ISA_AVX2 1
+#define ISA_AVX512 2
+#define ISA_AVX512BF16 4
+#define ISA_AMX 8 /* bf16 activations: the AVX512F path's sums on AMX tiles (quant_amx.c) from QUANT_AMX_MIN_ROWS */
+#define QUANT_AMX_MIN_ROWS 6
+
+int quant_amx_available(void);
+int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, float *out, int m, int n, int k, int qt,
+                   int num_threads);
+
+static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
+static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
+static int known_type(int qt) { return qt == Q8_0 || qt == Q4_0 || qt == Q4_1; }
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+static float bf16_to_f32(uint16_t v) {
+    const uint32_t u = (uint32_t)v << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#include <omp.h>
+
+int quant_isas(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+    __builtin_cpu_init();
+    int isas = 0;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) isas |= ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) isas |= ISA_AVX512;
+    if ((isas & ISA_AVX512) && __builtin_cpu_supports("avx512bf16")) isas |= ISA_AVX512BF16;
+    if ((isas & ISA_AVX512BF16) && quant_amx_available()) isas |= ISA_AMX;
+    return known = isas;
+}
+
+#define T512 __attribute__((target("avx512f,avx512bw,avx512vl,fma,f16c")))
+#define TBF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,fma,f16c")))
+#define T256 __attribute__((target("avx2,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+/* One tile's operands: x rows (float32, or bf16 pairs as uint32), their block sums sx [rows][nb],
+ * the first panel's bytes, and where the outputs go. */
+typedef struct {
+    const void *x;
+    int ldx; /* elements (float32) or pairs (bf16) per row */
+    const float *sx;
+    int nb;
+    const uint8_t *w;
+    int64_t panel_bytes;
+    void *y;
+    int ldy, cols, y_bf16;
+} tile_args;
+
+typedef void (*tile_fn)(const tile_args *a);
+
+T512 INLINE void store16(void *y, int64_t at, __m512 v, int left, int y_bf16) {
+    const __mmask16 mask = left >= PANEL ? 0xFFFF : (__mmask16)((1u << left) - 1);
+    if (y_bf16) { /* round to nearest even, as a bf16 matmul does */
+        const __m512i u = _mm512_castps_si512(v);
+        const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF),
+                                                                _mm512_and_si512(_mm512_srli_epi32(u, 16),
+                                                                                 _mm512_set1_epi32(1))));
+        _mm256_mask_storeu_epi16((uint16_t *)y + at, mask, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+    } else {
+        _mm512_mask_storeu_ps((float *)y + at, mask, v);
+    }
+}
+
+/* The block's scales applied: acc += d * blk (+ m * sum x, Q4_1). */
+T512 INLINE void finish_block(__m512 acc[MAX_MR][4], __m512 blk[MAX_MR][4], const tile_args *a, int b,
+                              const int MR, const int NV, const int QT) {
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; v++) {
+        const uint8_t *blkp = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blkp));
+        const __m512 m = QT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blkp + 32)))
+                                    : _mm512_setzero_ps();
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; r++) {
+            acc[r][v] = _mm512_fmadd_ps(blk[r][v], d, acc[r][v]);
+            if (QT == Q4_1) acc[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sx[(int64_t)r * a->nb + b]), acc[r][v]);
+        }
+    }
+}
+
+/* float32 activations on AVX512F. */
+T512 INLINE void f32_tile(const tile_args *a, const int MR, const int NV, const int QT) {
+    const float *x = a->x;
+    __m512 acc[MAX_MR][4], blk[MAX_MR][4];
+    const __m512 lut = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+                                  : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) blk[r][v] = _mm512_setzero_ps();
+        const float *xb = x + (int64_t)b * QK;
+        if (QT == Q8_0) {
+#pragma GCC unroll 2
+            for (int g = 0; g < 16; g++) {
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + 32 + g * 32;
+                    const __m512i raw = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)q));
+                    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
+                    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(raw, 8));
+#pragma GCC unroll 8
+                    for (int r = 0; r < MR; r++) {
+                        const float *xr = xb + (int64_t)r * a->ldx + 2 * g;
+                        blk[r][v] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), blk[r][v]);
+                        blk[r][v] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[1]), blk[r][v]);
+                    }
+                }
+            }
+        } else {
+#pragma GCC unroll 2
+            for (int g = 0; g < 8; g++) {
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + g * 32;
+                    const __m512i raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)q));
+                    /* VPERMPS reads the low 4 bits of each index: no mask needed */
+                    const __m512 w0 = _mm512_permutexvar_ps(raw, lut);
+                    const __m512 w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), lut);
+                    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8), lut);
+                    const __m512 w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 12), lut);
+#pragma GCC unroll 8
+                    for (int r = 0; r < MR; r++) {
+                        const float *xr = xb + (int64_t)r * a->ldx + 4 * g;
+                        blk[r][v] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), blk[r][v]);
+                        blk[r][v] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[1]), blk[r][v]);
+                        blk[r][v] = _mm512_fmadd_ps(w2, _mm512_set1_ps(xr[2]), blk[r][v]);
+                        blk[r][v] = _mm512_fmadd_ps(w3, _mm512_set1_ps(xr[3]), blk[r][v]);
+                    }
+                }
+            }
+        }
+        finish_block(acc, blk, a, b, MR, NV, QT);
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) store16(a->y, (int64_t)r * a->ldy + v * PANEL, acc[r][v], a->cols - v * PANEL, a->y_bf16);
+}
+
+/* bf16 activations on AVX512-BF16: x read as k-pairs (one uint32 each). */
+TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int NV, const int QT) {
+    const uint32_t *x = a->x;
+    __m512 acc[MAX_MR][4], blk[MAX_MR][4];
+    /* bf16 bit patterns of 0..15 (Q4_0: -8..7), repeated: VPERMW reads 5 index bits */
+    const __m512i lut = QT == Q4_0
+        ? _mm512_set_epi16(0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040,
+                           0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000,
+                           0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040, 0xC080, 0xC0A0, 0xC0C0, 0xC0E0, 0xC100)
+        : _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
+                           0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
+                           0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        for (int r = 0; r < MR; r++)
+            for (int v = 0; v < NV; v++) blk[r][v] = _mm512_setzero_ps();
+        const uint32_t *xb = x + (int64_t)b * (QK / 2);
+        if (QT == Q8_0) {
+#pragma GCC unroll 2
+            for (int g = 0; g < 16; g++) {
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + 32 + g * 32;
+                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+                    const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* exact: |q| <= 128 */
+#pragma GCC unroll 8
+                    for (int r = 0; r < MR; r++)
+                        blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w,
+                                                     (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)r * a->ldx + g]));
+                }
+            }
+        } else {
+#pragma GCC unroll 2
+            for (int g = 0; g < 8; g++) {
+#pragma GCC unroll 4
+                for (int v = 0; v < NV; v++) {
+                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + g * 32;
+                    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
+                    const __m512bh w01 = (__m512bh)_mm512_permutexvar_epi16(
+                        _mm512_and_si512(raw, _mm512_set1_epi16(0x0F)), lut);
+                    const __m512bh w23 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut);
+#pragma GCC unroll 8
+                    for (int r = 0; r < MR; r++) {
+                        const uint32_t *xr = xb + (int64_t)r * a->ldx + 2 * g;
+                        blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w01, (__m512bh)_mm512_set1_epi32((int)xr[0]));
+                        blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w23, (__m512bh)_mm512_set1_epi32((int)xr[1]));
+                    }
+                }
+            }
+        }
+        finish_block(acc, blk, a, b, MR, NV, QT);
+    }
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++) store16(a->y, (int64_t)r * a->ldy + v * PANEL, acc[r][v], a->cols - v * PANEL, a->y_bf16);
+}
+
+/* out [count] float32 -> y in float32 or bf16, rounded as store16 does for the tiles. */
+T512 static void store_all(const float *out, void *y, int64_t count, int y_bf16) {
+    for (int64_t i = 0; i < count; i += PANEL)
+        store16(y, i, _mm512_maskz_loadu_ps(count - i >= PANEL ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1),
+                                            out + i), (int)(count - i), y_bf16);
+}
+
+/* float32 activations on AVX2: a panel as two halves of 8 columns; Q4_0's offset of 8 is taken
+ * from the block sums (sum x (q - 8) = sum x q - 8 sum x). */
+T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
+    const float *x = a->x;
+    __m256 acc[MAX_MR][2], blk[MAX_MR][2];
+    for (int r = 0; r < MR; r++)
+        for (int h = 0; h < 2; h++) acc[r][h] = _mm256_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const uint8_t *blkp = a->w + (int64_t)b * block_bytes(QT);
+        for (int r = 0; r < MR; r++)
+            for (int h = 0; h < 2; h++) blk[r][h] = _mm256_setzero_ps();
+        const float *xb = x + (int64_t)b * QK;
+        for (int h = 0; h < 2; h++) {
+            const int steps = QT == Q8_0 ? 16 : 8;
+            for (int g = 0; g < steps; g++) {
+                const uint8_t *q = blkp + quants_at(QT) + g * 32 + h * 16;
+                const __m256i raw = QT == Q8_0 ? _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)q))
+                                               : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)q));
+                if (QT == Q8_0) {
+                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
+                    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 8));
+                    for (int r = 0; r < MR; r++) {
+                        const float *xr = xb + (int64_t)r * a->ldx + 2 * g;
+                        blk[r][h] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[0]), blk[r][h]);
+                        blk[r][h] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[1]), blk[r][h]);
+                    }
+                } else {
+                    const __m256i nib = _mm256_set1_epi32(0x0F);
+                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(raw, nib));
+                    const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 4), nib));
+                    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8), nib));
+                    const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 12));
+                    for (int r = 0; r < MR; r++) {
+                        const float *xr = xb + (int64_t)r * a->ldx + 4 * g;
+                        blk[r][h] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[0]), blk[r][h]);
+                        blk[r][h] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[1]), blk[r][h]);
+                        blk[r][h] = _mm256_fmadd_ps(w2, _mm256_set1_ps(xr[2]), blk[r][h]);
+                        blk[r][h] = _mm256_fmadd_ps(w3, _mm256_set1_ps(xr[3]), blk[r][h]);
+                    }
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + h * 16)));
+            const __m256 m = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + 32 + h * 16)))
+                             : QT == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+            for (int r = 0; r < MR; r++) {
+                acc[r][h] = _mm256_fmadd_ps(blk[r][h], d, acc[r][h]);
+                if (QT != Q8_0) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sx[(int64_t)r * a->nb + b]), acc[r][h]);
+            }
+        }
+    }
+    float out[PANEL];
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        float *y = (float *)a->y + (int64_t)r * a->ldy;
+        for (int c = 0; c < a->cols && c < PANEL; c++) y[c] = out[c];
+    }
+}
+
+/* Every (MR, NV) with MR * NV <= 8 (the accumulators and block sums fit the 32 registers). */
+#define TILE3(KIND, T, MR, NV)                                                                            \
+    T static void KIND##_##MR##_##NV##_q40(const tile_args *a) { KIND##_tile(a, MR, NV, Q4_0); }         \
+    T static void KIND##_##MR##_##NV##_q41(const tile_args *a) { KIND##_tile(a, MR, NV, Q4_1); }         \
+    T static void KIND##_##MR##_##NV##_q80(const tile_args *a) { KIND##_tile(a, MR, NV, Q8_0); }
+#define TILES(KIND, T)                                                                                    \
+    TILE3(KIND, T, 1, 1) TILE3(KIND, T, 2, 1) TILE3(KIND, T, 3, 1) TILE3(KIND, T, 4, 1) TILE3(KIND, T, 5, 1) \
+    TILE3(KIND, T, 6, 1) TILE3(KIND, T, 7, 1) TILE3(KIND, T, 8, 1) TILE3(KIND, T, 1, 2) TILE3(KIND, T, 2, 2) \
+    TILE3(KIND, T, 3, 2) TILE3(KIND, T, 4, 2) TILE3(KIND, T, 1, 4) TILE3(KIND, T, 2, 4)
+TILES(f32, T512)
+TILES(bf16, TBF16)
+#define AVX2_TILE(MR)                                                                                     \
+    T256 static void avx2_##MR##_q40(const tile_args *a) { avx2_tile(a, MR, Q4_0); }                     \
+    T256 static void avx2_##MR##_q41(const tile_args *a) { avx2_tile(a, MR, Q4_1); }                     \
+    T256 static void avx2_##MR##_q80(const tile_args *a) { avx2_tile(a, MR, Q8_0); }
+AVX2_TILE(1) AVX2_TILE(2) AVX2_TILE(3) AVX2_TILE(4)
+
+#define BY_TYPE(NAME) {NAME##_q40, NAME##_q41, NAME##_q80}
+#define BY_NV(KIND, MR) {BY_TYPE(KIND##_##MR##_1), BY_TYPE(KIND##_##MR##_2), {0, 0, 0}, BY_TYPE(KIND##_##MR##_4)}
+#define BY_NV2(KIND, MR) {BY_TYPE(KIND##_##MR##_1), BY_TYPE(KIND##_##MR##_2), {0, 0, 0}, {0, 0, 0}}
+#define BY_NV1(KIND, MR) {BY_TYPE(KIND##_##MR##_1), {0, 0, 0}, {0, 0, 0}, {0, 0, 0}}
+#define BY_MR(KIND)                                                                                        \
+    {BY_NV(KIND, 1), BY_NV(KIND, 2), BY_NV2(KIND, 3), BY_NV2(KIND, 4), BY_NV1(KIND, 5), BY_NV1(KIND, 6), \
+     BY_NV1(KIND, 7), BY_NV1(KIND, 8)}
+/* [path: 0 f32, 1 bf16][MR - 1][NV - 1][type] */
+static const tile_fn TILE_TABLE[2][MAX_MR][4][3] = {BY_MR(f32), BY_MR(bf16)};
+static const tile_fn AVX2_TABLE[4][3] = {BY_TYPE(avx2_1), BY_TYPE(avx2_2), BY_TYPE(avx2_3), BY_TYPE(avx2_4)};
+
+static int type_index(int qt) { return qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2; }
+
+/* The widest panel group for this many rows: few rows stream several panels at once. */
+static int nv_for(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
+
+/* One thread's panels [p0, p1): every row, in balanced chunks of at most max_mr. */
+static void run_panels(int path, const void *x, int ldx, const float *sx, const uint8_t *packed, void *y, int y_bf16, int m, int n, int nb, int qt, int p0, int p1) {
+    const int64_t panel_bytes = (int64_t)nb * block_bytes(qt);
+    const int max_mr = path == 2 ? 4 : MAX_MR;
+    const int chunks = (m + max_mr - 1) / max_mr, rows_per_chunk = (m + chunks - 1) / chunks;
+    const int ti = type_index(qt), y_elem = y_bf16 ? 2 : 4;
+    const int nv_max = path == 2 ? 1 : nv_for(rows_per_chunk);
+    for (int p = p0; p < p1;) {
+        const int nv = min_int(nv_max, p1 - p) >= 4 ? 4 : min_int(nv_max, p1 - p) >= 2 ? 2 : 1;
+        for (int r = 0; r < m; r += rows_per_chunk) {
+            const int rows = min_int(rows_per_chunk, m - r);
+            const tile_args a = {(const char *)x + (int64_t)r * ldx * 4, ldx, sx + (int64_t)r * nb, nb,
+                                 packed + p * panel_bytes, panel_bytes, (char *)y + ((int64_t)r * n + p * PANEL) * y_elem,
+                                 n, min_int(n - p * PANEL, nv * PANEL), y_bf16};
+            if (path == 2) AVX2_TABLE[rows - 1][ti](&a);
+            else TILE_TABLE[path][rows - 1][nv - 1][ti](&a);
+        }
+        p += nv;
+    }
+}
+
+/* x: [m, k] float32 or bf16 (x_bf16), contiguous; packed: the panels above for a weight [n, k] of
+ * type qt; y: [m, n] in x's dtype. isa: one ISA_* bit that quant_isas() reported: AVX512-BF16 and
+ * AMX take bf16 x only (AMX from QUANT_AMX_MIN_ROWS rows, fewer going to AVX512F); AVX2 float32
+ * only; AVX512F widens bf16 x to float32 first.
+ * Returns 0, -1 for a shape or type this kernel does not take, -2 out of memory. */
+int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt, int x_bf16, int isa,
+                 int num_threads) {
+    if (m < 1 || n < 1 || k < QK || k % QK || !known_type(qt) || !(quant_isas() & isa)) return -1;
+    const int amx = isa == ISA_AMX && m >= QUANT_AMX_MIN_ROWS;
+    if (isa == ISA_AMX) {
+        if (!x_bf16) return -1;
+        isa = ISA_AVX512;
+    }
+    const int path = isa == ISA_AVX512BF16 ? 1 : isa == ISA_AVX512 ? 0 : isa == ISA_AVX2 ? 2 : -1;
+    if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
+    const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
+    const int widen = x_bf16 && !amx && path != 1;
+    /* sx [m][nb]: the block sums of x (Q4_1's offset term); widened x [m][k]; AMX's sums [m][n] */
+    const size_t blocks = (size_t)m * nb, extra = amx ? (size_t)m * n : widen ? (size_t)m * k : 0;
+    float *scratch = malloc(sizeof(float) * (blocks + extra));
+    if (!scratch) return -2;
+    float *sx = scratch, *xf = widen ? sx + blocks : NULL;
+    for (int r = 0; r < m; r++)
+        for (int b = 0; b < nb; b++) {
+            float s = 0;
+            for (int i = 0; i < QK; i++) {
+                const int64_t at = (int64_t)r * k + b * QK + i;
+                const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+                if (xf) xf[at] = v;
+                s += v;
+            }
+            sx[(int64_t)r * nb + b] = s;
+        }
+    if (amx) {
+        float *out = sx + blocks;
+        const int rc = quant_amx_sums(x, sx, packed, out, m, n, k, qt, num_threads);
+        if (rc == 0) store_all(out, y, (int64_t)m * n, 1);
+        free(scratch);
+        return rc;
+    }
+    const void *xin = xf ? (const void *)xf : x;
+    const int ldx = path == 1 ? k / 2 : k; /* float32 values, or bf16 pairs: 4 bytes either way */
+    /* Waking the second thread costs microseconds: a small weight (< 32 KB) is read by one. */
+    const int threads = (int64_t)panels * nb * block_bytes(qt) < 32 * 1024 ? 1 : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        run_panels(path, xin, ldx, sx, packed, y, x_bf16, m, n, nb, qt, (int)((int64_t)panels * t / nt),
+                   (int)((int64_t)panels * (t + 1) / nt));
+    }
+    free(scratch);
+    return 0;
+}
+#else
+int quant_isas(void) { return 0; }
+int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt, int x_bf16, int isa,
+                 int num_threads) {
+    (void)x, (void)packed, (void)y, (void)m, (void)n, (void)k, (void)qt, (void)x_bf16, (void)isa, (void)num_threads;
+    return -1;
+}
+#endif

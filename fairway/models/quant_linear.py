@@ -1,0 +1,93 @@
+"""Linear layers whose weights stay GGUF Q8_0, Q4_0 or Q4_1 blocks, multiplied by native kernels.
+
+A decode step reads every weight once, so its time is the bytes it reads: 4.5-5 bits a weight
+(Q4_0/Q4_1) or 8.5 (Q8_0) instead of bf16's 16. The kernels (cpu_kernels.quant_kernels,
+csrc/quant_linear.c) unpack the blocks in registers; the activations keep the model's dtype
+(--dtype), the sums are float32. Here the blocks are only reordered, once at load, into panels of 16
+output columns (the layout is in quant_linear.c), the same bytes as in the file.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from fairway.models.cpu_kernels import QuantKernels, quant_kernels
+
+QK = 32  # values per ggml block
+PANEL = 16  # output columns per panel
+# bytes of one ggml block of each type: fp16 scale (+ fp16 min, Q4_1) and the values
+BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+
+
+def native_types() -> frozenset[str]:
+    """The GGUF types this CPU multiplies as stored (none without the kernels)."""
+    return frozenset(BLOCK_BYTES) if quant_kernels() is not None else frozenset()
+
+
+def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
+    """ggml blocks [n, k/32 * block bytes] (uint8) -> (d [n, nb] fp16, m [n, nb] fp16 or None,
+    values [n, nb, 32]: int8 for Q8_0, the 4-bit codes 0..15 for Q4_0/Q4_1)."""
+    n = raw.shape[0]
+    blocks = np.ascontiguousarray(raw).reshape(n, -1, BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    if qtype == "Q8_0":
+        return d, None, blocks[..., 2:].view(np.int8)
+    m = blocks[..., 2:4].copy().view(np.float16)[..., 0] if qtype == "Q4_1" else None
+    qs = blocks[..., 4:] if qtype == "Q4_1" else blocks[..., 2:]
+    return d, m, np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # ggml: value j low nibble, j + 16 high
+
+
+def pack_blocks(raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """ggml blocks of a weight [n, k] -> the kernels' panels: [ceil(n/16), k/32, block bytes * 16]
+    uint8, per block [16 scales][16 mins, Q4_1][the 16 columns' values] (layout in quant_linear.c)."""
+    d, m, q = unpack_blocks(raw, qtype)
+    n, nb = d.shape
+    panels = -(-n // PANEL)
+    pad = panels * PANEL - n  # missing columns: scale 0, min 0, value 0
+    if pad:
+        d = np.concatenate([d, np.zeros((pad, nb), np.float16)])
+        m = None if m is None else np.concatenate([m, np.zeros((pad, nb), np.float16)])
+        q = np.concatenate([q, np.full((pad, nb, QK), 8 if qtype == "Q4_0" else 0, q.dtype)])
+    parts = [_by_panel(d), *(() if m is None else (_by_panel(m),))]
+    q = q.reshape(panels, PANEL, nb, QK).transpose(0, 2, 1, 3)  # [panel, block, column, k]
+    if qtype == "Q8_0":  # k-pairs: byte 2c + o is column c at 2g + o
+        values = q.reshape(panels, nb, PANEL, 16, 2).transpose(0, 1, 3, 2, 4).view(np.uint8)
+    else:  # k-quads: byte 2c + o holds column c at 4g + o (low nibble) and 4g + 2 + o (high)
+        quads = q.reshape(panels, nb, PANEL, 8, 4).transpose(0, 1, 3, 2, 4).astype(np.uint8)
+        values = quads[..., :2] | (quads[..., 2:] << 4)
+    parts.append(np.ascontiguousarray(values).reshape(panels, nb, -1))
+    return torch.from_numpy(np.concatenate(parts, axis=-1))
+
+
+def _by_panel(scales: np.ndarray) -> np.ndarray:
+    """[n, nb] fp16 -> [panels, nb, 32 bytes]: each block's 16 columns side by side."""
+    n, nb = scales.shape
+    return scales.reshape(n // PANEL, PANEL, nb).transpose(0, 2, 1).copy().view(np.uint8).reshape(n // PANEL, nb, -1)
+
+
+class QuantLinear(nn.Module):
+    """A bias-free linear layer on a GGUF-quantized weight [out_features, in_features], given as
+    its ggml blocks (one row of blocks per output feature)."""
+
+    def __init__(self, raw: np.ndarray, qtype: str, in_features: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        kernel = quant_kernels()
+        if kernel is None or qtype not in BLOCK_BYTES or in_features % QK:
+            raise ValueError(f"no native kernel for {qtype} weights of width {in_features} here")
+        self.kernel: QuantKernels = kernel
+        self.qtype, self.qtype_id = qtype, QuantKernels.TYPES[qtype]
+        self.out_features, self.in_features = raw.shape[0], in_features
+        self.isa = kernel.isa_for(dtype)
+        self.register_buffer("panels", pack_blocks(raw, qtype), persistent=False)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes one pass reads: the blocks as stored."""
+        return self.out_features * self.in_features // QK * BLOCK_BYTES[self.qtype]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, self.isa)

@@ -1,0 +1,206 @@
+"""The quantized-weight kernels (Q8_0, Q4_0, Q4_1; every path this CPU has) against float64
+products with the dequantized weights, and the weights quantized here by ggml's block formats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from fairway.engine import EngineConfig, LLMEngine, SamplingParams
+from fairway.engine.factory import build_engine
+from fairway.models.cpu_kernels import QuantKernels, quant_kernels
+from fairway.models.loader import load_model
+from fairway.models.quant_linear import QuantLinear
+
+kernel = quant_kernels()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
+PATHS = [(isa, dtype) for isa, dtype in ((QuantKernels.AVX2, torch.float32), (QuantKernels.AVX512, torch.float32),
+                                         (QuantKernels.AVX512, torch.bfloat16),
+                                         (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16))
+         if kernel is not None and kernel.isas & isa]
+
+
+def quantize(w: np.ndarray, qtype: str) -> np.ndarray:
+    """A reference quantizer after ggml (quantize_row_*_ref): rows of [n, k] float -> block bytes."""
+    n, k = w.shape
+    blocks = w.reshape(n, k // 32, 32).astype(np.float32)
+    if qtype == "Q8_0":
+        d = np.abs(blocks).max(-1) / 127
+        q = np.round(blocks / np.where(d == 0, 1, d)[..., None]).astype(np.int8)
+        return np.concatenate([d.astype(np.float16)[..., None].view(np.uint8), q.view(np.uint8)], -1).reshape(n, -1)
+    if qtype == "Q4_0":  # d = the signed extreme / -8, values round(x / d) + 8 clipped to 0..15
+        idx = np.abs(blocks).argmax(-1)
+        d = np.take_along_axis(blocks, idx[..., None], -1)[..., 0] / -8
+        q = np.clip(np.floor(blocks / np.where(d == 0, 1, d)[..., None] + 8.5), 0, 15).astype(np.uint8)
+        head = [d.astype(np.float16)[..., None].view(np.uint8)]
+    else:  # Q4_1: d = (max - min) / 15, m = min, values round((x - m) / d)
+        lo, hi = blocks.min(-1), blocks.max(-1)
+        d = (hi - lo) / 15
+        q = np.clip(np.floor((blocks - lo[..., None]) / np.where(d == 0, 1, d)[..., None] + 0.5), 0, 15)
+        q = q.astype(np.uint8)
+        head = [d.astype(np.float16)[..., None].view(np.uint8), lo.astype(np.float16)[..., None].view(np.uint8)]
+    qs = q[..., :16] | (q[..., 16:] << 4)
+    return np.concatenate([*head, qs], -1).reshape(n, -1)
+
+
+def dequantize64(raw: np.ndarray, qtype: str, k: int) -> np.ndarray:
+    """The weight the blocks stand for, in float64, straight from ggml's block layout."""
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[qtype]
+    b = raw.reshape(raw.shape[0], k // 32, size)
+    d = b[..., :2].copy().view(np.float16).astype(np.float64)
+    if qtype == "Q8_0":
+        return (d * b[..., 2:].view(np.int8)).reshape(raw.shape[0], k)
+    qs = b[..., 4:] if qtype == "Q4_1" else b[..., 2:]
+    q = np.concatenate([qs & 15, qs >> 4], -1).astype(np.float64)
+    if qtype == "Q4_0":
+        return (d * (q - 8)).reshape(raw.shape[0], k)
+    m = b[..., 2:4].copy().view(np.float16).astype(np.float64)
+    return (d * q + m).reshape(raw.shape[0], k)
+
+
+def case(qtype: str, n: int, k: int, rows: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    raw = quantize(rng.standard_normal((n, k)) * 0.05 + rng.standard_normal((n, 1)) * 0.02, qtype)
+    x = torch.from_numpy(rng.standard_normal((rows, k)).astype(np.float32))
+    return raw, x
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("isa,dtype", PATHS)
+@pytest.mark.parametrize("rows,n", [(1, 576), (2, 40), (3, 100), (5, 64), (6, 32), (8, 16), (13, 200), (40, 48), (70, 40)])
+def test_matches_float64_with_the_dequantized_weights(qtype, isa, dtype, rows, n):
+    """Every tile shape (rows 1..8 in 1, 2 and 4 panels, chunks beyond; AMX: fewer rows than it
+    takes, one tile, padded 16-row chunks, more than four) and a last panel cut short."""
+    k = 96 if n != 576 else 576
+    raw, x = case(qtype, n, k, rows)
+    x = x.to(dtype)
+    want = x.double().numpy() @ dequantize64(raw, qtype, k).T
+    layer = QuantLinear(raw, qtype, k, dtype)
+    layer.isa = isa
+    got = layer(x)
+    assert got.dtype == dtype and got.shape == (rows, n)
+    scale = np.abs(want).max()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16: the output is rounded to 8 bits
+    assert np.abs(got.double().numpy() - want).max() <= tol * scale
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
+    """bf16 activations, one row alone (the register kernels) or among up to 40 others (AMX tiles
+    past a few): the same block sums but for the order of float32 additions, so at most one bf16
+    rounding step apart, and the same bits among any number of rows on one path."""
+    layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, torch.bfloat16)
+    x = case(qtype, 100, 128, 41, seed=1)[1].to(torch.bfloat16)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(41)]).float()
+    batch = layer(x).float()
+    assert ((batch - alone).abs() <= alone.abs() * 2 ** -7 + 1e-6).all()
+    for rows in (2, 5) if kernel.isas & QuantKernels.AMX else (2, 5, 6, 17):
+        assert torch.equal(layer(x[:rows]).float(), alone[:rows]), rows
+    for rows in (6, 17, 40):  # AMX where there is some
+        assert torch.equal(layer(x[:rows]).float(), batch[:rows]), rows
+
+
+@needs_kernel
+def test_kernel_refuses_what_it_does_not_compute():
+    raw, x = case("Q4_1", 32, 64, 2)
+    layer = QuantLinear(raw, "Q4_1", 64, torch.float32)
+    with pytest.raises(RuntimeError):  # bf16 dot products need bf16 activations
+        kernel(x, layer.panels, 32, layer.qtype_id, QuantKernels.AVX512_BF16)
+    with pytest.raises(RuntimeError):  # a type without a kernel
+        kernel(x, layer.panels, 32, 12, layer.isa)
+    with pytest.raises(ValueError):  # widths not a whole number of blocks
+        QuantLinear(raw[:, :20], "Q4_1", 48, torch.float32)
+
+
+@needs_kernel
+def test_same_result_with_one_thread_and_several():
+    raw, x = case("Q4_0", 1024, 256, 3)
+    layer = QuantLinear(raw, "Q4_0", 256, torch.float32)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = layer(x)
+        torch.set_num_threads(max(2, threads))
+        assert torch.equal(one, layer(x))
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def native_fp32(model_path):
+    return load_model(model_path, torch.float32, weights="native")
+
+
+@needs_kernel
+def test_bundled_q4_1_weights_run_as_stored_give_the_dequantized_greedy_tokens(native_fp32, real_model_fp32,
+                                                                              real_tokenizer):
+    """The bundled GGUF holds its layers as Q4_1 and its (tied) embedding as Q8_0: run as stored
+    with float32 activations, greedy tokens equal the float32 dequantized model's."""
+    from test_engine_correctness import QUESTIONS
+
+    linears = [layer.mlp.down_proj for layer in native_fp32.layers] + [native_fp32.layers[0].self_attn.qkv_proj]
+    assert {lin.qtype for lin in linears} == {"Q4_1"} and native_fp32.lm_head.qtype == "Q8_0"
+    prompts = [real_tokenizer.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    config = EngineConfig(num_kv_blocks=512, max_num_batched_tokens=256)
+    native = LLMEngine(native_fp32, config).generate(prompts, params)
+    dequantized = LLMEngine(real_model_fp32, config).generate(prompts, params)
+    same = [a == b for a, b in zip(native, dequantized, strict=True)]
+    assert sum(same) >= 9, same
+
+
+@needs_kernel
+def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_path, real_tokenizer):
+    model = load_model(model_path, torch.bfloat16)  # native: the default
+    assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
+    if model.native_decode is None:
+        pytest.skip("no whole-step decode pass in this build")
+    eng = LLMEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=real_tokenizer)
+    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
+    got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20))
+    assert "Paris" in real_tokenizer.decode(got[0])
+    with pytest.raises(ValueError, match="weights"):
+        load_model(model_path, torch.bfloat16, weights="bf16")
+    dequantized = build_engine(model_path, "bfloat16", weights="dequantized").model  # --weights dequantized
+    assert not any(isinstance(m, QuantLinear) for m in dequantized.modules())
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
+def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(qtype):
+    """A tiny random bf16 model with its linears quantized here: every decode step's one-call pass
+    (decode_forward.c calling the quantized kernel) against the layer-by-layer path, bit for bit."""
+    from fairway.models.config import LlamaConfig
+    from fairway.models.llama import random_model
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    model = random_model(cfg, seed=3, dtype=torch.bfloat16)
+    for parent in [m for layer in model.layers for m in (layer.self_attn, layer.mlp)]:
+        for name, child in list(parent.named_children()):
+            raw = quantize(child.weight.detach().float().numpy(), qtype)
+            setattr(parent, name, QuantLinear(raw, qtype, child.in_features, torch.bfloat16))
+    if not model.use_native_decode():
+        pytest.skip("no whole-step decode pass in this build")
+    native, layer_by_layer, compared = model.native_decode, model.forward, []
+
+    def both(ids, positions, kv, meta):
+        got = layer_by_layer(ids, positions, kv, meta)
+        if native.takes(ids.shape[0], kv, meta):
+            model.native_decode = None
+            try:
+                assert torch.equal(got, layer_by_layer(ids, positions, kv, meta)), f"{ids.shape[0]} rows"
+            finally:
+                model.native_decode = native
+            compared.append(ids.shape[0])
+        return got
+
+    model.forward = both
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=256))
+    for batch in (1, 6, 19):
+        prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
+        engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    assert {1, 6, 19} <= set(compared)
