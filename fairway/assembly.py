@@ -292,11 +292,13 @@ def gateway_app(options: ServerOptions) -> FastAPI:
 
 
 async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, settle: bool = False,
-                      drain: asyncio.Event | None = None) -> None:
+                      drain: asyncio.Event | None = None, http: tuple[str, int] | None = None) -> None:
     """A replica process: the engine, claiming jobs from its queue until cancelled, or until drain
     is set (SIGTERM): then it drains (ReplicaWorker.drain) and returns. settle: this is the
-    process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
+    process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py).
+    http: (host, port) of its /metrics, /ready and /live (fairway/replica/http.py)."""
     from fairway.engine import AsyncEngine
+    from fairway.replica.http import serve_http
     from fairway.replica.worker import ReplicaWorker
 
     engine = engine or build_engine(options)
@@ -310,6 +312,7 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()
+    server = await serve_http(*http, lambda: (worker.ready, worker.draining)) if http is not None else None
     try:
         running = asyncio.create_task(worker.run())
         draining = asyncio.create_task(drain.wait()) if drain is not None else None
@@ -322,6 +325,8 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
             await worker.drain()
         await running
     finally:
+        if server is not None:
+            server.close()
         await asyncio.to_thread(async_engine.shutdown)
         if sandbox is not None:
             await sandbox.close()

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import time
@@ -221,12 +222,18 @@ class ReplicaWorker:
         self._claiming: asyncio.Future[ClaimedJob | None] | None = None  # the claim loop's wait
         self._started_at = time.time()
         self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
+        self._claimed = 0  # jobs claimed since start (the heartbeat's arrivals, with the queue's depth)
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
         engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
     def id(self) -> str:
         return self.settings.replica_id
+
+    @property
+    def ready(self) -> bool:
+        """Announced and claiming: what /ready says (fairway/replica/http.py)."""
+        return bool(self._loops) and not self.draining
 
     def info(self, queued: dict[Lane, int] | None = None) -> ReplicaInfo:
         """The announcement: queued is its queue's depth per lane (waiting, with what it claimed
@@ -255,6 +262,8 @@ class ReplicaWorker:
             free_kv_blocks=stats.kv_blocks_total - stats.kv_blocks_used,
             kv_blocks=stats.kv_blocks_total,
             ttft_s=statistics.median(self._ttfts) if self._ttfts else None,
+            ttft_p99_s=_p99(self._ttfts),
+            arrived=self._claimed + sum((queued or {}).values()),
             block_size=engine.kv.block_size,
             prefix=self._prefix_summary(),
         )
@@ -354,6 +363,7 @@ class ReplicaWorker:
             if claimed is None:
                 self._capacity.release()
                 continue
+            self._claimed += 1
             task = asyncio.create_task(self._serve_claimed(claimed))
             self._tasks.add(task)
             task.add_done_callback(self._done)
@@ -775,6 +785,13 @@ async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float]
             log.warning("reply %s: could not report %s; retrying in %.1f s", report.reply_id, report.kind, delay)
             await asyncio.sleep(delay)
     return False
+
+
+def _p99(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def _usage(out: RequestOutput | None) -> tuple[int, int, int]:
