@@ -113,14 +113,7 @@ async def test_a_drain_of_a_pod_already_gone_still_scales_down(kmock):
 
 
 async def test_readiness_comes_from_a_watch_of_the_deployment(kmock):
-    def event(ready: int) -> dict:
-        return {"type": "MODIFIED", "object": {"apiVersion": "apps/v1", "kind": "Deployment",
-                                               "metadata": {"name": NAME, "namespace": NS, "resourceVersion": "9"},
-                                               "spec": {"replicas": 3, "selector": {"matchLabels": {"app": NAME}},
-                                                        "template": {"metadata": {"labels": {"app": NAME}}}},
-                                               "status": {"readyReplicas": ready}}}
-
-    kmock[f"get /apis/apps/v1/namespaces/{NS}/deployments"] << (event(1), event(2))
+    kmock[f"get /apis/apps/v1/namespaces/{NS}/deployments"] << (deployment_event(1), deployment_event(2))
     kmock[f"get {SCALE}"] << scale(3, "9")
     backend = backend_for(kmock.url)
     await backend.start()
@@ -163,3 +156,45 @@ async def test_the_fleet_holds_while_the_api_is_away_or_refuses(kmock):
     assert "does not answer" in away.holding["backend"]
     with pytest.raises(BackendUnavailable):
         await backend_for("http://127.0.0.1:9").state()
+
+
+def deployment_event(ready: int) -> dict:
+    return {"type": "MODIFIED", "object": {"apiVersion": "apps/v1", "kind": "Deployment",
+                                           "metadata": {"name": NAME, "namespace": NS, "resourceVersion": "9"},
+                                           "spec": {"replicas": 3, "selector": {"matchLabels": {"app": NAME}},
+                                                    "template": {"metadata": {"labels": {"app": NAME}}}},
+                                           "status": {"readyReplicas": ready}}}
+
+
+async def test_the_fleet_never_scales_down_on_missing_heartbeats(kmock):
+    """Redis away, or reachable with no replica announcing while the Deployment has three ready:
+    missing data, not an idle fleet. With idle_s 0 an idle fleet would drain at once; this one
+    patches nothing and says why."""
+    kmock[f"get /apis/apps/v1/namespaces/{NS}/deployments"] << (deployment_event(3),)
+    kmock[f"get {SCALE}"] << scale(3, "9")
+    policy = ScalingPolicy(ScalingBounds(1, 10, cooldown_s=0, idle_s=0), ScalingTarget(replica_rps=1.0))
+    backend = backend_for(kmock.url)
+    await backend.start()
+    try:
+        for _ in range(100):
+            if (await backend.state()).ready == 3:
+                break
+            await asyncio.sleep(0.05)
+        silent = FleetManager(backend, InProcessRegistry(), policy)
+        for _ in range(3):
+            assert await silent.tick() is None
+        assert silent.holding == {"registry": "no replica announces itself while 3 are ready"}
+        assert metrics.FLEET_HOLDING.labels("registry")._value.get() == 1
+
+        from fairway.replica.registry import RedisRegistry
+
+        gone = RedisRegistry("redis://127.0.0.1:9/0")  # nothing listens there
+        try:
+            away = FleetManager(backend, gone, policy)
+            assert await away.tick() is None
+            assert away.holding["registry"].startswith("the replica registry does not answer")
+        finally:
+            await gone.close()
+        assert not kmock["patch"]
+    finally:
+        await backend.close()
