@@ -278,7 +278,11 @@ class ReplicaWorker:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Announce the replica and start its loops; returns at once."""
+        """Announce the replica and start its loops; returns at once. Drained before it started
+        (a SIGTERM while the model loaded: a fleet scaling down, a spot reclaim), it never starts:
+        run() then returns at once."""
+        if self.draining:
+            return
         self.engine.start()
         await self._check_sandbox()
         metrics.ENGINES.track(self.id, self.settings.model, self.engine)
