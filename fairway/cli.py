@@ -322,6 +322,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     from fairway.replica.registry import make_registry
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (the local backend's /ready probes, twice a second)
     try:  # every bound checked before anything starts
         policy = ScalingPolicy(ScalingBounds(args.min_replicas, args.max_replicas, args.step, args.cooldown, args.idle),
                                ScalingTarget(args.replica_rps, args.ttft_target, args.headroom, args.lead,

@@ -1,12 +1,16 @@
 """Fairway processes for end-to-end tests: `fairway ...` started as a user would, logs kept for
-the failure message, stopped (or killed) at the end."""
+the failure message, stopped (or killed) at the end; and a streamed reply as a client sees it."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+
+import httpx
+from serving import MODEL, sse_events
 
 
 def create_key(database: str, user: str, tier: str = "paid") -> str:
@@ -77,3 +81,48 @@ class PrivateRedis:
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             self._proc.wait(timeout=10)
+
+
+@dataclass
+class Stream:
+    """One streamed reply as its client saw it: each event's id and arrival (monotonic)."""
+
+    prompt: str
+    max_tokens: int = 32
+    started: float = 0.0
+    ids: list[int] = field(default_factory=list)
+    text: str = ""
+    times: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def longest_pause(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
+
+    @property
+    def ttft(self) -> float | None:
+        return self.times[0] - self.started if self.times else None
+
+
+def stream(url: str, key: str, s: Stream) -> None:
+    """Stream the reply (greedy) into s; an error status or a broken connection is s.error."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": s.prompt}], "max_tokens": s.max_tokens,
+            "temperature": 0, "stream": True}
+    s.started = time.monotonic()
+    try:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180,
+                          headers={"Authorization": f"Bearer {key}"}) as response:
+            if response.status_code != 200:
+                s.error = f"{response.status_code}: {response.read()!r}"
+                return
+            for event in sse_events(response):
+                if event.data == "[DONE]":
+                    break
+                if event.id is not None:
+                    s.ids.append(event.id)
+                    s.times.append(time.monotonic())
+                s.text += event.content
+                s.finish_reason = event.finish_reason or s.finish_reason
+    except httpx.HTTPError as exc:
+        s.error = repr(exc)

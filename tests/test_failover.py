@@ -11,62 +11,25 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-import httpx
 import pytest
 import redis
 from backends import missing
 from pg_admin import temporary_database
-from processes import PrivateRedis, Processes, create_key
-from serving import MODEL, free_port, sse_events, wait_for, wait_ready
+from processes import PrivateRedis, Processes, Stream, create_key, stream
+from serving import free_port, wait_for, wait_ready
 
 MAX_TOKENS = 32
 STREAMS = 16
-
-
-@dataclass
-class Stream:
-    prompt: str
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-
-    @property
-    def longest_pause(self) -> float:
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
 
 
 def prompt(i: int) -> str:
     return f"Tell me a short story about a lighthouse keeper named Kai number {i}."
 
 
-def stream(url: str, key: str, s: Stream) -> None:
-    body = {"model": MODEL, "messages": [{"role": "user", "content": s.prompt}], "max_tokens": MAX_TOKENS,
-            "temperature": 0, "stream": True}
-    try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180,
-                          headers={"Authorization": f"Bearer {key}"}) as response:
-            if response.status_code != 200:
-                s.error = f"{response.status_code}: {response.read()!r}"
-                return
-            for event in sse_events(response):
-                if event.data == "[DONE]":
-                    break
-                if event.id is not None:
-                    s.ids.append(event.id)
-                    s.times.append(time.monotonic())
-                s.text += event.content
-                s.finish_reason = event.finish_reason or s.finish_reason
-    except httpx.HTTPError as exc:
-        s.error = repr(exc)
-
-
 def run_streams(urls: list[str], key: str, during=None, count: int = STREAMS) -> list[Stream]:
-    streams = [Stream(prompt(i)) for i in range(count)]
+    streams = [Stream(prompt(i), MAX_TOKENS) for i in range(count)]
     threads = [threading.Thread(target=stream, args=(urls[i % len(urls)], key, s), daemon=True)
                for i, s in enumerate(streams)]
     for t in threads:

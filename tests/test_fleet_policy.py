@@ -95,8 +95,10 @@ def test_arrivals_are_the_growth_of_the_replicas_counts():
     def sample(at: float, **arrived: int) -> FleetSample:
         return FleetSample(at, [ReplicaInfo(i, "m", i, 1, 1, arrived=n) for i, n in arrived.items()])
 
-    meter = ArrivalMeter()
+    meter = ArrivalMeter(window_s=1.0)
     assert meter.rate(sample(0, a=0, b=10)) is None
+    assert meter.rate(sample(0.5, a=1, b=10)) is None  # within the window
     assert meter.rate(sample(2, a=6, b=12)) == (4.0, 2)
-    # b's queue moved away (it drains), c is new: neither adds until it has a baseline and grows
-    assert meter.rate(sample(3, a=8, b=5, c=40)) == (2.0, 1)
+    # 3 jobs moved from b's queue to a's (b drains): no arrival; c is new: no baseline yet
+    assert meter.rate(sample(3, a=9, b=9, c=40)) == (0.0, 1)
+    assert meter.rate(sample(4, a=10, b=9, c=43)) == (4.0, 1)

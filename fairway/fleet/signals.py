@@ -57,17 +57,24 @@ async def read_sample(registry: ReplicaRegistry) -> FleetSample:
 @dataclass
 class ArrivalMeter:
     """Arrivals per second over the fleet from the replicas' `arrived` counts: the sum of their
-    growth between two samples, over replicas in both (one that appeared has no baseline yet; a
-    count that shrank, a failover moving its queue away, adds nothing)."""
+    changes over a window of at least window_s, over replicas at both ends of it (one that
+    appeared has no baseline yet), never below zero. A job a failover moves counts once: it
+    leaves one replica's queue and joins another's, and claimed as a continuation it is not
+    counted again. A second's window at least: shorter ones are mostly Poisson noise at low
+    rates, and the forecast's trend would amplify it."""
 
-    _last: FleetSample | None = None
+    window_s: float = 1.0
+    _start: FleetSample | None = None
 
     def rate(self, sample: FleetSample) -> tuple[float, float] | None:
-        """(arrivals per second, seconds since the previous sample); None for the first sample."""
-        last, self._last = self._last, sample
-        if last is None or sample.at <= last.at:
+        """(arrivals per second, the window's seconds) once a window has passed, else None."""
+        if self._start is None:
+            self._start = sample
             return None
-        before = {r.id: r.arrived for r in last.replicas}
-        grown = sum(max(0, r.arrived - before[r.id]) for r in sample.replicas if r.id in before)
-        dt = sample.at - last.at
-        return grown / dt, dt
+        dt = sample.at - self._start.at
+        if dt < self.window_s:
+            return None
+        before = {r.id: r.arrived for r in self._start.replicas}
+        grown = sum(r.arrived - before[r.id] for r in sample.replicas if r.id in before)
+        self._start = sample
+        return max(0, grown) / dt, dt

@@ -53,9 +53,10 @@ class ReplicaInfo:
     free_kv_blocks: int = 0
     kv_blocks: int = 0
     ttft_s: float | None = None
-    ttft_p99_s: float | None = None  # the same replies' 99th percentile (the fleet manager's target)
-    # Jobs that reached its queue since it started: those it claimed plus those still queued. The
-    # fleet manager's arrivals are the growth of this count over the fleet (fairway/fleet/signals.py).
+    ttft_p99_s: float | None = None  # the 99th percentile of its replies of the last 30 s (the fleet's target)
+    # Jobs that reached its queue since it started: the new ones it claimed (not a failover's
+    # continuations) plus those still queued. The fleet manager's arrivals are the growth of this
+    # count over the fleet (fairway/fleet/signals.py).
     arrived: int = 0
     block_size: int = BLOCK_SIZE  # tokens per KV block: how the router hashes a prompt for this replica
     prefix: PrefixSummary | None = None  # the blocks it most recently used (prefix_summary.py)

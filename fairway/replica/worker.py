@@ -80,6 +80,7 @@ log = logging.getLogger(__name__)
 CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
 T = TypeVar("T")
 SANDBOX_RECHECK_BEATS = 30  # heartbeats between two looks at a sandbox that was off
+TTFT_WINDOW_S = 30.0  # the heartbeat's TTFT p99 is over the replies of this last while
 
 
 @dataclass
@@ -222,7 +223,9 @@ class ReplicaWorker:
         self._claiming: asyncio.Future[ClaimedJob | None] | None = None  # the claim loop's wait
         self._started_at = time.time()
         self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
-        self._claimed = 0  # jobs claimed since start (the heartbeat's arrivals, with the queue's depth)
+        self._recent_ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (monotonic, TTFT): its p99
+        self._queued = 0  # its queue's depth at the last heartbeat
+        self._claimed = 0  # new jobs claimed since start (the heartbeat's arrivals, with the queue's depth)
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
         engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
@@ -241,6 +244,8 @@ class ReplicaWorker:
         engine = self.engine.engine
         running: dict[str, int] = {}
         waiting = {str(lane): n for lane, n in (queued or {}).items() if n}
+        if queued is not None:
+            self._queued = sum(queued.values())  # an announcement without it keeps the last (arrived)
         for job in self._running.values():
             lanes = running if job.first_token_at is not None else waiting
             lanes[job.job.lane] = lanes.get(job.job.lane, 0) + 1
@@ -262,11 +267,19 @@ class ReplicaWorker:
             free_kv_blocks=stats.kv_blocks_total - stats.kv_blocks_used,
             kv_blocks=stats.kv_blocks_total,
             ttft_s=statistics.median(self._ttfts) if self._ttfts else None,
-            ttft_p99_s=_p99(self._ttfts),
-            arrived=self._claimed + sum((queued or {}).values()),
+            ttft_p99_s=self._recent_p99(),
+            arrived=self._claimed + self._queued,
             block_size=engine.kv.block_size,
             prefix=self._prefix_summary(),
         )
+
+    def _recent_p99(self) -> float | None:
+        """The TTFT p99 of the replies of the last TTFT_WINDOW_S: a slow one a while ago must not
+        keep a fleet manager adding replicas."""
+        since = time.monotonic() - TTFT_WINDOW_S
+        while self._recent_ttfts and self._recent_ttfts[0][0] < since:
+            self._recent_ttfts.popleft()
+        return _p99([ttft for _, ttft in self._recent_ttfts])
 
     def _prefix_summary(self) -> PrefixSummary:
         """The engine's latest snapshot of its cached blocks, summarised once per snapshot."""
@@ -367,7 +380,8 @@ class ReplicaWorker:
             if claimed is None:
                 self._capacity.release()
                 continue
-            self._claimed += 1
+            if not claimed.job.get("attempt"):  # a failover's continuation arrived once already
+                self._claimed += 1
             task = asyncio.create_task(self._serve_claimed(claimed))
             self._tasks.add(task)
             task.add_done_callback(self._done)
@@ -692,6 +706,7 @@ class ReplicaWorker:
             if running.first_token_at is None:
                 running.first_token_at = time.time()
                 self._ttfts.append(max(0.0, running.first_token_at - running.started))
+                self._recent_ttfts.append((clock, self._ttfts[-1]))
             elif running.last_token_at is not None:
                 if running.inter_token is None:
                     running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
