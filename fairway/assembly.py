@@ -296,7 +296,8 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     """A replica process: the engine, claiming jobs from its queue until cancelled, or until drain
     is set (SIGTERM): then it drains (ReplicaWorker.drain) and returns. settle: this is the
     process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py).
-    http: (host, port) of its /metrics, /ready and /live (fairway/replica/http.py)."""
+    http: (host, port) of its /metrics, /ready, /live and /drain (fairway/replica/http.py; /drain
+    sets drain, so it needs one)."""
     from fairway.engine import AsyncEngine
     from fairway.replica.http import serve_http
     from fairway.replica.worker import ReplicaWorker
@@ -312,7 +313,10 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()
-    server = await serve_http(*http, lambda: (worker.ready, worker.draining)) if http is not None else None
+    server = None
+    if http is not None:
+        assert drain is not None, "the replica's /drain sets the drain event"
+        server = await serve_http(*http, lambda: (worker.ready, worker.draining), drain.set)
     try:
         running = asyncio.create_task(worker.run())
         draining = asyncio.create_task(drain.wait()) if drain is not None else None

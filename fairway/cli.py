@@ -596,7 +596,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--region", default=None, help="the region it serves, for requests that name one "
                    "(X-Fairway-Region; default: FAIRWAY_REGION, else 'local')")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics, /ready and /live here")
+    r.add_argument("--metrics-port", type=int, default=None,
+                   help="serve the replica's /metrics, /ready, /live and POST /drain here")
     r.add_argument("--metrics-host", default="127.0.0.1")
     _safety_args(r, ("output",))
     r.set_defaults(func=cmd_replica)
