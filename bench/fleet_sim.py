@@ -446,7 +446,7 @@ def print_table(results: list[dict]) -> None:
         reps = "+".join(str(v) for v in r["replicas_at_peak"].values())
         hours = "+".join(f"{v:,.0f}" for v in r["replica_hours"].values())
         print(f"{r['profile']:8} {r['scaler']:9} {r['free_at_capacity']:7} {reps:>14} {r['concurrent_streams_at_peak']:>13,} "
-              f"{ttft:>27} {r["free_shed_share"]:>9.3%} {r["free_to_mini_share"]:>10.3%} {hours:>10}")
+              f"{ttft:>27} {r['free_shed_share']:>9.3%} {r['free_to_mini_share']:>10.3%} {hours:>10}")
 
 
 if __name__ == "__main__":
