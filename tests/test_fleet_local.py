@@ -1,6 +1,6 @@
 """The fleet manager's local backend with real processes: the manager (FleetManager, as `fairway
 fleet` runs it, here in the test's process so its targets can follow this machine's speed)
-starts and drains `fairway replica` processes (float32, the bundled model) behind a `fairway
+starts and drains `fairway replica` processes (the bundled model) behind a `fairway
 gateway`, on a Redis of the test's own.
 
 A shared 2-core machine's speed varies several times over, so the targets are set from what the
@@ -30,9 +30,9 @@ from fairway.fleet.local import LocalBackend
 from fairway.fleet.signals import ArrivalMeter
 from fairway.replica.registry import RedisRegistry
 
-REPLICA_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--max-inflight", "16", "--drain-grace", "3",
+REPLICA_ARGS = ["--max-model-len", "512", "--max-inflight", "16", "--drain-grace", "3",
                 "--log-level", "warning"]
-RAMP_S = 20.0  # the ramp: from 0.3 to 1.5 times what a replica is said to serve, then level
+RAMP_S = 20.0  # the ramp: from half of what a replica is said to serve to all of it, then level
 TRICKLE = 0.2  # then a trickle at this share of it: the fleet is idle and drains one
 
 
@@ -123,14 +123,14 @@ def test_the_fleet_adds_a_replica_ahead_of_a_ramp_and_drains_one_losing_nothing(
             redis_server.stop()
         print(f"the fleet test took {time.monotonic() - began:.1f} s")
     actions = [(round(at - began, 1), d.reason, d.target) for at, d in manager.decisions]
-    assert len(watch.first_seen) == 2, (watch.first_seen, actions, procs.tails())
+    assert len(watch.first_seen) >= 2, (watch.first_seen, actions, procs.tails())
     second = sorted(watch.first_seen.values())[1]
     before = [s.ttft for s in streams if s.ttft is not None and s.started + s.ttft <= second]
     ttfts = [s.ttft for s in streams if s.ttft is not None]
     print(f"actions {actions}; second replica live {second - began:.1f} s in; {len(before)} replies had their "
           f"first token before it, TTFT p99 {p99(before or [0]):.2f} s; all {len(streams)}: p99 "
           f"{p99(ttfts or [0]):.2f} s")
-    assert [a[1:] for a in actions[:1]] == [("forecast", 2)], actions  # the forecast, not a late TTFT
+    assert [a[1:] for a in actions[:2]] == [("minimum", 1), ("forecast", 2)], actions  # the forecast, not TTFT
     assert len(before) >= 3, [(round(s.started - began, 1), s.ttft) for s in streams]  # one replica served a while
     assert p99(before) < target, actions
     assert watch.drained_at is not None and ("idle", 1) in [a[1:] for a in actions], actions
@@ -141,19 +141,20 @@ def test_the_fleet_adds_a_replica_ahead_of_a_ramp_and_drains_one_losing_nothing(
 
 def measure_and_set_targets(url: str, key: str, manager: FleetManager) -> tuple[float, float]:
     """Three replies one after another on the first replica, idle (the first pays first-use costs,
-    not counted): the TTFT target is four times the idle TTFT (at least 1 s), a replica is said to
-    serve one reply per idle reply time (batching serves more: a low bound). Then the bounds of the
-    test: one to two replicas, short cool-down and idle time, a lead of a replica's start-up."""
-    warm = [Stream(f"Say hello to visitor {i}.", 8) for i in range(3)]
+    not counted): the TTFT target is four times the idle TTFT (at least 1 s, and above the
+    first-use reply's, which the replica's 30 s TTFT p99 still holds), a replica is said to serve
+    two replies per idle reply time (it batches them). Then the bounds of the test: one to
+    two replicas, short cool-down and idle time, a lead of about a replica's start-up."""
+    warm = [Stream(f"Say hello to visitor {i}.", 4) for i in range(3)]
     for s in warm:
         stream(url, key, s)
         assert s.error is None, s.error
     ttft = statistics.median(s.ttft for s in warm[1:])
     reply_s = statistics.median(s.times[-1] - s.started for s in warm[1:])
-    target = max(1.0, 4 * ttft)
-    rps = 1.0 / reply_s
+    target = max(1.0, 4 * ttft, 1.5 * max(s.ttft for s in warm))
+    rps = 2.0 / reply_s
     manager.forecaster = HoltForecaster()
-    manager.meter = ArrivalMeter(window_s=max(1.0, 2.0 / rps))  # a couple of arrivals a window, not 0 or 1
+    manager.meter = ArrivalMeter()
     manager.policy = ScalingPolicy(ScalingBounds(1, 2, step=1, cooldown_s=2, idle_s=4),
                                    ScalingTarget(replica_rps=rps, ttft_target_s=target, lead_s=10))
     return target, rps
@@ -172,12 +173,12 @@ def ramp_then_trickle(url: str, key: str, watch: Watch, rps: float) -> list[Stre
         threads[-1].start()
 
     start = time.monotonic()
-    while (t := time.monotonic() - start) < RAMP_S * 2 and len(watch.first_seen) < 2:
-        send(8)
-        time.sleep(1.0 / (rps * (0.3 + 1.2 * min(1.0, t / RAMP_S))))
+    while (t := time.monotonic() - start) < RAMP_S * 3 and len(watch.first_seen) < 2:
+        send(4)
+        time.sleep(1.0 / (rps * (0.5 + 0.5 * min(1.0, t / RAMP_S))))
     deadline, drained_for = time.monotonic() + 120, None
     while time.monotonic() < deadline and (drained_for is None or time.monotonic() < drained_for):
-        send(32)
+        send(12)
         if watch.drained_at is not None and drained_for is None:
             drained_for = time.monotonic() + 3  # replies that began on the leaving replica, and after
         watch.drained.wait(1.0 / (rps * TRICKLE))

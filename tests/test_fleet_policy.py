@@ -91,6 +91,16 @@ def test_idle_drains_one_per_idle_period_never_below_min():
     assert policy.decide(view(200, 2, 0.0)).drain == 0  # at min
 
 
+def test_no_drain_while_a_replica_is_still_starting():
+    """The fleet just added one and the forecast fell back: the replica drained could be the only
+    one serving. The idle clock starts once every replica serves."""
+    policy = ScalingPolicy(ScalingBounds(1, 5, cooldown_s=0, idle_s=4), ScalingTarget(replica_rps=1.0))
+    policy.decide(view(0, 2, 0.0, serving=1))
+    assert policy.decide(view(10, 2, 0.0, serving=1)).drain == 0
+    assert policy.decide(view(11, 2, 0.0, serving=2)).drain == 0  # both serve: the clock starts
+    assert policy.decide(view(15, 2, 0.0, serving=2)).drain == 1
+
+
 def test_arrivals_are_the_growth_of_the_replicas_counts():
     def sample(at: float, **arrived: int) -> FleetSample:
         return FleetSample(at, [ReplicaInfo(i, "m", i, 1, 1, arrived=n) for i, n in arrived.items()])

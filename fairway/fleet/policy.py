@@ -9,7 +9,8 @@ simulation (bench/fleet_sim.py) run the same code. In order:
    TTFT target, planned at `headroom` of it), or the fleet is under pressure now (TTFT p99 near
    its target, or more waiting replies than queue_per_replica per serving replica): add up to
    `step`, never past max_replicas, at most once per cool-down;
-3. drain: the forecast fits in one replica fewer, and has for idle_s: drain one, never below
+3. drain: the forecast fits in one replica fewer, and has for idle_s while every replica serves
+   (none still starting: the one drained could be the only one serving): drain one, never below
    min_replicas, at most once per cool-down.
 """
 
@@ -116,7 +117,7 @@ class ScalingPolicy:
                 return Decision(reason="cooling down", target=self.target)
             n = min(b.step, b.max_replicas - self.target, max(need - self.target, 1))
             return self._act(view.at, n, pressure or "forecast")
-        if need >= self.target or pressure:
+        if need >= self.target or pressure or view.serving < view.desired:
             self._idle_since = None
             return Decision(target=self.target)
         if self._idle_since is None:
