@@ -22,12 +22,16 @@ would spin against each other). The gateways run without memory (--no-memory): i
 would share the cores and are no part of routing.
 
 On 2 CPU cores keep --max-tokens small (16 by default): the replicas share those cores. Prints a
-table; results go to bench/results/routing.json. The failover pause and the drain time (issue
-15's other half) are further phases: a phase is a function returning a dict of figures, listed
-in PHASES with its table columns.
+table; results go to bench/results/routing.json. Two more phases, on fresh processes too (2
+replicas, 1 gateway): "kill" SIGKILLs the replica holding most of 8 streamed replies once they
+have their first tokens, --kills times (a fresh replica replaces it each time), and reports the
+longest pause a stream saw (p50 and max over the kills) and whether every reply came whole (ids
+1..N, [DONE]); "drain" SIGTERMs it instead, and reports the time the drain took to exit as well.
+A phase is a function returning a dict of figures, listed in PHASES with its table columns.
 
     .venv/bin/python bench/routing.py
     .venv/bin/python bench/routing.py --conversations 8 --turns 3   # a quick look
+    .venv/bin/python bench/routing.py --phases kill drain            # the failover pause and the drain
 """
 
 from __future__ import annotations
@@ -223,15 +227,143 @@ def figures(run: Run, before: list[dict], after: list[dict], gateway: dict) -> d
     }
 
 
+# -- failover and drain: a replica killed (or drained) under streamed replies --------------------
+
+
+@dataclass
+class Stream:
+    ids: list[int] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    ok: bool = False
+
+    @property
+    def longest_pause(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
+
+    @property
+    def whole(self) -> bool:
+        return self.ok and self.ids == list(range(1, len(self.ids) + 1))
+
+
+async def event_stream(client: Any, url: str, key: str, body: dict[str, Any], s: Stream) -> None:
+    """One streamed reply: every event's id and arrival time."""
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                             headers={"Authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            return
+        async for line in r.aiter_lines():
+            if line.startswith("id:"):
+                s.ids.append(int(line[3:].strip()))
+                s.times.append(time.perf_counter())
+            elif line.startswith("data:") and line[5:].strip() == "[DONE]":
+                s.ok = True
+
+
+def live_load(redis_url: str, namespace: str) -> dict[str, int]:
+    """The live replicas' announced loads, by id (what the failover's registry holds)."""
+    import redis
+
+    client = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        found = {}
+        for name in client.scan_iter(match=f"{namespace}replica:*"):
+            raw = client.get(name)
+            if raw:
+                info = json.loads(raw)
+                found[info["id"]] = info["load"]
+        return found
+    finally:
+        client.close()
+
+
+async def faults_phase(kind: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+    """`kind` "kill": --kills times, SIGKILL the replica holding most of --fault-streams streamed
+    replies once each has its first tokens, then start a fresh replica; per kill, the longest
+    pause any stream saw. "drain": the same with SIGTERM, once; the drain's time to exit."""
+    import signal
+
+    import httpx
+
+    namespace = f"bench:{uuid.uuid4().hex[:8]}:"
+    rounds = args.kills if kind == "kill" else 1
+    pauses, took, whole, replies = [], [], 0, 0
+    async with relay.gateway_database(args.database, workdir) as database:
+        key = relay.create_key(database)
+        shared = ["--redis", args.redis, "--namespace", namespace]
+        replicas: dict[str, subprocess.Popen] = {}
+
+        def start_replica(name: str) -> None:
+            replicas[name] = relay.spawn(["-m", "fairway.cli", "replica", *shared, "--replica-id", name,
+                                          "--max-model-len", "2048", "--drain-grace", "2", "--log-level", "warning"],
+                                         workdir / f"{name}.log", env={"OMP_NUM_THREADS": str(args.replica_threads)})
+
+        async def until_two_live() -> None:
+            while len(live_load(args.redis, namespace)) < 2:
+                await asyncio.sleep(0.2)
+
+        for name in (f"{kind}-0", f"{kind}-1"):
+            start_replica(name)
+        port = relay.free_port()
+        url = f"http://127.0.0.1:{port}"
+        gateway = relay.spawn(["-m", "fairway.cli", "gateway", *shared, "--database", database, "--port", str(port),
+                               "--log-level", "warning", "--no-memory", *relay.NO_LIMITS], workdir / f"{kind}-gw.log")
+        try:
+            await relay.wait_ready(url, timeout=300)
+            async with httpx.AsyncClient(timeout=600) as client:
+                for r in range(rounds):
+                    await until_two_live()
+                    streams = [Stream() for _ in range(args.fault_streams)]
+                    bodies = [{"model": relay.MODEL, "stream": True, "max_tokens": args.fault_tokens,
+                               "temperature": 0, "ignore_eos": True,
+                               "messages": [{"role": "user", "content": f"Round {r}: tell story number {i}."}]}
+                              for i in range(len(streams))]
+                    running = asyncio.gather(*(event_stream(client, url, key, b, s)
+                                               for b, s in zip(bodies, streams, strict=True)))
+                    while sum(len(s.ids) >= 3 for s in streams) < len(streams) // 2 and not running.done():
+                        await asyncio.sleep(0.05)
+                    loads = live_load(args.redis, namespace)
+                    victim = max(loads, key=loads.__getitem__)
+                    began = time.perf_counter()
+                    replicas[victim].send_signal(signal.SIGKILL if kind == "kill" else signal.SIGTERM)
+                    if kind == "drain":
+                        await asyncio.to_thread(replicas[victim].wait, 120)
+                        took.append(time.perf_counter() - began)
+                    await running
+                    pauses.append(max(s.longest_pause for s in streams))
+                    whole += sum(s.whole for s in streams)
+                    replies += len(streams)
+                    print(f"  {kind} {r + 1}/{rounds}: {victim} (load {loads[victim]}), longest pause "
+                          f"{pauses[-1]:.2f} s, {sum(s.whole for s in streams)}/{len(streams)} replies whole"
+                          + (f", drained in {took[-1]:.2f} s" if took else ""), flush=True)
+                    replicas[victim].wait(timeout=30)
+                    start_replica(f"{kind}-{r + 2}")
+        finally:
+            for p in [*replicas.values(), gateway]:
+                p.terminate()
+            for p in [*replicas.values(), gateway]:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+            await relay._clean_redis(args.redis, namespace)
+    return {"rounds": rounds, "streams_per_round": args.fault_streams, "replies": replies, "replies_whole": whole,
+            "pause_p50_s": statistics.median(pauses), "pause_max_s": max(pauses), "pauses_s": pauses,
+            **({"drain_s": statistics.median(took)} if took else {})}
+
+
 # A phase: (name, run(args, workdir, system) -> figures, the table's columns as (header, key, format)).
 Phase = tuple[str, Callable[[argparse.Namespace, Path, str], Awaitable[dict[str, Any]]], list[tuple[str, str, str]]]
 ROUTING_COLUMNS = [("hit rate", "prefix_cache_hit_rate", "{:.1%}"), ("TTFT p50 s", "ttft_p50_s", "{:.3f}"),
                    ("TTFT p99 s", "ttft_p99_s", "{:.3f}"), ("tokens/s", "tokens_per_s", "{:.1f}"),
                    ("replies a/b", "replies_per_replica", "{}"), ("failed", "failed", "{}")]
+FAULT_COLUMNS = [("pause p50 s", "pause_p50_s", "{:.2f}"), ("pause max s", "pause_max_s", "{:.2f}"),
+                 ("replies whole", "replies_whole", "{}"), ("of", "replies", "{}"), ("drain s", "drain_s", "{:.2f}")]
 PHASES: list[Phase] = [
-    (routing, lambda args, workdir, system, routing=routing: routing_phase(routing, args, workdir, system),
-     ROUTING_COLUMNS) for routing in ROUTINGS
-]  # the failover pause (p50/max over 5 kills) and the drain time go here as phases of their own
+    *[(routing, lambda args, workdir, system, routing=routing: routing_phase(routing, args, workdir, system),
+       ROUTING_COLUMNS) for routing in ROUTINGS],
+    *[(kind, lambda args, workdir, system, kind=kind: faults_phase(kind, args, workdir), FAULT_COLUMNS)
+      for kind in ("kill", "drain")],
+]
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
@@ -252,9 +384,13 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 async def main(args: argparse.Namespace) -> None:
     system = system_prompt(args.system_tokens)
     results: dict[str, dict[str, Any]] = {}
+    if args.phases and RESULTS.exists():  # a run of some phases keeps the others' last figures
+        results = json.loads(RESULTS.read_text()).get("results", {})
     with tempfile.TemporaryDirectory(prefix="fairway-routing-") as tmp:
         for name, run, _ in PHASES:
-            print(f"{name}: {args.conversations} conversations x {args.turns} turns ...", flush=True)
+            if args.phases and name not in args.phases:
+                continue
+            print(f"{name} ...", flush=True)
             results[name] = await run(args, Path(tmp), system)
             print(f"  {results[name]}", flush=True)
     print(table(results))
@@ -286,6 +422,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--think", type=float, default=0.5, help="seconds between a reply and the next turn")
     p.add_argument("--replica-threads", type=int, default=1,
                    help="torch threads per replica (1: each of the 2 replicas has a core of a 2-core machine)")
+    p.add_argument("--kills", type=int, default=5, help="kill phase: replicas SIGKILLed, one at a time")
+    p.add_argument("--fault-streams", type=int, default=8, help="kill and drain phases: streamed replies at once")
+    p.add_argument("--fault-tokens", type=int, default=48, help="kill and drain phases: tokens per reply")
+    p.add_argument("--phases", nargs="*", default=None, help=f"run only these ({', '.join(n for n, _, _ in PHASES)})")
     p.add_argument("--redis", default="redis://127.0.0.1:6379/14")
     p.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
     return p.parse_args()

@@ -66,6 +66,8 @@ class ServerOptions:
     replica_id: str | None = None
     drain_grace_s: float = 30.0  # a replica's SIGTERM: how long its replies get to end there
     max_inflight: int = 256  # replies a replica claims at once; the rest wait in its queue
+    health_host: str = "127.0.0.1"  # a replica process's /health and /ready (replica/health.py)
+    health_port: int | None = None  # 0: a free port; None: none
     region: str | None = None  # a replica's region (default: FAIRWAY_REGION, else "local")
     router: RouterSettings = field(default_factory=RouterSettings)  # a gateway's placement
     default_max_tokens: int = 512
@@ -274,7 +276,8 @@ def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
     from fairway.replica.worker import ReplicaSettings
 
     settings = ReplicaSettings(model=model, idle_cancel_s=options.idle_cancel_s, drain_grace_s=options.drain_grace_s,
-                               max_inflight=options.max_inflight,
+                               max_inflight=options.max_inflight, health_host=options.health_host,
+                               health_port=options.health_port,
                                output_mode=options.safety.output_mode,
                                max_sentence_chars=options.safety.max_sentence_chars)
     if options.replica_id:
@@ -292,14 +295,11 @@ def gateway_app(options: ServerOptions) -> FastAPI:
 
 
 async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, settle: bool = False,
-                      drain: asyncio.Event | None = None, http: tuple[str, int] | None = None) -> None:
+                      drain: asyncio.Event | None = None) -> None:
     """A replica process: the engine, claiming jobs from its queue until cancelled, or until drain
     is set (SIGTERM): then it drains (ReplicaWorker.drain) and returns. settle: this is the
-    process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py).
-    http: (host, port) of its /metrics, /ready, /live and /drain (fairway/replica/http.py; /drain
-    sets drain, so it needs one)."""
+    process's whole job, so once the engine is loaded the heap is settled (fairway/server_gc.py)."""
     from fairway.engine import AsyncEngine
-    from fairway.replica.http import serve_http
     from fairway.replica.worker import ReplicaWorker
 
     engine = engine or build_engine(options)
@@ -313,10 +313,6 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()
-    server = None
-    if http is not None:
-        assert drain is not None, "the replica's /drain sets the drain event"
-        server = await serve_http(*http, lambda: (worker.ready, worker.draining), drain.set)
     try:
         running = asyncio.create_task(worker.run())
         draining = asyncio.create_task(drain.wait()) if drain is not None else None
@@ -329,8 +325,6 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
             await worker.drain()
         await running
     finally:
-        if server is not None:
-            server.close()
         await asyncio.to_thread(async_engine.shutdown)
         if sandbox is not None:
             await sandbox.close()

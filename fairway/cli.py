@@ -136,6 +136,8 @@ def _server_options(args: argparse.Namespace):
         replica_id=getattr(args, "replica_id", None),
         drain_grace_s=getattr(args, "drain_grace", 30.0),
         max_inflight=getattr(args, "max_inflight", 256),
+        health_host=getattr(args, "health_host", "127.0.0.1"),
+        health_port=getattr(args, "health_port", None),
         region=getattr(args, "region", None),
         router=_router_settings(args),
         default_max_tokens=getattr(args, "default_max_tokens", 512),
@@ -247,6 +249,13 @@ def cmd_replica(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        import fairway.usage.metrics  # noqa: F401  (registers the metrics)
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+
     async def main() -> None:
         # SIGTERM (the supervisor, Kubernetes) or Ctrl-C drains: the replica leaves routing at
         # once, finishes what it can within --drain-grace and hands the rest on to other replicas
@@ -264,8 +273,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_replica(_server_options(args), settle=True, drain=drain,
-                              http=(args.metrics_host, args.metrics_port) if args.metrics_port else None)
+            await run_replica(_server_options(args), settle=True, drain=drain)
 
     asyncio.run(main())
     return 0
@@ -377,8 +385,14 @@ def cmd_keys(args: argparse.Namespace) -> int:
         await store.init()
         try:
             if args.keys_command == "create":
-                record, key = await keys.create_key(store, args.user, args.tier, args.name or "")
-                print(f"Created {record.id} for user {record.user_id!r} (tier {record.tier}). "
+                try:
+                    record, key = await keys.create_key(store, args.user, args.tier, args.name or "",
+                                                        region=args.region)
+                except ValueError as exc:
+                    print(f"fairway: {exc}", file=sys.stderr)
+                    return 2
+                served = f", served in region {record.region}" if record.region else ""
+                print(f"Created {record.id} for user {record.user_id!r} (tier {record.tier}{served}). "
                       "The key is shown this once:")
                 print(key, flush=True)
             elif args.keys_command == "revoke":
@@ -595,9 +609,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, seconds the replies in flight get to finish here before they are handed on")
     r.add_argument("--region", default=None, help="the region it serves, for requests that name one "
                    "(X-Fairway-Region; default: FAIRWAY_REGION, else 'local')")
+    r.add_argument("--health-port", type=int, default=0,
+                   help="GET /health and /ready here (0: a free port; the heartbeat announces it to routers)")
+    r.add_argument("--health-host", default="127.0.0.1", help="where /health listens (0.0.0.0 in a container)")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    r.add_argument("--metrics-port", type=int, default=None,
-                   help="serve the replica's /metrics, /ready, /live and POST /drain here")
+    r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
     r.add_argument("--metrics-host", default="127.0.0.1")
     _safety_args(r, ("output",))
     r.set_defaults(func=cmd_replica)
@@ -633,6 +649,8 @@ def build_parser() -> argparse.ArgumentParser:
     kc.add_argument("--user", required=True)
     kc.add_argument("--tier", default=Tier.FREE.value, choices=[tier.value for tier in Tier])
     kc.add_argument("--name", default="", help="a note to tell keys apart")
+    kc.add_argument("--region", default=None,
+                    help="serve this key's requests in this region unless they name one (X-Fairway-Region)")
     kc.add_argument("--database", default=None, help=database_help)
     kr = ksub.add_parser("revoke", help="revoke a key, given the key itself or its id (key_...)")
     kr.add_argument("key", metavar="KEY_OR_ID")

@@ -13,11 +13,11 @@ import httpx
 from serving import MODEL, sse_events
 
 
-def create_key(database: str, user: str, tier: str = "paid") -> str:
+def create_key(database: str, user: str, tier: str = "paid", *options: str) -> str:
     """A key for the user in the database, made as an operator makes one (`fairway keys create`
-    prints it last)."""
+    prints it last; options such as "--region", "eu" passed on)."""
     out = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", tier,
-                          "--database", database], check=True, capture_output=True, text=True, timeout=60)
+                          "--database", database, *options], check=True, capture_output=True, text=True, timeout=60)
     return out.stdout.strip().splitlines()[-1]
 
 
@@ -88,41 +88,67 @@ class Stream:
     """One streamed reply as its client saw it: each event's id and arrival (monotonic)."""
 
     prompt: str
-    max_tokens: int = 32
-    started: float = 0.0
     ids: list[int] = field(default_factory=list)
     text: str = ""
     times: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
-
-    @property
-    def longest_pause(self) -> float:
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
+    reply_id: str | None = None
+    conversation_id: str | None = None
+    reconnected: bool = False
+    max_tokens: int = 32
+    started: float = 0.0  # monotonic, when the request was sent
 
     @property
     def ttft(self) -> float | None:
         return self.times[0] - self.started if self.times else None
 
+    @property
+    def longest_pause(self) -> float:
+        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
 
-def stream(url: str, key: str, s: Stream) -> None:
-    """Stream the reply (greedy) into s; an error status or a broken connection is s.error."""
+
+def stream(url: str, key: str, s: Stream, fallback: str | None = None) -> None:
+    """One streamed reply. With a fallback gateway: when the connection breaks mid-reply, carry on
+    through that one from the last event id received (the SSE client's Last-Event-ID)."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": s.prompt}], "max_tokens": s.max_tokens,
             "temperature": 0, "stream": True}
+    auth = {"Authorization": f"Bearer {key}"}
     s.started = time.monotonic()
     try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180,
-                          headers={"Authorization": f"Bearer {key}"}) as response:
+        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180, headers=auth) as response:
             if response.status_code != 200:
                 s.error = f"{response.status_code}: {response.read()!r}"
                 return
-            for event in sse_events(response):
-                if event.data == "[DONE]":
-                    break
-                if event.id is not None:
-                    s.ids.append(event.id)
-                    s.times.append(time.monotonic())
-                s.text += event.content
-                s.finish_reason = event.finish_reason or s.finish_reason
+            if read_events(response, s):
+                return
+        s.error = "the stream ended without [DONE]"
     except httpx.HTTPError as exc:
         s.error = repr(exc)
+    if fallback is None or s.reply_id is None:
+        return
+    s.error, s.reconnected = None, True
+    try:
+        with httpx.stream("GET", f"{fallback}/v1/replies/{s.reply_id}/stream", timeout=180,
+                          headers={**auth, "Last-Event-ID": str(s.ids[-1] if s.ids else 0)}) as response:
+            if response.status_code != 200:
+                s.error = f"reconnect: {response.status_code}: {response.read()!r}"
+            elif not read_events(response, s):
+                s.error = "the resumed stream ended without [DONE]"
+    except httpx.HTTPError as exc:
+        s.error = f"reconnect: {exc!r}"
+
+
+def read_events(response: httpx.Response, s: Stream) -> bool:
+    """The stream's events into s; whether it reached [DONE]."""
+    for event in sse_events(response):
+        if event.data == "[DONE]":
+            return True
+        if event.id is not None:
+            s.ids.append(event.id)
+            s.times.append(time.monotonic())
+        s.reply_id = s.reply_id or event.data.get("id")
+        s.conversation_id = s.conversation_id or event.data.get("conversation_id")
+        s.text += event.content
+        s.finish_reason = event.finish_reason or s.finish_reason
+    return False

@@ -7,8 +7,10 @@ front of a live replica's queue; a drain finishes what it can and hands on the r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import shutil
 
+import httpx
 import pytest
 from backends import missing
 from processes import PrivateRedis
@@ -16,6 +18,7 @@ from processes import PrivateRedis
 from fairway.domain import Lane, ReplyState
 from fairway.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from fairway.relay import FinalEvent, TokenEvent, make_relay
+from fairway.replica.health import HealthServer
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.registry import InProcessRegistry, ReplicaInfo
 from fairway.replica.report import REPORTS_INBOX
@@ -170,6 +173,57 @@ async def test_a_gone_replicas_jobs_go_to_the_front_of_a_live_ones_queue_once():
         ("resumed", "queued", "b"), ("resumed", "running", "b")]
 
 
+async def test_a_late_replica_nobody_answers_for_is_failed_over_before_its_announcement_expires():
+    """Heartbeats late (two missed) and its health endpoint refuses connections: out now, its
+    jobs handed on, rather than after the registry's ttl. Late but answering (a slow machine),
+    or answering too slowly to tell: it stays until its announcement expires."""
+    relay = make_relay(None)
+    registry = InProcessRegistry(ttl_s=60)
+    health = HealthServer(lambda: True)
+    await health.start()
+    stalled = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)  # accepts, never answers
+    stalled_url = f"http://127.0.0.1:{stalled.sockets[0].getsockname()[1]}"
+    closed = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    closed_url = f"http://127.0.0.1:{closed.sockets[0].getsockname()[1]}"
+    closed.close()
+    await closed.wait_closed()  # nothing listens there now: a dead process's port
+    registry.ttl_s = 58.5  # announced as if 1.5 s ago: three heartbeats missed
+    for name, url in (("alive", health.url), ("stalled", stalled_url), ("dead", closed_url)):
+        await registry.announce(dataclasses.replace(info(name), health_url=url))
+    registry.ttl_s = 60
+    await registry.announce(dataclasses.replace(info("fresh"), health_url=closed_url))  # on time
+    for name in ("alive", "stalled", "dead", "fresh"):
+        await relay.jobs.submit(GenerationJob(f"reply-{name}", "m", [1]).to_dict(), Lane.FREE,
+                                queue=replica_queue(name))
+    try:
+        failover = Failover(registry, relay, Router(registry, cache_s=0))
+        assert await failover.sweep() == 1
+        assert sorted(r.id for r in await registry.live()) == ["alive", "fresh", "stalled"]
+        moved = [j.job["reply_id"] for q in ("alive", "fresh", "stalled")
+                 for j in await relay.jobs.unfinished(queue=replica_queue(q))]
+        assert sorted(moved) == ["reply-alive", "reply-dead", "reply-fresh", "reply-stalled"]
+        assert await relay.jobs.unfinished(queue=replica_queue("dead")) == []
+    finally:
+        await health.close()
+        stalled.close()
+
+
+async def test_the_health_endpoint_answers_ready_until_the_replica_drains():
+    draining = False
+    health = HealthServer(lambda: not draining)
+    await health.start()
+    try:
+        async with httpx.AsyncClient(base_url=health.url) as client:
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/ready")).status_code == 200
+            draining = True
+            assert (await client.get("/ready")).status_code == 503
+            assert (await client.get("/health")).status_code == 200
+            assert (await client.get("/nope")).status_code == 404
+    finally:
+        await health.close()
+
+
 async def test_a_takeover_waits_while_no_replica_serves_the_model():
     relay = make_relay(None)
     registry = InProcessRegistry(ttl_s=60)
@@ -283,5 +337,41 @@ async def test_a_drain_hands_on_what_it_cannot_finish_in_its_grace(real_model_fp
         assert events[-1].state == ReplyState.FINISHED
     finally:
         await b.stop()
+        for engine in engines:
+            engine.shutdown()
+
+
+async def test_a_replica_restarted_under_its_id_carries_on_what_its_last_run_left(real_model_fp32, real_tokenizer):
+    """Back before any failover took its queue over (a quick restart): the reply its last run
+    had claimed and not finished carries on in the new run, whole, from the next event id."""
+    prompt = real_tokenizer.encode(PROMPT)
+    params = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    whole, _ = run(fp32_engine(real_model_fp32, real_tokenizer), prompt, SamplingParams(**params))
+    relay, registry = make_relay(None), InProcessRegistry(ttl_s=60)
+    engines = [AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer)) for _ in range(2)]
+    first = ReplicaWorker(engines[0], relay, registry, ReplicaSettings(model="m", replica_id="a", drain_grace_s=0.05))
+    again = ReplicaWorker(engines[1], relay, registry, ReplicaSettings(model="m", replica_id="a"))
+    try:
+        await first.start()
+        await relay.launch("rep5", GenerationJob("rep5", "m", prompt, params).to_dict(), Lane.PAID,
+                           queue=first.queue)
+        for _ in range(3000):
+            if await relay.log.last_event_id("rep5") >= 3:
+                break
+            await asyncio.sleep(0.01)
+        await first.drain()  # leaves rep5 claimed, unfinished: as a process killed mid-reply does
+        assert [j.job["reply_id"] for j in await relay.jobs.unfinished(queue=first.queue)] == ["rep5"]
+        await again.start()
+        events = await events_of(relay, "rep5")
+        assert [e.n for e in events] == list(range(1, len(whole) + 2))
+        assert [t for e in events[:-1] for t in e.token_ids] == whole
+        assert events[-1].state == ReplyState.FINISHED
+        for _ in range(100):
+            if not await relay.jobs.unfinished(queue=again.queue):
+                break
+            await asyncio.sleep(0.05)
+        assert await relay.jobs.unfinished(queue=again.queue) == []
+    finally:
+        await again.stop()
         for engine in engines:
             engine.shutdown()

@@ -1,8 +1,11 @@
-"""Failover with real processes: two `fairway replica` processes (float32) and two `fairway
-gateway` processes on one Redis and one PostgreSQL. Streamed greedy replies through both
-gateways; the replica holding most of them is SIGKILLed (or SIGTERMed: a drain) mid-stream. Every
-reply completes, its event ids run 1..N with no gap or repeat, and its text is what the same
-request gives uninterrupted: the client sees a pause, nothing else."""
+"""Failover with real processes: two `fairway replica` processes (float32; one runs six replies
+at once, so the rest wait in its queue, the other sixteen) and one, then two, `fairway gateway` processes on one
+Redis and one PostgreSQL. Streamed greedy replies; the replica holding most of them is SIGKILLed
+(or SIGTERMed: a drain) mid-stream, with replies running and waiting in its queue. Every reply
+completes, its event ids run 1..N with no gap or repeat, and its text is what the same request
+gives uninterrupted: the client sees a pause, nothing else. A gateway SIGKILLed mid-stream: each
+client reconnects through the other with Last-Event-ID and gets the rest; the stored reply is
+whole."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import httpx
 import pytest
 import redis
 from backends import missing
@@ -22,15 +26,17 @@ from serving import free_port, wait_for, wait_ready
 
 MAX_TOKENS = 32
 STREAMS = 16
+INFLIGHT = 6  # replies the replica to kill runs at once: of 8 placed on it, 2 wait in its queue
 
 
 def prompt(i: int) -> str:
     return f"Tell me a short story about a lighthouse keeper named Kai number {i}."
 
 
-def run_streams(urls: list[str], key: str, during=None, count: int = STREAMS) -> list[Stream]:
-    streams = [Stream(prompt(i), MAX_TOKENS) for i in range(count)]
-    threads = [threading.Thread(target=stream, args=(urls[i % len(urls)], key, s), daemon=True)
+def run_streams(urls: list[str], key: str, during=None, count: int = STREAMS, fallback: str | None = None,
+                max_tokens: int = MAX_TOKENS) -> list[Stream]:
+    streams = [Stream(prompt(i), max_tokens=max_tokens) for i in range(count)]
+    threads = [threading.Thread(target=stream, args=(urls[i % len(urls)], key, s, fallback), daemon=True)
                for i, s in enumerate(streams)]
     for t in threads:
         t.start()
@@ -44,8 +50,9 @@ def run_streams(urls: list[str], key: str, during=None, count: int = STREAMS) ->
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory):
-    """Two float32 replicas and two gateways on a Redis of the module's own (which a test
-    restarts) and a fresh PostgreSQL database, and what every request gives uninterrupted."""
+    """Two float32 replicas and one gateway (a test starts the second: fleet.gateways(2)) on a
+    Redis of the module's own (which a test restarts) and a fresh PostgreSQL database, and what
+    every request gives uninterrupted."""
     if shutil.which("redis-server") is None:
         missing("Redis", "no redis-server on this machine")
     with temporary_database() as database:
@@ -58,21 +65,32 @@ def fleet(tmp_path_factory):
         shared = ["--redis", redis_server.url]
         fleet = SimpleNamespace(procs=procs, redis=redis_server, urls=[], reference={})
 
-        def start_replica(name: str) -> None:
+        def start_replica(name: str, inflight: int = STREAMS) -> None:
             procs.start(name, "replica", *shared, "--replica-id", name, "--dtype", "float32", "--max-model-len", "1024",
-                        "--max-inflight", "16", "--drain-grace", "2", "--log-level", "warning")
+                        "--max-inflight", str(inflight), "--drain-grace", "2", "--log-level", "warning")
 
         fleet.start_replica = start_replica
-        for name in ("r1", "r2"):
-            start_replica(name)
+        start_replica("r1", INFLIGHT)  # the one a test kills: its queue holds what it cannot run yet
+        start_replica("r2")  # takes over everything at once, so a pause is the failover's, not a queue's
         fleet.key = create_key(database, "failover-user")
-        for name in ("gateway-a", "gateway-b"):
-            port = free_port()
-            procs.start(name, "gateway", *shared, "--database", database, "--port", str(port), "--log-level", "warning")
-            fleet.urls.append(f"http://127.0.0.1:{port}")
-        try:
-            for url in fleet.urls:
+
+        def gateways(n: int) -> list[str]:
+            """The first n gateways' URLs, starting those not running (a killed one afresh)."""
+            for i in range(n):
+                name = f"gateway-{'ab'[i]}"
+                if name in procs.procs and procs.procs[name].poll() is None:
+                    continue
+                port = free_port()
+                procs.start(name, "gateway", *shared, "--database", database, "--port", str(port),
+                            "--log-level", "warning")
+                url = f"http://127.0.0.1:{port}"
+                fleet.urls[i:i + 1] = [url]
                 wait_ready(url, timeout=180)
+            return fleet.urls[:n]
+
+        fleet.gateways = gateways
+        try:
+            gateways(1)
             wait_for(lambda: len(live_replicas(fleet)) == 2, timeout=120)
             # What every request gives uninterrupted (both replicas up): the texts to compare with.
             began = time.monotonic()
@@ -101,12 +119,12 @@ def live_replicas(fleet) -> dict[str, dict]:
 
 
 def busiest_mid_stream(fleet, streams: list[Stream]) -> str:
-    """Once a quarter of the streams have their first tokens: the replica running most replies
-    (its others wait in its queue)."""
+    """Once a quarter of the streams have their first tokens: the replica holding more replies
+    than it runs at once (some wait in its queue), else the one holding most."""
     wait_for(lambda: sum(len(s.ids) >= 3 for s in streams) >= STREAMS // 4 or any(s.error for s in streams),
              timeout=180)
     replicas = live_replicas(fleet)
-    victim = max(replicas, key=lambda r: replicas[r]["load"])
+    victim = max(replicas, key=lambda r: (replicas[r]["load"] > replicas[r]["capacity"], replicas[r]["load"]))
     assert replicas[victim]["load"] >= 2, replicas
     return victim
 
@@ -134,18 +152,24 @@ def test_streams_carry_on_through_a_redis_restart(fleet):
     check_whole(fleet, streams)
 
 
-def test_a_replica_killed_mid_stream_loses_no_reply(fleet):
-    killed: list[str] = []
+@pytest.mark.parametrize("gateways", [1, 2], ids=["one-gateway", "two-gateways"])
+def test_a_replica_killed_mid_stream_loses_no_reply(fleet, gateways):
+    """Killed with replies running and more waiting in its queue (it runs INFLIGHT at once). With
+    two gateways both sweep for gone replicas; one takes each over."""
+    killed: list[tuple[str, dict]] = []
 
     def kill_the_busiest(streams: list[Stream]) -> None:
         victim = busiest_mid_stream(fleet, streams)
+        announced = live_replicas(fleet)[victim]
         fleet.procs.procs[victim].send_signal(signal.SIGKILL)
-        killed.append(victim)
+        killed.append((victim, announced))
 
-    streams = run_streams(fleet.urls, fleet.key, during=kill_the_busiest)
+    streams = run_streams(fleet.gateways(gateways), fleet.key, during=kill_the_busiest)
     check_whole(fleet, streams)  # (it prints the longest pause: the goal is <= 3 s on a quiet 2-core machine)
-    assert killed and killed[0] not in live_replicas(fleet)
-    fleet.start_replica("r3")  # two again, for the next test
+    victim, announced = killed[0]
+    assert announced["load"] > announced["capacity"] == INFLIGHT, announced  # some waited in its queue
+    assert victim not in live_replicas(fleet)
+    fleet.start_replica(f"r{3 + gateways}", INFLIGHT)  # two again, for the next test
     wait_for(lambda: len(live_replicas(fleet)) == 2, timeout=120)
 
 
@@ -166,3 +190,32 @@ def test_a_draining_replica_finishes_or_hands_on_every_reply(fleet):
     print(f"drain of {victim} took {took:.2f} s")
     assert fleet.procs.procs[victim].returncode == 0
     assert victim not in live_replicas(fleet)
+
+
+def test_a_gateway_killed_mid_stream_the_clients_carry_on_through_the_other(fleet):
+    """Gateway B SIGKILLed while 8 replies stream through it: each client reconnects through A
+    with Last-Event-ID and gets the rest (the replies themselves never stopped: they run on the
+    replicas). The replies B had started are stored whole (A's recorder takes over B's reports)."""
+    a, b = fleet.gateways(2)
+
+    cut: list[Stream] = []
+
+    def kill_gateway_b(streams: list[Stream]) -> None:
+        wait_for(lambda: all(len(s.ids) >= 3 for s in streams) or any(s.error for s in streams), timeout=180)
+        fleet.procs.procs["gateway-b"].send_signal(signal.SIGKILL)
+        cut.extend(s for s in streams if s.finish_reason is None)  # (a fast one may have ended already)
+
+    # Long replies (the output check releases a sentence at a time): most are mid-way at the kill.
+    streams = run_streams([b], fleet.key, during=kill_gateway_b, count=8, fallback=a, max_tokens=128)
+    for s in streams:
+        assert s.error is None and s.finish_reason in ("stop", "length"), (s, fleet.procs.tails())
+        assert s.ids == list(range(1, len(s.ids) + 1)), s.ids  # no gap, no repeat across the two gateways
+    assert len(cut) >= 4 and all(s.reconnected for s in cut), [(len(s.ids), s.reconnected) for s in streams]
+    for s in streams:
+        def stored(s=s):
+            body = httpx.get(f"{a}/v1/conversations/{s.conversation_id}",
+                             headers={"Authorization": f"Bearer {fleet.key}"}, timeout=10).json()
+            return next((m for m in body.get("messages", []) if m.get("reply_id") == s.reply_id
+                         and m.get("status") == "complete"), None)
+
+        assert wait_for(stored, timeout=60)["content"] == s.text

@@ -145,7 +145,7 @@ def measure_and_set_targets(url: str, key: str, manager: FleetManager) -> tuple[
     first-use reply's, which the replica's 30 s TTFT p99 still holds), a replica is said to serve
     two replies per idle reply time (it batches them). Then the bounds of the test: one to
     two replicas, short cool-down and idle time, a lead of about a replica's start-up."""
-    warm = [Stream(f"Say hello to visitor {i}.", 4) for i in range(3)]
+    warm = [Stream(f"Say hello to visitor {i}.", max_tokens=4) for i in range(3)]
     for s in warm:
         stream(url, key, s)
         assert s.error is None, s.error
@@ -167,7 +167,7 @@ def ramp_then_trickle(url: str, key: str, watch: Watch, rps: float) -> list[Stre
     threads: list[threading.Thread] = []
 
     def send(max_tokens: int) -> None:
-        s = Stream(f"Tell me about the harbour town number {len(streams)}.", max_tokens)
+        s = Stream(f"Tell me about the harbour town number {len(streams)}.", max_tokens=max_tokens)
         streams.append(s)
         threads.append(threading.Thread(target=stream, args=(url, key, s), daemon=True))
         threads[-1].start()

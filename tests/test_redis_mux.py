@@ -18,6 +18,8 @@ from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.redis_client import RedisMux, pack
+from fairway.relay.errors import RelayUnavailable
+from fairway.relay.redis_guard import guard
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -137,6 +139,27 @@ async def test_a_silent_server_times_out_every_waiting_command() -> None:
     assert loop.time() - started < 2.0
     await mux.close()
     server.close()
+
+
+async def test_a_redis_still_loading_its_data_is_a_connection_error_to_retry() -> None:
+    """After a restart Redis answers LOADING until its append-only file is read: callers see a
+    connection error (the relay's guard makes it RelayUnavailable, which replicas and gateways
+    retry), not a command error that ends the loop that made the call."""
+    async def loading(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while chunk := await reader.read(1 << 16):
+            writer.write(b"-LOADING Redis is loading the dataset in memory\r\n" * chunk.count(b"*"))
+
+    server = await asyncio.start_server(loading, "127.0.0.1", 0)
+    mux = RedisMux(f"redis://127.0.0.1:{server.sockets[0].getsockname()[1]}", socket_timeout_s=1.0)
+    try:
+        with pytest.raises(RedisConnectionError, match="LOADING"):
+            await asyncio.wait_for(mux.execute("PING"), 5)
+        with pytest.raises(RelayUnavailable):
+            with guard():
+                await asyncio.wait_for(mux.execute("PING"), 5)
+    finally:
+        await mux.close()
+        server.close()
 
 
 async def test_a_unix_socket_url_reaches_the_redis_listening_there(tmp_path) -> None:

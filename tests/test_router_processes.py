@@ -1,13 +1,16 @@
 """Routing across real processes: one `fairway gateway` and two `fairway replica` on Redis and
 PostgreSQL. A model no replica serves yet is a 503 with Retry-After; a burst of eight streamed
 replies spreads over both replicas (the replica ids the store recorded); a request naming a
-region is served there, or elsewhere with a header saying where."""
+region, or made with a key whose setting names one, is served there, or elsewhere with a header
+saying where."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import subprocess
+import sys
 import uuid
 
 import httpx
@@ -38,6 +41,8 @@ def fleet(tmp_path_factory):
         shared = ["--redis", REDIS_URL, "--namespace", namespace]
         try:
             KEY["key"] = create_key(database, "router-user", "paid")
+            KEY["us"] = create_key(database, "router-user", "paid", "--region", "us")
+            KEY["database"] = database
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             procs.start("gateway", "gateway", *shared, "--database", database, "--port", str(port),
@@ -126,3 +131,20 @@ def test_a_request_naming_a_region_is_served_there_or_says_where_it_was(fleet):
     bad = httpx.post(f"{url}/v1/chat/completions", headers={**auth(), "X-Fairway-Region": "eu west"}, timeout=30,
                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_region"
+
+
+def test_a_keys_region_serves_its_requests_unless_they_name_another(fleet):
+    url, ids, _ = fleet
+    us_key = {"Authorization": f"Bearer {KEY['us']}"}
+
+    async def run() -> list[tuple[httpx.Headers, list]]:
+        async with httpx.AsyncClient(timeout=180) as client:
+            return [await _stream(client, url, f"Key region {i}.", **us_key, **extra)
+                    for i, extra in enumerate([{}, {}, {"X-Fairway-Region": "eu"}])]
+
+    first, second, named = asyncio.run(run())
+    assert [_replica_of(url, h["x-reply-id"]) for h, _ in (first, second, named)] == [ids["us"], ids["us"], ids["eu"]]
+    assert all("x-fairway-region-fallback" not in h for h, _ in (first, second, named))
+    refused = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", "u", "--region",
+                              "eu west", "--database", KEY["database"]], capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "a region is 1 to 64 letters" in refused.stderr

@@ -103,6 +103,7 @@ class ApiKey:
     name: str = ""
     created_at: float = 0.0
     revoked_at: float | None = None
+    region: str | None = None  # where its requests are served unless they name a region (X-Fairway-Region)
 
     @property
     def revoked(self) -> bool:

@@ -86,6 +86,7 @@ api_keys = sa.Table(
     sa.Column("name", sa.Text, nullable=False),
     sa.Column("created_at", sa.Double, nullable=False),
     sa.Column("revoked_at", sa.Double, nullable=True),
+    sa.Column("region", sa.String(64), nullable=True),
     sa.UniqueConstraint("key_hash", name="uq_api_keys_hash"),
     sa.Index("ix_api_keys_user", "user_id"),
 )

@@ -1,7 +1,8 @@
 """LocalBackend: replicas as `fairway replica` processes on this machine (as `fairway up` starts
-them), each with its own /ready port. A drain is a SIGTERM (the replica's graceful drain); a
-replica SIGTERMed by anyone else (a spot reclaim's notice, an operator) shows as draining on its
-/ready and no longer counts, so the policy replaces it first."""
+them), each with its health endpoint on a port of its own (fairway/replica/health.py: nothing
+listens while the model loads, /ready 200 while it serves, 503 once it drains). A drain is a
+SIGTERM (the replica's graceful drain); a replica SIGTERMed by anyone else (a spot reclaim's
+notice, an operator) answers 503 and no longer counts, so the policy replaces it first."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ class _Replica:
     port: int
     proc: subprocess.Popen
     ready: bool = False
-    reclaimed: bool = False  # its /ready said draining, and not because we drained it
+    reclaimed: bool = False  # its /ready said draining (503), and not because we drained it
 
 
 @dataclass
@@ -55,7 +56,7 @@ class LocalBackend(Backend):
             port = _free_port(self.host)
             log = open(self.log_dir / f"{replica_id}.log", "ab") if self.log_dir else None  # noqa: SIM115
             proc = fairway_process("replica", "--redis", self.redis, "--namespace", self.namespace, "--replica-id",
-                                   replica_id, "--metrics-host", self.host, "--metrics-port", str(port),
+                                   replica_id, "--health-host", self.host, "--health-port", str(port),
                                    *self.replica_args, log=log)
             if log is not None:
                 log.close()  # the child has its own descriptor
@@ -96,12 +97,12 @@ class LocalBackend(Backend):
 
     async def _probe(self, replica: _Replica) -> None:
         try:
-            answer = (await self._http.get(f"http://{self.host}:{replica.port}/ready")).json()
-        except (httpx.HTTPError, ValueError):
-            replica.ready = False  # still loading, or too busy to answer: counted, not ready
+            status = (await self._http.get(f"http://{self.host}:{replica.port}/ready")).status_code
+        except httpx.HTTPError:
+            replica.ready = False  # still loading (nothing listens yet), or too busy: counted, not ready
             return
-        replica.ready = bool(answer.get("ready"))
-        replica.reclaimed = replica.reclaimed or bool(answer.get("draining"))
+        replica.ready = status == 200
+        replica.reclaimed = replica.reclaimed or status == 503  # up, and draining: not by us
 
 
 def _free_port(host: str) -> int:

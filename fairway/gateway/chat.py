@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import re
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -66,6 +65,7 @@ from fairway.limits import (
     rate_limit_headers,
 )
 from fairway.relay import FinalEvent, RelayUnavailable
+from fairway.replica.registry import REGION
 from fairway.router import RETRY_AFTER_S, NoReplica
 from fairway.usage import metrics
 from fairway.usage.accounting import reservation_meta
@@ -76,7 +76,6 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no pro
 # Body fields that do not change what is generated: a resend may differ in them.
 NOT_FINGERPRINTED = ("stream", "stream_options", "last_received_token_index")
 CLAIM_ATTEMPTS = 3
-REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 
 class Edge:
@@ -242,7 +241,7 @@ async def chat_completions(request: Request) -> Any:
         admit=edge.admit_tokens,
         file_ids=await _attached_files(gw, principal.user_id, body),
         tools=tool_set(body),
-        region=_region(request),
+        region=_region(request) or principal.region,
     )
     after = body.last_received_token_index or 0
     if turn_request.resume_only and not turn_request.client_key:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from fairway.conversation import ApiKey, ConversationStore, DuplicateKey
 from fairway.conversation.entities import new_id, now
 from fairway.limits import Tier
+from fairway.replica.registry import REGION
 
 KEY_PREFIX = "sk-fw-"
 KEY_PATTERN = re.compile(r"sk-[A-Za-z0-9_-]{8,200}")
@@ -56,15 +57,18 @@ def looks_like_key(text: str) -> bool:
 
 
 async def create_key(store: ConversationStore, user_id: str, tier: str, name: str = "",
-                     key: str | None = None) -> tuple[ApiKey, str]:
-    """A new key for the user (random unless `key` is given); returns the record and the key,
-    which is shown this once and never stored."""
+                     key: str | None = None, region: str | None = None) -> tuple[ApiKey, str]:
+    """A new key for the user (random unless `key` is given), served in `region` unless a
+    request names another; returns the record and the key, which is shown this once and never
+    stored."""
     check_tier(tier)
     if not user_id or len(user_id) > 128:
         raise ValueError("a user id is 1 to 128 characters")
+    if region is not None and not REGION.fullmatch(region):
+        raise ValueError("a region is 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit")
     key = key or generate_key()
     check_format(key)
-    record = ApiKey(new_id("key"), user_id, tier, hash_key(key), redact(key)[:16], name, now())
+    record = ApiKey(new_id("key"), user_id, tier, hash_key(key), redact(key)[:16], name, now(), region=region)
     return await store.add_api_key(record), key
 
 
@@ -94,6 +98,7 @@ class Principal:
     user_id: str
     tier: str
     key_id: str
+    region: str | None = None  # the key's region setting: requests that name none are served there
 
 
 class InvalidKey(Exception):
@@ -128,7 +133,7 @@ class KeyChecker:
             self._cache.pop(digest, None)
             why = "has been revoked" if record is not None else "is not valid"
             raise InvalidKey(f"Incorrect API key provided: {redact(key)} {why}.")
-        principal = Principal(record.user_id, record.tier, record.id)
+        principal = Principal(record.user_id, record.tier, record.id, record.region)
         if len(self._cache) >= self.max_cached:
             self._cache.clear()  # crude, bounded; the next requests refill it
         self._cache[digest] = (clock + self.cache_s, principal)

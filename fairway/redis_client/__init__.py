@@ -35,6 +35,12 @@ Mux = RedisMux | ClusterMux
 SCHEMES = ("redis://", "rediss://", "unix://")
 
 
+def field_pairs(flat: Sequence[Any]) -> dict[Any, Any]:
+    """A reply of field-value pairs as Redis sends them (f1, v1, f2, v2 ...: a stream entry's
+    fields, XINFO's records) as a dict."""
+    return dict(zip(flat[::2], flat[1::2], strict=True))
+
+
 def is_redis_url(url: str | None) -> bool:
     return bool(url) and url.startswith(SCHEMES)  # type: ignore[union-attr]
 
@@ -164,4 +170,5 @@ class RedisClient:
 
 
 __all__ = ["ClusterMux", "Command", "RawConnection", "RedisClient", "RedisMux", "Script", "command_key",
+           "field_pairs",
            "is_redis_url", "pack", "pack_call", "redis_py", "run_packed_scripts", "run_scripts"]

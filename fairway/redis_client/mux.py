@@ -27,8 +27,8 @@ from typing import Any
 
 import hiredis
 from redis.asyncio.connection import SSLConnection, parse_url
+from redis.exceptions import BusyLoadingError, NoScriptError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import NoScriptError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 Command = Sequence[Any]
@@ -41,6 +41,16 @@ class _Reply(ResponseError):
 def _error(reply: _Reply) -> ResponseError:
     message = str(reply)
     return NoScriptError(message) if message.startswith("NOSCRIPT") else ResponseError(message)
+
+
+def _loading(replies: list[Any]) -> ResponseError | None:
+    """The LOADING error among the replies, if any: a Redis still reading its data after a restart
+    ran none of the commands, and will shortly (a connection error to the caller, as redis-py
+    has it, so that it retries)."""
+    for reply in replies:
+        if isinstance(reply, ResponseError) and str(reply).startswith("LOADING"):
+            return reply
+    return None
 
 
 def _plain(reply: Any) -> Any:
@@ -170,7 +180,10 @@ class RedisMux:
         data = b"".join(packed)
         for attempt in range(self._retries + 1):
             try:
-                return [_plain(reply) for reply in await self._send(data, len(packed))]
+                replies = [_plain(reply) for reply in await self._send(data, len(packed))]
+                if (loading := _loading(replies)) is not None:
+                    raise BusyLoadingError(str(loading))
+                return replies
             except RedisConnectionError:
                 if attempt == self._retries:
                     raise

@@ -10,23 +10,18 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
-from fairway.redis_client import RedisClient
+from fairway.redis_client import RedisClient, field_pairs
 from fairway.relay.inbox import Delivery, Inbox
 from fairway.relay.redis_guard import guard
 
 _GROUP = "consumers"  # an inbox's one consumer group
 
 
-def _pairs(flat: list[str]) -> dict[str, str]:
-    """A stream entry's fields as Redis sends them (f1, v1, f2, v2 ...)."""
-    return dict(zip(flat[::2], flat[1::2], strict=True))
-
-
 def _delivery(entry_id: str, flat: list[str], attempts: int) -> Delivery:
     """An inbox stream entry as a Delivery; an entry that is not one of ours carries {} (its
     consumer refuses it, and acknowledges it so it does not come back)."""
     try:
-        item = json.loads(_pairs(flat)["j"])
+        item = json.loads(field_pairs(flat)["j"])
     except (KeyError, ValueError):
         item = {}
     return Delivery(entry_id, item if isinstance(item, dict) else {}, attempts)
@@ -115,7 +110,7 @@ class RedisInbox(Inbox):
         if loop.time() < self._forget_consumers_at.get(key, 0.0):
             return
         self._forget_consumers_at[key] = loop.time() + 60.0
-        consumers = [_pairs(c) for c in await self._client.execute("XINFO", "CONSUMERS", key, _GROUP)]
+        consumers = [field_pairs(c) for c in await self._client.execute("XINFO", "CONSUMERS", key, _GROUP)]
         gone_ms = self._consumer_gone_s * 1000
         gone = [c["name"] for c in consumers if int(c["pending"]) == 0 and int(c["idle"]) > gone_ms]
         if gone:

@@ -20,7 +20,7 @@ from typing import Any
 from redis.exceptions import ResponseError
 
 from fairway.domain import LANE_ORDER, Lane
-from fairway.redis_client import Command, RedisClient, Script
+from fairway.redis_client import Command, RedisClient, Script, field_pairs
 from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue, decode_job, encode_job
 from fairway.relay.redis_guard import guard
 
@@ -152,6 +152,6 @@ def _claimed(keys: list[str], index: int, entry: list[Any]) -> ClaimedJob:
     entry_id, fields = entry[0], entry[1]
     lane, receipt = _STREAMS[index][0], f"{index}:{entry_id}"
     try:
-        return decode_job(dict(zip(fields[::2], fields[1::2], strict=True))["j"], lane, receipt)
+        return decode_job(field_pairs(fields)["j"], lane, receipt)
     except (KeyError, ValueError, TypeError):
         return ClaimedJob("", lane, {}, receipt)

@@ -30,7 +30,7 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from fairway.redis_client import Command, RedisClient, Script, pack, pack_call
+from fairway.redis_client import Command, RedisClient, Script, field_pairs, pack, pack_call
 from fairway.redis_client.scripts import pack_call_bytes
 from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields
@@ -132,11 +132,6 @@ def _script_error(exc: ResponseError, reply_id: str, n: int) -> Exception:
     if code == "FAIRWAY_ORDER":
         return EventOutOfOrder(reply_id, n, int(last))
     return exc
-
-
-def _pairs(flat: list[str]) -> dict[str, str]:
-    """A stream entry's fields as Redis sends them (f1, v1, f2, v2 ...)."""
-    return dict(zip(flat[::2], flat[1::2], strict=True))
 
 
 def _n_of(entry_id: str) -> int:
@@ -323,9 +318,9 @@ class RedisTokenLog(TokenLog):
         if not top:
             raise ReplyNotFound(reply_id)
         top_id, top_flat = top[0]
-        finished = _pairs(top_flat).get("k") == "f"
+        finished = field_pairs(top_flat).get("k") == "f"
         check_after(reply_id, after, _n_of(top_id), finished)
-        return _events([(entry_id, _pairs(flat)) for entry_id, flat in entries]), finished
+        return _events([(entry_id, field_pairs(flat)) for entry_id, flat in entries]), finished
 
     async def read(self, reply_id: str, after: int = 0) -> list[Event]:
         events, _ = await self._snapshot(reply_id, after)
@@ -495,6 +490,6 @@ class RedisTokenLog(TokenLog):
                     None)
             for entry_id, flat in result[0][1] if result else []:
                 cursor = entry_id
-                fields = _pairs(flat)
+                fields = field_pairs(flat)
                 if fields.get("op") == "stop":
                     yield fields["reply"]

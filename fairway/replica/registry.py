@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, fields
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TTL_S = 2.0  # four missed heartbeats (0.5 s apart) and the replica is out
 DEFAULT_REGION = "local"
+REGION = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a region's name: replicas', requests', keys'
 # Never announced: what the registry that read an announcement knows about it.
 _LOCAL_FIELDS = ("expires_at",)
 
@@ -61,6 +63,7 @@ class ReplicaInfo:
     block_size: int = BLOCK_SIZE  # tokens per KV block: how the router hashes a prompt for this replica
     prefix: PrefixSummary | None = None  # the blocks it most recently used (prefix_summary.py)
     measured_at: float = field(default_factory=time.time)  # wall clock when the load above was taken
+    health_url: str = ""  # its health endpoint (replica/health.py); "": none to probe
     # Local monotonic time the announcement expires, set by the registry that read it.
     expires_at: float = float("inf")
 

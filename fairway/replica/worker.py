@@ -60,6 +60,7 @@ from fairway.relay import (
     TokenLog,
     ToolEvent,
 )
+from fairway.replica.health import HealthServer
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
 from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
@@ -97,6 +98,9 @@ class ReplicaSettings:
     max_sentence_chars: int = 300
     sandbox_limits: SandboxLimits = field(default_factory=SandboxLimits)  # each execute_code run's
     drain_grace_s: float = 30.0  # SIGTERM: how long the replies in flight get to finish here
+    # The health endpoint (replica/health.py): port 0 takes a free one, None serves none.
+    health_host: str = "127.0.0.1"
+    health_port: int | None = None
 
 
 class _Appender:
@@ -225,18 +229,22 @@ class ReplicaWorker:
         self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
         self._recent_ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (monotonic, TTFT): its p99
         self._queued = 0  # its queue's depth at the last heartbeat
+        self._drain_task: asyncio.Task | None = None  # a drain POST /drain started
         self._claimed = 0  # new jobs claimed since start (the heartbeat's arrivals, with the queue's depth)
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
+        self._health = None if settings.health_port is None else \
+            HealthServer(lambda: not self.draining, settings.health_host, settings.health_port, self.request_drain)
         engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
     def id(self) -> str:
         return self.settings.replica_id
 
-    @property
-    def ready(self) -> bool:
-        """Announced and claiming: what /ready says (fairway/replica/http.py)."""
-        return bool(self._loops) and not self.draining
+    def request_drain(self) -> None:
+        """Drain as SIGTERM does, from the health endpoint's POST /drain (Kubernetes' preStop);
+        run() returns once drained."""
+        if not self.draining and self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain())  # (a strong reference)
 
     def info(self, queued: dict[Lane, int] | None = None) -> ReplicaInfo:
         """The announcement: queued is its queue's depth per lane (waiting, with what it claimed
@@ -271,6 +279,7 @@ class ReplicaWorker:
             arrived=self._claimed + self._queued,
             block_size=engine.kv.block_size,
             prefix=self._prefix_summary(),
+            health_url=self._health.url if self._health is not None and self._health.port else "",
         )
 
     def _recent_p99(self) -> float | None:
@@ -297,9 +306,12 @@ class ReplicaWorker:
         if self.draining:
             return
         self.engine.start()
+        if self._health is not None:
+            await self._health.start()
         await self._check_sandbox()
         metrics.ENGINES.track(self.id, self.settings.model, self.engine)
         await self.registry.announce(self.info())
+        await self._resume_own()
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
             self._loops.append(asyncio.create_task(loop(), name=f"{self.id}:{loop.__name__}"))
 
@@ -354,6 +366,28 @@ class ReplicaWorker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await loop
         self._loops.clear()
+        if self._health is not None:
+            await self._health.close()
+
+    async def _resume_own(self) -> None:
+        """Restarted under the same id before a failover took its queue over: the jobs its last
+        run claimed and did not finish (still pending in its queue) carry on here, each as a
+        continuation after what its log holds, as a failover would have handed them on."""
+        try:
+            every = await self.relay.jobs.unfinished(queue=self.queue)
+            waiting = {c.id for c in await self.relay.jobs.unfinished(queue=self.queue, waiting_only=True)}
+        except RelayError:
+            log.warning("could not look for jobs a previous run left; a failover hands them on", exc_info=True)
+            return
+        left = [c for c in every if c.id not in waiting]
+        for claimed in left:
+            job = {**claimed.job, "attempt": int(claimed.job.get("attempt", 0)) + 1}
+            await self._capacity.acquire()
+            task = asyncio.create_task(self._serve_claimed(dataclasses.replace(claimed, job=job)))
+            self._tasks.add(task)
+            task.add_done_callback(self._done)
+        if left:
+            log.info("replica %s: carrying on %d replies its previous run left", self.id, len(left))
 
     # -- loops -------------------------------------------------------------------------------
 
@@ -369,7 +403,7 @@ class ReplicaWorker:
                 if self.draining and me is not None and not me.cancelling():
                     return  # drain() stopped the claims, not a cancel of this loop
                 raise
-            except RelayError:  # Redis away for a moment: claim again shortly
+            except Exception:  # Redis away for a moment (or a reply it did not expect): claim again shortly
                 self._capacity.release()
                 log.warning("claiming jobs failed; retrying", exc_info=True)
                 await asyncio.sleep(0.5)
@@ -775,35 +809,38 @@ class _Tried(Generic[T]):
     retried: bool  # an earlier try failed with an outage: its writes may have happened
 
 
-async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
-    """call(), again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
-    for attempt, delay in enumerate((*LOG_RETRY_DELAYS_S, None)):
+async def _retrying(call: Callable[[], Awaitable[T]], what: str, delays: Sequence[float],
+                   errors: type[Exception] | tuple[type[Exception], ...]) -> _Tried[T]:
+    """call(), again after each of delays while it raises one of errors (Redis away for a
+    moment); the last error is raised."""
+    for attempt, delay in enumerate((*delays, None)):
         try:
             return _Tried(await call(), attempt > 0)
-        except RelayUnavailable:
+        except errors:
             if delay is None:
                 raise
-            log.warning("token log unreachable (%s); retrying in %.2f s", what, delay)
+            log.warning("%s failed (Redis unreachable?); retrying in %.2f s", what, delay)
             await asyncio.sleep(delay)
     raise AssertionError("unreachable")
+
+
+async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
+    """A token log write, again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
+    return await _retrying(call, f"token log: {what}", LOG_RETRY_DELAYS_S, RelayUnavailable)
 
 
 async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:
     """Post a report to the recorders, retrying after each delay while the inbox is unreachable:
     for a reply nobody watched, a "finished" report is the only record of its text and usage.
     False if it never got through."""
-    for attempt, delay in enumerate((*delays, None)):
-        try:
-            await inbox.post(REPORTS_INBOX, report.to_dict())
-            return True
-        except RelayError:
-            if delay is None:
-                log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
-                              attempt + 1)
-                return False
-            log.warning("reply %s: could not report %s; retrying in %.1f s", report.reply_id, report.kind, delay)
-            await asyncio.sleep(delay)
-    return False
+    try:
+        await _retrying(lambda: inbox.post(REPORTS_INBOX, report.to_dict()),
+                        f"reply {report.reply_id}: report {report.kind}", delays, RelayError)
+        return True
+    except RelayError:
+        log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
+                      len(delays) + 1)
+        return False
 
 
 def _p99(values: Sequence[float]) -> float | None:

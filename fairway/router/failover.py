@@ -13,8 +13,12 @@ the client's stream pauses, and goes on with the next event id.
 A draining replica (alive, placing nothing more) has only its waiting jobs moved: the ones it
 runs end there or are left for the takeover once it has withdrawn.
 
-What the user sees: a pause of about the registry's ttl plus one sweep plus the new replica's
-prefill of the context and what was said, then the reply continues; no error, no repeated or
+A replica is gone when its announcement expires (the registry's ttl, 2 s), or sooner when its
+heartbeats are late (suspect_after_s) and the health probe finds nothing listening at its
+endpoint (router/probe.py): the failover withdraws it from the registry for every gateway then.
+
+What the user sees: a pause of about suspect_after_s (the ttl when the probe cannot decide) plus
+one sweep plus the new replica's prefill of the context and what was said, then the reply continues; no error, no repeated or
 missing text. While no replica of the model is live the jobs stay where they are (the reply
 waits) and the next sweep tries again.
 """
@@ -23,13 +27,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from dataclasses import dataclass
 
 from fairway.relay import ClaimedJob, Relay, RelayError
 from fairway.replica.job import GenerationJob, replica_queue
-from fairway.replica.registry import ReplicaRegistry
+from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
+from fairway.router.probe import is_dead
 from fairway.router.router import NoReplica, Router
 
 log = logging.getLogger(__name__)
@@ -39,6 +45,7 @@ log = logging.getLogger(__name__)
 class FailoverSettings:
     poll_s: float = 0.5  # how often the registry is looked at
     takeover_ttl_s: float = 30.0  # a takeover claim's life: another gateway may retry after it
+    suspect_after_s: float = 1.0  # an announcement this old (two missed heartbeats) gets probed
 
 
 class Failover:
@@ -66,6 +73,8 @@ class Failover:
         number of jobs moved."""
         moved = 0
         live = await self.router.live(refresh=True)
+        if await self._probe_late(live):
+            live = await self.router.live(refresh=True)
         for info in live:
             if info.draining:
                 moved += await self._move(info.id, waiting_only=True)
@@ -78,6 +87,18 @@ class Failover:
                 await self.relay.jobs.delete(queue=replica_queue(replica_id))
                 await self.registry.forget(replica_id)
         return moved
+
+    async def _probe_late(self, live: list[ReplicaInfo]) -> bool:
+        """Withdraw the replicas whose heartbeats are late and whose health endpoint nobody
+        listens at any more; whether there were any."""
+        now = time.monotonic()
+        late = [r for r in live if self.registry.ttl_s - (r.expires_at - now) > self.settings.suspect_after_s]
+        dead = [r for r, gone in zip(late, await asyncio.gather(*(is_dead(r) for r in late)), strict=True) if gone]
+        for info in dead:
+            log.warning("replica %s: heartbeats late and nothing listens at %s; failing it over",
+                        info.id, info.health_url)
+            await self.registry.withdraw(info.id)
+        return bool(dead)
 
     async def _take_over(self, replica_id: str) -> tuple[int, bool]:
         """(jobs moved, whether the queue is empty now)."""
