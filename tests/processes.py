@@ -49,15 +49,18 @@ class Processes:
 
 class PrivateRedis:
     """A Redis of one test's own (append-only file on, fsync always), which it may stop and
-    restart: a restart loses nothing, as on a production Redis with AOF."""
+    restart: a restart loses nothing, as on a production Redis with AOF. durable=False: no
+    append-only file, for a test that never restarts it (fsync on every write stalls Redis for
+    seconds on a busy disk, and heartbeats expire)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, durable: bool = True) -> None:
         from serving import free_port
 
         self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--appendonly", "yes",
-                      "--appendfsync", "always", "--save", "", "--dir", str(folder)]
+        persistence = ["--appendonly", "yes", "--appendfsync", "always"] if durable else ["--appendonly", "no"]
+        self._args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", *persistence,
+                      "--save", "", "--dir", str(folder)]
         self._proc: subprocess.Popen | None = None
 
     def start(self) -> None:

@@ -91,7 +91,7 @@ def test_the_fleet_adds_a_replica_ahead_of_a_ramp_and_drains_one_losing_nothing(
     with temporary_database() as database:
         if database is None:
             missing("PostgreSQL", "no test server answers")
-        redis_server = PrivateRedis(tmp_path)
+        redis_server = PrivateRedis(tmp_path, durable=False)
         redis_server.start()
         procs = Processes(tmp_path)
         backend = LocalBackend(redis_server.url, replica_args=REPLICA_ARGS, log_dir=tmp_path)
