@@ -1,4 +1,4 @@
-"""`fairway serve | gateway | replica | sandbox | keys | generate | chat`: the command line."""
+"""`fairway serve | gateway | replica | up | fleet | sandbox | keys | generate | chat`: the command line."""
 
 from __future__ import annotations
 
@@ -333,6 +333,64 @@ def cmd_up(args: argparse.Namespace) -> int:
                         args.namespace, args.replica_arg, args.gateway_arg))
 
 
+def cmd_fleet(args: argparse.Namespace) -> int:
+    from fairway.fleet import (
+        FleetConfigError,
+        FleetManager,
+        HoltForecaster,
+        ScalingBounds,
+        ScalingPolicy,
+        ScalingTarget,
+    )
+    from fairway.replica.registry import make_registry
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # (the local backend's /ready probes, twice a second)
+    try:  # every bound checked before anything starts
+        policy = ScalingPolicy(ScalingBounds(args.min_replicas, args.max_replicas, args.step, args.cooldown, args.idle),
+                               ScalingTarget(args.replica_rps, args.ttft_target, args.headroom, args.lead,
+                                             args.queue_per_replica))
+        forecaster = HoltForecaster(args.alpha, args.beta)
+        if args.interval <= 0:
+            raise FleetConfigError(f"--interval must be above 0 s, got {args.interval}")
+    except (FleetConfigError, ValueError) as exc:
+        print(f"fairway fleet: {exc}", file=sys.stderr)
+        return 2
+    if args.metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, addr=args.metrics_host)
+
+    async def main() -> None:
+        backend = _fleet_backend(args)
+        registry = make_registry(args.redis, prefix=args.namespace)
+        manager = FleetManager(backend, registry, policy, forecaster, args.interval)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await manager.run(stop)
+        finally:
+            await backend.close()
+            await registry.close()
+            if args.backend == "local":  # its replicas are this process's children: they drain with it
+                await asyncio.to_thread(backend.stop)
+
+    asyncio.run(main())
+    return 0
+
+
+def _fleet_backend(args: argparse.Namespace):
+    if args.backend == "kubernetes":
+        from fairway.fleet.k8s import KubernetesBackend, api_client
+
+        return KubernetesBackend(args.deployment, args.k8s_namespace, api_client(args.kubeconfig))
+    from fairway.fleet.local import LocalBackend
+
+    return LocalBackend(args.redis, args.namespace, args.replica_arg, Path(args.log_dir) if args.log_dir else None)
+
+
 def cmd_keys(args: argparse.Namespace) -> int:
     from fairway.conversation import make_store
     from fairway.gateway import keys
@@ -478,6 +536,48 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window (tokens)")
 
 
+def _fleet_args(sub) -> None:
+    from fairway.up import DEFAULT_REDIS
+
+    f = sub.add_parser("fleet", help="the fleet manager: forecasts arrivals, adds replicas ahead of them, drains "
+                       "idle ones (local processes or a Kubernetes Deployment)")
+    f.add_argument("--backend", default="local", choices=["local", "kubernetes"])
+    f.add_argument("--redis", default=os.environ.get("FAIRWAY_REDIS_URL", DEFAULT_REDIS),
+                   help="the replica registry's Redis (the replicas' heartbeats)")
+    f.add_argument("--namespace", default="fairway:", help="Redis key prefix")
+    g = f.add_argument_group("scaling bounds")
+    g.add_argument("--min-replicas", type=int, default=1, help="never fewer (at least 1: never scales to zero)")
+    g.add_argument("--max-replicas", type=int, default=8)
+    g.add_argument("--step", type=int, default=1, help="replicas added by one decision at most")
+    g.add_argument("--cooldown", type=float, default=30.0, metavar="S", help="seconds between two scaling actions")
+    g.add_argument("--idle", type=float, default=120.0, metavar="S",
+                   help="seconds the forecast must fit in one replica fewer before one drains")
+    g = f.add_argument_group("what a replica serves")
+    g.add_argument("--replica-rps", type=float, default=1.0, metavar="R",
+                   help="replies per second one replica serves within the TTFT target (measure it: bench/)")
+    g.add_argument("--ttft-target", type=float, default=2.0, metavar="S", help="the TTFT p99 to keep")
+    g.add_argument("--headroom", type=float, default=0.8, help="plan each replica at this share of --replica-rps")
+    g.add_argument("--lead", type=float, default=60.0, metavar="S",
+                   help="forecast this far ahead: about a replica's start-up time")
+    g.add_argument("--queue-per-replica", type=float, default=8.0, metavar="N",
+                   help="waiting replies per replica that add one whatever the forecast")
+    g.add_argument("--alpha", type=float, default=0.3, help="the forecast's level smoothing (Holt), in (0, 1]")
+    g.add_argument("--beta", type=float, default=0.1, help="the forecast's trend smoothing (Holt), in (0, 1]")
+    g.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between two looks")
+    g = f.add_argument_group("local backend")
+    g.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
+                   help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
+    g.add_argument("--log-dir", default=None, help="each replica's output to ID.log here (default: this one's)")
+    g = f.add_argument_group("kubernetes backend")
+    g.add_argument("--deployment", default="fairway-replica", help="the replica Deployment to scale")
+    g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    g.add_argument("--kubeconfig", default=None, help="default: in-cluster credentials, else KUBECONFIG")
+    f.add_argument("--metrics-port", type=int, default=None, help="serve the fleet's Prometheus /metrics here")
+    f.add_argument("--metrics-host", default="127.0.0.1")
+    f.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    f.set_defaults(func=cmd_fleet)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fairway", description="Fairway LLM serving stack")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -578,6 +678,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
     u.add_argument("--gateway-arg", action="append", default=[], metavar="ARG", help="passed on to every gateway")
     u.set_defaults(func=cmd_up)
+
+    _fleet_args(sub)
 
     k = sub.add_parser("keys", help="API keys: create, revoke, list (in the conversation store's database)")
     ksub = k.add_subparsers(dest="keys_command", required=True)

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import IO
 
 import httpx
 
@@ -114,9 +115,9 @@ class Deployment:
         shared = ["--redis", o.redis, "--namespace", o.namespace]
         run = uuid.uuid4().hex[:6]
         for i in range(o.replicas):
-            self.replicas.append(_fairway("replica", *shared, "--replica-id", f"local-{run}-{i}", *o.replica_args))
+            self.replicas.append(fairway_process("replica", *shared, "--replica-id", f"local-{run}-{i}", *o.replica_args))
         for _ in range(o.gateways):
-            self.gateways.append(_fairway("gateway", *shared, "--database", o.database, "--host", o.host, "--port",
+            self.gateways.append(fairway_process("gateway", *shared, "--database", o.database, "--host", o.host, "--port",
                                           str(o.port), "--reuse-port", *o.gateway_args))
 
     def wait_ready(self, stopped: Callable[[], bool], timeout_s: float = 300.0) -> bool:
@@ -145,25 +146,26 @@ class Deployment:
         """Drain the replicas (SIGTERM), stop the gateways once the replicas are done (they
         carry the streams of replies handed on meanwhile), and wait for every process."""
         for proc in self.replicas:
-            _signal(proc, signal.SIGTERM)
-        _wait(self.replicas, grace_s)
+            send_signal(proc, signal.SIGTERM)
+        wait_all(self.replicas, grace_s)
         for proc in self.gateways:
-            _signal(proc, signal.SIGTERM)
-        _wait(self.gateways, 15.0)
+            send_signal(proc, signal.SIGTERM)
+        wait_all(self.gateways, 15.0)
 
 
-def _fairway(command: str, *args: str) -> subprocess.Popen:
+def fairway_process(command: str, *args: str, log: IO[bytes] | None = None) -> subprocess.Popen:
+    """`fairway COMMAND ARGS` as a child process, its output to log (default: ours)."""
     # Children ignore the terminal's Ctrl-C (their own process group): `up` stops them in order.
     return subprocess.Popen([sys.executable, "-m", "fairway.cli", command, *args], start_new_session=True,
-                            env=os.environ.copy())
+                            env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT if log else None)
 
 
-def _signal(proc: subprocess.Popen, sig: int) -> None:
+def send_signal(proc: subprocess.Popen, sig: int) -> None:
     if proc.poll() is None:
         proc.send_signal(sig)
 
 
-def _wait(procs: list[subprocess.Popen], timeout_s: float) -> None:
+def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for proc in procs:
         try:

@@ -290,6 +290,20 @@ async def test_a_reply_carries_on_through_a_redis_restart(private_redis, real_mo
     assert "".join(e.text for e in events[:-1]) == whole_text
 
 
+async def test_a_replica_drained_before_it_started_never_starts(real_model_fp32, real_tokenizer):
+    """SIGTERM while the model loads (a fleet scaling down, a spot reclaim): `fairway replica`
+    drains, then starts the worker; it must end at once, not run without claiming for ever."""
+    relay, registry = make_relay(None), InProcessRegistry()
+    engine = AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer))
+    worker = ReplicaWorker(engine, relay, registry, ReplicaSettings(model="m", replica_id="early"))
+    try:
+        await worker.drain()
+        await asyncio.wait_for(worker.run(), 5)
+        assert await registry.live() == []
+    finally:
+        engine.shutdown()
+
+
 async def test_a_drain_hands_on_what_it_cannot_finish_in_its_grace(real_model_fp32, real_tokenizer):
     """SIGTERM's drain: the reply that outlives the grace period gets no final event from the
     draining replica, its job stays in the queue, and the failover's replica finishes it whole."""

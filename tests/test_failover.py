@@ -14,7 +14,6 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import httpx
@@ -22,80 +21,16 @@ import pytest
 import redis
 from backends import missing
 from pg_admin import temporary_database
-from processes import PrivateRedis, Processes, create_key
-from serving import MODEL, free_port, sse_events, wait_for, wait_ready
+from processes import PrivateRedis, Processes, Stream, create_key, stream
+from serving import free_port, wait_for, wait_ready
 
 MAX_TOKENS = 32
 STREAMS = 16
 INFLIGHT = 2  # the queueing replica's replies at once: of 8 sent to it, 6 wait in its queue
 
 
-@dataclass
-class Stream:
-    prompt: str
-    ids: list[int] = field(default_factory=list)
-    text: str = ""
-    times: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    error: str | None = None
-    reply_id: str | None = None
-    conversation_id: str | None = None
-    reconnected: bool = False
-    max_tokens: int = MAX_TOKENS
-
-    @property
-    def longest_pause(self) -> float:
-        return max((b - a for a, b in zip(self.times, self.times[1:], strict=False)), default=0.0)
-
-
 def prompt(i: int) -> str:
     return f"Tell me a short story about a lighthouse keeper named Kai number {i}."
-
-
-def stream(url: str, key: str, s: Stream, fallback: str | None = None, headers: dict[str, str] | None = None) -> None:
-    """One streamed reply. With a fallback gateway: when the connection breaks mid-reply, carry on
-    through that one from the last event id received (the SSE client's Last-Event-ID)."""
-    body = {"model": MODEL, "messages": [{"role": "user", "content": s.prompt}], "max_tokens": s.max_tokens,
-            "temperature": 0, "stream": True}
-    auth = {"Authorization": f"Bearer {key}"}
-    try:
-        with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=180,
-                          headers={**auth, **(headers or {})}) as response:
-            if response.status_code != 200:
-                s.error = f"{response.status_code}: {response.read()!r}"
-                return
-            if read_events(response, s):
-                return
-        s.error = "the stream ended without [DONE]"
-    except httpx.HTTPError as exc:
-        s.error = repr(exc)
-    if fallback is None or s.reply_id is None:
-        return
-    s.error, s.reconnected = None, True
-    try:
-        with httpx.stream("GET", f"{fallback}/v1/replies/{s.reply_id}/stream", timeout=180,
-                          headers={**auth, "Last-Event-ID": str(s.ids[-1] if s.ids else 0)}) as response:
-            if response.status_code != 200:
-                s.error = f"reconnect: {response.status_code}: {response.read()!r}"
-            elif not read_events(response, s):
-                s.error = "the resumed stream ended without [DONE]"
-    except httpx.HTTPError as exc:
-        s.error = f"reconnect: {exc!r}"
-
-
-def read_events(response: httpx.Response, s: Stream) -> bool:
-    """The stream's events into s; whether it reached [DONE]."""
-    for event in sse_events(response):
-        if event.data == "[DONE]":
-            return True
-        if event.id is not None:
-            s.ids.append(event.id)
-            s.times.append(time.monotonic())
-        s.reply_id = s.reply_id or event.data.get("id")
-        s.conversation_id = s.conversation_id or event.data.get("conversation_id")
-        s.text += event.content
-        s.finish_reason = event.finish_reason or s.finish_reason
-    return False
 
 
 def run_streams(urls: list[str], key: str, during=None, count: int = STREAMS, fallback: str | None = None,

@@ -47,6 +47,7 @@ LAYERS = [
     "fairway.gateway",
     "fairway.assembly",  # putting the parts together: embedded, gateway and replica processes
     "fairway.up",  # `fairway up`: gateway and replica processes on this machine
+    "fairway.fleet",  # `fairway fleet`: forecasts arrivals, adds and drains replicas (local or Kubernetes)
     "fairway.cli",
 ]
 

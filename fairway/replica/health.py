@@ -1,7 +1,9 @@
 """The replica's health endpoint: a few lines of HTTP on the replica's own event loop.
 
 GET /health answers 200 while the process's loop runs; GET /ready 200 once it serves and until it
-drains (503 then), for a supervisor's readiness check (Kubernetes). Its address is announced in
+drains (503 then), for a supervisor's readiness check (Kubernetes) and the fleet manager's local
+backend; POST /drain starts the drain SIGTERM starts (202; the process ends when drained), for
+Kubernetes' preStop (deploy/k8s/replica.yaml), so the SIGTERM that follows finds it gone. Its address is announced in
 every heartbeat (ReplicaInfo.health_url), so a router that misses heartbeats can ask the replica
 itself: a refused connection means nothing listens there any more (the process died), and the
 failover need not wait for the announcement to expire (router/probe.py).
@@ -16,12 +18,14 @@ import contextlib
 import socket
 from collections.abc import Callable
 
-_REASONS = {200: "OK", 404: "Not Found", 503: "Service Unavailable"}
+_REASONS = {200: "OK", 202: "Accepted", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
 
 class HealthServer:
-    def __init__(self, ready: Callable[[], bool], host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, ready: Callable[[], bool], host: str = "127.0.0.1", port: int = 0,
+                 drain: Callable[[], None] | None = None) -> None:
         self.ready = ready  # whether /ready answers 200
+        self.drain = drain  # what POST /drain calls (None: 404)
         self.host = host
         self.port = port
         self._server: asyncio.Server | None = None
@@ -47,8 +51,8 @@ class HealthServer:
     async def _answer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
             request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
-            path = request.split(b" ", 2)[1] if request.count(b" ") >= 2 else b""
-            status = self._status(path.split(b"?", 1)[0])
+            method, path = request.split(b" ", 2)[:2] if request.count(b" ") >= 2 else (b"", b"")
+            status = self._status(method, path.split(b"?", 1)[0])
             body = b"ok\n" if status == 200 else _REASONS[status].lower().encode() + b"\n"
             writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
                          b"Connection: close\r\n\r\n%s" % (status, _REASONS[status].encode(), len(body), body))
@@ -58,7 +62,12 @@ class HealthServer:
         finally:
             writer.close()
 
-    def _status(self, path: bytes) -> int:
+    def _status(self, method: bytes, path: bytes) -> int:
+        if path == b"/drain" and self.drain is not None:
+            if method != b"POST":
+                return 405  # a probe must not drain it
+            self.drain()
+            return 202
         if path == b"/health":
             return 200
         if path == b"/ready":

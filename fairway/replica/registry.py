@@ -59,6 +59,11 @@ class ReplicaInfo:
     # first ends): the router predicts a new reply's wait as the queue ahead of it over this.
     drain_rate: float | None = None
     mini_of: str = ""  # the main model whose mini pool it serves; "": the model's own pool
+    ttft_p99_s: float | None = None  # the 99th percentile of its replies of the last 30 s (the fleet's target)
+    # Jobs that reached its queue since it started: the new ones it claimed (not a failover's
+    # continuations) plus those still queued. The fleet manager's arrivals are the growth of this
+    # count over the fleet (fairway/fleet/signals.py).
+    arrived: int = 0
     block_size: int = BLOCK_SIZE  # tokens per KV block: how the router hashes a prompt for this replica
     prefix: PrefixSummary | None = None  # the blocks it most recently used (prefix_summary.py)
     measured_at: float = field(default_factory=time.time)  # wall clock when the load above was taken

@@ -33,6 +33,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import statistics
 import time
@@ -82,6 +83,7 @@ CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
 T = TypeVar("T")
 SANDBOX_RECHECK_BEATS = 30  # heartbeats between two looks at a sandbox that was off
 SEAT_RECHECK_S = 0.1  # every seat taken: how long a claim of paid work waits before looking for a freed seat
+TTFT_WINDOW_S = 30.0  # the heartbeat's TTFT p99 is over the replies of this last while
 
 
 @dataclass
@@ -231,14 +233,24 @@ class ReplicaWorker:
         self._claiming: asyncio.Future[ClaimedJob | None] | None = None  # the claim loop's wait
         self._started_at = time.time()
         self._ttfts: deque[float] = deque(maxlen=64)  # of the latest replies: the heartbeat's median
+        self._recent_ttfts: deque[tuple[float, float]] = deque(maxlen=512)  # (monotonic, TTFT): its p99
+        self._queued = 0  # its queue's depth at the last heartbeat
+        self._drain_task: asyncio.Task | None = None  # a drain POST /drain started
+        self._claimed = 0  # new jobs claimed since start (the heartbeat's arrivals, with the queue's depth)
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
         self._health = None if settings.health_port is None else \
-            HealthServer(lambda: not self.draining, settings.health_host, settings.health_port)
+            HealthServer(lambda: not self.draining, settings.health_host, settings.health_port, self.request_drain)
         engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
     def id(self) -> str:
         return self.settings.replica_id
+
+    def request_drain(self) -> None:
+        """Drain as SIGTERM does, from the health endpoint's POST /drain (Kubernetes' preStop);
+        run() returns once drained."""
+        if not self.draining and self._drain_task is None:
+            self._drain_task = asyncio.get_running_loop().create_task(self.drain())  # (a strong reference)
 
     def info(self, queued: dict[Lane, int] | None = None) -> ReplicaInfo:
         """The announcement: queued is its queue's depth per lane (waiting, with what it claimed
@@ -246,6 +258,8 @@ class ReplicaWorker:
         engine = self.engine.engine
         running: dict[str, int] = {}
         waiting = {str(lane): n for lane, n in (queued or {}).items() if n}
+        if queued is not None:
+            self._queued = sum(queued.values())  # an announcement without it keeps the last (arrived)
         for job in self._running.values():
             lanes = running if job.first_token_at is not None else waiting
             lanes[job.job.lane] = lanes.get(job.job.lane, 0) + 1
@@ -269,10 +283,20 @@ class ReplicaWorker:
             ttft_s=statistics.median(self._ttfts) if self._ttfts else None,
             drain_rate=self._seats.drain_rate(),
             mini_of=self.settings.mini_of,
+            ttft_p99_s=self._recent_p99(),
+            arrived=self._claimed + self._queued,
             block_size=engine.kv.block_size,
             prefix=self._prefix_summary(),
             health_url=self._health.url if self._health is not None and self._health.port else "",
         )
+
+    def _recent_p99(self) -> float | None:
+        """The TTFT p99 of the replies of the last TTFT_WINDOW_S: a slow one a while ago must not
+        keep a fleet manager adding replicas."""
+        since = time.monotonic() - TTFT_WINDOW_S
+        while self._recent_ttfts and self._recent_ttfts[0][0] < since:
+            self._recent_ttfts.popleft()
+        return _p99([ttft for _, ttft in self._recent_ttfts])
 
     def _prefix_summary(self) -> PrefixSummary:
         """The engine's latest snapshot of its cached blocks, summarised once per snapshot."""
@@ -284,7 +308,11 @@ class ReplicaWorker:
     # -- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Announce the replica and start its loops; returns at once."""
+        """Announce the replica and start its loops; returns at once. Drained before it started
+        (a SIGTERM while the model loaded: a fleet scaling down, a spot reclaim), it never starts:
+        run() then returns at once."""
+        if self.draining:
+            return
         self._stopping = False
         self.engine.start()
         if self._health is not None:
@@ -411,6 +439,8 @@ class ReplicaWorker:
                 continue
             if claimed is None:
                 continue
+            if not claimed.job.get("attempt"):  # a failover's continuation arrived once already
+                self._claimed += 1
             self._seat(claimed)
 
     def _seat(self, claimed: ClaimedJob) -> None:
@@ -783,6 +813,7 @@ class ReplicaWorker:
             if running.first_token_at is None:
                 running.first_token_at = time.time()
                 self._ttfts.append(max(0.0, running.first_token_at - running.started))
+                self._recent_ttfts.append((clock, self._ttfts[-1]))
             elif running.last_token_at is not None:
                 if running.inter_token is None:
                     running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
@@ -884,6 +915,13 @@ async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float]
         log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
                       len(delays) + 1)
         return False
+
+
+def _p99(values: Sequence[float]) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
 def _usage(out: RequestOutput | None) -> tuple[int, int, int]:

@@ -10,6 +10,9 @@ Where each is measured:
 The embedded server (`fairway serve`) has both in one process: its /metrics shows everything. At
 scale each gateway serves its own /metrics, and each replica process serves its own when started
 with --metrics-port (prometheus-client's HTTP server); Prometheus scrapes them all and sums.
+* fleet manager (`fairway fleet --metrics-port`): its replicas by state, the arrivals it saw and
+  forecast, its scaling actions (labels direction, reason), and whether it is holding the fleet as
+  it is because a source of its signals is unreachable (label source).
 """
 
 from __future__ import annotations
@@ -49,6 +52,14 @@ FREE_AT_CAPACITY = Counter("fairway:free_at_capacity", "Free requests that found
                            "pool served), shorten (fewer max tokens).", ["model", "treatment"])
 RATE_LIMITED = Counter("fairway:rate_limited", "Requests refused by a limit: tokens (TPM), requests (RPM), "
                        "admission (the gateway's queue was full or timed out).", ["type"])
+
+FLEET_REPLICAS = Gauge("fairway:fleet_replicas", "The fleet manager's replicas: target, desired (the backend's), "
+                       "ready, serving (announced, not draining).", ["state"])
+FLEET_ARRIVALS = Gauge("fairway:fleet_arrivals_per_second", "Replies arriving per second over the fleet "
+                       "(last sample), and the forecast the manager scales for.", ["kind"])
+FLEET_SCALING = Counter("fairway:fleet_scaling", "Scaling actions of the fleet manager.", ["direction", "reason"])
+FLEET_HOLDING = Gauge("fairway:fleet_holding", "1 while the fleet manager keeps the fleet as it is because a "
+                      "source of its signals does not answer (label source: registry, backend).", ["source"])
 
 
 class EngineCollector(Collector):
