@@ -73,6 +73,7 @@ def fleet(tmp_path_factory):
         for name in ("r1", "r2"):  # each takes all 16 at once: a pause is the failover's, not a queue's
             start_replica(name)
         fleet.key = create_key(database, "failover-user")
+        fleet.free_key = create_key(database, "failover-free-user", "free")
 
         def gateways(n: int) -> list[str]:
             """The first n gateways' URLs, starting those not running (a killed one afresh)."""
@@ -177,11 +178,15 @@ def test_a_replica_killed_with_replies_waiting_in_its_queue_loses_none(fleet):
     announced: list[dict] = []
 
     def kill_it_with_a_queue(streams: list[Stream]) -> None:
-        wait_for(lambda: sum(len(s.ids) >= 3 for s in streams) >= 1 or any(s.error for s in streams), timeout=180)
+        # Its heartbeat shows the queue (every 0.5 s), and what it runs has begun.
+        wait_for(lambda: live_replicas(fleet)["queueing"]["load"] > INFLIGHT or any(s.error for s in streams),
+                 timeout=180, every=0.05)
+        wait_for(lambda: sum(len(s.ids) >= 1 for s in streams) >= 1 or any(s.error for s in streams), timeout=180)
         announced.append(live_replicas(fleet)["queueing"])
         fleet.procs.procs["queueing"].send_signal(signal.SIGKILL)
 
-    streams = run_streams(fleet.gateways(2), fleet.key, during=kill_it_with_a_queue, count=8,
+    # Free requests: paid ones would be claimed past its seats (replica/seats.py), never left to wait.
+    streams = run_streams(fleet.gateways(2), fleet.free_key, during=kill_it_with_a_queue, count=8,
                           headers={"X-Fairway-Region": "queueing"})
     check_whole(fleet, streams)
     assert announced[0]["load"] > announced[0]["capacity"] == INFLIGHT, announced  # some were waiting
