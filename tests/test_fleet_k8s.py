@@ -124,8 +124,10 @@ async def test_readiness_comes_from_a_watch_of_the_deployment(kmock):
                 break
             await asyncio.sleep(0.05)
         assert state.desired == 3 and state.ready == 2
-        watch = kmock["get"][0]
-        assert watch.url.path == f"/apis/apps/v1/namespaces/{NS}/deployments"
+        # the watch thread's GET and state()'s scale read race: find the watch by its path
+        watches = [r for r in kmock["get"] if r.url.path == f"/apis/apps/v1/namespaces/{NS}/deployments"]
+        assert watches, [r.url.path for r in kmock["get"]]
+        watch = watches[0]
         assert watch.params["watch"] in ("true", "True") and watch.params["fieldSelector"] == f"metadata.name={NAME}"
     finally:
         await backend.close()
