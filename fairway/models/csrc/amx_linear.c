@@ -45,8 +45,9 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* C tiles and A tiles `rows` high (<= 16), B tiles 16 k-pairs; every row 64 bytes. */
-static void configure(int rows) {
+/* C tiles and A tiles `rows` high (<= 16), B tiles 16 k-pairs; every row 64 bytes. Also
+ * quant_amx.c's tiles. */
+void amx_configure(int rows) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
@@ -54,6 +55,8 @@ static void configure(int rows) {
         cfg.colsb[t] = 64;
         cfg.rows[t] = (uint8_t)(t >= 6 ? KBLOCK / 2 : rows);
     }
+    /* GCC (12) does not see LDTILECFG read cfg: without this barrier it dropped the stores above */
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory");
     _tile_loadconfig(&cfg);
 }
 
@@ -111,9 +114,11 @@ static void run_narrow(const uint16_t *x, int64_t ldx_bytes, const uint16_t *pac
 }
 
 /* More than 16 rows: x padded to `mp` rows (a multiple of 32); panels [p0, p1) two at a time, each
- * pair against every 32-row block (its 2 x 16 KB-ish panels stay in L1/L2 across the blocks). */
-static void run_wide(const uint16_t *x, int64_t ldx_bytes, const uint16_t *packed, uint16_t *y, int m, int mp,
-                     int n, int kb, int64_t panel_stride, int p0, int p1) {
+ * pair against every 32-row block (its 2 x 16 KB-ish panels stay in L1/L2 across the blocks).
+ * y's rows are ldy apart and n columns wide from panel 0 on. quant_amx.c runs it on panels it has
+ * just unpacked. */
+void amx_run_wide(const uint16_t *x, int64_t ldx_bytes, const uint16_t *packed, uint16_t *y, int64_t ldy, int m,
+                  int mp, int n, int kb, int64_t panel_stride, int p0, int p1) {
     float buf[16 * PANEL] __attribute__((aligned(64)));
     const int64_t ps = panel_stride * 2;
     for (int p = p0; p < p1; p += 2) {
@@ -136,11 +141,11 @@ static void run_wide(const uint16_t *x, int64_t ldx_bytes, const uint16_t *packe
                 }
             }
             const int top = min_int(16, m - r), bottom = min_int(16, m - r - 16);
-            uint16_t *yp = y + (int64_t)r * n + (int64_t)p * PANEL;
-            if (top > 0) STORE(0, top, yp, n, n - p * PANEL);
-            if (bottom > 0) STORE(1, bottom, yp + 16 * (int64_t)n, n, n - p * PANEL);
-            if (pair && top > 0) STORE(2, top, yp + PANEL, n, n - (p + 1) * PANEL);
-            if (pair && bottom > 0) STORE(3, bottom, yp + 16 * (int64_t)n + PANEL, n, n - (p + 1) * PANEL);
+            uint16_t *yp = y + (int64_t)r * ldy + (int64_t)p * PANEL;
+            if (top > 0) STORE(0, top, yp, ldy, n - p * PANEL);
+            if (bottom > 0) STORE(1, bottom, yp + 16 * ldy, ldy, n - p * PANEL);
+            if (pair && top > 0) STORE(2, top, yp + PANEL, ldy, n - (p + 1) * PANEL);
+            if (pair && bottom > 0) STORE(3, bottom, yp + 16 * ldy + PANEL, ldy, n - (p + 1) * PANEL);
         }
     }
 }
@@ -181,9 +186,9 @@ int amx_linear(const uint16_t *x, const uint16_t *packed, uint16_t *y, int m, in
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
-        configure(m <= 16 ? m : 16);
+        amx_configure(m <= 16 ? m : 16);
         if (m <= 16) run_narrow(xs, ldx_bytes, packed, y, m, n, kb, panel_stride, p0, p1);
-        else run_wide(xs, ldx_bytes, packed, y, m, mp, n, kb, panel_stride, p0, p1);
+        else amx_run_wide(xs, ldx_bytes, packed, y, n, m, mp, n, kb, panel_stride, p0, p1);
         _tile_release();
     }
     free(padded);

@@ -18,7 +18,8 @@
  * Paths, chosen at run time by what the CPU reports (quant_isas): AVX512-BF16 (bf16 activations),
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
  * vector); and for bf16 activations from QUANT_AMX_MIN_ROWS rows, AMX tiles (quant_amx.c), which
- * take each block's sum as the AVX512F path does but for the order of the float32 additions. The
+ * up to a tile's 16 rows take each block's sum as the AVX512F path does but for the order of the
+ * float32 additions, and past it multiply the weights dequantized to bf16 panel by panel. The
  * file is built with -march=native but each path carries its own target attribute, so it compiles
  * on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
  * and Python keeps the dequantized weights. Built with the other kernels by cpu_kernels.py.
@@ -40,9 +41,12 @@
 #define ISA_AVX512BF16 4
 #define ISA_AMX 8 /* bf16 activations: the AVX512F path's sums on AMX tiles (quant_amx.c) from QUANT_AMX_MIN_ROWS */
 #define QUANT_AMX_MIN_ROWS 6
+#define QUANT_AMX_EXACT_ROWS 16 /* past it AMX runs on the dequantized weights (quant_amx.c) */
 
 int quant_amx_available(void);
 int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, float *out, int m, int n, int k, int qt,
+                   int num_threads);
+int quant_amx_wide(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
                    int num_threads);
 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
@@ -372,6 +376,7 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
         if (!x_bf16) return -1;
         isa = ISA_AVX512;
     }
+    if (amx && m > QUANT_AMX_EXACT_ROWS) return quant_amx_wide(x, packed, y, m, n, k, qt, num_threads);
     const int path = isa == ISA_AVX512BF16 ? 1 : isa == ISA_AVX512 ? 0 : isa == ISA_AVX2 ? 2 : -1;
     if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
