@@ -180,7 +180,8 @@ def main() -> None:
         q4_0 = q4_0_copy(args.llama_bin / "llama-quantize", bundled, tmp)
     else:
         log("no llama-server: Fairway rows only")
-    config = EngineConfig(num_kv_blocks=1024, max_num_batched_tokens=512)
+    # no speculation: this compares the weights' kernels (llama-server speculates only when told)
+    config = EngineConfig(num_kv_blocks=1024, max_num_batched_tokens=512, speculative=None)
     engines = {"fairway native Q4_1": build_engine(bundled, "bfloat16", config=config, weights="native"),
                "fairway dequantized bf16": build_engine(bundled, "bfloat16", config=config, weights="dequantized")}
     if q4_0 is not None:
