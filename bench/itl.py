@@ -45,9 +45,11 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def chat_prompts(tok, n: int) -> list[list[int]]:
+def chat_prompts(tok, n: int, start: int = 0) -> list[list[int]]:
+    """n distinct chat prompts, numbered from `start` (past the chat template's system block they
+    share no prefix with other numbers, so the prefix cache never skips a prefill)."""
     out = []
-    for i in range(n):
+    for i in range(start, start + n):
         topic = TOPICS[i % len(TOPICS)]
         text = (f"Request {i}: I am preparing a short talk for my local library club next week. Please write a "
                 f"friendly, detailed explanation of {topic} for an audience of curious adults, with a few "
@@ -91,18 +93,20 @@ def main() -> None:
 
     base = build_engine(dtype="bfloat16", config=EngineConfig(num_kv_blocks=2048, bound_step_time=False))
     engines = {"tokens_only": base,
-               "step_time_bounded": LLMEngine(base.model, EngineConfig(num_kv_blocks=2048), tokenizer=base.tokenizer)}
-    prompts = chat_prompts(base.tokenizer, args.chats)
-    log(f"{args.chats} chats, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, "
+               "step_time_bounded": LLMEngine(base.model, EngineConfig(num_kv_blocks=2048, bound_step_time=True),
+                                                 tokenizer=base.tokenizer)}
+    # each run its own prompts: a repeat of the same ones would find them in the prefix cache
+    prompts = [chat_prompts(base.tokenizer, args.chats, (1 + i) * args.chats) for i in range(2 * args.repeats)]
+    log(f"{args.chats} chats, prompts {min(map(len, prompts[0]))}-{max(map(len, prompts[0]))} tokens, "
         f"{args.max_tokens} tokens each")
     for name, eng in engines.items():  # warm-up, and the step-time model's first measurements
-        run(eng, prompts[:8], 16, f"warm-{name}")
+        run(eng, chat_prompts(base.tokenizer, 8), 16, f"warm-{name}")
     names = list(engines)
     runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
     meter = CpuMeter()
     for rep in range(args.repeats):
-        for n in names[rep % 2:] + names[:rep % 2]:
-            runs[n].append(run(engines[n], prompts, args.max_tokens, f"{n}-{rep}"))
+        for i, n in enumerate(names[rep % 2:] + names[:rep % 2]):
+            runs[n].append(run(engines[n], prompts[2 * rep + i], args.max_tokens, f"{n}-{rep}"))
             r = runs[n][-1]
             log(f"repeat {rep + 1} {n}: ITL p50 {1000 * r['itl_p50_s']:.1f} ms p99 {1000 * r['itl_p99_s']:.1f} ms, "
                 f"TTFT p50 {r['ttft_p50_s']:.2f} s, {r['tokens_per_s']:.0f} tok/s")

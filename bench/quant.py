@@ -208,7 +208,9 @@ def main() -> None:
             order = names[rep % len(names):] + names[:rep % len(names)]
             for n in order:
                 for chats in ("1", "16"):
-                    batch = prompts[:int(chats)] if chats == "16" else [prompts[rep]]
+                    # the repeat's own prompts (the same for every engine): Fairway's prefix cache
+                    # would skip the prefill of prompts it saw before; llama-server runs without one
+                    batch = chat_prompts(tok, int(chats), 100 + 100 * rep + (50 if chats == "1" else 0))
                     wait_for_quiet(args.quiet_wait)
                     r = (servers[n].run(batch, args.max_tokens) if n in servers
                          else fairway_run(engines[n], batch, args.max_tokens, f"{n}-{rep}-{chats}"))
