@@ -34,6 +34,7 @@ from engine_vs_hf import CpuMeter  # noqa: E402
 from fairway.engine.factory import build_engine  # noqa: E402
 from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.engine.sampling_params import SamplingParams  # noqa: E402
+from fairway.server_gc import settle_heap  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGETS = {"itl_p99_over_p50": 2.0, "tokens_per_s_min_ratio": 0.9, "ttft_p50_max_ratio": 1.25}
@@ -99,6 +100,7 @@ def main() -> None:
     prompts = [chat_prompts(base.tokenizer, args.chats, (1 + i) * args.chats) for i in range(2 * args.repeats)]
     log(f"{args.chats} chats, prompts {min(map(len, prompts[0]))}-{max(map(len, prompts[0]))} tokens, "
         f"{args.max_tokens} tokens each")
+    settle_heap()  # as a replica does once its engine is loaded (fairway/server_gc.py)
     for name, eng in engines.items():  # warm-up, and the step-time model's first measurements
         run(eng, chat_prompts(base.tokenizer, 8), 16, f"warm-{name}")
     names = list(engines)

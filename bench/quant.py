@@ -51,6 +51,7 @@ from fairway.engine.factory import build_engine  # noqa: E402
 from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.models.bundled import bundled_model_path  # noqa: E402
 from fairway.models.quant_linear import QuantLinear  # noqa: E402
+from fairway.server_gc import settle_heap  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGETS = {"one_stream_over_llama_q4_0": 1.5, "chats16_over_llama_best": 3.0}
@@ -196,6 +197,7 @@ def main() -> None:
     names = list(engines) + list(servers)
     runs: dict[str, dict[str, list[float]]] = {n: {"1": [], "16": [], "1 itl": [], "16 itl": []} for n in names}
     try:
+        settle_heap()  # as a replica does once its engine is loaded (fairway/server_gc.py)
         for n, e in engines.items():  # warm-up
             fairway_run(e, prompts[:4], 16, f"warm-{n}")
         for s in servers.values():

@@ -36,6 +36,7 @@ from fairway.engine.factory import build_engine  # noqa: E402
 from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.engine.sampling_params import SamplingParams  # noqa: E402
 from fairway.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
+from fairway.server_gc import settle_heap  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 TARGETS = {"grounded_speedup": 1.8, "free_chat_max_loss": 0.03}
@@ -112,6 +113,7 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     workloads = {"input_grounded": GROUNDED, "free_chat": FREE}
     prompts = {w: [tok.chat_prompt_ids([{"role": "user", "content": q}]) for q in qs] for w, qs in workloads.items()}
+    settle_heap()  # as a replica does once its engine is loaded (fairway/server_gc.py)
     for name, eng in engines.items():  # warm-up: kernels, allocator, the step-time model's first steps
         run_one(eng, f"warm-{name}", prompts["free_chat"][0], SamplingParams(temperature=0, max_tokens=16))
 
