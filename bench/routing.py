@@ -165,12 +165,12 @@ async def routing_phase(routing: str, args: argparse.Namespace, workdir: Path, s
     async with relay.gateway_database(args.database, workdir) as database:
         key = relay.create_key(database)
         shared = ["--redis", args.redis, "--namespace", namespace]
-        metrics_ports = [relay.free_port() for _ in REGIONS]
+        health_ports = [relay.free_port() for _ in REGIONS]  # a replica's /metrics is on its health port
         procs = [relay.spawn(["-m", "fairway.cli", "replica", *shared, "--region", region, "--replica-id",
-                              f"{routing}-{region}", "--metrics-port", str(port), "--max-model-len", "4096",
+                              f"{routing}-{region}", "--health-port", str(port), "--max-model-len", "4096",
                               "--log-level", "warning"], workdir / f"{routing}-{region}.log",
                              env={"OMP_NUM_THREADS": str(args.replica_threads)})
-                 for region, port in zip(REGIONS, metrics_ports, strict=True)]
+                 for region, port in zip(REGIONS, health_ports, strict=True)]
         port = relay.free_port()
         url = f"http://127.0.0.1:{port}"
         procs.append(relay.spawn(["-m", "fairway.cli", "gateway", *shared, "--database", database, "--port", str(port),
@@ -186,7 +186,7 @@ async def routing_phase(routing: str, args: argparse.Namespace, workdir: Path, s
                     warm = {"model": relay.MODEL, "messages": [{"role": "user", "content": "Warm up."}],
                             "max_tokens": 2, "stream": True}
                     await chat(client, url, key, warm, {"X-Fairway-Region": region})
-                replicas = [f"http://127.0.0.1:{p}" for p in metrics_ports]
+                replicas = [f"http://127.0.0.1:{p}" for p in health_ports]
                 before = [await scrape(client, r) for r in replicas]
                 run = Run(started=time.perf_counter())
                 await asyncio.gather(*(conversation(client, url, key, i, args, system, run)

@@ -97,12 +97,17 @@ def main() -> None:
                     help="also run a draft model: the target's first N layers (0: prompt lookup only)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (0: its default); 1 steadies ratios on a crowded machine")
-    ap.add_argument("--out", type=Path, default=RESULTS / "spec_decode.json")
+    ap.add_argument("--weights", choices=["native", "dequantized"], default="native",
+                    help="the bundled GGUF's weights as stored (the default) or dequantized to bf16")
+    ap.add_argument("--out", type=Path, default=None, help="default: bench/results/spec_decode[_WEIGHTS].json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    base = build_engine(dtype="bfloat16", config=EngineConfig(num_kv_blocks=512, speculative=None))
+    if args.out is None:
+        args.out = RESULTS / ("spec_decode.json" if args.weights == "native" else f"spec_decode_{args.weights}.json")
+    base = build_engine(dtype="bfloat16", config=EngineConfig(num_kv_blocks=512, speculative=None),
+                        weights=args.weights)
     model, tok = base.model, base.tokenizer
     engines = {"off": base,
                "prompt_lookup": LLMEngine(model, EngineConfig(num_kv_blocks=512), tokenizer=tok)}
