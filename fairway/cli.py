@@ -263,12 +263,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
-    if args.metrics_port:
-        from prometheus_client import start_http_server
-
-        import fairway.usage.metrics  # noqa: F401  (registers the metrics)
-
-        start_http_server(args.metrics_port, addr=args.metrics_host)
+    import fairway.usage.metrics  # noqa: F401  (registers the metrics the health port's /metrics serves)
 
     async def main() -> None:
         # SIGTERM (the supervisor, Kubernetes) or Ctrl-C drains: the replica leaves routing at
@@ -646,14 +641,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--region", default=None, help="the region it serves, for requests that name one "
                    "(X-Fairway-Region; default: FAIRWAY_REGION, else 'local')")
     r.add_argument("--health-port", type=int, default=0,
-                   help="GET /health and /ready here (0: a free port; the heartbeat announces it to routers)")
+                   help="GET /health, /ready and /metrics (Prometheus) here (0: a free port; the heartbeat "
+                        "announces it to routers)")
     r.add_argument("--health-host", default="127.0.0.1", help="where /health listens (0.0.0.0 in a container)")
     r.add_argument("--mini-of", default=None, metavar="MODEL",
                    help="serve this replica's model as the mini pool of MODEL (the main model's name, as its "
                         "replicas announce it): past a limit, gateways send MODEL's requests here")
     r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    r.add_argument("--metrics-port", type=int, default=None, help="serve the replica's Prometheus /metrics here")
-    r.add_argument("--metrics-host", default="127.0.0.1")
     _safety_args(r, ("output",))
     r.set_defaults(func=cmd_replica)
 

@@ -39,3 +39,25 @@ async def test_no_drain_callback_no_drain_route():
             assert (await client.post("/drain")).status_code == 404
     finally:
         await server.close()
+
+
+async def test_the_health_port_serves_the_replicas_prometheus_metrics():
+    """One port for a replica: what Prometheus scrapes (the replica.yaml annotation) comes from
+    the health server, in the exposition format, with the engine's metrics in it."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fairway.usage import metrics
+
+    metrics.GENERATION_TOKENS.labels("smollm2", "paid").inc(3)
+    server = HealthServer(lambda: True)
+    await server.start()
+    try:
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            response = await client.get("/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain; version=")
+        families = {family.name: family for family in text_string_to_metric_families(response.text)}
+        tokens = {s.labels["model"]: s.value for s in families["fairway:generation_tokens"].samples
+                  if s.name.endswith("_total")}
+        assert tokens["smollm2"] >= 3
+    finally:
+        await server.close()

@@ -2,13 +2,14 @@
 
 GET /health answers 200 while the process's loop runs; GET /ready 200 once it serves and until it
 drains (503 then), for a supervisor's readiness check (Kubernetes) and the fleet manager's local
-backend; POST /drain starts the drain SIGTERM starts (202; the process ends when drained), for
+backend; GET /metrics the process's Prometheus metrics (fairway/usage/metrics.py), so a replica has
+one port for all of it; POST /drain starts the drain SIGTERM starts (202; the process ends when drained), for
 Kubernetes' preStop (deploy/k8s/replica.yaml), so the SIGTERM that follows finds it gone. Its address is announced in
 every heartbeat (ReplicaInfo.health_url), so a router that misses heartbeats can ask the replica
 itself: a refused connection means nothing listens there any more (the process died), and the
 failover need not wait for the announcement to expire (router/probe.py).
 
-Plain asyncio rather than a web framework: it answers two fixed paths, and must cost nothing.
+Plain asyncio rather than a web framework: it answers a few fixed paths, and must cost nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 _REASONS = {200: "OK", 202: "Accepted", 404: "Not Found", 405: "Method Not Allowed", 503: "Service Unavailable"}
 
@@ -52,10 +55,13 @@ class HealthServer:
         try:
             request = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5.0)
             method, path = request.split(b" ", 2)[:2] if request.count(b" ") >= 2 else (b"", b"")
-            status = self._status(method, path.split(b"?", 1)[0])
+            path = path.split(b"?", 1)[0]
+            status, kind = self._status(method, path), b"text/plain"
             body = b"ok\n" if status == 200 else _REASONS[status].lower().encode() + b"\n"
-            writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: text/plain\r\nContent-Length: %d\r\n"
-                         b"Connection: close\r\n\r\n%s" % (status, _REASONS[status].encode(), len(body), body))
+            if path == b"/metrics" and status == 200:
+                body, kind = generate_latest(), CONTENT_TYPE_LATEST.encode()
+            writer.write(b"HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n"
+                         b"Connection: close\r\n\r\n%s" % (status, _REASONS[status].encode(), kind, len(body), body))
             await writer.drain()
         except (TimeoutError, asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
             pass
@@ -68,7 +74,7 @@ class HealthServer:
                 return 405  # a probe must not drain it
             self.drain()
             return 202
-        if path == b"/health":
+        if path in (b"/health", b"/metrics"):
             return 200
         if path == b"/ready":
             return 200 if self.ready() else 503

@@ -8,8 +8,8 @@ Where each is measured:
   router's placements (labels model, reason).
 
 The embedded server (`fairway serve`) has both in one process: its /metrics shows everything. At
-scale each gateway serves its own /metrics, and each replica process serves its own when started
-with --metrics-port (prometheus-client's HTTP server); Prometheus scrapes them all and sums.
+scale each gateway serves its own /metrics, and each replica process serves its own on its health
+port (fairway/replica/health.py); Prometheus scrapes them all and sums.
 * fleet manager (`fairway fleet --metrics-port`): its replicas by state, the arrivals it saw and
   forecast, its scaling actions (labels direction, reason), and whether it is holding the fleet as
   it is because a source of its signals is unreachable (label source).
