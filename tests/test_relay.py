@@ -568,7 +568,7 @@ async def test_a_claimed_job_stays_in_its_queue_until_acknowledged(backend: Back
     left = await failover.unfinished(queue=q)
     assert [(j.lane, j.job["n"]) for j in left] == [(Lane.FREE, "a"), (Lane.FREE, "b"), (Lane.FREE, "c"),
                                                    (Lane.BACKGROUND, "bg")]
-    assert [j.job["n"] for j in await failover.unfinished(queue=q, waiting_only=True)] == ["c", "bg"]
+    assert [j.job["n"] for j in await failover.unfinished(queue=q, part="waiting")] == ["c", "bg"]
     await replica.ack(running[:1], queue=q)  # "a" ended
     assert [j.job["n"] for j in await failover.unfinished(queue=q)] == ["b", "c", "bg"]
     # A failover hands on "b" (claimed) and "c" (waiting), acking each in the dead queue.

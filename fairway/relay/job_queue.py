@@ -17,11 +17,14 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from fairway.domain import LANE_ORDER, Lane
 
 DEFAULT_QUEUE = "default"
+
+
+Part = Literal["all", "claimed", "waiting"]  # which of a queue's unfinished jobs (JobQueue.unfinished)
 
 
 @dataclass(frozen=True)
@@ -72,10 +75,11 @@ class JobQueue(ABC):
         gone from the queue."""
 
     @abstractmethod
-    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, waiting_only: bool = False) -> list[ClaimedJob]:
+    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, part: Part = "all") -> list[ClaimedJob]:
         """Every job of the queue not acknowledged: those claimed first, then those waiting, in
-        the order they would be claimed (waiting_only: those only). For handing a dead or
-        draining consumer's work elsewhere (each then acked here); claims nothing."""
+        the order they would be claimed (part: only the claimed ones, or only the waiting ones).
+        For handing a dead or draining consumer's work elsewhere (each then acked here), and for a
+        consumer restarted under its id to find what it had claimed; claims nothing."""
 
     @abstractmethod
     async def delete(self, *, queue: str = DEFAULT_QUEUE) -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 from fairway.domain import LANE_ORDER, Lane
 from fairway.relay.arrivals import Arrivals
-from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue, decode_job, encode_job
+from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue, Part, decode_job, encode_job
 
 
 @dataclass
@@ -56,10 +56,10 @@ class InProcessJobQueue(JobQueue):
             if any(job_id in done for job_id, _ in q.lanes[lane]):
                 q.lanes[lane] = deque(item for item in q.lanes[lane] if item[0] not in done)
 
-    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, waiting_only: bool = False) -> list[ClaimedJob]:
+    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, part: Part = "all") -> list[ClaimedJob]:
         q = self._queues.get(queue) or _Queue()
         waiting = [decode_job(raw, lane) for lane in LANE_ORDER for _, raw in q.lanes[lane]]
-        return waiting if waiting_only else [*q.claimed.values(), *waiting]
+        return {"all": [*q.claimed.values(), *waiting], "claimed": list(q.claimed.values()), "waiting": waiting}[part]
 
     async def delete(self, *, queue: str = DEFAULT_QUEUE) -> None:
         self._queues.pop(queue, None)

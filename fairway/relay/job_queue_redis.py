@@ -21,7 +21,7 @@ from redis.exceptions import ResponseError
 
 from fairway.domain import LANE_ORDER, Lane
 from fairway.redis_client import Command, RedisClient, Script, field_pairs
-from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue, decode_job, encode_job
+from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue, Part, decode_job, encode_job
 from fairway.relay.redis_guard import guard
 
 _GROUP = "replicas"
@@ -111,9 +111,9 @@ class RedisJobQueue(JobQueue):
                 if isinstance(result, Exception) and not str(result).startswith("NOGROUP"):
                     raise result
 
-    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, waiting_only: bool = False) -> list[ClaimedJob]:
+    async def unfinished(self, *, queue: str = DEFAULT_QUEUE, part: Part = "all") -> list[ClaimedJob]:
         claimed, waiting = await self._split(queue)
-        return waiting if waiting_only else claimed + waiting
+        return {"all": claimed + waiting, "claimed": claimed, "waiting": waiting}[part]
 
     async def delete(self, *, queue: str = DEFAULT_QUEUE) -> None:
         with guard():

@@ -402,12 +402,10 @@ class ReplicaWorker:
         run claimed and did not finish (still pending in its queue) carry on here, each as a
         continuation after what its log holds, as a failover would have handed them on."""
         try:
-            every = await self.relay.jobs.unfinished(queue=self.queue)
-            waiting = {c.id for c in await self.relay.jobs.unfinished(queue=self.queue, waiting_only=True)}
+            left = await self.relay.jobs.unfinished(queue=self.queue, part="claimed")
         except RelayError:
             log.warning("could not look for jobs a previous run left; a failover hands them on", exc_info=True)
             return
-        left = [c for c in every if c.id not in waiting]
         for claimed in left:
             job = {**claimed.job, "attempt": int(claimed.job.get("attempt", 0)) + 1}
             self._seat(dataclasses.replace(claimed, job=job))
@@ -433,10 +431,8 @@ class ReplicaWorker:
                 if self.draining and me is not None and not me.cancelling():
                     return  # drain() stopped the claims, not a cancel of this loop
                 raise
-            except Exception:  # Redis away for a moment (or a reply it did not expect): claim again shortly
-                log.warning("claiming jobs failed; retrying", exc_info=True)
-                await asyncio.sleep(0.5)
-                continue
+            # A claim that fails (Redis away for a moment) ends the loop: _supervised starts it
+            # again shortly; nothing is held between claims, no seat was taken for it.
             if claimed is None:
                 continue
             if not claimed.job.get("attempt"):  # a failover's continuation arrived once already

@@ -32,6 +32,7 @@ import uuid
 from dataclasses import dataclass
 
 from fairway.relay import ClaimedJob, Relay, RelayError
+from fairway.relay.job_queue import Part
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
@@ -77,7 +78,7 @@ class Failover:
             live = await self.router.live(refresh=True)
         for info in live:
             if info.draining:
-                moved += await self._move(info.id, waiting_only=True)
+                moved += await self._move(info.id, "waiting")
         for replica_id in await self.registry.gone():
             if not await self.registry.claim_takeover(replica_id, self.owner, self.settings.takeover_ttl_s):
                 continue  # another gateway is on it
@@ -102,13 +103,13 @@ class Failover:
 
     async def _take_over(self, replica_id: str) -> tuple[int, bool]:
         """(jobs moved, whether the queue is empty now)."""
-        moved = await self._move(replica_id, waiting_only=False)
+        moved = await self._move(replica_id, "all")
         left = await self.relay.jobs.unfinished(queue=replica_queue(replica_id))
         return moved, not left
 
-    async def _move(self, replica_id: str, waiting_only: bool) -> int:
+    async def _move(self, replica_id: str, part: Part) -> int:
         queue = replica_queue(replica_id)
-        jobs = await self.relay.jobs.unfinished(queue=queue, waiting_only=waiting_only)
+        jobs = await self.relay.jobs.unfinished(queue=queue, part=part)
         moved = 0
         for claimed in jobs:
             try:
