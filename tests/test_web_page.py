@@ -33,7 +33,10 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 KEY = "sk-web-page-test"
-FLAGGED_WORD = "feline"  # the output check's test term: the end of the model's first sentence about cats
+# The output check's test term: the end of the bundled model's first greedy sentence about cats
+# (bf16, native weights). Any change to the kernels' arithmetic can change that sentence: then
+# pick a word of the new one (tests/test_web_page.py fails at step 2 of the safety test).
+FLAGGED_WORD = "kingdom"
 TIMEOUT_MS = 60_000  # generous: other tests load the same 2 CPU cores
 
 
