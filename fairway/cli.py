@@ -348,6 +348,8 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         forecaster = HoltForecaster(args.alpha, args.beta)
         if args.interval <= 0:
             raise FleetConfigError(f"--interval must be above 0 s, got {args.interval}")
+        if args.replica_threads is not None and args.replica_threads < 1:
+            raise FleetConfigError(f"--replica-threads must be at least 1, got {args.replica_threads}")
     except (FleetConfigError, ValueError) as exc:
         print(f"fairway fleet: {exc}", file=sys.stderr)
         return 2
@@ -383,7 +385,8 @@ def _fleet_backend(args: argparse.Namespace):
         return KubernetesBackend(args.deployment, args.k8s_namespace, api_client(args.kubeconfig))
     from fairway.fleet.local import LocalBackend
 
-    return LocalBackend(args.redis, args.namespace, args.replica_arg, Path(args.log_dir) if args.log_dir else None)
+    return LocalBackend(args.redis, args.namespace, args.replica_arg, Path(args.log_dir) if args.log_dir else None,
+                        max_replicas=args.max_replicas, threads=args.replica_threads)
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
@@ -553,7 +556,8 @@ def _fleet_args(sub) -> None:
     g.add_argument("--ttft-target", type=float, default=2.0, metavar="S", help="the TTFT p99 to keep")
     g.add_argument("--headroom", type=float, default=0.8, help="plan each replica at this share of --replica-rps")
     g.add_argument("--lead", type=float, default=60.0, metavar="S",
-                   help="forecast this far ahead: about a replica's start-up time")
+                   help="forecast at least this far ahead; further when the replicas took longer to start "
+                        "(measured: asked for to ready)")
     g.add_argument("--queue-per-replica", type=float, default=8.0, metavar="N",
                    help="waiting replies per replica that add one whatever the forecast")
     g.add_argument("--alpha", type=float, default=0.3, help="the forecast's level smoothing (Holt), in (0, 1]")
@@ -563,6 +567,9 @@ def _fleet_args(sub) -> None:
     g.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                    help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
     g.add_argument("--log-dir", default=None, help="each replica's output to ID.log here (default: this one's)")
+    g.add_argument("--replica-threads", type=int, default=None, metavar="N",
+                   help="CPU threads per replica (default: this machine's CPUs over --max-replicas, so the "
+                        "replicas never oversubscribe them)")
     g = f.add_argument_group("kubernetes backend")
     g.add_argument("--deployment", default="fairway-replica", help="the replica Deployment to scale")
     g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"))

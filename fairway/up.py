@@ -153,11 +153,13 @@ class Deployment:
         wait_all(self.gateways, 15.0)
 
 
-def fairway_process(command: str, *args: str, log: IO[bytes] | None = None) -> subprocess.Popen:
-    """`fairway COMMAND ARGS` as a child process, its output to log (default: ours)."""
+def fairway_process(command: str, *args: str, log: IO[bytes] | None = None,
+                    env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`fairway COMMAND ARGS` as a child process, its output to log (default: ours), with env
+    over our environment."""
     # Children ignore the terminal's Ctrl-C (their own process group): `up` stops them in order.
     return subprocess.Popen([sys.executable, "-m", "fairway.cli", command, *args], start_new_session=True,
-                            env=os.environ.copy(), stdout=log, stderr=subprocess.STDOUT if log else None)
+                            env={**os.environ, **(env or {})}, stdout=log, stderr=subprocess.STDOUT if log else None)
 
 
 def send_signal(proc: subprocess.Popen, sig: int) -> None:

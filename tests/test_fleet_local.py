@@ -1,13 +1,22 @@
 """The fleet manager's local backend with real processes: the manager (FleetManager, as `fairway
 fleet` runs it, here in the test's process so its targets can follow this machine's speed)
-starts and drains `fairway replica` processes (the bundled model) behind a `fairway
-gateway`, on a Redis of the test's own.
+starts and drains `fairway replica` processes (the bundled model, a CPU thread each: two of them
+share this machine's CPUs) behind a `fairway gateway`, on a Redis of the test's own.
 
-A shared 2-core machine's speed varies several times over, so the targets are set from what the
-first replica does idle: its TTFT and reply time. Under a ramp of streamed replies the fleet
-adds a second replica, live before the clients' TTFT p99 passes its target; when the ramp has
-gone (a trickle goes on) it drains one, and every reply, those in flight on the drained replica
-included, ends whole: ids 1..N, a finish reason."""
+A shared machine's speed varies several times over, so the targets are set from what the first
+replica does: its idle TTFT, and the replies it finishes per second with its seats full. Under a
+ramp of streamed replies that rises past what one replica serves, the fleet, forecasting as far
+ahead as it measured the first replica took to start (no fixed lead), adds a second replica, live
+before the clients' TTFT p99 passes its target; when the ramp has gone (a trickle goes on) it
+drains one, and every reply, those in flight on the drained replica included, ends whole: ids
+1..N, a finish reason.
+
+Its timing means something only while the machine is the test's (tests/machine.py): a check of
+the ramp or the drain that fails while other processes took most of the CPUs for a while then
+(a starved replica is slow whatever the fleet does, and a slow fleet is no idle one) skips the
+test, saying which and why, once every reply is checked whole; when the test's processes were
+stopped outright once it measured (heartbeats expire meanwhile), nothing is checked, and it
+skips."""
 
 from __future__ import annotations
 
@@ -22,6 +31,7 @@ import time
 import pytest
 import redis
 from backends import missing
+from machine import Machine
 from pg_admin import temporary_database
 from processes import PrivateRedis, Processes, Stream, create_key, stream
 from serving import free_port, wait_ready
@@ -31,10 +41,14 @@ from fairway.fleet.local import LocalBackend
 from fairway.fleet.signals import ArrivalMeter
 from fairway.replica.registry import RedisRegistry
 
-REPLICA_ARGS = ["--max-model-len", "512", "--max-inflight", "16", "--drain-grace", "3",
+SEATS = 4  # a replica's seats: few, so that what one replica serves is well within what the gateway does
+REPLICA_ARGS = ["--max-model-len", "512", "--max-inflight", str(SEATS), "--drain-grace", "3",
                 "--log-level", "warning"]
-RAMP_S = 20.0  # the ramp: from half of what a replica is said to serve to all of it, then level
-TRICKLE = 0.2  # then a trickle at this share of it: the fleet is idle and drains one
+TOKENS = 16  # tokens per reply
+SERVES = 0.75  # a replica is said to serve this share of what it finishes with its seats full
+RAMP_FROM, RAMP_S = 0.2, 40.0  # arrivals: from RAMP_FROM of what a full replica finishes, up by that all per RAMP_S
+TRICKLE = 0.2  # then a trickle at this share of what a replica is said to serve: idle, one drains
+OTHERS_MAX = 0.5  # others held a CPU of the two for 4 s: a timing check that failed then skips instead
 
 
 def live(url: str) -> dict[str, dict]:
@@ -86,22 +100,18 @@ def p99(values: list[float]) -> float:
     return ordered[max(0, math.ceil(0.99 * len(ordered)) - 1)]
 
 
-@pytest.mark.fleet_ramp
-def test_the_fleet_adds_a_replica_ahead_of_a_ramp_and_drains_one_losing_nothing(tmp_path, request):
-    # Opt-in for now: it takes ~3 min of the suite's 15, and whether the second replica is live
-    # before TTFT p99 passes the target depends on how long a replica takes to start on a shared
-    # 2-core machine (it failed so on a quiet one: p99 7.7 s against a 1 s target). Issue 16.
-    if "fleet_ramp" not in (request.config.option.markexpr or ""):
-        pytest.skip("opt-in: run with -m fleet_ramp")
+def test_the_fleet_adds_a_replica_ahead_of_a_ramp_and_drains_one_losing_nothing(tmp_path):
     if shutil.which("redis-server") is None:
         missing("Redis", "no redis-server on this machine")
+    machine = Machine()
+    machine.start()
     with temporary_database() as database:
         if database is None:
             missing("PostgreSQL", "no test server answers")
         redis_server = PrivateRedis(tmp_path, durable=False)
         redis_server.start()
         procs = Processes(tmp_path)
-        backend = LocalBackend(redis_server.url, replica_args=REPLICA_ARGS, log_dir=tmp_path)
+        backend = LocalBackend(redis_server.url, replica_args=REPLICA_ARGS, log_dir=tmp_path, max_replicas=2)
         registry = RedisRegistry(redis_server.url)
         # Until the first replica has been measured: one replica, nothing else.
         manager = FleetManager(backend, registry, ScalingPolicy(ScalingBounds(1, 1), ScalingTarget(replica_rps=1.0)),
@@ -115,12 +125,14 @@ def test_the_fleet_adds_a_replica_ahead_of_a_ramp_and_drains_one_losing_nothing(
             procs.start("gateway", "gateway", "--redis", redis_server.url, "--database", database, "--port",
                         url.rsplit(":", 1)[1], "--log-level", "warning")
             wait_ready(url, timeout=180)  # the gateway is up and the fleet's first replica is live
-            target, rps = measure_and_set_targets(url, key, manager)
-            print(f"first replica ready and measured {time.monotonic() - began:.1f} s in: TTFT target "
-                  f"{target:.2f} s, {rps:.2f} replies/s per replica")
+            measuring = time.monotonic()
+            target, full = measure_and_set_targets(url, key, manager)
+            print(f"first replica ready and measured {time.monotonic() - began:.1f} s in (it started in "
+                  f"{manager.startup.seconds:.1f} s): TTFT target {target:.2f} s, {full:.2f} replies/s with its "
+                  f"seats full")
             watch = Watch(redis_server.url)
             watch.start()
-            streams = ramp_then_trickle(url, key, watch, rps)
+            streams, ramped, trickled = ramp_then_trickle(url, key, watch, full)
             watch.done.set()
         finally:
             thread.end()
@@ -128,68 +140,117 @@ def test_the_fleet_adds_a_replica_ahead_of_a_ramp_and_drains_one_losing_nothing(
             backend.stop(grace_s=30)
             procs.stop()
             redis_server.stop()
-        print(f"the fleet test took {time.monotonic() - began:.1f} s")
+            machine.done.set()
+        ended = time.monotonic()
+        print(f"the fleet test took {ended - began:.1f} s")
+    if paused := machine.paused(measuring, ended):
+        pytest.skip(f"this test's processes were stopped for {paused:.1f} s (heartbeats expired meanwhile): "
+                    "nothing it saw says anything")
     actions = [(round(at - began, 1), d.reason, d.target) for at, d in manager.decisions]
-    assert len(watch.first_seen) >= 2, (watch.first_seen, actions, procs.tails())
-    second = sorted(watch.first_seen.values())[1]
+    # What other processes took of the CPUs while the ramp was measured, and while the fleet drained.
+    others = {"ramp": machine.others(measuring, ramped), "drain": machine.others(ramped, trickled)}  # busiest 4 s
+    seen = sorted(watch.first_seen.values())
+    second = seen[1] if len(seen) > 1 else math.inf
     before = [s.ttft for s in streams if s.ttft is not None and s.started + s.ttft <= second]
     ttfts = [s.ttft for s in streams if s.ttft is not None]
-    print(f"actions {actions}; second replica live {second - began:.1f} s in; {len(before)} replies had their "
-          f"first token before it, TTFT p99 {p99(before or [0]):.2f} s; all {len(streams)}: p99 "
-          f"{p99(ttfts or [0]):.2f} s")
-    assert [a[1:] for a in actions[:2]] == [("minimum", 1), ("forecast", 2)], actions  # the forecast, not TTFT
-    assert len(before) >= 3, [(round(s.started - began, 1), s.ttft) for s in streams]  # one replica served a while
-    assert p99(before) < target, actions
-    assert watch.drained_at is not None and ("idle", 1) in [a[1:] for a in actions], actions
+    print(f"actions {actions}; second replica live {second - began:.1f} s in, {ramped - second:.1f} s before "
+          f"the ramp stopped; {len(before)} replies had their first token before it, TTFT p99 "
+          f"{p99(before or [0]):.2f} s; all {len(streams)}: p99 {p99(ttfts or [0]):.2f} s; other processes used "
+          f"{others['ramp']:.0%} of the CPUs in the busiest 4 s of the ramp, {others['drain']:.0%} of the drain")
+    print("replies by when they were sent (s in: sent, worst TTFT):", timeline(streams, began))
     for s in streams:  # nothing lost: the replies in flight on the drained replica finished elsewhere or there
         assert s.error is None and s.finish_reason in ("stop", "length"), (s, procs.tails())
         assert s.ids == list(range(1, len(s.ids) + 1)), s.ids
+    unchecked = []  # a phase whose check failed while other processes starved this test of CPU
+    for phase, check in (("ramp", lambda: scaled_up_in_time(seen, actions, before, target, streams, began)),
+                         ("drain", lambda: drained(watch, actions))):
+        try:
+            check()
+        except AssertionError as exc:
+            if others[phase] <= OTHERS_MAX:
+                raise
+            unchecked.append(f"the {phase} ({exc.args[0] if exc.args else exc}) while other processes took "
+                             f"{others[phase]:.0%} of the CPUs for a while")
+    if unchecked:  # a replica starved of CPU is slow whatever the fleet does, and a slow fleet is no idle one
+        pytest.skip(f"not checked: {'; '.join(unchecked)} (every reply was whole)")
+
+
+def scaled_up_in_time(seen: list[float], actions: list, before: list[float], target: float, streams: list[Stream],
+                      began: float) -> None:
+    assert len(seen) >= 2, "no second replica"
+    assert [a[1:] for a in actions[:2]] == [("minimum", 1), ("forecast", 2)], actions  # the forecast, not TTFT
+    assert len(before) >= 3, [(round(s.started - began, 1), s.ttft) for s in streams]  # one replica served a while
+    assert p99(before) < target, f"TTFT p99 {p99(before):.2f} s before the second replica was live, target {target:.2f} s"
+
+
+def drained(watch: Watch, actions: list) -> None:
+    assert watch.drained_at is not None and ("idle", 1) in [a[1:] for a in actions], ("no drain", actions)
+
+
+def timeline(streams: list[Stream], began: float, bucket_s: float = 2.0) -> str:
+    buckets: dict[int, list[float]] = {}
+    for s in streams:
+        buckets.setdefault(int((s.started - began) // bucket_s), []).append(s.ttft if s.ttft is not None else math.inf)
+    return " ".join(f"{k * bucket_s:.0f}: {len(v)}, {max(v):.2f}" for k, v in sorted(buckets.items()))
 
 
 def measure_and_set_targets(url: str, key: str, manager: FleetManager) -> tuple[float, float]:
     """Three replies one after another on the first replica, idle (the first pays first-use costs,
     not counted): the TTFT target is four times the idle TTFT (at least 1 s, and above the
-    first-use reply's, which the replica's 30 s TTFT p99 still holds), a replica is said to serve
-    two replies per idle reply time (it batches them). Then the bounds of the test: one to
-    two replicas, short cool-down and idle time, a lead of about a replica's start-up."""
+    first-use reply's, which the replica's 30 s TTFT p99 still holds). Then as many replies at
+    once as it has seats: what it finishes per second with its seats full (none waits for a seat,
+    so their TTFTs do not count against the target either). Then the bounds of the
+    test: one to two replicas, short cool-down and idle time, and no lead: the forecast looks as
+    far ahead as the manager measured the first replica took to start."""
     warm = [Stream(f"Say hello to visitor {i}.", max_tokens=4) for i in range(3)]
     for s in warm:
         stream(url, key, s)
         assert s.error is None, s.error
     ttft = statistics.median(s.ttft for s in warm[1:])
-    reply_s = statistics.median(s.times[-1] - s.started for s in warm[1:])
     target = max(1.0, 4 * ttft, 1.5 * max(s.ttft for s in warm))
-    rps = 2.0 / reply_s
-    manager.forecaster = HoltForecaster()
+    burst = [Stream(f"Tell me about the market town number {i}.", max_tokens=TOKENS) for i in range(SEATS)]
+    threads = [threading.Thread(target=stream, args=(url, key, s)) for s in burst]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(s.error is None for s in burst), [s.error for s in burst]
+    full = len(burst) / (max(s.times[-1] for s in burst) - min(s.started for s in burst))
+    manager.forecaster = HoltForecaster(alpha=0.5, beta=0.3)  # a ramp of seconds, not minutes
     manager.meter = ArrivalMeter()
     manager.policy = ScalingPolicy(ScalingBounds(1, 2, step=1, cooldown_s=2, idle_s=4),
-                                   ScalingTarget(replica_rps=rps, ttft_target_s=target, lead_s=10))
-    return target, rps
+                                   ScalingTarget(replica_rps=SERVES * full, ttft_target_s=target, lead_s=0))
+    return target, full
 
 
-def ramp_then_trickle(url: str, key: str, watch: Watch, rps: float) -> list[Stream]:
-    """Replies arriving at a rising rate until the second replica is live (or the ramp ends), then
-    a trickle of longer ones until a replica has drained and a few seconds more."""
+def ramp_then_trickle(url: str, key: str, watch: Watch, full: float) -> tuple[list[Stream], float, float]:
+    """Replies arriving at a rising rate until the second replica is live (or the rate is twice
+    what a full replica finishes), then a trickle until a replica has drained and a few seconds
+    more. Returns the replies, and when the ramp and the trickle stopped."""
     streams: list[Stream] = []
     threads: list[threading.Thread] = []
 
-    def send(max_tokens: int) -> None:
-        s = Stream(f"Tell me about the harbour town number {len(streams)}.", max_tokens=max_tokens)
+    def send() -> None:
+        s = Stream(f"Tell me about the harbour town number {len(streams)}.", max_tokens=TOKENS)
         streams.append(s)
         threads.append(threading.Thread(target=stream, args=(url, key, s), daemon=True))
         threads[-1].start()
 
     start = time.monotonic()
-    while (t := time.monotonic() - start) < RAMP_S * 3 and len(watch.first_seen) < 2:
-        send(4)
-        time.sleep(1.0 / (rps * (0.5 + 0.5 * min(1.0, t / RAMP_S))))
-    deadline, drained_for = time.monotonic() + 120, None
+    while (rate := full * (RAMP_FROM + (time.monotonic() - start) / RAMP_S)) < 2 * full and len(watch.first_seen) < 2:
+        send()
+        time.sleep(1.0 / rate)
+    ramped = time.monotonic()
+    deadline, drained_for = time.monotonic() + 60, None
     while time.monotonic() < deadline and (drained_for is None or time.monotonic() < drained_for):
-        send(12)
-        if watch.drained_at is not None and drained_for is None:
-            drained_for = time.monotonic() + 3  # replies that began on the leaving replica, and after
-        watch.drained.wait(1.0 / (rps * TRICKLE))
+        send()
+        interval = 1.0 / (SERVES * full * TRICKLE)
+        if drained_for is not None:
+            time.sleep(interval)
+        elif watch.drained.wait(interval):  # wakes at the drain: replies that begin as the replica leaves
+            drained_for = time.monotonic() + 3  # and after it
+    trickled = time.monotonic()
     for thread in threads:
         thread.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a stream never ended"
-    return streams
+    return streams, ramped, trickled

@@ -11,14 +11,17 @@ import pytest
 
 from fairway.fleet import (
     FleetConfigError,
+    FleetManager,
     FleetView,
     HoltForecaster,
     ScalingBounds,
     ScalingPolicy,
     ScalingTarget,
 )
+from fairway.fleet.local import LocalBackend
 from fairway.fleet.signals import ArrivalMeter, FleetSample
-from fairway.replica.registry import ReplicaInfo
+from fairway.fleet.startup import StartupMeter
+from fairway.replica.registry import InProcessRegistry, ReplicaInfo
 
 
 def test_holt_sees_a_ramp_coming():
@@ -112,3 +115,38 @@ def test_arrivals_are_the_growth_of_the_replicas_counts():
     # 3 jobs moved from b's queue to a's (b drains): no arrival; c is new: no baseline yet
     assert meter.rate(sample(3, a=9, b=9, c=40)) == (0.0, 1)
     assert meter.rate(sample(4, a=10, b=9, c=43)) == (4.0, 1)
+
+
+def test_a_replicas_start_up_is_measured_from_the_ask_to_ready():
+    """From the counts the backend reports: each ask ends when the ready count rises (the longest of
+    the latest is the estimate), or, when a starting replica leaves without getting ready, is
+    dropped unmeasured."""
+    meter = StartupMeter()
+    meter.seen(0, desired=0, ready=0)
+    meter.asked(0, 1)
+    meter.seen(1, desired=1, ready=0)
+    assert meter.seconds is None  # still starting
+    meter.seen(9, desired=1, ready=1)
+    assert meter.seconds == 9
+    meter.asked(20, 1)
+    meter.seen(40, desired=2, ready=2)
+    assert meter.seconds == 20  # the longest of the latest
+
+    meter = StartupMeter()
+    meter.seen(0, desired=0, ready=0)
+    meter.asked(0, 2)
+    meter.seen(3, desired=2, ready=1)  # one of the two
+    meter.seen(30, desired=1, ready=1)  # the other left before it got ready: not a start-up
+    assert meter.seconds == 3
+
+
+def test_the_forecast_looks_as_far_ahead_as_replicas_took_to_start():
+    policy = ScalingPolicy(ScalingBounds(1, 4), ScalingTarget(replica_rps=1.0, lead_s=5))
+    manager = FleetManager(LocalBackend("redis://127.0.0.1:1"), InProcessRegistry(), policy, interval_s=1.0)
+    assert manager.horizon_s == 5  # nothing measured: the lead
+    manager.startup.asked(0, 1)
+    manager.startup.seen(3, desired=1, ready=1)
+    assert manager.horizon_s == 5  # started sooner than the lead
+    manager.startup.asked(10, 1)
+    manager.startup.seen(22, desired=2, ready=2)
+    assert manager.horizon_s == 13  # its start-up and a tick

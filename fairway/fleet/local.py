@@ -2,11 +2,20 @@
 them), each with its health endpoint on a port of its own (fairway/replica/health.py: nothing
 listens while the model loads, /ready 200 while it serves, 503 once it drains). A drain is a
 SIGTERM (the replica's graceful drain); a replica SIGTERMed by anyone else (a spot reclaim's
-notice, an operator) answers 503 and no longer counts, so the policy replaces it first."""
+notice, an operator) answers 503 and no longer counts, so the policy replaces it first.
+
+Replicas on one machine share its CPUs: each gets `threads` of them (OMP_NUM_THREADS), by
+default this machine's CPUs over max_replicas. Left to itself every replica runs a thread per
+CPU, and the fleet's replicas then oversubscribe the CPUs: the engine's kernels are OpenMP
+regions that end only when their last thread does, so a replica whose thread is descheduled for
+another replica's (or a loading replica's) waits a whole time slice per region, many times a
+step: a replica starting beside a lightly loaded one multiplied that one's TTFT many times over
+(bench/README.md, "The local fleet's CPUs")."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import socket
 import subprocess
@@ -36,6 +45,8 @@ class LocalBackend(Backend):
     replica_args: list[str] = field(default_factory=list)  # passed on to every `fairway replica`
     log_dir: Path | None = None  # each replica's output to ID.log here; None: this process's
     host: str = "127.0.0.1"
+    max_replicas: int = 1  # the most this backend will run at once: they share this machine's CPUs
+    threads: int | None = None  # CPU threads per replica; None: this machine's CPUs over max_replicas
     name: str = "local"
     _run: str = field(default_factory=lambda: uuid.uuid4().hex[:6])
     _started: int = 0
@@ -57,7 +68,8 @@ class LocalBackend(Backend):
             log = open(self.log_dir / f"{replica_id}.log", "ab") if self.log_dir else None  # noqa: SIM115
             proc = fairway_process("replica", "--redis", self.redis, "--namespace", self.namespace, "--replica-id",
                                    replica_id, "--health-host", self.host, "--health-port", str(port),
-                                   *self.replica_args, log=log)
+                                   *self.replica_args, log=log,
+                                   env={"OMP_NUM_THREADS": str(self.threads_per_replica)})
             if log is not None:
                 log.close()  # the child has its own descriptor
             self._replicas[replica_id] = _Replica(replica_id, port, proc)
@@ -69,6 +81,12 @@ class LocalBackend(Backend):
         chosen = self._replicas.get(replica_id or "") or candidates[-1]  # else the newest
         send_signal(chosen.proc, signal.SIGTERM)
         self._leaving.append(self._replicas.pop(chosen.id))
+
+    @property
+    def threads_per_replica(self) -> int:
+        if self.threads is not None:
+            return self.threads
+        return max(1, len(os.sched_getaffinity(0)) // max(1, self.max_replicas))
 
     @property
     def ids(self) -> list[str]:

@@ -57,6 +57,8 @@ FLEET_REPLICAS = Gauge("fairway:fleet_replicas", "The fleet manager's replicas: 
                        "ready, serving (announced, not draining).", ["state"])
 FLEET_ARRIVALS = Gauge("fairway:fleet_arrivals_per_second", "Replies arriving per second over the fleet "
                        "(last sample), and the forecast the manager scales for.", ["kind"])
+FLEET_HORIZON = Gauge("fairway:fleet_forecast_horizon_seconds", "How far ahead the fleet manager's forecast "
+                      "looks: --lead, or the replicas' measured start-up time plus a tick when longer.")
 FLEET_SCALING = Counter("fairway:fleet_scaling", "Scaling actions of the fleet manager.", ["direction", "reason"])
 FLEET_HOLDING = Gauge("fairway:fleet_holding", "1 while the fleet manager keeps the fleet as it is because a "
                       "source of its signals does not answer (label source: registry, backend).", ["source"])
