@@ -89,27 +89,27 @@ def test_matches_float64_with_the_dequantized_weights(qtype, isa, dtype, rows, n
 @needs_kernel
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
-    """bf16 activations, one row alone (the register kernels) or among up to 16 (a speculative
-    verification, a decode batch; AMX tiles from a few): the same block sums but for the order of
+    """bf16 activations, one row alone (the register kernels) or among up to 48 (a speculative
+    verification of several sequences, a decode batch; AMX tiles from a few, 16 rows a pass): the same block sums but for the order of
     float32 additions, so at most one bf16 rounding step apart, and the same bits among any number
     of rows on one path."""
     layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, torch.bfloat16)
-    x = case(qtype, 100, 128, 16, seed=1)[1].to(torch.bfloat16)
-    alone = torch.cat([layer(x[i:i + 1]) for i in range(16)]).float()
+    x = case(qtype, 100, 128, 48, seed=1)[1].to(torch.bfloat16)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(48)]).float()
     batch = layer(x).float()
     assert ((batch - alone).abs() <= alone.abs() * 2 ** -7 + 1e-6).all()
     for rows in (2, 5) if kernel.isas & QuantKernels.AMX else (2, 5, 6, 16):
         assert torch.equal(layer(x[:rows]).float(), alone[:rows]), rows
-    for rows in (6, 13):  # AMX where there is some
+    for rows in (6, 13, 17, 40):  # AMX where there is some
         assert torch.equal(layer(x[:rows]).float(), batch[:rows]), rows
 
 
 @needs_kernel
 @pytest.mark.skipif(kernel is None or not kernel.isas & QuantKernels.AMX, reason="no AMX here")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
-@pytest.mark.parametrize("rows", [17, 40, 64])
-def test_past_a_tile_the_outputs_are_the_dequantized_models(qtype, rows):
-    """More rows than a tile (a prefill, a big batch): AMX multiplies the weights unpacked to bf16
+@pytest.mark.parametrize("rows", [49, 64, 100])
+def test_past_48_rows_the_outputs_are_the_dequantized_models(qtype, rows):
+    """More rows than a verification of several sequences takes (a prefill): AMX multiplies the weights unpacked to bf16
     panel by panel, the very weights --weights dequantized holds, so the outputs are its AMX
     kernel's to the bit."""
     from fairway.models.cpu_kernels import amx_linear, bf16_linear

@@ -36,7 +36,7 @@ KEY = "sk-web-page-test"
 # The output check's test term: the end of the bundled model's first greedy sentence about cats
 # (bf16, native weights). Any change to the kernels' arithmetic can change that sentence: then
 # pick a word of the new one (tests/test_web_page.py fails at step 2 of the safety test).
-FLAGGED_WORD = "kingdom"
+FLAGGED_WORD = "feline"
 TIMEOUT_MS = 60_000  # generous: other tests load the same 2 CPU cores
 
 

@@ -2,7 +2,8 @@
  * batched decode step, a speculative verification or a prefill, with bf16 activations. Two ways,
  * by the number of rows:
  *
- * Up to a tile (QUANT_AMX_EXACT_ROWS), the exact sums (quant_amx_sums): the AVX512F path takes,
+ * Up to QUANT_AMX_EXACT_ROWS (48: a verification of several sequences' drafts), the exact sums
+ * (quant_amx_sums), a tile's 16 rows a pass: the AVX512F path takes,
  * per row, column and block of 32, the float32 sum of x * q over the block (q the 4- or 8-bit
  * value as an integer: exact in bf16, and each product exact in float32), then adds d * sum (and
  * m * sum x, Q4_1) to the row's total. Here TDPBF16PS takes the block sums for the rows at once
@@ -13,7 +14,7 @@
  * blocks' sums, and the rows are scaled from the stored tiles into float32 totals, so the four
  * products overlap and each row's totals are read and written once per four blocks.
  *
- * Past a tile, the dequantized weights (quant_amx_wide): the scaling above is a float32 FMA per
+ * Past those, the dequantized weights (quant_amx_wide): the scaling above is a float32 FMA per
  * row, column and block, as many as the tile does in 1/32 of the time; it would bound a prefill.
  * Instead each thread unpacks two panels at a time to bf16 weights, d * q (+ m) rounded to the
  * nearest, which are the very weights `--weights dequantized` holds, into a buffer laid out as
@@ -33,7 +34,8 @@
 #define Q4_0 2
 #define Q4_1 3
 #define Q8_0 8
-#define QUANT_AMX_EXACT_ROWS 16
+#define QUANT_AMX_EXACT_ROWS 48 /* in passes of a tile's 16 rows */
+#define TILE_ROWS 16
 
 int amx_linear_available(void);
 
@@ -186,7 +188,8 @@ static int takes(int m, int n, int k, int qt) {
            quant_amx_available();
 }
 
-/* Up to 16 rows. x: [m, k] bf16 with its block sums sx [m][k/32] (float32, as quant_linear.c takes
+/* Up to QUANT_AMX_EXACT_ROWS rows, in passes of 16 (so a row's sums are the same bits whatever the
+ * rows beside it, up to a speculative verification of several sequences). x: [m, k] bf16 with its block sums sx [m][k/32] (float32, as quant_linear.c takes
  * them); packed: quant_linear.c's panels of a [n, k] weight of type qt. out: [m, n] float32, the
  * totals before rounding to bf16. Returns 0, -1 for what it does not take (everything without
  * AMX), -2 out of memory. */
@@ -203,9 +206,14 @@ int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, fl
         if (B == NULL) {
             failed = 1;
         } else {
-            amx_configure(m);
-            run_exact(x, m, n, k, sx, packed, qt, out, (int)((int64_t)panels * t / nt),
-                      (int)((int64_t)panels * (t + 1) / nt), B);
+            const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+            const int nb = k / QK;
+            for (int r0 = 0; r0 < m; r0 += TILE_ROWS) { /* each pass: a tile's rows, the same sums */
+                const int rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+                amx_configure(rows);
+                run_exact(x + (int64_t)r0 * k, rows, n, k, sx + (int64_t)r0 * nb, packed, qt, out + (int64_t)r0 * n,
+                          p0, p1, B);
+            }
             _tile_release();
             free(B);
         }
@@ -217,7 +225,7 @@ int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, fl
 #endif
 }
 
-/* More than 16 rows. x: [m, k] bf16; y: [m, n] bf16, with the dequantized weights (above).
+/* More than QUANT_AMX_EXACT_ROWS rows. x: [m, k] bf16; y: [m, n] bf16, with the dequantized weights (above).
  * Returns 0, -1 for what it does not take, -2 out of memory. */
 int quant_amx_wide(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
                    int num_threads) {

@@ -18,8 +18,8 @@
  * Paths, chosen at run time by what the CPU reports (quant_isas): AVX512-BF16 (bf16 activations),
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
  * vector); and for bf16 activations from QUANT_AMX_MIN_ROWS rows, AMX tiles (quant_amx.c), which
- * up to a tile's 16 rows take each block's sum as the AVX512F path does but for the order of the
- * float32 additions, and past it multiply the weights dequantized to bf16 panel by panel. The
+ * up to 48 rows take each block's sum as the AVX512F path does but for the order of the float32
+ * additions, and past them multiply the weights dequantized to bf16 panel by panel. The
  * file is built with -march=native but each path carries its own target attribute, so it compiles
  * on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
  * and Python keeps the dequantized weights. Built with the other kernels by cpu_kernels.py.
@@ -41,7 +41,7 @@
 #define ISA_AVX512BF16 4
 #define ISA_AMX 8 /* bf16 activations: the AVX512F path's sums on AMX tiles (quant_amx.c) from QUANT_AMX_MIN_ROWS */
 #define QUANT_AMX_MIN_ROWS 6
-#define QUANT_AMX_EXACT_ROWS 16 /* past it AMX runs on the dequantized weights (quant_amx.c) */
+#define QUANT_AMX_EXACT_ROWS 48 /* past it AMX runs on the dequantized weights (quant_amx.c) */
 
 int quant_amx_available(void);
 int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, float *out, int m, int n, int k, int qt,
