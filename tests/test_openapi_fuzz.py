@@ -23,6 +23,8 @@ from schemathesis.specs.openapi.checks import (
 )
 from serving import MODEL, TEST_KEYS, ThreadServer, headers, wait_ready
 
+from fairway.gateway.body_size import MAX_BODY_BYTES
+
 
 def subnormals_back() -> None:
     """Fairway's native kernels are built with -ffast-math, whose startup code turns on flush-to-zero
@@ -125,5 +127,9 @@ def test_every_route_answers_as_its_schema_says(case, server, real_ids):
     if (getattr(case, "media_type", None) or "").startswith("multipart/"):
         # A multipart body cannot carry a null or an array: what the generator means as one (an
         # invalid file or purpose) arrives as a valid part ("null"), so it is rightly accepted.
+        checks = [check for check in CHECKS if check is not negative_data_rejection]
+    elif isinstance(case.body, dict | list) and len(json.dumps(case.body).encode()) > MAX_BODY_BYTES:
+        # Past the body limit the edge answers 413 before reading it (documented), whatever else
+        # is wrong with it: a rejection schemathesis's list of statuses does not name.
         checks = [check for check in CHECKS if check is not negative_data_rejection]
     case.call_and_validate(base_url=server.url, headers=headers(), checks=checks, timeout=60)
