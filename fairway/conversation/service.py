@@ -331,21 +331,26 @@ class ConversationService:
 
     async def _check_input(self, req: TurnRequest, conversation: Conversation | None,
                            new: list[ChatMessage]) -> None:
-        """Classify the new user message (only it: the history was checked when it was new) and, if
-        it is flagged, store it with status flagged and raise InputFlagged."""
+        """Classify the request's new user messages (only they: the stored history was checked
+        when it was new; usually one, but a client may send history the store has not seen) and,
+        if any is flagged, store the turn flagged (each flagged message with its categories, the
+        last one with all of them: nothing answers it) and raise InputFlagged."""
         assert self.moderator is not None
-        text = next((m["content"] for m in reversed(new) if m["role"] == "user"), None)
-        if text is None:  # a turn of tool results only: no new words of the user's to check
+        users = [i for i, m in enumerate(new) if m["role"] == "user"]
+        if not users:  # a turn of tool results only: no new words of the user's to check
             return
-        result = await self.moderator.moderate_one(text, "input")
-        if not result.flagged:
+        results = await self.moderator.moderate([new[i]["content"] for i in users], "input")
+        if not any(r.flagged for r in results):
             return
+        result = self.moderator.combined(results)
         new_conversation = conversation is None
         conversation = conversation or self._new_conversation(req)
+        earlier = {i: r.flagged_categories for i, r in zip(users, results, strict=True)
+                   if r.flagged and i != len(new) - 1}
         try:
             message, _ = await self.store.store_turn(NewTurn(
                 conversation, new_conversation, [_stored(m) for m in new], req.client_key, flagged=True,
-                flagged_categories=result.flagged_categories))
+                flagged_categories=result.flagged_categories, flagged_earlier=earlier))
         except DuplicateClientKey as dup:  # the same refused message, sent again
             message = dup.existing
         raise InputFlagged(result, conversation.id, message.id)

@@ -427,12 +427,12 @@ class SqlConversationStore(ConversationStore):
         # costs the gateway CPU and a round trip (on SQLite, a hop to the connection's thread and
         # back).
         conv = turn.conversation
+        last = len(turn.messages) - 1
+        flagged = {**turn.flagged_earlier, last: turn.flagged_categories} if turn.flagged else {}
         msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(item[0]), text=item[1],
-                        client_key=turn.client_key if i == len(turn.messages) - 1 else None,
-                        status=MessageStatus.FLAGGED if turn.flagged and i == len(turn.messages) - 1
-                        else MessageStatus.COMPLETE, created_at=now(), tools=item[2] if len(item) > 2 else None,
-                        flagged_categories=list(turn.flagged_categories) or None
-                        if turn.flagged and i == len(turn.messages) - 1 else None)
+                        client_key=turn.client_key if i == last else None,
+                        status=MessageStatus.FLAGGED if i in flagged else MessageStatus.COMPLETE, created_at=now(),
+                        tools=item[2] if len(item) > 2 else None, flagged_categories=list(flagged.get(i, ())) or None)
                 for i, item in enumerate(turn.messages)]
         reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id,
                       state=ReplyState.SHED if turn.shed else ReplyState.QUEUED, replica_id=turn.replica_id,

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +53,9 @@ class NewTurn:
     """What starting one turn writes, all or nothing (ConversationStore.store_turn): the
     conversation when it is new, the request's messages in order (the last is the user's and
     carries client_key) and the queued reply that answers it; a flagged turn (the input check
-    refused its message) stores its last message with status flagged and no reply; a shed one
-    stores its reply SHED."""
+    refused it) stores its last message with status flagged and no reply, and any earlier
+    message the check flagged (in flagged_earlier) with status flagged too, so that no later
+    context holds it; a shed one stores its reply SHED."""
 
     conversation: Conversation
     new_conversation: bool
@@ -65,6 +66,8 @@ class NewTurn:
     job: dict[str, Any] = field(default_factory=dict)
     flagged: bool = False
     flagged_categories: Sequence[str] = ()  # a flagged turn's: what the input check flagged it for
+    # A flagged turn's earlier messages that the check flagged themselves: index in messages -> categories.
+    flagged_earlier: Mapping[int, Sequence[str]] = field(default_factory=dict)
     shed: bool = False  # refused at capacity: the reply is stored SHED (final) at once
 
 

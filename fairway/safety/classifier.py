@@ -65,6 +65,15 @@ class Moderator:
     async def moderate_one(self, text: str, stage: Stage = "api") -> ModerationResult:
         return (await self.moderate([text], stage))[0]
 
+    def combined(self, results: Sequence[ModerationResult]) -> ModerationResult:
+        """One result for several texts judged together (one turn's messages): the highest score
+        per category, so a category is flagged when it is in any of them."""
+        scores: Scores = {}
+        for result in results:
+            for category, score in result.category_scores.items():
+                scores[category] = max(score, scores.get(category, 0.0))
+        return judged(scores, self.thresholds)
+
 
 def _with_parents(scores: Scores) -> Scores:
     for category, score in list(scores.items()):
