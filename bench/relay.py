@@ -585,11 +585,15 @@ TOPICS = ["the sea", "volcanoes", "the Roman empire", "bread baking", "jazz", "c
           "the moon", "trains", "coffee", "origami", "whales", "deserts", "typography", "bicycles"]
 
 
+NO_FINISH = (b'"finish_reason": null', b'"finish_reason":null')  # a token event's (the final one names its reason)
+
+
 async def model_level(port: int, concurrency: int, tokens: int, model: str = MODEL,
                       extra: dict[str, Any] | None = None) -> dict[str, Any]:
     ttfts: list[float] = []
     gaps: list[float] = []
     counts: list[int] = []
+    endings: dict[str, int] = {}  # finish_reason -> replies (a safety check may end one early)
 
     async def one(i: int) -> None:
         topic = TOPICS[i % len(TOPICS)]
@@ -600,11 +604,14 @@ async def model_level(port: int, concurrency: int, tokens: int, model: str = MOD
         times: list[float] = []
 
         def on_event(data: bytes, received: float) -> None:
-            if b'"content"' not in data:
+            ends = b'"finish_reason"' in data and not any(null in data for null in NO_FINISH)
+            if b'"content"' not in data and not ends:
                 return
             choice = (json.loads(data).get("choices") or [{}])[0]
             if (choice.get("delta") or {}).get("content") and choice.get("finish_reason") is None:
                 times.append(received)
+            if choice.get("finish_reason"):
+                endings[choice["finish_reason"]] = endings.get(choice["finish_reason"], 0) + 1
 
         await stream_chat(port, body, on_event)
         if times:
@@ -625,6 +632,7 @@ async def model_level(port: int, concurrency: int, tokens: int, model: str = MOD
         "itl_p99_ms": round(percentile(gaps, 0.99) * 1000, 1),
         "aggregate_tokens_per_s": round(sum(counts) / wall, 1),
         "wall_s": round(wall, 1),
+        "finish_reasons": endings,
     }
 
 
