@@ -15,7 +15,7 @@ Only the new message is classified (the history was checked when it was new); th
 classifying the whole context is printed beside it. p50 / p99 over `--samples` checks, with the
 policy and alt-profanity-check. Also the per-sentence cost of the output check's classifier.
 
-    .venv/bin/python bench/safety.py            # ~4 min on 2 cores
+    .venv/bin/python bench/safety.py            # ~1 min on 2 idle cores (far longer on a busy machine)
     .venv/bin/python bench/safety.py --quick    # smoke run: 4 chats of 32 tokens, one round
     .venv/bin/python bench/safety.py --classifiers-only   # part 2 alone (seconds)
 
