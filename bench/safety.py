@@ -74,7 +74,8 @@ async def bench_holdback(args: argparse.Namespace, workdir: Path) -> dict[str, A
                 rounds[name].append(level)
                 print(f"  round {r + 1} {name:19s} TTFT p50 {level['ttft_p50_s']:.2f} s p99 {level['ttft_p99_s']:.2f} s"
                       f"  delay p50 {level['itl_p50_ms']:.0f} ms p99 {level['itl_p99_ms']:.0f} ms"
-                      f"  {level['aggregate_tokens_per_s']:.1f} tokens/s ({level['tokens']} tokens)", flush=True)
+                      f"  {level['aggregate_tokens_per_s']:.1f} tokens/s ({level['tokens']} tokens; ends: "
+                      f"{', '.join(f'{n} {why}' for why, n in sorted(level['finish_reasons'].items()))})", flush=True)
     finally:
         for proc, _ in servers.values():
             proc.terminate()

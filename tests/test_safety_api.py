@@ -30,7 +30,7 @@ CATS = "Tell me about cats."
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from fairway.assembly import ServerOptions
+    from fairway.assembly import ServerOptions, build_engine
     from fairway.safety import DEFAULT_POLICY, SafetySettings
 
     tmp = tmp_path_factory.mktemp("safety")
@@ -39,7 +39,9 @@ def server(tmp_path_factory):
                                                           f'terms = ["{FLAGGED_WORD}", "with him in it"'))
     options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
-    with embedded_server(options) as server:
+    engine = build_engine(options)
+    with embedded_server(options, engine) as server:
+        server.engine = engine  # its KV blocks: a flagged reply's are freed at once
         yield server
 
 
@@ -147,7 +149,8 @@ def test_a_reply_that_turns_flagged_ends_with_content_filter_and_keeps_what_was_
         events = list(sse_events(r))
     # The replica dropped the sequence at the flag (its blocks freed): nothing generates on towards
     # the 300 tokens it was allowed.
-    wait_for(lambda: metric(http, "fairway:num_requests_running") == 0, timeout=3)
+    wait_for(lambda: metric(http, "fairway:num_requests_running") == 0 and server.engine.kv.num_used_blocks == 0,
+             timeout=3)
     reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
     final = next(e for e in events if e.finish_reason)
     assert final.finish_reason == "content_filter"
@@ -157,8 +160,11 @@ def test_a_reply_that_turns_flagged_ends_with_content_filter_and_keeps_what_was_
     assert FLAGGED_WORD not in "".join(str(e.data) for e in events).lower()  # nothing of the flagged one
     assert events[-1].data == "[DONE]"
 
-    reply = wait_for(lambda: (body := http.get(f"/v1/replies/{reply_id}").json())["state"] == "FLAGGED" and body)
+    reply = wait_for(lambda: (body := http.get(f"/v1/replies/{reply_id}").json())["state"] == "FLAGGED"
+                     and body["usage"] and body)
     assert reply["finish_reason"] == "content_filter"
+    # Generated: what was released and the flagged sentence (one of ~20 tokens), not on towards 300.
+    assert reply["usage"]["completion_tokens"] < sum(1 for e in events if e.content) + 60
     message = next(m for m in http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
                    if m.get("reply_id") == reply_id)
     assert message["status"] == "flagged" and message["content"] == text

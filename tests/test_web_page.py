@@ -37,6 +37,9 @@ KEY = "sk-web-page-test"
 # (bf16, native weights). Any change to the kernels' arithmetic can change that sentence: then
 # pick a word of the new one (tests/test_web_page.py fails at step 2 of the safety test).
 FLAGGED_WORD = "feline"
+# The same for the default output check's server (held_server): a word of the second greedy
+# sentence about cats, as in tests/test_safety_api.py, so the first sentence passes and is shown.
+HELD_WORD = "domesticated"
 TIMEOUT_MS = 60_000  # generous: other tests load the same 2 CPU cores
 
 
@@ -178,6 +181,27 @@ def server(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def held_server(tmp_path_factory):
+    """The embedded server (gateway, relay, replica worker, the bundled model) with the default
+    output check, check-then-release: each sentence is held back until it passes; its policy is
+    the bundled one plus HELD_WORD."""
+    from serving import embedded_server
+
+    from fairway.assembly import ServerOptions
+    from fairway.safety import DEFAULT_POLICY, SafetySettings
+    from fairway.safety.profanity import available
+
+    work = tmp_path_factory.mktemp("web-held")
+    policy = work / "policy.toml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
+                                                          f'terms = ["{HELD_WORD}", "with him in it"'))
+    options = ServerOptions(database=f"sqlite:///{work / 'fairway.db'}", api_keys=[(KEY, "web-user", "paid")],
+                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
+    with embedded_server(options) as server:
+        yield server.url
 
 
 @pytest.fixture
@@ -440,6 +464,32 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
                                             "(illicit, illicit/violent)"],
                         ["user", "complete", None],
                         ["assistant", "flagged", "stopped by the content filter (violence)"]]
+    assert not errors, errors
+
+
+def test_chat_page_never_shows_a_held_back_flagged_sentence(held_server, browser_context):
+    """The default output check: a flagged sentence never reaches the page, not even for a moment;
+    the sentences before it stay, marked with what stopped the reply."""
+    page = open_chat(browser_context, held_server)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.route("**/v1/chat/completions", lambda route: route.continue_(
+        post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "temperature": 0})))
+    page.evaluate(RECORDER)
+
+    send(page, "Tell me about cats.", max_tokens=120)
+    page.wait_for_selector("#messages .msg.assistant[data-status=flagged] .badge.flagged", timeout=2 * TIMEOUT_MS)
+    assistant = page.locator("#messages .msg.assistant").last
+    assert assistant.locator(".badge").text_content() == "stopped by the content filter (violence)"
+    shown = assistant.locator(".body").text_content()
+    assert shown.startswith("Cats are") and shown.rstrip().endswith(".")  # the first sentence, whole
+    states = page.evaluate("window.__replyTexts")  # every text the reply showed, in order
+    assert states and not any(HELD_WORD in state.lower() for state in states), states
+    page.wait_for_selector("#conversations li.active")
+    conversation_id = page.locator("#conversations li.active").get_attribute("data-id")
+    stored = stored_message(held_server, conversation_id, assistant.get_attribute("data-reply-id"))
+    assert stored["status"] == "flagged" and stored["content"] == shown
+    assert stored["flagged_categories"] == ["violence"]
     assert not errors, errors
 
 
