@@ -155,7 +155,8 @@ def server(tmp_path_factory):
     bundled one plus an operator's term, FLAGGED_WORD, that the model writes about cats. The output
     check releases first and checks after (release-then-check), so the page gets every token as
     it comes (what the streaming test watches); the default hold-back, which sends a sentence at
-    a time and never the flagged one, is tested over the API (tests/test_safety_api.py)."""
+    a time and never the flagged one, is tested on held_server (and over the API in
+    tests/test_safety_api.py)."""
     from fairway.safety import DEFAULT_POLICY
 
     work = tmp_path_factory.mktemp("web")
