@@ -62,14 +62,20 @@ def test_a_long_conversation_costs_each_turn_only_its_new_messages(real_tokenize
         history += [*new, {"role": "assistant", "content": f"Part {i} of the answer."}]
 
 
+MEMORIES = [{"role": "system", "content": "What you remember about the user:\n- User is allergic to peanuts."}]
+
+
 def test_next_turn_starts_with_this_turns_prompt_and_reply(real_tokenizer):
-    """The property the prefix cache needs: turn N+1's prompt = turn N's prompt + its reply + more."""
+    """The property the prefix cache needs: turn N+1's prompt = turn N's prompt + its reply + more,
+    with the conversation's memory block after the stable system text and before the history."""
     builder = ContextBuilder(real_tokenizer, window=4096)
     history: list[dict[str, str]] = []
     previous: list[int] | None = None
     for i in range(5):
         new = [{"role": "user", "content": f"Turn {i}: tell me more."}]
-        context = builder.build([SYSTEM], history, new, max_tokens=64)
+        context = builder.build([SYSTEM], history, new, max_tokens=64, memories=MEMORIES)
+        assert context.messages == [SYSTEM, *MEMORIES, *history, *new]
+        assert context.prompt_token_ids == real_tokenizer.chat_prompt_ids(context.messages)
         if previous is not None:
             assert context.prompt_token_ids[: len(previous)] == previous
         reply = f"Here is more, part {i}."

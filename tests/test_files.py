@@ -5,6 +5,7 @@ real model: a PDF's page-3 fact reaches the context of a conversation that attac
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -28,11 +29,13 @@ from fairway.files.extract import ExtractionFailed, ExtractLimits, chunk_pages, 
 from fairway.files.objects import LocalObjectStore, S3ObjectStore
 from fairway.files.service import FileRejected, FileService, FileSettings
 from fairway.files.source import FileSource
+from fairway.files.speech import speech_available
 from fairway.files.store import FileStore
 from fairway.retrieval import CONVERSATION_CHUNKS, FILE_CHUNKS, SqlVectorIndex
 
 pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
 
+DATA = Path(__file__).parent / "data"
 FACT = "The access code for the Zebra warehouse is PURPLE-MONKEY-42."
 PAGES = ["Quarterly report. Sales grew in the north region and shrank in the south. " * 8,
          "Staffing. The team hired four engineers and one designer this quarter. " * 8,
@@ -48,7 +51,7 @@ def test_content_is_sniffed_not_trusted_from_the_name():
     assert kinds.sniff(b"RIFF\x24\x00\x00\x00WAVEfmt ", "a.txt") == "audio/wav"
     assert kinds.sniff(b"\x00\x00\x00\x20ftypM4A \x00\x00", "voice.bin") == "audio/mp4"
     assert kinds.sniff(b"\x1a\x45\xdf\xa3\x9f\x42\x86\x81", "note") == "audio/webm"
-    assert all(kind in kinds.AUDIO for kind in ("audio/mp4", "audio/webm"))  # 415: no speech model
+    assert all(kind in kinds.AUDIO for kind in ("audio/mp4", "audio/webm"))  # 415: only WAV is transcribed
     assert kinds.sniff(b"\x00\x01\x02binary\x00", "a.txt") == "application/octet-stream"
 
 
@@ -117,9 +120,9 @@ async def test_upload_processes_and_is_per_user(files: FileService):
     with pytest.raises(FileRejected) as big:
         await files.upload("u1", "big.txt", b"a" * (300 << 10), "multimodal_input")
     assert (big.value.status, big.value.code) == (413, "file_too_large")
-    with pytest.raises(FileRejected) as audio:
-        await files.upload("u1", "talk.wav", b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 64, "multimodal_input")
-    assert audio.value.status == 415 and "speech model" in audio.value.message
+    with pytest.raises(FileRejected) as ogg:  # audio, but not a type this server decodes
+        await files.upload("u1", "talk.wav", b"OggS\x00\x02" + b"\x00" * 64, "multimodal_input")
+    assert ogg.value.status == 415 and "convert this audio/ogg file to WAV" in ogg.value.message
     with pytest.raises(FileRejected) as binary:
         await files.upload("u1", "x.txt", b"\x7fELF\x02\x01\x00\x00" * 10, "multimodal_input")
     assert binary.value.status == 415
@@ -184,6 +187,31 @@ async def test_an_image_is_read_by_ocr(files: FileService):
     assert "7351" in hit.text
 
 
+async def test_a_recording_is_transcribed_offline(files: FileService):
+    """A WAV voice memo (synthesised speech, 16 kHz mono) is transcribed by PocketSphinx's model from
+    its wheel; its words become chunks like a document's. A WAV that is not PCM fails with a reason."""
+    if files.speech_off:
+        pytest.skip(files.speech_off)
+    record = await files.upload("u1", "memo.bin", (DATA / "speech_memo.wav").read_bytes(), "multimodal_input")
+    assert (record.status, record.content_type) == ("processing", kinds.WAV)
+    header_only = await files.upload("u1", "cut.wav", b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x07" * 64,
+                                     "multimodal_input")
+    await files.wait_processed()
+    assert (await files.get("u1", record.file_id)).status == "ready"
+    query = (await files.embed(["What is the warehouse access code?"]))[0]
+    hit = (await files.index.search(FILE_CHUNKS, record.file_id, query, 1))[0]
+    assert "purple monkey forty two" in hit.text.lower() and hit.meta["page"] is None
+    failed = await files.get("u1", header_only.file_id)
+    assert failed.status == "failed" and "WAV" in failed.status_details
+
+
+async def test_without_a_speech_model_audio_is_a_415_that_says_so(files: FileService):
+    files.speech_off = speech_available() or "no offline speech model is installed (as on a server without it)"
+    with pytest.raises(FileRejected) as audio:
+        await files.upload("u1", "talk.wav", (DATA / "speech_memo.wav").read_bytes(), "multimodal_input")
+    assert audio.value.status == 415 and "no offline speech model is installed" in audio.value.message
+
+
 async def test_presigned_upload_goes_straight_to_the_store(files: FileService):
     data = "\n\n".join(PAGES).encode()
     if not files.objects.presigned:
@@ -208,15 +236,26 @@ async def test_presigned_upload_goes_straight_to_the_store(files: FileService):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory, embedder):
+def server(tmp_path_factory, embedder, s3_endpoint):
+    """`fairway serve --files s3://bucket` on moto's server (the local directory store serves the
+    chat page's and the authorization tests' servers)."""
+    import boto3
+
     from fairway.assembly import ServerOptions, embedded_app
 
     root = tmp_path_factory.mktemp("files")
-    options = ServerOptions(database=f"sqlite:///{root}/fairway.db", max_model_len=2048, api_keys=list(TEST_KEYS),
-                           files=str(root / "objects"), file_settings=FileSettings(max_file_bytes=512 << 10))
-    app = embedded_app(options)
-    server = ThreadServer(app).start()
-    wait_ready(server.url)
+    bucket = f"fw-e2e-{time.time_ns()}"
+    with pytest.MonkeyPatch.context() as env:
+        for name, value in {"AWS_ENDPOINT_URL": s3_endpoint, "AWS_ACCESS_KEY_ID": "test",
+                            "AWS_SECRET_ACCESS_KEY": "test", "AWS_DEFAULT_REGION": "us-east-1"}.items():
+            env.setenv(name, value)
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        options = ServerOptions(database=f"sqlite:///{root}/fairway.db", max_model_len=2048,
+                                api_keys=list(TEST_KEYS), files=f"s3://{bucket}",
+                                file_settings=FileSettings(max_file_bytes=512 << 10))
+        app = embedded_app(options)
+        server = ThreadServer(app).start()
+        wait_ready(server.url)
     yield server
     server.stop()
 
@@ -228,8 +267,8 @@ def test_a_pdf_fact_on_page_3_reaches_the_conversation_that_attaches_it(server):
     assert up.status_code == 200, up.text
     body = up.json()
     assert body["upload_status"] == "success" and body["file_id"].startswith("file_")
-    assert body["access_url"].endswith(f"/v1/files/{body['file_id']}/content")
     file_id = body["file_id"]
+    assert httpx.get(body["access_url"]).content == make_pdf(PAGES)  # pre-signed: straight from the store
     wait_for(lambda: http.get(f"/v1/files/{file_id}").json()["status"] == "ready", timeout=90)
     other = httpx.Client(base_url=server.url, headers=headers(OTHER_KEY), timeout=30)
     assert other.get(f"/v1/files/{file_id}").status_code == 404
@@ -270,8 +309,9 @@ def test_upload_errors_are_openai_shaped(server):
     assert listed.json()["id"] in [f["id"] for f in http.get("/v1/files").json()["data"]]
     too_big = upload(b"x" * (600 << 10))
     assert too_big.status_code == 413 and too_big.json()["error"]["code"] in ("file_too_large", "request_too_large")
-    wav = upload(b"RIFF\x24\x00\x00\x00WAVEfmt " + b"\x00" * 32, "a.wav")
-    assert wav.status_code == 415 and wav.json()["error"]["type"] == "invalid_request_error"
+    mp3 = upload(b"ID3\x04\x00\x00" + b"\x00" * 32, "a.wav")
+    assert mp3.status_code == 415 and mp3.json()["error"]["type"] == "invalid_request_error"
+    assert "WAV" in mp3.json()["error"]["message"]
     bad_purpose = upload(b"text", purpose="nonsense")
     assert bad_purpose.status_code == 400 and bad_purpose.json()["error"]["param"] == "purpose"
     malformed = http.post("/v1/files/upload", content=b"--xx\r\nContent-Disposition: form-data; name=\"file\"\r\n",
@@ -286,8 +326,44 @@ def test_upload_errors_are_openai_shaped(server):
     not_ready = http.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 2, "messages": [
         {"role": "user", "content": [{"type": "file_url", "file_id": file_id}, {"type": "text", "text": "hi"}]}]})
     assert not_ready.status_code == 409 and not_ready.json()["error"]["code"] == "file_not_ready"
-    presign = http.post("/v1/files/uploads", json={"filename": "big.pdf", "bytes": 1000})
-    assert presign.status_code == 400 and presign.json()["error"]["code"] == "presigned_upload_unavailable"
+    too_big_presign = http.post("/v1/files/uploads", json={"filename": "big.pdf", "bytes": 600 << 10})
+    assert too_big_presign.status_code == 413 and too_big_presign.json()["error"]["code"] == "file_too_large"
     assert http.get("/v1/health").status_code in (200, 404)  # the server is still up
     paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
     assert {"413", "415", "400"} <= set(paths["/v1/files/upload"]["post"]["responses"])
+
+
+def test_a_voice_memo_attached_in_chat_is_cited(server):
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    up = http.post("/v1/files/upload", files={"file": ("memo.wav", (DATA / "speech_memo.wav").read_bytes())})
+    if up.status_code == 415:  # no speech model here: the 415 says so
+        assert "speech model" in up.json()["error"]["message"]
+        pytest.skip(up.json()["error"]["message"])
+    file_id = up.json()["file_id"]
+    wait_for(lambda: http.get(f"/v1/files/{file_id}").json()["status"] == "ready", timeout=90)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What did my voice memo say the warehouse code is?"},
+        {"type": "file_url", "file_id": file_id}]}])
+    sources = reply.model_extra["context"]["sources"]
+    assert [(s["file_id"], s["filename"], s["chunk"]) for s in sources] == [(file_id, "memo.wav", 0)]
+
+
+def test_a_large_file_goes_from_the_client_straight_to_the_object_store(server):
+    """The seed's large-file path: the gateway hands out a pre-signed URL, the client PUTs the bytes
+    to the store (no gateway in between), says it is done, and the server processes it after."""
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    data = "\n\n".join(PAGES).encode()
+    upload = http.post("/v1/files/uploads", json={"filename": "notes.md", "bytes": len(data)}).json()
+    file_id = upload["file_id"]
+    assert upload["file"]["status"] == "awaiting_upload"
+    early = http.post(f"/v1/files/{file_id}/complete")
+    assert early.status_code == 400 and early.json()["error"]["code"] == "upload_missing"
+    put = httpx.put(upload["upload_url"], content=data, headers=upload["headers"])
+    assert put.status_code == 200
+    other = httpx.Client(base_url=server.url, headers=headers(OTHER_KEY), timeout=30)
+    assert other.post(f"/v1/files/{file_id}/complete").status_code == 404
+    assert http.post(f"/v1/files/{file_id}/complete").json()["status"] == "processing"
+    ready = wait_for(lambda: (r := http.get(f"/v1/files/{file_id}").json())["status"] == "ready" and r, 90)
+    assert (ready["bytes"], ready["content_type"]) == (len(data), "text/markdown")  # sniffed after
+    assert http.get(f"/v1/files/{file_id}/content").content == data

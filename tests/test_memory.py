@@ -81,6 +81,19 @@ async def test_the_block_is_chosen_once_and_loses_deleted_memories(memory: Memor
     assert await memory.list("u1") == []
 
 
+async def test_injection_keeps_to_k_and_the_token_budget(memory: MemoryService):
+    facts = ["User is allergic to peanuts.", "User lives in Lisbon.", "User's name is Ada.", "User uses Vim."]
+    await memory.remember("u1", facts, "conv_a")
+    memory.settings.inject_min_score = -1.0  # every memory qualifies: only k and the budget choose
+    memory.settings.inject_k = 2
+    two = (await memory.block("u1", "conv_k", "Suggest a snack for my hike")).memories
+    assert len(two) == 2 and two[0].fact == "User is allergic to peanuts."
+    memory.settings.inject_k = 5
+    memory.settings.inject_max_tokens = 10  # "- User is allergic to peanuts." is 8 by the default count
+    assert [m.fact for m in (await memory.block("u1", "conv_budget", "Suggest a snack for my hike")).memories] == [
+        "User is allergic to peanuts."]
+
+
 async def test_a_user_without_memories_costs_a_turn_no_embedding(vector_db):
     """The first chats of a new user (memory on, nothing remembered yet) never wait for the
     embedding model to load; the turn is still noted, so idle extraction learns from it."""
@@ -156,9 +169,16 @@ def test_a_fact_from_one_conversation_reaches_the_next_until_deleted(server):
     assert isinstance(memory["created_at"], int) and memory["memory_id"].startswith("mem_")
 
     second = client.chat.completions.create(model=MODEL, max_tokens=8, messages=[
+        {"role": "system", "content": "You are a brief assistant."},
         {"role": "user", "content": "Can you suggest a snack idea for my afternoon?"}])
     context = second.model_extra["context"]
     assert context["memories"] >= 1 and memory["memory_id"] in context["memory_ids"]
+    # The next turn keeps the block, so its prompt starts with this one's: the prefix cache serves
+    # every full block of it again (system text, memories, the first question).
+    follow = client.chat.completions.create(model=MODEL, max_tokens=4, extra_body={
+        "conversation_id": second.conversation_id}, messages=[{"role": "user", "content": "Something sweet?"}])
+    assert follow.model_extra["context"]["memory_ids"] == context["memory_ids"]
+    assert follow.usage.prompt_tokens_details.cached_tokens >= second.usage.prompt_tokens // 16 * 16
     # another user sees none of it, and cannot delete it
     other = httpx.Client(base_url=server.url, headers=headers(OTHER_KEY), timeout=30)
     assert other.get("/v1/user/memory").json()["memories"] == []

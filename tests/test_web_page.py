@@ -390,10 +390,19 @@ def test_chat_page_attaches_a_file_cites_it_and_manages_memory(server, browser_c
 
     # Attach a PDF: it uploads (with progress), shows processing, then ready; the answer says
     # which file and chunk it used.
+    page.evaluate("""() => {
+      window.attachmentStates = [];  // each text the attachment showed, in order
+      new MutationObserver(() => {
+        const li = document.querySelector('#attachments li');
+        if (li && window.attachmentStates.at(-1) !== li.textContent) window.attachmentStates.push(li.textContent);
+      }).observe(document.getElementById('attachments'), {childList: true, subtree: true});
+    }""")
     page.set_input_files("#file-input", files=[{"name": "report.pdf", "mimeType": "application/pdf",
                                                 "buffer": make_pdf(PAGES)}])
     page.wait_for_selector("#attachments li[data-status=ready]")
-    assert "report.pdf: ready" in page.locator("#attachments li").first.text_content()
+    states = page.evaluate("window.attachmentStates")
+    assert states[0].startswith("report.pdf: uploading ") and states[0].endswith("%"), states
+    assert states.index("report.pdf: processing") > 0 and states[-1] == "report.pdf: ready", states
     send(page, "What is the access code for the Zebra warehouse?", max_tokens=8)
     page.wait_for_selector("#messages .msg.assistant[data-status=complete]")
     assert "report.pdf" in page.locator("#messages .msg.user .attached").last.text_content()

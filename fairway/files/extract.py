@@ -29,6 +29,7 @@ class ExtractLimits:
     max_chars: int = 2_000_000  # text kept per file
     timeout_s: float = 60.0
     memory_bytes: int = 1 << 30  # the child's address space
+    max_audio_s: float = 180.0  # a recording's length transcribed at most, so it fits in timeout_s
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,23 @@ def _image_text(data: bytes) -> list[tuple[int | None, str]]:
         raise ExtractionFailed(f"the image could not be read: {e}") from None
 
 
+def _audio_text(data: bytes, limits: ExtractLimits) -> list[tuple[int | None, str]]:
+    from .speech import transcribe
+
+    try:
+        return [(None, transcribe(data, limits.max_audio_s))]
+    except ValueError as e:
+        raise ExtractionFailed(str(e)) from None
+
+
 def pages_of(data: bytes, content_type: str, limits: ExtractLimits) -> list[tuple[int | None, str]]:
     """(page, text) of a file, in this process."""
     if content_type == kinds.PDF:
         return _pdf_pages(data, limits)
     if content_type in kinds.IMAGES:
         return _image_text(data)
+    if content_type == kinds.WAV:
+        return _audio_text(data, limits)
     if content_type in (kinds.TEXT, kinds.MARKDOWN):
         return [(None, data.decode("utf-8", errors="replace")[: limits.max_chars])]
     raise ExtractionFailed(f"files of type {content_type} cannot be read")
@@ -110,7 +122,8 @@ async def extract_pages(data: bytes, content_type: str, limits: ExtractLimits) -
     on its stdout), bounded by limits; ExtractionFailed with the reason otherwise."""
     if content_type in (kinds.TEXT, kinds.MARKDOWN):
         return pages_of(data, content_type, limits)  # decoding text is safe and bounded here
-    args = json.dumps({"type": content_type, "max_pages": limits.max_pages, "max_chars": limits.max_chars})
+    args = json.dumps({"type": content_type, "max_pages": limits.max_pages, "max_chars": limits.max_chars,
+                       "max_audio_s": limits.max_audio_s})
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fairway.files.reader", args, stdin=PIPE, stdout=PIPE, stderr=PIPE,
         preexec_fn=_limit_memory(limits.memory_bytes))

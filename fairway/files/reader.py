@@ -11,7 +11,7 @@ from fairway.files.extract import ExtractionFailed, ExtractLimits, pages_of
 
 def main() -> None:
     args = json.loads(sys.argv[1])
-    limits = ExtractLimits(max_pages=args["max_pages"], max_chars=args["max_chars"])
+    limits = ExtractLimits(max_pages=args["max_pages"], max_chars=args["max_chars"], max_audio_s=args["max_audio_s"])
     data = sys.stdin.buffer.read()
     try:
         answer = {"pages": pages_of(data, args["type"], limits)}

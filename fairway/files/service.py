@@ -17,6 +17,7 @@ from fairway.retrieval import CONVERSATION_CHUNKS, FILE_CHUNKS, Embedder, Entry,
 from . import sniff as kinds
 from .extract import ExtractionFailed, ExtractLimits, chunk_pages, extract_pages, ocr_available
 from .objects import ObjectStore
+from .speech import speech_available
 from .store import FileRecord, FileStore
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,7 @@ class FileService:
         self.settings = settings or FileSettings()
         self._tasks: set[asyncio.Task] = set()
         self.ocr_off = ocr_available()  # None, or why images cannot be read here
+        self.speech_off = speech_available()  # None, or why recordings cannot be transcribed here
 
     async def init(self) -> None:
         await self.store.init()
@@ -85,10 +87,15 @@ class FileService:
                 raise FileRejected(415, f"Images cannot be read on this server: {self.ocr_off}.", "unsupported_file_type")
             return
         if content_type in kinds.AUDIO:
-            raise FileRejected(415, "Audio cannot be transcribed here: no offline speech model is installed.",
-                               "unsupported_file_type")
-        raise FileRejected(415, f"Files of type {content_type} are not supported: upload text, Markdown, PDF "
-                                "or an image.", "unsupported_file_type")
+            if self.speech_off:
+                raise FileRejected(415, f"Audio cannot be transcribed on this server: {self.speech_off}.",
+                                   "unsupported_file_type")
+            if content_type != kinds.WAV:
+                raise FileRejected(415, f"Only WAV (PCM) recordings can be transcribed here; convert this "
+                                        f"{content_type} file to WAV first.", "unsupported_file_type")
+            return
+        raise FileRejected(415, f"Files of type {content_type} are not supported: upload text, Markdown, PDF, "
+                                "an image or a WAV recording.", "unsupported_file_type")
 
     async def check_room(self, user_id: str, size: int) -> None:
         s = self.settings

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 PDF, TEXT, MARKDOWN, PNG, JPEG, GIF, WEBP, TIFF = ("application/pdf", "text/plain", "text/markdown", "image/png",
                                                    "image/jpeg", "image/gif", "image/webp", "image/tiff")
-AUDIO = ("audio/wav", "audio/mpeg", "audio/ogg", "audio/flac", "audio/mp4", "audio/webm")
+WAV = "audio/wav"
+AUDIO = (WAV, "audio/mpeg", "audio/ogg", "audio/flac", "audio/mp4", "audio/webm")
 IMAGES = (PNG, JPEG, GIF, WEBP, TIFF)
 
 _MAGIC: list[tuple[bytes, int, str]] = [
     (b"%PDF-", 0, PDF), (b"\x89PNG\r\n\x1a\n", 0, PNG), (b"\xff\xd8\xff", 0, JPEG), (b"GIF8", 0, GIF),
-    (b"WEBP", 8, WEBP), (b"II*\x00", 0, TIFF), (b"MM\x00*", 0, TIFF), (b"WAVE", 8, "audio/wav"),
+    (b"WEBP", 8, WEBP), (b"II*\x00", 0, TIFF), (b"MM\x00*", 0, TIFF), (b"WAVE", 8, WAV),
     (b"ID3", 0, "audio/mpeg"), (b"\xff\xfb", 0, "audio/mpeg"), (b"OggS", 0, "audio/ogg"), (b"fLaC", 0, "audio/flac"),
     # A voice note: an iPhone's .m4a, a browser's MediaRecorder (WebM/Matroska, audio or not: read as audio).
     (b"ftypM4A", 4, "audio/mp4"), (b"\x1a\x45\xdf\xa3", 0, "audio/webm"),

@@ -52,6 +52,11 @@ class PgVector(sa.types.UserDefinedType):
         return sa.cast(sa.cast(bindvalue, sa.Text), self)
 
 
+_PGVECTOR_SETTINGS = sa.text(
+    "SELECT set_config('hnsw.iterative_scan', 'strict_order', true), set_config('hnsw.ef_search', :ef_search, true), "
+    "set_config('plan_cache_mode', 'force_custom_plan', true)")
+
+
 def _tables(dim: int, pgvector: bool) -> tuple[sa.MetaData, sa.Table, sa.Table]:
     metadata = sa.MetaData()
     vectors = sa.Table(
@@ -268,10 +273,13 @@ class SqlVectorIndex(VectorIndex):
         stmt = (sa.select(v.key, v.text, v.meta, (1 - distance).label("score"))
                 .where(self._in_partition(collection, partition)).order_by(distance).limit(k))
         async with self.engine.begin() as conn:
-            # HNSW filters after its scan: without iterative scans a partition's rows could be
-            # fewer than k among the ef_search nearest of the whole table.
-            await conn.execute(sa.text("SET LOCAL hnsw.iterative_scan = strict_order"))
-            await conn.execute(sa.text(f"SET LOCAL hnsw.ef_search = {max(40, 2 * k)}"))
+            # SET LOCAL, the three in one round trip. HNSW filters after its scan: without
+            # iterative scans a partition's rows could be fewer than k among the ef_search nearest
+            # of the whole table. And the search is planned for this partition, never from the
+            # prepared statement's generic plan: one plan cannot fit a user's ten memories and a
+            # conversation's 10,000 chunks (HNSW, or the partition's rows by its key and an exact
+            # sort), and a generic one may read the whole table.
+            await conn.execute(_PGVECTOR_SETTINGS, {"ef_search": str(max(40, 2 * k))})
             rows = (await conn.execute(stmt)).all()
         return [Hit(r.key, float(r.score), r.text, r.meta) for r in rows if r.score >= min_score]
 
