@@ -121,7 +121,27 @@ def _pricing(args: argparse.Namespace):
     cached = getattr(args, "cached_price_per_1k", None)
     return Pricing(Price(base.prompt_per_1k if prompt is None else prompt,
                          base.completion_per_1k if completion is None else completion,
-                         base.cached_prompt_per_1k if cached is None else cached))
+                         base.cached_prompt_per_1k if cached is None else cached),
+                   models=_model_prices(getattr(args, "model_price", None)))
+
+
+def _model_prices(values: list[str] | None):
+    """--model-price MODEL=PROMPT,COMPLETION[,CACHED]: a model's own price per 1k tokens (the
+    mini pool's, billed at its own price past a limit)."""
+    from fairway.usage.pricing import Price
+
+    prices = {}
+    for value in values or []:
+        name, sep, numbers = value.partition("=")
+        try:
+            parts = [float(n) for n in numbers.split(",")]
+        except ValueError:
+            parts = []
+        if not sep or not name.strip() or len(parts) not in (2, 3) or min(parts) < 0:
+            raise ValueError(f"--model-price takes MODEL=PROMPT,COMPLETION[,CACHED] (prices per 1k tokens, "
+                             f"none negative), got {value!r}")
+        prices[name.strip()] = Price(*parts)
+    return prices
 
 
 def _server_options(args: argparse.Namespace):
@@ -461,6 +481,9 @@ def _limits_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--completion-price-per-1k", type=float, default=None, help="... per 1k completion tokens")
     g.add_argument("--cached-price-per-1k", type=float, default=None, help="... per 1k cached prompt tokens "
                    "(default: half the prompt price)")
+    g.add_argument("--model-price", action="append", metavar="MODEL=PROMPT,COMPLETION[,CACHED]",
+                   help="one model's own prices per 1k tokens, e.g. the mini pool's (repeatable; other models: "
+                        "the prices above)")
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:

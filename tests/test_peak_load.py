@@ -18,6 +18,8 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,7 @@ from processes import PrivateRedis, Processes
 from serving import ThreadServer, wait_for
 
 from fairway.assembly import ServerOptions, gateway_app, load_tokenizer
+from fairway.cli import _server_options, build_parser
 from fairway.domain import ReplyState
 from fairway.limits import LimitsConfig, TierLimits
 from fairway.models.tokenizer import Tokenizer
@@ -331,3 +334,17 @@ def test_past_the_main_models_quota_the_mini_pool_serves_at_its_own_price(server
     assert record is not None and record.model == MINI
     assert record.cost == pytest.approx(MINI_PRICE.cost(record.prompt_tokens, record.cached_tokens,
                                                         record.completion_tokens))
+
+
+def test_a_gateway_is_told_the_mini_models_own_price_on_its_command_line() -> None:
+    """What the test above sets in code, a deployed `fairway gateway` takes as --model-price;
+    a price it cannot read stops it with one line (exit 2) before it starts."""
+    base = ["gateway", "--redis", "redis://127.0.0.1:1/0", "--database", "sqlite://"]
+    args = build_parser().parse_args([*base, "--model-price", f"{MINI}=0.001,0.002", "--model-price",
+                                      f"{MODEL}=0.01,0.03,0.004"])
+    pricing = _server_options(args).pricing
+    assert pricing.price(MINI) == MINI_PRICE and pricing.price(MODEL) == Price(0.01, 0.03, 0.004)
+    assert pricing.price("another") == pricing.default
+    bad = subprocess.run([sys.executable, "-m", "fairway.cli", *base, "--model-price", f"{MINI}=0.001"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--model-price" in bad.stderr, bad.stderr
