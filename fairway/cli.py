@@ -160,6 +160,7 @@ def _server_options(args: argparse.Namespace):
         max_model_len=getattr(args, "max_model_len", None),
         replica_id=getattr(args, "replica_id", None),
         drain_grace_s=getattr(args, "drain_grace", 30.0),
+        background_max_wait_s=getattr(args, "background_max_wait", 30.0),
         max_inflight=getattr(args, "max_inflight", 256),
         health_host=getattr(args, "health_host", "127.0.0.1"),
         health_port=getattr(args, "health_port", None),
@@ -550,11 +551,21 @@ def _relay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-ttl", type=float, default=1800.0, help="seconds a reply's token log is kept after its last event")
 
 
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {value!r}")
+    return seconds
+
+
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-cancel", type=float, default=30.0, help="cancel a reply nobody listened to for this many seconds")
     p.add_argument("--sandbox", default="local",
                    help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window (tokens)")
+    p.add_argument("--background-max-wait", type=_positive_seconds, default=30.0, metavar="S",
+                   help="background work (memory extraction) waiting this long, to be claimed or in the engine, "
+                        "moves up a lane: a free flood never starves it for ever")
 
 
 def _fleet_args(sub) -> None:
