@@ -288,7 +288,7 @@ def test_a_replica_told_it_will_be_reclaimed_drains_and_the_fleet_replaces_it_fi
         thread.start()
         first = ready_one(set())
         first_proc = backend.process(first)
-        health = live(redis_server.url)[first]["health_url"].rsplit("/", 1)[0]
+        health = live(redis_server.url)[first]["health_url"]  # http://host:port
         assert httpx.post(f"{health}/drain", timeout=5).status_code == 202
         second = ready_one({first})
         second_proc = backend.process(second)
