@@ -45,7 +45,7 @@ MODEL, MINI = "fairway-peak", "fairway-mini"  # the models' names: their folders
 FREE_KEY, PAID_KEY, BUSINESS_KEY = "sk-peak-free", "sk-peak-paid", "sk-peak-business"
 SEATS = 2
 MINI_SEATS = 8
-FREE_TOKENS = 48  # a free reply holds its seat this many steps
+FREE_TOKENS = 80  # a free reply holds its seat this many steps
 SHORTER = 6
 MINI_PRICE = Price(prompt_per_1k=0.001, completion_per_1k=0.002)
 MAIN_QUOTA = 300  # business-tier tokens per minute on the main model: the quota test spends it
@@ -105,8 +105,10 @@ def server(tmp_path_factory):
                "--safety-output", "off", "--log-level", "warning"]
     one_thread = {"OMP_NUM_THREADS": "1"}  # the machine's two CPUs: one each, as the local fleet gives them
     procs.start("main", *replica, "--model", str(main), "--max-inflight", str(SEATS), env=one_thread)
+    # The mini pool stands for machines of its own: on these two CPUs it takes what the gateway and
+    # the main replica leave (nice), as it would not take theirs deployed.
     procs.start("mini", *replica, "--model", str(mini), "--mini-of", MODEL, "--max-inflight", str(MINI_SEATS),
-                env=one_thread)
+                env=one_thread, nice=10)
     wide = TierLimits(tokens_per_minute=10_000_000, requests_per_minute=100_000)
     limits = LimitsConfig(tiers={"free": wide, "paid": wide, "business": wide, "background": wide},
                           model_tokens_per_minute={MODEL: {"business": MAIN_QUOTA}},
@@ -116,8 +118,9 @@ def server(tmp_path_factory):
         database=f"sqlite:///{folder / 'fairway.db'}", max_model_len=1024, memory=False, limits=limits,
         pricing=Pricing(models={MINI: MINI_PRICE}),
         # The flood (15 free replies a second, each holding one of 2 seats FREE_TOKENS steps of a
-        # few ms) outruns the drain by a few replies a second: a limit of 0.2 s is passed within
-        # the first second.
+        # few ms) outruns the drain: a limit of 0.2 s is passed within the first second. Replies
+        # that long make the limit worth several steps' wait, so a paid request that did not go
+        # first (seats.py, the scheduler) would wait past the 2x.
         router=RouterSettings(pressure=PressureSettings(max_wait_s=0.2, shorter_max_tokens=SHORTER)),
         api_keys=[(FREE_KEY, "free-user", "free"), (PAID_KEY, "paid-user", "paid"),
                   (BUSINESS_KEY, "business-user", "business")])
