@@ -19,7 +19,7 @@ objects, which is what makes half a million of them fit in seconds):
 * lanes at capacity: a free reply predicted to wait (the queue ahead of it over the drain rate,
   replies finished per second) longer than the limit is shed, or sent to the mini pool (a second
   pool of a smaller model, scaled by its own policy), as the lanes code does
-  (fairway/router/pressure.py, called when present);
+  (fairway/router/pressure.py's pool_pressure, imported);
 * the fleet manager: every 10 s, arrivals per second into HoltForecaster, a FleetView into
   ScalingPolicy.decide (replace, add, drain); the reactive peer gives the same policy the last
   observed rate instead of the forecast; the static peer never changes its count (it only
@@ -52,12 +52,8 @@ sys.path.insert(0, str(ROOT))
 
 from fairway.domain import Lane  # noqa: E402
 from fairway.fleet import FleetView, HoltForecaster, ScalingBounds, ScalingPolicy, ScalingTarget  # noqa: E402
-
-try:  # the lanes' own rule for "at capacity", once it is on this tree
-    from fairway.replica.registry import ReplicaInfo
-    from fairway.router.pressure import PressureSettings, pool_pressure
-except ImportError:
-    pool_pressure = None
+from fairway.replica.registry import ReplicaInfo  # noqa: E402
+from fairway.router.pressure import PressureSettings, pool_pressure  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 LANES = (Lane.PAID, Lane.FREE, Lane.BACKGROUND)
@@ -194,17 +190,13 @@ class Pool:
 
 def at_capacity(pool: Pool, max_wait_s: float) -> bool:
     """Whether a free reply would wait past the limit: the queue ahead of it (paid and free)
-    over the pool's drain rate. With the lanes' pressure.py present, its pool_pressure decides,
-    on one replica standing for the average."""
+    over the pool's drain rate, decided by the routers' own rule (pressure.pool_pressure), on one
+    replica standing for the average."""
     n = max(pool.ready, 1)
     ahead = pool.queued[Lane.PAID] + pool.queued[Lane.FREE]
-    if pool_pressure is not None:
-        info = ReplicaInfo("average", "m", "q", 0, 0, waiting={"paid": ahead / n, "free": 0},
-                           drain_rate=pool.finished_last_s / n or None)
-        return pool_pressure([info], Lane.FREE, lambda r: 0, PressureSettings(max_wait_s=max_wait_s)).at_capacity
-    if ahead == 0:
-        return False
-    return pool.finished_last_s <= 0 or ahead / pool.finished_last_s > max_wait_s
+    info = ReplicaInfo("average", "m", "q", 0, 0, waiting={"paid": ahead / n, "free": 0},
+                       drain_rate=pool.finished_last_s / n or None)
+    return pool_pressure([info], Lane.FREE, lambda r: 0, PressureSettings(max_wait_s=max_wait_s)).at_capacity
 
 
 def serve_second(pool: Pool, now: int, arrivals: dict[Lane, float], work: Workload,
@@ -428,7 +420,7 @@ def main() -> int:
     print_table(results)
     out = {"when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"), "seed": args.seed,
            "hours": args.hours, "target_streams": TARGET_STREAMS, "tick_s": TICK_S, "max_wait_s": MAX_WAIT_S,
-           "pressure_rule": "fairway.router.pressure.pool_pressure" if pool_pressure is not None else "bench's own copy",
+           "pressure_rule": "fairway.router.pressure.pool_pressure",
            "workload": asdict(work), "cache_hit_source": hit_source, "tier_share": {str(k): v for k, v in TIER_SHARE.items()},
            "profiles": {p.name: asdict(p) for p in (H100, H100_MINI, cpu_profile())},
            "runs": results, "wall_s": round(time.monotonic() - began, 1)}

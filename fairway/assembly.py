@@ -42,7 +42,7 @@ from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
 
 if TYPE_CHECKING:  # the engine (torch) is only imported where a replica runs
-    from fairway.engine import LLMEngine
+    from fairway.engine import EngineConfig, LLMEngine
     from fairway.models.tokenizer import Tokenizer
     from fairway.replica.worker import ReplicaSettings
 
@@ -66,6 +66,7 @@ class ServerOptions:
     num_kv_blocks: int | None = None
     replica_id: str | None = None
     drain_grace_s: float = 30.0  # a replica's SIGTERM: how long its replies get to end there
+    background_max_wait_s: float = 30.0  # background work waiting this long moves up a lane (seats, engine)
     max_inflight: int = 256  # replies a replica claims at once; the rest wait in its queue
     health_host: str = "127.0.0.1"  # a replica process's /health and /ready (replica/health.py)
     health_port: int | None = None  # 0: a free port; None: none
@@ -134,15 +135,21 @@ def build_engine(options: ServerOptions, model: str | None = None) -> LLMEngine:
     """The engine for an AsyncEngine, loaded in a passing thread (factory.in_passing_thread) since
     its steps will run in the AsyncEngine's own thread. model: another than the options' (the
     mini pool's)."""
-    from fairway.engine import EngineConfig
     from fairway.engine.factory import build_engine as build
     from fairway.engine.factory import in_passing_thread
 
-    config = EngineConfig(max_model_len=options.max_model_len)
+    path = _model_path(model) if model is not None else options.model
+    config = engine_config(options)
+    return in_passing_thread(lambda: build(path, options.dtype, options.device, config, options.weights))
+
+
+def engine_config(options: ServerOptions) -> EngineConfig:
+    from fairway.engine import EngineConfig
+
+    config = EngineConfig(max_model_len=options.max_model_len, background_max_wait_s=options.background_max_wait_s)
     if options.num_kv_blocks:
         config.num_kv_blocks = options.num_kv_blocks
-    path = _model_path(model) if model is not None else options.model
-    return in_passing_thread(lambda: build(path, options.dtype, options.device, config, options.weights))
+    return config
 
 
 class Background:
@@ -301,7 +308,8 @@ def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
     from fairway.replica.worker import ReplicaSettings
 
     settings = ReplicaSettings(model=model, idle_cancel_s=options.idle_cancel_s, drain_grace_s=options.drain_grace_s,
-                               max_inflight=options.max_inflight, health_host=options.health_host,
+                               max_inflight=options.max_inflight, background_max_wait_s=options.background_max_wait_s,
+                               health_host=options.health_host,
                                health_port=options.health_port,
                                output_mode=options.safety.output_mode,
                                max_sentence_chars=options.safety.max_sentence_chars)

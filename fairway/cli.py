@@ -121,7 +121,27 @@ def _pricing(args: argparse.Namespace):
     cached = getattr(args, "cached_price_per_1k", None)
     return Pricing(Price(base.prompt_per_1k if prompt is None else prompt,
                          base.completion_per_1k if completion is None else completion,
-                         base.cached_prompt_per_1k if cached is None else cached))
+                         base.cached_prompt_per_1k if cached is None else cached),
+                   models=_model_prices(getattr(args, "model_price", None)))
+
+
+def _model_prices(values: list[str] | None):
+    """--model-price MODEL=PROMPT,COMPLETION[,CACHED]: a model's own price per 1k tokens (the
+    mini pool's, billed at its own price past a limit)."""
+    from fairway.usage.pricing import Price
+
+    prices = {}
+    for value in values or []:
+        name, sep, numbers = value.partition("=")
+        try:
+            parts = [float(n) for n in numbers.split(",")]
+        except ValueError:
+            parts = []
+        if not sep or not name.strip() or len(parts) not in (2, 3) or min(parts) < 0:
+            raise ValueError(f"--model-price takes MODEL=PROMPT,COMPLETION[,CACHED] (prices per 1k tokens, "
+                             f"none negative), got {value!r}")
+        prices[name.strip()] = Price(*parts)
+    return prices
 
 
 def _server_options(args: argparse.Namespace):
@@ -140,6 +160,7 @@ def _server_options(args: argparse.Namespace):
         max_model_len=getattr(args, "max_model_len", None),
         replica_id=getattr(args, "replica_id", None),
         drain_grace_s=getattr(args, "drain_grace", 30.0),
+        background_max_wait_s=getattr(args, "background_max_wait", 30.0),
         max_inflight=getattr(args, "max_inflight", 256),
         health_host=getattr(args, "health_host", "127.0.0.1"),
         health_port=getattr(args, "health_port", None),
@@ -461,6 +482,9 @@ def _limits_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--completion-price-per-1k", type=float, default=None, help="... per 1k completion tokens")
     g.add_argument("--cached-price-per-1k", type=float, default=None, help="... per 1k cached prompt tokens "
                    "(default: half the prompt price)")
+    g.add_argument("--model-price", action="append", metavar="MODEL=PROMPT,COMPLETION[,CACHED]",
+                   help="one model's own prices per 1k tokens, e.g. the mini pool's (repeatable; other models: "
+                        "the prices above)")
 
 
 def _router_args(p: argparse.ArgumentParser) -> None:
@@ -527,11 +551,21 @@ def _relay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-ttl", type=float, default=1800.0, help="seconds a reply's token log is kept after its last event")
 
 
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {value!r}")
+    return seconds
+
+
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-cancel", type=float, default=30.0, help="cancel a reply nobody listened to for this many seconds")
     p.add_argument("--sandbox", default="local",
                    help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
     p.add_argument("--max-model-len", type=int, default=None, help="cap the context window (tokens)")
+    p.add_argument("--background-max-wait", type=_positive_seconds, default=30.0, metavar="S",
+                   help="background work (memory extraction) waiting this long, to be claimed or in the engine, "
+                        "moves up a lane: a free flood never starves it for ever")
 
 
 def _fleet_args(sub) -> None:

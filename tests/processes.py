@@ -3,6 +3,7 @@ the failure message, stopped (or killed) at the end; and a streamed reply as a c
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -26,9 +27,11 @@ class Processes:
         self.logs = logs
         self.procs: dict[str, subprocess.Popen] = {}
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None, nice: int = 0) -> subprocess.Popen:
+        """`fairway ARGS`, with env over this process's environment, nice more than this one."""
         out = open(self.logs / f"{name}.log", "wb")  # noqa: SIM115  closed with the process
-        proc = subprocess.Popen([sys.executable, "-m", "fairway.cli", *args], stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "fairway.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, **(env or {})}, preexec_fn=(lambda: os.nice(nice)) if nice else None)
         self.procs[name] = proc
         return proc
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import kmock
+import kubernetes
 import pytest
 
 from fairway.fleet import (
@@ -18,12 +20,9 @@ from fairway.fleet import (
     ScalingPolicy,
     ScalingTarget,
 )
+from fairway.fleet.k8s import KubernetesBackend
 from fairway.replica.registry import InProcessRegistry, ReplicaInfo
 from fairway.usage import metrics
-
-kubernetes = pytest.importorskip("kubernetes")
-kmock = pytest.importorskip("kmock")
-from fairway.fleet.k8s import KubernetesBackend  # noqa: E402
 
 pytestmark = pytest.mark.kmock(cls=kmock.RawHandler)  # plain answers, as each test sets them
 NS, NAME = "serving", "fairway-replica"

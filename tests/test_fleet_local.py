@@ -254,3 +254,53 @@ def ramp_then_trickle(url: str, key: str, watch: Watch, full: float) -> tuple[li
         thread.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a stream never ended"
     return streams, ramped, trickled
+
+
+def test_a_replica_told_it_will_be_reclaimed_drains_and_the_fleet_replaces_it_first(tmp_path):
+    """Spot: the notice through the replica's API (POST /drain, what Kubernetes' preStop sends),
+    then a SIGTERM from outside the fleet (a spot VM's shutdown). Each time the replica drains and
+    exits by itself, and the fleet, without waiting out its cool-down, starts a replacement first."""
+    import signal
+
+    import httpx
+
+    if shutil.which("redis-server") is None:
+        missing("Redis", "no redis-server on this machine")
+    redis_server = PrivateRedis(tmp_path, durable=False)
+    redis_server.start()
+    backend = LocalBackend(redis_server.url, replica_args=REPLICA_ARGS, log_dir=tmp_path, max_replicas=2)
+    registry = RedisRegistry(redis_server.url)
+    manager = FleetManager(backend, registry, ScalingPolicy(ScalingBounds(1, 2, cooldown_s=600),
+                                                            ScalingTarget(replica_rps=1.0)), interval_s=0.3)
+    thread = ManagerThread(manager)
+
+    def ready_one(exclude: set[str]) -> str:
+        """The id of a replica, not one of exclude, live in the registry."""
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            fresh = [i for i, info in live(redis_server.url).items() if i not in exclude and not info["draining"]]
+            if fresh:
+                return fresh[0]
+            time.sleep(0.2)
+        raise AssertionError(f"no new replica became live: {manager.decisions}")
+
+    try:
+        thread.start()
+        first = ready_one(set())
+        first_proc = backend.process(first)
+        health = live(redis_server.url)[first]["health_url"]  # http://host:port
+        assert httpx.post(f"{health}/drain", timeout=5).status_code == 202
+        second = ready_one({first})
+        second_proc = backend.process(second)
+        assert first_proc.wait(timeout=30) == 0  # it drained and exited by itself
+        second_proc.send_signal(signal.SIGTERM)  # not through the fleet
+        third = ready_one({first, second})
+        assert second_proc.wait(timeout=30) == 0
+    finally:
+        thread.end()
+        asyncio.run(registry.close())
+        backend.stop(grace_s=30)
+        redis_server.stop()
+    reasons = [d.reason for _, d in manager.decisions]
+    assert reasons == ["minimum", "replace", "replace"], manager.decisions  # no cool-down waited, nothing else
+    assert len({first, second, third}) == 3

@@ -121,3 +121,21 @@ def test_an_engine_under_a_free_flood_finishes_background_work_within_its_bound(
         finished += [o.request_id for o in eng.step() if o.finished]
     assert "bg" in finished and eng.scheduler.num_aged >= 1
     assert any(s.status == SequenceStatus.WAITING for s in eng.requests.values())  # the flood went on
+
+
+def test_the_bound_is_set_on_the_command_line_for_the_claim_and_the_engine_alike() -> None:
+    """`fairway replica --background-max-wait S`: the replica's seats (what it claims first) and
+    its engine's scheduler age background work by the same bound; one that cannot work is refused."""
+    import subprocess
+    import sys
+
+    from fairway.assembly import engine_config, replica_settings
+    from fairway.cli import _server_options, build_parser
+
+    args = build_parser().parse_args(["replica", "--redis", "redis://127.0.0.1:1/0", "--background-max-wait", "5"])
+    options = _server_options(args)
+    assert replica_settings(options, "m").background_max_wait_s == 5.0
+    assert engine_config(options).background_max_wait_s == 5.0
+    bad = subprocess.run([sys.executable, "-m", "fairway.cli", "replica", "--redis", "redis://127.0.0.1:1/0",
+                          "--background-max-wait", "0"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--background-max-wait: must be a number of seconds above 0" in bad.stderr

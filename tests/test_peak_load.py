@@ -5,75 +5,143 @@ Retry-After and the reply stored SHED; mini: the mini pool serves, and says so; 
 max tokens, and says how many); nothing hangs. And a user whose token quota for the main model
 is spent is served by its mini pool, billed at the mini model's price.
 
-Both models are small random Llamas with the bundled tokenizer: the engine's speed is not what
-is measured, the lanes are."""
+Deployed as at scale, on a Redis of the test's own: the main replica and the mini pool are
+`fairway replica` processes (`--mini-of` for the mini pool), so neither engine steps in the
+gateway's process or under its GIL; the gateway runs here, where the test reads its store. Both
+models are small random Llamas with the bundled tokenizer, written as Hugging Face folders: the
+engine's speed is not what is measured, the lanes are. The 2x is checked only while the machine
+was the test's (tests/machine.py): another job's processes holding the CPUs, or a stop of the
+test's processes, skip it saying so."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import shutil
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from serving import MODEL, embedded_server
+from backends import missing
+from machine import Machine
+from processes import PrivateRedis, Processes
+from serving import ThreadServer, wait_for
 
-from fairway.assembly import ServerOptions, load_tokenizer
+from fairway.assembly import ServerOptions, gateway_app, load_tokenizer
+from fairway.cli import _server_options, build_parser
 from fairway.domain import ReplyState
-from fairway.engine import EngineConfig, LLMEngine
 from fairway.limits import LimitsConfig, TierLimits
-from fairway.models.config import LlamaConfig
-from fairway.models.llama import random_model
+from fairway.models.tokenizer import Tokenizer
 from fairway.router.policy import RouterSettings
 from fairway.router.pressure import PressureSettings
 from fairway.usage.pricing import Price, Pricing
 
-MINI = "fairway-mini"
+MODEL, MINI = "fairway-peak", "fairway-mini"  # the models' names: their folders'
 FREE_KEY, PAID_KEY, BUSINESS_KEY = "sk-peak-free", "sk-peak-paid", "sk-peak-business"
 SEATS = 2
-FREE_TOKENS = 48  # a free reply holds its seat this many steps
+MINI_SEATS = 8
+FREE_TOKENS = 80  # a free reply holds its seat this many steps
 SHORTER = 6
 MINI_PRICE = Price(prompt_per_1k=0.001, completion_per_1k=0.002)
 MAIN_QUOTA = 300  # business-tier tokens per minute on the main model: the quota test spends it
+OTHERS_MAX = 0.5  # others held a CPU of the two for 4 s: a TTFT check that failed then skips instead
 
 
-def random_engine(tokenizer, seed: int, hidden: int, layers: int) -> LLMEngine:
+def write_random_llama(folder: Path, tokenizer: Tokenizer, seed: int, hidden: int, layers: int) -> Path:
+    """A random Llama as a Hugging Face folder (config.json, model.safetensors, the tokenizer's
+    files): what `fairway replica --model FOLDER` loads, serving it as the folder's name."""
     import torch
+    from safetensors.torch import save_file
 
-    torch.manual_seed(seed)
-    config = dataclasses.replace(LlamaConfig.tiny(vocab_size=tokenizer.vocab_size), hidden_size=hidden,
-                                 intermediate_size=4 * hidden, num_layers=layers, head_dim=hidden // 4)
-    return LLMEngine(random_model(config), EngineConfig(num_kv_blocks=512, max_model_len=1024, speculative=None),
-                     tokenizer)
+    folder.mkdir(parents=True, exist_ok=True)
+    heads, kv_heads, head_dim, inter, vocab = 4, 2, hidden // 4, 4 * hidden, tokenizer.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) * 0.2
+
+    state = {"model.embed_tokens.weight": weight(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state |= {p + "self_attn.q_proj.weight": weight(heads * head_dim, hidden),
+                  p + "self_attn.k_proj.weight": weight(kv_heads * head_dim, hidden),
+                  p + "self_attn.v_proj.weight": weight(kv_heads * head_dim, hidden),
+                  p + "self_attn.o_proj.weight": weight(hidden, heads * head_dim),
+                  p + "mlp.gate_proj.weight": weight(inter, hidden), p + "mlp.up_proj.weight": weight(inter, hidden),
+                  p + "mlp.down_proj.weight": weight(hidden, inter),
+                  p + "input_layernorm.weight": torch.ones(hidden),
+                  p + "post_attention_layernorm.weight": torch.ones(hidden)}
+    save_file(state, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps({
+        "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+        "max_position_embeddings": 4096, "tie_word_embeddings": True}))
+    (folder / "tokenizer.json").write_text(tokenizer.backend_json())
+    (folder / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": tokenizer.id_to_token(tokenizer.bos_token_id) if tokenizer.bos_token_id is not None else None,
+        "eos_token": tokenizer.id_to_token(tokenizer.eos_token_id), "chat_template": tokenizer.chat_template}))
+    return folder
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
+    if shutil.which("redis-server") is None:
+        missing("Redis", "no redis-server on this machine")
+    folder = tmp_path_factory.mktemp("peak")
     tokenizer = load_tokenizer(None)
+    # Tiny models: a step is short next to a request's fixed costs (HTTP, store, relay), as a GPU's
+    # step is next to a real TTFT; the mini one smaller still.
+    main = write_random_llama(folder / MODEL, tokenizer, 1, 64, 2)
+    mini = write_random_llama(folder / MINI, tokenizer, 2, 32, 1)
+    redis = PrivateRedis(folder, durable=False)
+    redis.start()
+    procs = Processes(folder)
+    replica = ["replica", "--redis", redis.url, "--dtype", "float32", "--max-model-len", "1024",
+               "--safety-output", "off", "--log-level", "warning"]
+    one_thread = {"OMP_NUM_THREADS": "1"}  # the machine's two CPUs: one each, as the local fleet gives them
+    procs.start("main", *replica, "--model", str(main), "--max-inflight", str(SEATS), env=one_thread)
+    # The mini pool stands for machines of its own: on these two CPUs it takes what the gateway and
+    # the main replica leave (nice), as it would not take theirs deployed.
+    procs.start("mini", *replica, "--model", str(mini), "--mini-of", MODEL, "--max-inflight", str(MINI_SEATS),
+                env=one_thread, nice=10)
     wide = TierLimits(tokens_per_minute=10_000_000, requests_per_minute=100_000)
     limits = LimitsConfig(tiers={"free": wide, "paid": wide, "business": wide, "background": wide},
                           model_tokens_per_minute={MODEL: {"business": MAIN_QUOTA}},
                           ip_requests_per_minute=100_000)
     options = ServerOptions(
-        database=f"sqlite:///{tmp_path_factory.mktemp('peak') / 'fairway.db'}", max_model_len=1024,
-        max_inflight=SEATS, memory=False, mini_model=MINI, limits=limits,
+        model=str(main), mini_model=str(mini), redis=redis.url,
+        database=f"sqlite:///{folder / 'fairway.db'}", max_model_len=1024, memory=False, limits=limits,
         pricing=Pricing(models={MINI: MINI_PRICE}),
         # The flood (15 free replies a second, each holding one of 2 seats FREE_TOKENS steps of a
-        # few ms) outruns the drain by only a few replies a second on a quiet machine: a limit of
-        # 0.5 s was reached some runs and not others; 0.2 s is passed within the first second.
+        # few ms) outruns the drain: a limit of 0.2 s is passed within the first second. Replies
+        # that long make the limit worth several steps' wait, so a paid request that did not go
+        # first (seats.py, the scheduler) would wait past the 2x.
         router=RouterSettings(pressure=PressureSettings(max_wait_s=0.2, shorter_max_tokens=SHORTER)),
         api_keys=[(FREE_KEY, "free-user", "free"), (PAID_KEY, "paid-user", "paid"),
                   (BUSINESS_KEY, "business-user", "business")])
-    options.safety.check_output = False  # random models say random words
-    options.safety.check_input = False
-    # Tiny models: a step is short next to a request's fixed costs (HTTP, store, relay), as a GPU's
-    # step is next to a real TTFT; the mini one smaller still.
-    main, mini = random_engine(tokenizer, 1, 64, 2), random_engine(tokenizer, 2, 32, 1)
-    with embedded_server(options, main, mini) as running:
-        yield running
+    options.safety.check_input = False  # random models say random words
+    running = None
+    try:
+        app = gateway_app(options)
+        running = ThreadServer(app).start()
+        running.gateway = app.state.gateway
+        wait_for(lambda: {r.model for r in running.call(running.gateway.router.live(refresh=True))} == {MODEL, MINI},
+                 timeout=180, every=0.5)
+    except BaseException:
+        if running is not None:
+            running.stop()
+        procs.stop()
+        redis.stop()
+        raise RuntimeError(procs.tails()) from None
+    yield running
+    running.stop()
+    procs.stop()
+    redis.stop()
 
 
 @dataclass
@@ -168,20 +236,26 @@ def idle(server) -> None:
 def test_a_free_flood_is_treated_as_configured_while_paid_ttft_stays_near_idle(server, treatment) -> None:
     server.gateway.router.settings.pressure.free_at_capacity = treatment
     idle(server)
-    baseline = asyncio.run(idle_paid_ttfts(server.url))
-    free, paid = asyncio.run(flood(server.url))
+    machine = Machine()
+    machine.start()
+    try:
+        began = time.monotonic()
+        baseline = asyncio.run(idle_paid_ttfts(server.url))
+        free, paid = asyncio.run(flood(server.url))
+        ended = time.monotonic()
+    finally:
+        machine.done.set()
 
-    # Paid: never refused, every stream complete, and the p99 TTFT within 2x of the idle one's.
-    # (Not under mini: here the mini pool's engine runs in the same process as the main one,
-    # sharing its cores and its GIL; deployed, the mini pool is replica processes of its own.)
+    # Paid: never refused, every stream complete, and the p99 TTFT within 2x of the idle one's
+    # (plus one engine step of slack: idle TTFTs here are ~10-20 ms, where a step's or the event
+    # loop's jitter alone moves a p99 past 2x; a paid request queued behind the free flood waits
+    # seconds).
     assert paid and all(a.status == 200 and a.tokens == 4 for a in paid)
     flood_p99, idle_p99 = p99([a.ttft for a in paid]), p99(baseline)
-    # (Plus one engine step of slack: idle TTFTs here are ~12 ms, where a step's or the event loop's
-    # jitter alone moves a p99 past 2x; a paid request queued behind the free flood waits seconds.)
-    if treatment != "mini":
-        assert flood_p99 <= 2 * idle_p99 + STEP_SLACK_S, (treatment, flood_p99, idle_p99,
-                                                          sorted(a.ttft for a in paid))
-
+    print(f"{treatment}: paid TTFT p99 {flood_p99 * 1000:.0f} ms under the flood, {idle_p99 * 1000:.0f} ms idle; "
+          f"{len(free)} free, {sum(a.status == 503 for a in free)} shed, "
+          f"{sum('x-fairway-fallback' in a.headers for a in free)} treated otherwise; paid TTFTs (ms): "
+          f"{[round(a.ttft * 1000) for a in paid]}, idle {[round(t * 1000) for t in baseline]}")
     served = [a for a in free if a.status == 200]
     treated = [a for a in served if "x-fairway-fallback" in a.headers]
     assert {a.status for a in free} <= {200, 503}
@@ -208,7 +282,13 @@ def test_a_free_flood_is_treated_as_configured_while_paid_ttft_stays_near_idle(s
         for a in treated:
             assert a.body["usage"]["completion_tokens"] == SHORTER == int(a.headers["x-fairway-max-tokens"])
             assert a.body["context"]["max_tokens"] == SHORTER if "context" in a.body else True
-    idle(server)
+    if flood_p99 > 2 * idle_p99 + STEP_SLACK_S:
+        others, paused = machine.others(began, ended), machine.paused(began, ended)
+        if paused or others > OTHERS_MAX:
+            pytest.skip(f"paid TTFT p99 {flood_p99:.3f} s against {idle_p99:.3f} s idle, not checked: other "
+                        f"processes took {others:.0%} of the CPUs for a while, this test's were stopped "
+                        f"{paused:.1f} s")
+        raise AssertionError((treatment, flood_p99, idle_p99, sorted(a.ttft for a in paid)))
 
 
 def test_a_shed_message_sent_again_once_there_is_room_is_answered(server) -> None:
@@ -257,3 +337,17 @@ def test_past_the_main_models_quota_the_mini_pool_serves_at_its_own_price(server
     assert record is not None and record.model == MINI
     assert record.cost == pytest.approx(MINI_PRICE.cost(record.prompt_tokens, record.cached_tokens,
                                                         record.completion_tokens))
+
+
+def test_a_gateway_is_told_the_mini_models_own_price_on_its_command_line() -> None:
+    """What the test above sets in code, a deployed `fairway gateway` takes as --model-price;
+    a price it cannot read stops it with one line (exit 2) before it starts."""
+    base = ["gateway", "--redis", "redis://127.0.0.1:1/0", "--database", "sqlite://"]
+    args = build_parser().parse_args([*base, "--model-price", f"{MINI}=0.001,0.002", "--model-price",
+                                      f"{MODEL}=0.01,0.03,0.004"])
+    pricing = _server_options(args).pricing
+    assert pricing.price(MINI) == MINI_PRICE and pricing.price(MODEL) == Price(0.01, 0.03, 0.004)
+    assert pricing.price("another") == pricing.default
+    bad = subprocess.run([sys.executable, "-m", "fairway.cli", *base, "--model-price", f"{MINI}=0.001"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--model-price" in bad.stderr, bad.stderr
