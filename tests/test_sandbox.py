@@ -279,3 +279,52 @@ async def test_unreachable_service_is_a_result_not_a_crash():
         await client.close()
     assert reason and "unreachable" in reason
     assert result.error and "failed" in result.error
+
+
+async def test_process_and_open_file_limits(service_url):
+    """RLIMIT_NPROC and RLIMIT_NOFILE as the kernel applies them (the process limit only holds
+    because the run is an unprivileged uid: as root it would not count)."""
+    code = ("import os, time\nkids = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError as e:\n"
+            "        print('fork', kids, e.errno); break\n    if pid == 0:\n        time.sleep(1); os._exit(0)\n"
+            "    kids += 1\nfiles = []\nwhile True:\n    try:\n        files.append(open('/dev/null'))\n"
+            "    except OSError as e:\n        print('open', len(files), e.errno); break\n")
+    result = await _beside(service_url, code)
+    forks, opens = (line.split() for line in result.stdout.splitlines())
+    assert forks[0] == "fork" and 0 < int(forks[1]) < LIMITS.procs and forks[2] == "11", result  # EAGAIN
+    assert opens[0] == "open" and 0 < int(opens[1]) < LIMITS.open_files and opens[2] == "24", result  # EMFILE
+    assert result.exit_code == 0
+
+
+async def test_the_service_refuses_a_malformed_request(service_url):
+    import grpc
+
+    from fairway.sandbox.service import SERVICE, _dumps, _loads, target_of
+
+    async with grpc.aio.insecure_channel(target_of(service_url)) as channel:
+        run = channel.unary_unary(f"/{SERVICE}/Run", request_serializer=_dumps, response_deserializer=_loads)
+        for request in ({"limits": {}}, {"code": "print(1)", "limits": {"cpu_s": -1}},
+                        {"code": "print(1)", "limits": {"memory_mb": "lots"}}):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await run(request, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+        assert (await run({"code": "print(1)"}, timeout=10))["stdout"] == "1\n"  # and it goes on serving
+
+
+async def test_one_tenants_burst_leaves_room_for_others(service_url):
+    """The service runs 6 at once, 3 of one tenant (the fixture's flags): a tenant that sends 6
+    slow runs has 3 running and 3 waiting, and another tenant's run goes straight through."""
+    client = GrpcSandbox(service_url)
+    try:
+        burst = [asyncio.ensure_future(client.run("import time; time.sleep(1.5); print('slow')", LIMITS, tenant="busy"))
+                 for _ in range(6)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        probe = await client.run("print(1)", LIMITS, tenant="probe")
+        probe_s = time.monotonic() - started
+        results = await asyncio.gather(*burst)
+        total_s = time.monotonic() - started + 0.3
+    finally:
+        await client.close()
+    assert probe.stdout == "1\n" and probe_s < 1.0, (probe, probe_s)
+    assert [r.stdout for r in results] == ["slow\n"] * 6
+    assert total_s > 2 * 1.5  # the busy tenant's runs went three at a time: two waves
