@@ -328,3 +328,14 @@ async def test_one_tenants_burst_leaves_room_for_others(service_url):
     assert probe.stdout == "1\n" and probe_s < 1.0, (probe, probe_s)
     assert [r.stdout for r in results] == ["slow\n"] * 6
     assert total_s > 2 * 1.5  # the busy tenant's runs went three at a time: two waves
+
+
+@pytest.mark.parametrize("argv", [["sandbox", "--max-concurrent", "0"], ["sandbox", "--per-tenant", "-1"],
+                                  ["serve", "--max-tool-rounds", "0"], ["sandbox", "--max-concurrent", "many"]])
+def test_counts_below_one_are_refused_at_the_command_line(argv, capsys):
+    """(A sandbox with no slots would hold every run for ever; no tool rounds would read as the default.)"""
+    from fairway.cli import build_parser
+
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(argv)
+    assert caught.value.code == 2 and argv[1] in capsys.readouterr().err

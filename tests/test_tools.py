@@ -457,17 +457,27 @@ def test_bad_tool_input_is_a_400(http, change, param, code):
     assert error["message"]
 
 
-def test_without_a_sandbox_the_code_tool_is_off(tmp_path):
+@pytest.mark.parametrize(("sandbox", "why"), [("off", "this replica has no sandbox"),
+                                              ("local", "bwrap is not installed (apt-get install bubblewrap)")],
+                         ids=["turned-off", "no-bubblewrap"])
+def test_without_a_sandbox_the_code_tool_is_off(tmp_path, monkeypatch, sandbox, why):
     from fairway.assembly import ServerOptions, load_tokenizer
 
+    tokenizer = load_tokenizer(None)
+    if sandbox == "local":  # a machine without bubblewrap: nothing on PATH (what the runner looks for)
+        monkeypatch.setenv("PATH", str(tmp_path))
     options = ServerOptions(database=f"sqlite:///{tmp_path / 'off.db'}", api_keys=list(TEST_KEYS), memory=False,
-                            sandbox="off")
-    with embedded_server(options, ScriptedEngine(load_tokenizer(None), script)) as server:
+                            sandbox=sandbox)
+    with embedded_server(options, ScriptedEngine(tokenizer, script)) as server:
         response = httpx.post(f"{server.url}/v1/chat/completions", headers=headers(), timeout=30,
                               json=chat_body("compute", stream=False, tools=[CODE]))
+        plain = httpx.post(f"{server.url}/v1/chat/completions", headers=headers(), timeout=30,
+                           json=chat_body("weather?", stream=False, max_tokens=100, tools=[WEATHER]))
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["code"] == "tool_unavailable" and "Code execution is off" in error["message"]
+    assert error["code"] == "tool_unavailable" and error["param"] == "tools"
+    assert error["message"].startswith("Code execution is off on this server:") and why in error["message"]
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "tool_calls"  # the rest works
 
 
 # A template with tool support of its own (the shape of Qwen's and Hermes'): tools and tool turns
