@@ -8,6 +8,7 @@ small (256 MiB, 1 s CPU, 2 s wall) so the whole file stays quick.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import os
@@ -238,6 +239,21 @@ async def test_no_privileges_inside(service_url):
             "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n")  # CLONE_NEWUSER
     result = await _beside(service_url, code)
     assert result.stdout.splitlines() == ["65534 0000000000000000 1 2", "unshare -1 1"]
+
+
+NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
+
+
+async def test_every_namespace_is_its_own(service_url):
+    """Unshared, each of them: the seccomp filter refuses sockets anyway, so the network namespace
+    is checked on its own (nothing but a loopback of its own, none of the host's interfaces)."""
+    code = (f"import os\nprint([os.readlink('/proc/self/ns/' + n) for n in {NAMESPACES!r}])\n"
+            "print([l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:]])\n")
+    result = await _beside(service_url, code)
+    inside, interfaces = (ast.literal_eval(line) for line in result.stdout.splitlines())
+    host = [os.readlink(f"/proc/self/ns/{n}") for n in NAMESPACES]
+    assert [a == b for a, b in zip(inside, host, strict=True)] == [False] * len(NAMESPACES), (inside, host)
+    assert interfaces == ["lo"]
 
 
 async def test_limits_are_bounded_by_the_service(service_url):
