@@ -202,6 +202,21 @@ async def test_fill_the_disk(service_url):
     assert result.exit_code == 1 and "No space left on device" in result.stderr
 
 
+async def test_nothing_but_tmp_and_shm_is_writable(service_url):
+    """bwrap's root and /dev are tmpfs without a size, owned by the sandbox's uid: left writable, a
+    run could fill memory there past /tmp's bound. /dev/shm (multiprocessing's) is bounded too."""
+    code = ("import errno, os\nfor p in ('/x', '/dev/x', '/usr/x', '/bin/x'):\n"
+            "    try:\n        open(p, 'w'); print(p, 'written')\n"
+            "    except OSError as e:\n        print(p, errno.errorcode[e.errno])\n"
+            "try:\n    for i in range(100):\n        open(f'/dev/shm/{i}', 'wb').write(b'x' * 1024 * 1024)\n"
+            "except OSError as e:\n    print('shm', i, errno.errorcode[e.errno])\n"
+            "for name in os.listdir('/dev/shm'):\n    os.remove('/dev/shm/' + name)\n"
+            "import multiprocessing\nmultiprocessing.Lock()\nprint('lock')\n")
+    result = await _beside(service_url, code)
+    assert result.stdout.splitlines() == ["/x EROFS", "/dev/x EROFS", "/usr/x EROFS", "/bin/x EROFS",
+                                          f"shm {LIMITS.tmp_mb} ENOSPC", "lock"], result
+
+
 async def test_one_file_past_the_size_limit(service_url):
     code = "open('/tmp/big', 'wb').write(b'x' * 6 * 1024 * 1024)"
     result = await _beside(service_url, code)
@@ -209,7 +224,8 @@ async def test_one_file_past_the_size_limit(service_url):
 
 
 async def test_infinite_loop(service_url):
-    result = await _beside(service_url, "while True:\n    pass\n")
+    # (ROOMY's wall time: on a loaded machine 1 s of CPU can take longer than LIMITS' 2 s of wall)
+    result = await _beside(service_url, "while True:\n    pass\n", ROOMY)
     assert result.limit == "cpu_time" and result.exit_code is None
 
 
