@@ -18,6 +18,18 @@ from fairway.models.bundled import ModelFileError
 from fairway.server_gc import settle_heap
 
 
+def _count(value: str) -> int:
+    """A flag that counts something the process needs at least one of (runs at once, tool rounds):
+    0 would hang every run or silently mean the default."""
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
@@ -643,7 +655,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL"),
                    help="conversation store URL (default: SQLite in ./.fairway/)")
     s.add_argument("--default-max-tokens", type=int, default=512)
-    s.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
+    s.add_argument("--max-tool-rounds", type=_count, default=5, help="tool runs per reply (execute_code); then it ends")
     _limits_args(s)
     _pressure_args(s)
     _memory_files_args(s)
@@ -660,7 +672,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes (SO_REUSEPORT)")
     gw.add_argument("--default-max-tokens", type=int, default=512)
-    gw.add_argument("--max-tool-rounds", type=int, default=5, help="tool runs per reply (execute_code); then it ends")
+    gw.add_argument("--max-tool-rounds", type=_count, default=5, help="tool runs per reply (execute_code); then it ends")
     _router_args(gw)
     _pressure_args(gw)
     _limits_args(gw)
@@ -695,8 +707,8 @@ def build_parser() -> argparse.ArgumentParser:
     sb = sub.add_parser("sandbox", help="the code sandbox as a gRPC service (replicas reach it with --sandbox grpc://...)")
     sb.add_argument("--listen", default="127.0.0.1:50051", help="host:port (port 0 picks a free one)")
     sb.add_argument("--python", default="/usr/bin/python3", help="the system interpreter the sandbox runs code with")
-    sb.add_argument("--max-concurrent", type=int, default=8, help="runs at once; more wait")
-    sb.add_argument("--per-tenant", type=int, default=4, help="runs of one tenant at once")
+    sb.add_argument("--max-concurrent", type=_count, default=8, help="runs at once; more wait")
+    sb.add_argument("--per-tenant", type=_count, default=4, help="runs of one tenant at once")
     sb.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     sb.set_defaults(func=cmd_sandbox)
     from fairway.up import DEFAULT_DATABASE, DEFAULT_REDIS

@@ -8,6 +8,7 @@ small (256 MiB, 1 s CPU, 2 s wall) so the whole file stays quick.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import dataclasses
 import os
@@ -201,6 +202,21 @@ async def test_fill_the_disk(service_url):
     assert result.exit_code == 1 and "No space left on device" in result.stderr
 
 
+async def test_nothing_but_tmp_and_shm_is_writable(service_url):
+    """bwrap's root and /dev are tmpfs without a size, owned by the sandbox's uid: left writable, a
+    run could fill memory there past /tmp's bound. /dev/shm (multiprocessing's) is bounded too."""
+    code = ("import errno, os\nfor p in ('/x', '/dev/x', '/usr/x', '/bin/x'):\n"
+            "    try:\n        open(p, 'w'); print(p, 'written')\n"
+            "    except OSError as e:\n        print(p, errno.errorcode[e.errno])\n"
+            "try:\n    for i in range(100):\n        open(f'/dev/shm/{i}', 'wb').write(b'x' * 1024 * 1024)\n"
+            "except OSError as e:\n    print('shm', i, errno.errorcode[e.errno])\n"
+            "for name in os.listdir('/dev/shm'):\n    os.remove('/dev/shm/' + name)\n"
+            "import multiprocessing\nmultiprocessing.Lock()\nprint('lock')\n")
+    result = await _beside(service_url, code)
+    assert result.stdout.splitlines() == ["/x EROFS", "/dev/x EROFS", "/usr/x EROFS", "/bin/x EROFS",
+                                          f"shm {LIMITS.tmp_mb} ENOSPC", "lock"], result
+
+
 async def test_one_file_past_the_size_limit(service_url):
     code = "open('/tmp/big', 'wb').write(b'x' * 6 * 1024 * 1024)"
     result = await _beside(service_url, code)
@@ -208,7 +224,8 @@ async def test_one_file_past_the_size_limit(service_url):
 
 
 async def test_infinite_loop(service_url):
-    result = await _beside(service_url, "while True:\n    pass\n")
+    # (ROOMY's wall time: on a loaded machine 1 s of CPU can take longer than LIMITS' 2 s of wall)
+    result = await _beside(service_url, "while True:\n    pass\n", ROOMY)
     assert result.limit == "cpu_time" and result.exit_code is None
 
 
@@ -238,6 +255,21 @@ async def test_no_privileges_inside(service_url):
             "print('unshare', libc.unshare(0x10000000), ctypes.get_errno())\n")  # CLONE_NEWUSER
     result = await _beside(service_url, code)
     assert result.stdout.splitlines() == ["65534 0000000000000000 1 2", "unshare -1 1"]
+
+
+NAMESPACES = ("cgroup", "ipc", "mnt", "net", "pid", "user", "uts")
+
+
+async def test_every_namespace_is_its_own(service_url):
+    """Unshared, each of them: the seccomp filter refuses sockets anyway, so the network namespace
+    is checked on its own (nothing but a loopback of its own, none of the host's interfaces)."""
+    code = (f"import os\nprint([os.readlink('/proc/self/ns/' + n) for n in {NAMESPACES!r}])\n"
+            "print([l.split(':')[0].strip() for l in open('/proc/net/dev').read().splitlines()[2:]])\n")
+    result = await _beside(service_url, code)
+    inside, interfaces = (ast.literal_eval(line) for line in result.stdout.splitlines())
+    host = [os.readlink(f"/proc/self/ns/{n}") for n in NAMESPACES]
+    assert [a == b for a, b in zip(inside, host, strict=True)] == [False] * len(NAMESPACES), (inside, host)
+    assert interfaces == ["lo"]
 
 
 async def test_limits_are_bounded_by_the_service(service_url):
@@ -279,3 +311,63 @@ async def test_unreachable_service_is_a_result_not_a_crash():
         await client.close()
     assert reason and "unreachable" in reason
     assert result.error and "failed" in result.error
+
+
+async def test_process_and_open_file_limits(service_url):
+    """RLIMIT_NPROC and RLIMIT_NOFILE as the kernel applies them (the process limit only holds
+    because the run is an unprivileged uid: as root it would not count)."""
+    code = ("import os, time\nkids = 0\nwhile True:\n    try:\n        pid = os.fork()\n    except OSError as e:\n"
+            "        print('fork', kids, e.errno); break\n    if pid == 0:\n        time.sleep(1); os._exit(0)\n"
+            "    kids += 1\nfiles = []\nwhile True:\n    try:\n        files.append(open('/dev/null'))\n"
+            "    except OSError as e:\n        print('open', len(files), e.errno); break\n")
+    result = await _beside(service_url, code)
+    forks, opens = (line.split() for line in result.stdout.splitlines())
+    assert forks[0] == "fork" and 0 < int(forks[1]) < LIMITS.procs and forks[2] == "11", result  # EAGAIN
+    assert opens[0] == "open" and 0 < int(opens[1]) < LIMITS.open_files and opens[2] == "24", result  # EMFILE
+    assert result.exit_code == 0
+
+
+async def test_the_service_refuses_a_malformed_request(service_url):
+    import grpc
+
+    from fairway.sandbox.service import SERVICE, _dumps, _loads, target_of
+
+    async with grpc.aio.insecure_channel(target_of(service_url)) as channel:
+        run = channel.unary_unary(f"/{SERVICE}/Run", request_serializer=_dumps, response_deserializer=_loads)
+        for request in ({"limits": {}}, {"code": "print(1)", "limits": {"cpu_s": -1}},
+                        {"code": "print(1)", "limits": {"memory_mb": "lots"}}):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await run(request, timeout=5)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, request
+        assert (await run({"code": "print(1)"}, timeout=10))["stdout"] == "1\n"  # and it goes on serving
+
+
+async def test_one_tenants_burst_leaves_room_for_others(service_url):
+    """The service runs 6 at once, 3 of one tenant (the fixture's flags): a tenant that sends 6
+    slow runs has 3 running and 3 waiting, and another tenant's run goes straight through."""
+    client = GrpcSandbox(service_url)
+    try:
+        burst = [asyncio.ensure_future(client.run("import time; time.sleep(1.5); print('slow')", LIMITS, tenant="busy"))
+                 for _ in range(6)]
+        await asyncio.sleep(0.3)
+        started = time.monotonic()
+        probe = await client.run("print(1)", LIMITS, tenant="probe")
+        probe_s = time.monotonic() - started
+        results = await asyncio.gather(*burst)
+        total_s = time.monotonic() - started + 0.3
+    finally:
+        await client.close()
+    assert probe.stdout == "1\n" and probe_s < 1.0, (probe, probe_s)
+    assert [r.stdout for r in results] == ["slow\n"] * 6
+    assert total_s > 2 * 1.5  # the busy tenant's runs went three at a time: two waves
+
+
+@pytest.mark.parametrize("argv", [["sandbox", "--max-concurrent", "0"], ["sandbox", "--per-tenant", "-1"],
+                                  ["serve", "--max-tool-rounds", "0"], ["sandbox", "--max-concurrent", "many"]])
+def test_counts_below_one_are_refused_at_the_command_line(argv, capsys):
+    """(A sandbox with no slots would hold every run for ever; no tool rounds would read as the default.)"""
+    from fairway.cli import build_parser
+
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(argv)
+    assert caught.value.code == 2 and argv[1] in capsys.readouterr().err

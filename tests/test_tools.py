@@ -37,7 +37,11 @@ def script(prompt: str) -> str:
         return 'Again.<tool_call name="execute_code">\nprint("round")\n</tool_call>'
     if "<tool_response>" in turn:
         result = turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0]
+        if len(result) > 1000:
+            return f"It printed {result.count('x')} x, then: {result.splitlines()[-1]}"
         return f"The result is {result}."
+    if "print a lot" in turn:
+        return 'Sure. <tool_call name="execute_code">\nprint("x" * 10000)\n</tool_call>'
     if "two cities" in turn and "get_weather" in prompt:
         return "".join(f'<tool_call>\n{{"name": "get_weather", "arguments": {{"city": "{city}"}}}}\n</tool_call>\n'
                        for city in ("Paris", "Rome"))
@@ -314,6 +318,17 @@ def test_after_its_log_expired_a_reply_replays_its_tool_runs_from_the_store(scri
     assert [r["output"] for r in conversation["messages"][-1]["tool_executions"]] == ["42"]
 
 
+def test_a_long_output_is_cut_for_the_model_and_the_client(http):
+    from fairway.tools.loop import OUTPUT_CHARS
+
+    events = _stream(http, chat_body("print a lot, please", max_tokens=200, tools=[CODE]))
+    _, done = _executions(events)
+    cut = "x" * OUTPUT_CHARS + f"\n... ({10_001 - OUTPUT_CHARS} more characters)"
+    assert (done["status"], done["output"], done["result"]["stdout"]) == ("completed", cut, cut)
+    # The model read the cut output (the scripted model counts what it was given).
+    assert "".join(e.content for e in events) == f"Sure. It printed {OUTPUT_CHARS} x, then: {cut.splitlines()[-1]}"
+
+
 def test_execute_code_without_streaming(http):
     answer = http.post("/v1/chat/completions", json=chat_body("compute it", max_tokens=200, stream=False,
                                                               tools=[CODE])).json()
@@ -390,7 +405,8 @@ def test_parallel_tool_calls_false_holds_the_reply_to_one_call(sdk, scripted):
     assert "Call at most one function in your reply." in prompt
 
 
-def test_a_follow_up_in_a_stored_conversation(http):
+def test_a_follow_up_in_a_stored_conversation(http, scripted):
+    asked = len(scripted.engine.prompts)
     first = http.post("/v1/chat/completions", json=chat_body("weather?", stream=False, max_tokens=100,
                                                              tools=[WEATHER])).json()
     (call,) = first["choices"][0]["message"]["tool_calls"]
@@ -401,43 +417,67 @@ def test_a_follow_up_in_a_stored_conversation(http):
     stored = http.get(f"/v1/conversations/{first['conversation_id']}").json()["messages"]
     assert [m["role"] for m in stored] == ["user", "assistant", "tool", "assistant"]
     assert stored[1]["tool_calls"][0]["id"] == call["id"] and stored[2]["tool_call_id"] == call["id"]
+    # Cache-friendly: the follow-up's prompt is the first one, then the call as the model wrote it,
+    # then the result, so the prefix cache holds all but the result and the new turn's start.
+    (_, before), (_, after) = scripted.engine.prompts[asked:]
+    assert after[:len(before)] == before
+    tokenizer = scripted.engine.tokenizer
+    assert tokenizer.decode(after[len(before):]).startswith(
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
 
 
-@pytest.mark.parametrize(("change", "param"), [
-    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "unknown"}}}, "tool_choice"),
+@pytest.mark.parametrize(("change", "param", "code"), [
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "unknown"}}}, "tool_choice",
+     "invalid_tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "not a schema"}}]},
-     "tools[0].function.parameters"),
-    ({"tools": [{"type": "function"}]}, "tools[0].function"),
-    ({"tools": "get_weather"}, "tools"),
-    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice"),
+     "tools[0].function.parameters", "invalid_tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "n": {"type": "integer", "minimum": "zero"}}}}}]}, "tools[0].function.parameters", "invalid_tools"),
+    ({"tools": [{"type": "function"}]}, "tools[0].function", "invalid_tools"),
+    ({"tools": "get_weather"}, "tools", "invalid_value"),  # (the request model's own check)
+    ({"tool_choice": "sometimes", "tools": [WEATHER]}, "tool_choice", "invalid_tools"),
     ({"messages": [{"role": "user", "content": "hi"},
                    {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                                          "function": {"name": "f", "arguments": "{not json"}}]},
-                   {"role": "tool", "tool_call_id": "c1", "content": "x"}]}, "messages[1].tool_calls[0].function.arguments"),
-    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id"),
+                   {"role": "tool", "tool_call_id": "c1", "content": "x"}]},
+     "messages[1].tool_calls[0].function.arguments", "invalid_tool_arguments"),
+    ({"messages": [{"role": "user", "content": "hi"}, {"role": "tool", "content": "x"}]}, "messages[1].tool_call_id",
+     "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": "hi"},
                    {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
                                                          "function": {"name": "f", "arguments": "{}"}}]},
-                   {"role": "tool", "tool_call_id": "c2", "content": "x"}]}, "messages[2].tool_call_id"),
+                   {"role": "tool", "tool_call_id": "c2", "content": "x"}]}, "messages[2].tool_call_id",
+     "invalid_value"),
 ])
-def test_bad_tool_input_is_a_400(http, change, param):
+def test_bad_tool_input_is_a_400(http, change, param, code):
     response = http.post("/v1/chat/completions", json={**chat_body("hi", stream=False), **change})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
-    assert error["param"] == param and error["type"] == "invalid_request_error" and error["message"]
+    assert (error["param"], error["code"], error["type"]) == (param, code, "invalid_request_error"), error
+    assert error["message"]
 
 
-def test_without_a_sandbox_the_code_tool_is_off(tmp_path):
+@pytest.mark.parametrize(("sandbox", "why"), [("off", "this replica has no sandbox"),
+                                              ("local", "bwrap is not installed (apt-get install bubblewrap)")],
+                         ids=["turned-off", "no-bubblewrap"])
+def test_without_a_sandbox_the_code_tool_is_off(tmp_path, monkeypatch, sandbox, why):
     from fairway.assembly import ServerOptions, load_tokenizer
 
+    tokenizer = load_tokenizer(None)
+    if sandbox == "local":  # a machine without bubblewrap: nothing on PATH (what the runner looks for)
+        monkeypatch.setenv("PATH", str(tmp_path))
     options = ServerOptions(database=f"sqlite:///{tmp_path / 'off.db'}", api_keys=list(TEST_KEYS), memory=False,
-                            sandbox="off")
-    with embedded_server(options, ScriptedEngine(load_tokenizer(None), script)) as server:
+                            sandbox=sandbox)
+    with embedded_server(options, ScriptedEngine(tokenizer, script)) as server:
         response = httpx.post(f"{server.url}/v1/chat/completions", headers=headers(), timeout=30,
                               json=chat_body("compute", stream=False, tools=[CODE]))
+        plain = httpx.post(f"{server.url}/v1/chat/completions", headers=headers(), timeout=30,
+                           json=chat_body("weather?", stream=False, max_tokens=100, tools=[WEATHER]))
     assert response.status_code == 400
     error = response.json()["error"]
-    assert error["code"] == "tool_unavailable" and "Code execution is off" in error["message"]
+    assert error["code"] == "tool_unavailable" and error["param"] == "tools"
+    assert error["message"].startswith("Code execution is off on this server:") and why in error["message"]
+    assert plain.status_code == 200 and plain.json()["choices"][0]["finish_reason"] == "tool_calls"  # the rest works
 
 
 # A template with tool support of its own (the shape of Qwen's and Hermes'): tools and tool turns

@@ -3,10 +3,11 @@
 Every namespace is unshared (user, pid, net, ipc, uts, cgroup): the code sees its own processes
 only, a network namespace with nothing but a loopback that leads nowhere, and no way to make
 namespaces of its own. Its file system is the host's /usr read-only (and the /bin, /lib links
-into it), a fresh /proc and /dev, a private size-bounded tmpfs /tmp, and nothing else: no /etc,
-no /root, no /home, no project folder. It runs as uid 65534 inside with no capabilities, no new
-privileges (bwrap sets PR_SET_NO_NEW_PRIVS for the seccomp filter), in a session of its own, and
-dies with the runner.
+into it), a fresh /proc and /dev, a private size-bounded tmpfs /tmp (and /dev/shm), and nothing
+else: no /etc, no /root, no /home, no project folder. All but those two is read-only, the root and
+/dev included (bwrap makes them tmpfs of no size, writable by the sandbox's uid). It runs as uid
+65534 inside with no capabilities, no new privileges (bwrap sets PR_SET_NO_NEW_PRIVS for the
+seccomp filter), in a session of its own, and dies with the runner.
 """
 
 from __future__ import annotations
@@ -67,6 +68,12 @@ def bwrap_args(python: str, code: str, seccomp_fd: int, limits: SandboxLimits) -
         "--proc", "/proc",
         "--dev", "/dev",
         "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/tmp",
+        # bwrap's root and /dev are tmpfs without a size, writable by the sandbox's uid: read-only
+        # both, or a run could fill memory there past /tmp's bound. /dev/shm gets a bounded tmpfs
+        # of its own (Python's multiprocessing keeps its semaphores there).
+        "--remount-ro", "/dev",
+        "--size", str(limits.tmp_mb * MIB), "--tmpfs", "/dev/shm",
+        "--remount-ro", "/",
         "--chdir", "/tmp",
         "--clearenv",
         "--setenv", "PATH", "/usr/local/bin:/usr/bin:/bin",

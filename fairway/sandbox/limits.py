@@ -21,7 +21,7 @@ class SandboxLimits:
     memory_mb: int = 512
     procs: int = 32  # processes and threads of the run's uid (RLIMIT_NPROC)
     file_mb: int = 16  # the largest file it may write (RLIMIT_FSIZE)
-    tmp_mb: int = 32  # its private /tmp (a tmpfs of this size): all it may write
+    tmp_mb: int = 32  # its private /tmp, and /dev/shm (a tmpfs of this size each): all it may write
     open_files: int = 64  # RLIMIT_NOFILE
     output_bytes: int = 64 * 1024  # stdout and stderr, each: beyond this the run is killed
     code_bytes: int = 64 * 1024  # the program itself

@@ -81,7 +81,7 @@ class ToolSet:
         return cls(tuple(FunctionTool(f["name"], f.get("description", ""), f.get("parameters") or {})
                          for f in data.get("functions") or ()),
                    bool(data.get("code")), str(data.get("choice") or "auto"), data.get("named"),
-                   int(data.get("max_rounds") or DEFAULT_MAX_ROUNDS), bool(data.get("parallel", True)))
+                   int(data.get("max_rounds", DEFAULT_MAX_ROUNDS)), bool(data.get("parallel", True)))
 
 
 def parse_tools(tools: Any, tool_choice: Any, max_rounds: int = DEFAULT_MAX_ROUNDS,
