@@ -28,11 +28,21 @@ def fairway_up(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_a_missing_server_is_one_line_and_nothing_starts():
-    proc = fairway_up("--redis", "redis://127.0.0.1:1/0", "--port", str(free_port()))
+@pytest.mark.parametrize("server", ["Redis", "PostgreSQL"])
+def test_a_missing_server_is_one_line_and_nothing_starts(server):
+    nowhere = {"Redis": "redis://127.0.0.1:1/0", "PostgreSQL": "postgresql://postgres@127.0.0.1:1/fairway"}[server]
+    if server == "PostgreSQL":  # Redis answers, so the database is the one named
+        try:
+            redis.Redis.from_url(REDIS_URL).ping()
+        except redis.ConnectionError as exc:
+            missing("Redis", f"nothing answers at {REDIS_URL}: {exc}")
+        args = ["--redis", REDIS_URL, "--database", nowhere]
+    else:
+        args = ["--redis", nowhere]
+    proc = fairway_up(*args, "--port", str(free_port()))
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
-    assert err.strip().count("\n") == 0 and "no Redis answers at redis://127.0.0.1:1/0" in err
+    assert proc.returncode == 2 and out == ""
+    assert err.strip().count("\n") == 0 and f"no {server} answers at {nowhere}" in err, err
 
 
 def test_up_serves_through_two_gateways_and_stops_on_ctrl_c(tmp_path):
