@@ -13,6 +13,7 @@ import time
 import uuid
 
 import openai
+import psutil
 import pytest
 import redis
 from backends import missing
@@ -71,6 +72,11 @@ def test_up_serves_through_two_gateways_and_stops_on_ctrl_c(tmp_path):
                 reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
                                                        messages=[{"role": "user", "content": "Say hi."}])
                 assert reply.choices[0].finish_reason in ("stop", "length")
+            # Both gateways listen on the one port (SO_REUSEPORT), each a process of its own.
+            listening = {child.pid for child in psutil.Process(proc.pid).children(recursive=True)
+                         for c in child.net_connections(kind="tcp")
+                         if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+            assert len(listening) == 2, listening
             registry = redis.Redis.from_url(REDIS_URL, decode_responses=True)
             assert len(registry.smembers(f"{namespace}replicas")) == 2
             registry.close()
