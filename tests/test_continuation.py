@@ -8,23 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import shutil
+import uuid
 
 import httpx
 import pytest
 from backends import missing
 from processes import PrivateRedis
+from redis_keys import delete_prefixed
 
-from fairway.domain import Lane, ReplyState
+from fairway.domain import FinishReason, Lane, ReplyState
 from fairway.engine import AsyncEngine, EngineConfig, LLMEngine, SamplingParams
 from fairway.relay import FinalEvent, TokenEvent, make_relay
 from fairway.replica.health import HealthServer
 from fairway.replica.job import GenerationJob, replica_queue
-from fairway.replica.registry import InProcessRegistry, ReplicaInfo
+from fairway.replica.registry import InProcessRegistry, RedisRegistry, ReplicaInfo
 from fairway.replica.report import REPORTS_INBOX
 from fairway.replica.worker import ReplicaSettings, ReplicaWorker
 from fairway.router import Failover, Router
 
+REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 PROMPT = "<|im_start|>user\nName three colours and say why people like them.<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -140,6 +144,39 @@ async def test_a_second_producer_of_a_reply_drops_its_copy(replica):
     assert "finished" not in reports
 
 
+async def test_a_continuation_that_no_longer_fits_ends_with_length(real_model_fp32, real_tokenizer):
+    """The replica that died had said so much that the context plus its words fill this one's
+    window: the reply ends there, finish_reason length and FINISHED (no error), numbered on."""
+    prompt = real_tokenizer.encode(PROMPT)
+    params = {"temperature": 0, "max_tokens": 40, "ignore_eos": True}
+    sent, _ = run(fp32_engine(real_model_fp32, real_tokenizer), prompt, SamplingParams(**{**params, "max_tokens": 8}))
+    logged = [real_tokenizer.decode([token]) for token in sent]
+    small = LLMEngine(real_model_fp32, EngineConfig(num_kv_blocks=64, max_model_len=len(prompt) + len(sent),
+                                                    bound_step_time=False), tokenizer=real_tokenizer)
+    relay = make_relay(None)
+    engine = AsyncEngine(small)
+    worker = ReplicaWorker(engine, relay, InProcessRegistry(), ReplicaSettings(model="m", replica_id="small"))
+    await worker.start()
+    try:
+        await relay.log.create("rep6")
+        for i, (token, text) in enumerate(zip(sent, logged, strict=True), 1):
+            await relay.log.append("rep6", TokenEvent(i, text, [token]))
+        job = GenerationJob("rep6", "m", prompt, params, Lane.PAID.value, attempt=1)
+        await relay.jobs.submit(job.to_dict(), Lane.PAID, queue=worker.queue, front=True)
+        events = await events_of(relay, "rep6")
+        assert [e.n for e in events] == list(range(1, len(sent) + 2))
+        final = events[-1]
+        assert isinstance(final, FinalEvent) and final.error is None, final
+        assert (final.finish_reason, final.state, final.completion_tokens) == \
+            (FinishReason.LENGTH, ReplyState.FINISHED, len(sent))
+        finished = [d.item for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)
+                    if d.item["kind"] == "finished"]
+        assert finished[0]["text"] == "".join(logged)
+    finally:
+        await worker.stop()
+        engine.shutdown()
+
+
 # -- the failover -------------------------------------------------------------------------------
 
 
@@ -171,6 +208,35 @@ async def test_a_gone_replicas_jobs_go_to_the_front_of_a_live_ones_queue_once():
     reports = [d.item for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)]
     assert sorted((r["kind"], r["reply_id"], r["replica_id"]) for r in reports) == [
         ("resumed", "queued", "b"), ("resumed", "running", "b")]
+
+
+@pytest.mark.parametrize("gone", [False, True], ids=["draining", "dead"])
+async def test_two_gateways_sweeping_at_once_hand_each_job_on_once(gone):
+    """On Redis, two gateways' sweeps at the same moment: a draining replica's waiting jobs, or a
+    dead one's jobs, are moved by one of them (the takeover claim), each job once."""
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    relay, registry = make_relay(REDIS_URL, prefix=prefix), RedisRegistry(REDIS_URL, prefix=prefix, ttl_s=60)
+    try:
+        try:
+            await registry.live()
+        except Exception as exc:
+            missing("Redis", f"nothing answers at {REDIS_URL}: {exc}")
+        await registry.announce(dataclasses.replace(info("a"), draining=True))
+        await registry.announce(info("b"))
+        replies = [f"reply-{i}" for i in range(6)]
+        for reply in replies:
+            await relay.jobs.submit(GenerationJob(reply, "m", [1]).to_dict(), Lane.FREE, queue=replica_queue("a"))
+        if gone:
+            await registry.withdraw("a")
+        gateways = [Failover(registry, relay, Router(registry, cache_s=0)) for _ in range(2)]
+        assert sorted(await asyncio.gather(*(g.sweep() for g in gateways))) == [0, len(replies)]
+        moved = [j.job["reply_id"] for j in await relay.jobs.unfinished(queue=replica_queue("b"))]
+        assert sorted(moved) == replies
+        assert await relay.jobs.unfinished(queue=replica_queue("a")) == []
+    finally:
+        await relay.close()
+        await registry.close()
+        await delete_prefixed(REDIS_URL, prefix)
 
 
 async def test_a_late_replica_nobody_answers_for_is_failed_over_before_its_announcement_expires():

@@ -569,6 +569,8 @@ async def test_a_claimed_job_stays_in_its_queue_until_acknowledged(backend: Back
     assert [(j.lane, j.job["n"]) for j in left] == [(Lane.FREE, "a"), (Lane.FREE, "b"), (Lane.FREE, "c"),
                                                    (Lane.BACKGROUND, "bg")]
     assert [j.job["n"] for j in await failover.unfinished(queue=q, part="waiting")] == ["c", "bg"]
+    # What a replica restarted under its id asks for: its own claims (ReplicaWorker._resume_own).
+    assert [j.job["n"] for j in await backend.jobs().unfinished(queue=q, part="claimed")] == ["a", "b"]
     await replica.ack(running[:1], queue=q)  # "a" ended
     assert [j.job["n"] for j in await failover.unfinished(queue=q)] == ["b", "c", "bg"]
     # A failover hands on "b" (claimed) and "c" (waiting), acking each in the dead queue.

@@ -10,6 +10,7 @@ real tokenizer. The worker's own heartbeat is checked on a real (tiny) engine at
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import time
 import uuid
@@ -309,6 +310,24 @@ async def test_a_replica_whose_heartbeat_expired_is_never_chosen(registry, build
     assert {r.id for r in await registry.live()} == {"other"}  # the registry dropped it
     assert [r.id for r in await router.live()] == ["other"]  # and the cached view, without a look
     assert {(await router.place("m", prompt)).id for _ in range(5)} == {"other"}
+
+
+async def test_a_draining_replica_is_never_chosen(registry, builder) -> None:
+    """A drain (SIGTERM) announces it: out of routing at the next look, though it caches the prompt
+    and is idle; the model's last replica draining leaves it with none (a 503 no_replica)."""
+    favourite, other = SimulatedReplica("favourite"), SimulatedReplica("other")
+    prompt = turn_prompt(builder, [], "Pick the favourite.")
+    favourite.serve("warm", prompt, [])
+    other.load = 3
+    await registry.announce(favourite.info())
+    await registry.announce(other.info())
+    router = Router(registry, cache_s=0)
+    assert (await router.place("m", prompt)).id == "favourite"
+    await registry.announce(dataclasses.replace(favourite.info(), draining=True))
+    assert {(await router.place("m", prompt)).id for _ in range(5)} == {"other"}
+    await registry.announce(dataclasses.replace(other.info(), draining=True))
+    with pytest.raises(NoReplica):
+        await router.place("m", prompt)
 
 
 async def test_the_registry_carries_the_whole_announcement(registry) -> None:

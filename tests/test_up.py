@@ -13,6 +13,7 @@ import time
 import uuid
 
 import openai
+import psutil
 import pytest
 import redis
 from backends import missing
@@ -28,11 +29,21 @@ def fairway_up(*args: str) -> subprocess.Popen:
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_a_missing_server_is_one_line_and_nothing_starts():
-    proc = fairway_up("--redis", "redis://127.0.0.1:1/0", "--port", str(free_port()))
+@pytest.mark.parametrize("server", ["Redis", "PostgreSQL"])
+def test_a_missing_server_is_one_line_and_nothing_starts(server):
+    nowhere = {"Redis": "redis://127.0.0.1:1/0", "PostgreSQL": "postgresql://postgres@127.0.0.1:1/fairway"}[server]
+    if server == "PostgreSQL":  # Redis answers, so the database is the one named
+        try:
+            redis.Redis.from_url(REDIS_URL).ping()
+        except redis.ConnectionError as exc:
+            missing("Redis", f"nothing answers at {REDIS_URL}: {exc}")
+        args = ["--redis", REDIS_URL, "--database", nowhere]
+    else:
+        args = ["--redis", nowhere]
+    proc = fairway_up(*args, "--port", str(free_port()))
     out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 2
-    assert err.strip().count("\n") == 0 and "no Redis answers at redis://127.0.0.1:1/0" in err
+    assert proc.returncode == 2 and out == ""
+    assert err.strip().count("\n") == 0 and f"no {server} answers at {nowhere}" in err, err
 
 
 def test_up_serves_through_two_gateways_and_stops_on_ctrl_c(tmp_path):
@@ -61,6 +72,11 @@ def test_up_serves_through_two_gateways_and_stops_on_ctrl_c(tmp_path):
                 reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
                                                        messages=[{"role": "user", "content": "Say hi."}])
                 assert reply.choices[0].finish_reason in ("stop", "length")
+            # Both gateways listen on the one port (SO_REUSEPORT), each a process of its own.
+            listening = {child.pid for child in psutil.Process(proc.pid).children(recursive=True)
+                         for c in child.net_connections(kind="tcp")
+                         if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+            assert len(listening) == 2, listening
             registry = redis.Redis.from_url(REDIS_URL, decode_responses=True)
             assert len(registry.smembers(f"{namespace}replicas")) == 2
             registry.close()

@@ -10,8 +10,9 @@ handed on at least once, and the token log's numbering drops a second copy at it
 The new replica reads the reply's log and carries on after its last event (ReplicaWorker.serve):
 the client's stream pauses, and goes on with the next event id.
 
-A draining replica (alive, placing nothing more) has only its waiting jobs moved: the ones it
-runs end there or are left for the takeover once it has withdrawn.
+A draining replica (alive, placing nothing more) has only its waiting jobs moved, by the gateway
+that claims it as it would claim a gone one: the ones it runs end there or are left for the
+takeover once it has withdrawn.
 
 A replica is gone when its announcement expires (the registry's ttl, 2 s), or sooner when its
 heartbeats are late (suspect_after_s) and the health probe finds nothing listening at its
@@ -77,7 +78,10 @@ class Failover:
         if await self._probe_late(live):
             live = await self.router.live(refresh=True)
         for info in live:
-            if info.draining:
+            # One gateway at a time moves a draining replica's waiting jobs, as it takes a gone one
+            # over: two sweeps reading the same waiting jobs would each hand every one on.
+            if info.draining and await self.registry.claim_takeover(info.id, self.owner,
+                                                                    self.settings.takeover_ttl_s):
                 moved += await self._move(info.id, "waiting")
         for replica_id in await self.registry.gone():
             if not await self.registry.claim_takeover(replica_id, self.owner, self.settings.takeover_ttl_s):
