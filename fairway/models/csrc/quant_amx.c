@@ -9,10 +9,14 @@
  * m * sum x, Q4_1) to the row's total. Here TDPBF16PS takes the block sums for the rows at once
  * from the same exact products; only the order of the float32 additions inside a block differs,
  * so a row's outputs are the AVX512F path's to float32 rounding, whatever the rows beside it
- * (a speculative verification of a few rows and a lone decode row agree as closely as that).
- * Per panel, four blocks at a time: each block's values become a B operand, C0..C3 take the four
- * blocks' sums, and the rows are scaled from the stored tiles into float32 totals, so the four
- * products overlap and each row's totals are read and written once per four blocks.
+ * (quant_linear.c sends Q4 here from one row, so a verification's rows are a decode step's to
+ * the bit; Q8_0 from 3 rows). A thread's blocks run as a pipeline, panel after panel: block u + 1
+ * unpacked to a B operand (Q4: a 64-byte group's words as they lie, shifted, VPERMW), block u's
+ * sums by TDPBF16PS into C tile u % 4, block u - 1's tile stored (a turn late: tile loads and
+ * stores share port 5 with VPERMW, and a store right behind its product waits), block u - 5's
+ * stored sums scaled into the rows' float32 totals, which stay in registers and go out as bf16 at
+ * the panel's end. Tried and dropped: several blocks in one C tile; sharing unpacked operands
+ * between 16-row passes.
  *
  * Past those, the dequantized weights (quant_amx_wide): the scaling above is a float32 FMA per
  * row, column and block, as many as the tile does in 1/32 of the time; it would bound a prefill.
