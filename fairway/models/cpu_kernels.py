@@ -231,8 +231,8 @@ class QuantKernels:
 
     # ggml's type ids, the C side's too
     TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
-    # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations from a few
-    # rows; fewer go to AVX512F)
+    # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations; Q8_0's one
+    # and two rows go to AVX512F)
     AVX2, AVX512, AVX512_BF16, AMX = 1, 2, 4, 8
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -244,8 +244,8 @@ class QuantKernels:
 
     def isa_for(self, dtype: torch.dtype) -> int:
         """The fastest path this CPU offers for activations of this dtype, or 0 for none. float32
-        activations stay float32 (FMA). bf16 ones: AMX where there is some (few rows still on
-        FMA); on an Intel core otherwise widened to float32 for FMA on two ports, which beat
+        activations stay float32 (FMA). bf16 ones: AMX where there is some (Q8_0's one and two
+        rows still on FMA); on an Intel core otherwise widened to float32 for FMA on two ports, which beat
         VDPBF16PS there (bench/README.md, "Quantized weights"); on an AMD core VDPBF16PS."""
         if dtype == torch.bfloat16:
             if self.isas & self.AMX:

@@ -41,7 +41,8 @@ def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray |
 
 def pack_blocks(raw: np.ndarray, qtype: str) -> torch.Tensor:
     """ggml blocks of a weight [n, k] -> the kernels' panels: [ceil(n/16), k/32, block bytes * 16]
-    uint8, per block [16 scales][16 mins, Q4_1][the 16 columns' values] (layout in quant_linear.c)."""
+    uint8, 64-byte aligned, per block [16 scales][16 mins, Q4_1][the 16 columns' values] (layout in
+    quant_linear.c)."""
     d, m, q = unpack_blocks(raw, qtype)
     n, nb = d.shape
     panels = -(-n // PANEL)
@@ -54,11 +55,17 @@ def pack_blocks(raw: np.ndarray, qtype: str) -> torch.Tensor:
     q = q.reshape(panels, PANEL, nb, QK).transpose(0, 2, 1, 3)  # [panel, block, column, k]
     if qtype == "Q8_0":  # k-pairs: byte 2c + o is column c at 2g + o
         values = q.reshape(panels, nb, PANEL, 16, 2).transpose(0, 1, 3, 2, 4).view(np.uint8)
-    else:  # k-quads: byte 2c + o holds column c at 4g + o (low nibble) and 4g + 2 + o (high)
-        quads = q.reshape(panels, nb, PANEL, 8, 4).transpose(0, 1, 3, 2, 4).astype(np.uint8)
-        values = quads[..., :2] | (quads[..., 2:] << 4)
+    else:  # 4 groups of 64 bytes: group h's word 2c + o holds column c at 8h + 2i + o in nibble i
+        nibbles = q.reshape(panels, nb, PANEL, 4, 4, 2).transpose(0, 1, 3, 2, 5, 4).astype(np.uint16)
+        words = nibbles[..., 0] | nibbles[..., 1] << 4 | nibbles[..., 2] << 8 | nibbles[..., 3] << 12
+        values = words.astype("<u2").view(np.uint8)
     parts.append(np.ascontiguousarray(values).reshape(panels, nb, -1))
-    return torch.from_numpy(np.concatenate(parts, axis=-1))
+    joined = np.concatenate(parts, axis=-1)
+    # torch's allocator aligns to 64 bytes (numpy's to 16): the kernels' 64-byte loads then stay
+    # within one cache line
+    out = torch.empty(joined.shape, dtype=torch.uint8)
+    out.numpy()[...] = joined
+    return out
 
 
 def _by_panel(scales: np.ndarray) -> np.ndarray:

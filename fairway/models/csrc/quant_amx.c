@@ -9,10 +9,14 @@
  * m * sum x, Q4_1) to the row's total. Here TDPBF16PS takes the block sums for the rows at once
  * from the same exact products; only the order of the float32 additions inside a block differs,
  * so a row's outputs are the AVX512F path's to float32 rounding, whatever the rows beside it
- * (a speculative verification of a few rows and a lone decode row agree as closely as that).
- * Per panel, four blocks at a time: each block's values become a B operand, C0..C3 take the four
- * blocks' sums, and the rows are scaled from the stored tiles into float32 totals, so the four
- * products overlap and each row's totals are read and written once per four blocks.
+ * (quant_linear.c sends Q4 here from one row, so a verification's rows are a decode step's to
+ * the bit; Q8_0 from 3 rows). A thread's blocks run as a pipeline, panel after panel: block u + 1
+ * unpacked to a B operand (Q4: a 64-byte group's words as they lie, shifted, VPERMW), block u's
+ * sums by TDPBF16PS into C tile u % 4, block u - 1's tile stored (a turn late: tile loads and
+ * stores share port 5 with VPERMW, and a store right behind its product waits), block u - 5's
+ * stored sums scaled into the rows' float32 totals, which stay in registers and go out as bf16 at
+ * the panel's end. Tried and dropped: several blocks in one C tile; sharing unpacked operands
+ * between 16-row passes.
  *
  * Past those, the dequantized weights (quant_amx_wide): the scaling above is a float32 FMA per
  * row, column and block, as many as the tile does in 1/32 of the time; it would bound a prefill.
@@ -59,7 +63,7 @@ static inline __m512 nibble_table(int qt) {
 }
 
 /* A block's values, exactly, as B: row q = k-pair q, words (column c at 2q, at 2q + 1). */
-static void to_operand(const uint8_t *q, int qt, uint16_t *B) {
+static inline __attribute__((always_inline)) void to_operand(const uint8_t *q, const int qt, uint16_t *B) {
     if (qt == Q8_0) { /* k-pair g: byte j is column j/2 at 2g + j%2, exact in bf16 */
         for (int g = 0; g < 16; g++) {
             const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
@@ -76,65 +80,99 @@ static void to_operand(const uint8_t *q, int qt, uint16_t *B) {
         : _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
                            0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
                            0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-    for (int g = 0; g < 8; g++) { /* k-quad g: low nibbles k-pair 2g, high nibbles 2g + 1 */
-        const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + g * 32)));
-        _mm512_store_si512(B + 2 * g * 32, _mm512_permutexvar_epi16(_mm512_and_si512(raw, _mm512_set1_epi16(0x0F)), lut));
-        _mm512_store_si512(B + (2 * g + 1) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut));
+    for (int h = 0; h < 4; h++) { /* group h: nibble i of each word is k-pair 4h + i, as it lies */
+        const __m512i raw = _mm512_loadu_si512(q + h * 64);
+        for (int i = 0; i < 4; i++)
+            _mm512_store_si512(B + (4 * h + i) * 32, _mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4 * i), lut));
     }
 }
 
-/* C tile t of the four += A (x's block b) x B (its values). Tile numbers are immediates. */
-#define BLOCK_SUMS(t, a, bt, b)                                                            \
-    do {                                                                                   \
-        _tile_loadd(a, (const char *)x + (int64_t)(b) * 64, ldx);                          \
-        _tile_loadd(bt, B + (int64_t)(b) * (QK / 2 * 32), 64);                             \
-        _tile_dpbf16ps(t, a, bt);                                                          \
+/* One thread's share of quant_amx_sums for a pass of MR <= 16 rows. */
+typedef struct {
+    const uint16_t *x; /* the pass's first row */
+    int64_t ldx;       /* bytes per row of x */
+    const float *sx;   /* its block sums [MR][nb] */
+    const uint8_t *packed;
+    uint16_t *y; /* [MR][n] bf16 */
+    int n, nb;
+} exact_args;
+
+#define B_SLOTS 4   /* operands unpacked ahead, a ring (a tile load right after the stores that wrote it waits) */
+#define SUM_SLOTS 8 /* block sums stored, a ring */
+#define LAG 5       /* blocks between a block's product and its scaling: the tile store has landed */
+
+/* Block s's sums (a stored C tile) scaled into the rows' totals, as quant_linear.c's finish_block;
+ * at a panel's last block the totals go out as bf16. */
+static inline __attribute__((always_inline)) void scale_block(const exact_args *a, __m512 acc[TILE_ROWS], const float *sums,
+                                                              int64_t s, const int MR, const int QT) {
+    const int64_t p = s / a->nb;
+    const int b = (int)(s - p * a->nb), bb = block_bytes(QT);
+    const uint8_t *blk = a->packed + s * bb;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+    const __m512 mn = QT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32))) : _mm512_setzero_ps();
+    if (b == 0)
+        for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) {
+        acc[r] = _mm512_fmadd_ps(_mm512_load_ps(sums + r * PANEL), d, acc[r]);
+        if (QT == Q4_1) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sx[(int64_t)r * a->nb + b]), acc[r]);
+    }
+    if (b == a->nb - 1) {
+        const int cols = min_int(PANEL, a->n - (int)p * PANEL);
+        const __mmask16 mask = cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+        for (int r = 0; r < MR; r++)
+            _mm256_mask_storeu_epi16(a->y + (int64_t)r * a->n + p * PANEL, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    }
+}
+
+/* Stage u of the pipeline over blocks [0, total) (panel-major from the thread's first): unpack
+ * block u + 1, multiply block u into C tile t (= u % 4), store block u - 1's tile (a turn late: tile
+ * loads and stores share port 5 with VPERMW, and a store right after its product waits), scale
+ * block u - LAG. */
+#define STAGE(u, t, ta, tb, prev)                                                                                      \
+    do {                                                                                                    \
+        const int64_t u_ = (u);                                                                             \
+        if (u_ + 1 < total) to_operand(first + (u_ + 1) * bb + quants_at(QT), QT, B + ((u_ + 1) % B_SLOTS) * 512); \
+        if (u_ < total) {                                                                                   \
+            const int b_ = (int)((g0 + u_) % a->nb);                                                        \
+            _tile_zero(t);                                                                                  \
+            _tile_loadd(ta, (const char *)a->x + (int64_t)b_ * 64, a->ldx);                      \
+            _tile_loadd(tb, B + (u_ % B_SLOTS) * 512, 64);                                      \
+            _tile_dpbf16ps(t, ta, tb);                                                \
+        }                                                                                                   \
+        if (u_ >= 1 && u_ - 1 < total) _tile_stored(prev, sums + ((u_ - 1) % SUM_SLOTS) * 256, 64);  \
+        if (u_ >= LAG && u_ - LAG < total)                                                                  \
+            scale_block(a, acc, sums + ((u_ - LAG) % SUM_SLOTS) * 256, g0 + u_ - LAG, MR, QT);              \
     } while (0)
 
-/* One thread's panels [p0, p1): out [m][n] gets every row's float32 totals, m <= 16. B: room for
- * a panel's operands (k/32 KB). */
-static void run_exact(const uint16_t *x, int m, int n, int k, const float *sx, const uint8_t *packed, int qt,
-                      float *out, int p0, int p1, uint16_t *B) {
-    float sums[4][16 * PANEL] __attribute__((aligned(64)));
-    float acc[16 * PANEL] __attribute__((aligned(64)));
-    const int nb = k / QK, bb = block_bytes(qt);
-    const int64_t panel_bytes = (int64_t)nb * bb, ldx = (int64_t)k * 2;
-    for (int p = p0; p < p1; p++) {
-        const uint8_t *panel = packed + p * panel_bytes;
-        /* all the panel's operands first: a tile load right after the stores that wrote it waits */
-        for (int b = 0; b < nb; b++) to_operand(panel + (int64_t)b * bb + quants_at(qt), qt, B + b * (QK / 2 * 32));
-        memset(acc, 0, sizeof acc);
-        for (int b0 = 0; b0 < nb; b0 += 4) {
-            const int g = min_int(4, nb - b0);
-            _tile_zero(0);
-            BLOCK_SUMS(0, 4, 6, b0);
-            if (g > 1) { _tile_zero(1); BLOCK_SUMS(1, 5, 7, b0 + 1); }
-            if (g > 2) { _tile_zero(2); BLOCK_SUMS(2, 4, 6, b0 + 2); }
-            if (g > 3) { _tile_zero(3); BLOCK_SUMS(3, 5, 7, b0 + 3); }
-            _tile_stored(0, sums[0], 64);
-            if (g > 1) _tile_stored(1, sums[1], 64);
-            if (g > 2) _tile_stored(2, sums[2], 64);
-            if (g > 3) _tile_stored(3, sums[3], 64);
-            __m512 d[4], mins[4];
-            for (int i = 0; i < g; i++) {
-                const uint8_t *blk = panel + (int64_t)(b0 + i) * bb;
-                d[i] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-                mins[i] = qt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                                     : _mm512_setzero_ps();
-            }
-            for (int r = 0; r < m; r++) { /* as quant_linear.c's finish_block, four blocks in turn */
-                __m512 v = _mm512_load_ps(acc + r * PANEL);
-                for (int i = 0; i < g; i++) {
-                    v = _mm512_fmadd_ps(_mm512_load_ps(sums[i] + r * PANEL), d[i], v);
-                    if (qt == Q4_1) v = _mm512_fmadd_ps(mins[i], _mm512_set1_ps(sx[(int64_t)r * nb + b0 + i]), v);
-                }
-                _mm512_store_ps(acc + r * PANEL, v);
-            }
-        }
-        const int cols = min_int(PANEL, n - p * PANEL);
-        for (int r = 0; r < m; r++) memcpy(out + (int64_t)r * n + p * PANEL, acc + r * PANEL, cols * 4);
+/* Panels [p0, p1) of a pass of MR rows. B: B_SLOTS operands; sums: SUM_SLOTS tiles (64-byte aligned). */
+static inline __attribute__((always_inline)) void run_exact(const exact_args *a, int p0, int p1, uint16_t *B,
+                                                            float *sums, const int MR, const int QT) {
+    const int bb = block_bytes(QT);
+    const int64_t g0 = (int64_t)p0 * a->nb, total = (int64_t)(p1 - p0) * a->nb;
+    const uint8_t *first = a->packed + g0 * bb;
+    __m512 acc[TILE_ROWS];
+    if (total <= 0) return;
+    to_operand(first + quants_at(QT), QT, B);
+    for (int64_t u = 0; u < total + LAG; u += 4) {
+        STAGE(u, 0, 4, 6, 3); /* tile numbers are immediates: C t, A ta, B tb, the previous C */
+        STAGE(u + 1, 1, 5, 7, 0);
+        STAGE(u + 2, 2, 4, 6, 1);
+        STAGE(u + 3, 3, 5, 7, 2);
     }
 }
+
+typedef void (*exact_fn)(const exact_args *a, int p0, int p1, uint16_t *B, float *sums);
+#define EXACT(MR)                                                                                             \
+    static void exact_##MR##_q40(const exact_args *a, int p0, int p1, uint16_t *B, float *s) { run_exact(a, p0, p1, B, s, MR, Q4_0); } \
+    static void exact_##MR##_q41(const exact_args *a, int p0, int p1, uint16_t *B, float *s) { run_exact(a, p0, p1, B, s, MR, Q4_1); } \
+    static void exact_##MR##_q80(const exact_args *a, int p0, int p1, uint16_t *B, float *s) { run_exact(a, p0, p1, B, s, MR, Q8_0); }
+EXACT(1) EXACT(2) EXACT(3) EXACT(4) EXACT(5) EXACT(6) EXACT(7) EXACT(8)
+EXACT(9) EXACT(10) EXACT(11) EXACT(12) EXACT(13) EXACT(14) EXACT(15) EXACT(16)
+#define BY_TYPE(MR) {exact_##MR##_q40, exact_##MR##_q41, exact_##MR##_q80}
+/* [rows - 1][Q4_0, Q4_1, Q8_0] */
+static const exact_fn EXACT_TABLE[TILE_ROWS][3] = {
+    BY_TYPE(1), BY_TYPE(2), BY_TYPE(3), BY_TYPE(4), BY_TYPE(5), BY_TYPE(6), BY_TYPE(7), BY_TYPE(8),
+    BY_TYPE(9), BY_TYPE(10), BY_TYPE(11), BY_TYPE(12), BY_TYPE(13), BY_TYPE(14), BY_TYPE(15), BY_TYPE(16)};
 
 /* A panel's weights, every block, as bf16 d * q (+ m) rounded to nearest even (the dequantized
  * model's weights), laid out as bf16_linear.c's panels: [k/2][16 columns][2]. Word 2c + o of a B
@@ -159,16 +197,16 @@ static void unpack_panel(const uint8_t *panel, int qt, int nb, uint16_t *W) {
             }
             continue;
         }
-        for (int g = 0; g < 8; g++) { /* k-quad g: low nibbles k-pair 2g, high nibbles 2g + 1 */
-            const __m512i a = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32)));
-            const __m512i c = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16)));
-            const __m512 alo = _mm512_permutexvar_ps(a, table), clo = _mm512_permutexvar_ps(c, table);
-            const __m512 ahi = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4), table);
-            const __m512 chi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4), table);
-            _mm512_store_si512(W + 2 * g * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(clo, d1, m1),
-                                                                          _mm512_fmadd_ps(alo, d0, m0)));
-            _mm512_store_si512(W + (2 * g + 1) * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(chi, d1, m1),
-                                                                                _mm512_fmadd_ps(ahi, d0, m0)));
+        for (int h = 0; h < 4; h++) { /* group h: nibble i of word j is k-pair 4h + i, word j */
+            const __m512i raw = _mm512_loadu_si512(q + h * 64);
+            const __m512i a = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
+            const __m512i c = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1));
+            for (int i = 0; i < 4; i++) { /* VPERMPS reads an index's low 4 bits */
+                const __m512 lo = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4 * i), table);
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4 * i), table);
+                _mm512_store_si512(W + (4 * h + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d1, m1),
+                                                                                    _mm512_fmadd_ps(lo, d0, m0)));
+            }
         }
     }
 }
@@ -189,30 +227,33 @@ static int takes(int m, int n, int k, int qt) {
 }
 
 /* Up to QUANT_AMX_EXACT_ROWS rows, in passes of 16 (so a row's sums are the same bits whatever the
- * rows beside it, up to a speculative verification of several sequences). x: [m, k] bf16 with its block sums sx [m][k/32] (float32, as quant_linear.c takes
- * them); packed: quant_linear.c's panels of a [n, k] weight of type qt. out: [m, n] float32, the
- * totals before rounding to bf16. Returns 0, -1 for what it does not take (everything without
- * AMX), -2 out of memory. */
-int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, float *out, int m, int n, int k, int qt,
+ * rows beside it, up to a speculative verification of several sequences). x: [m, k] bf16 with its
+ * block sums sx [m][k/32] (float32, as quant_linear.c takes them; read for Q4_1 only); packed:
+ * quant_linear.c's panels of a [n, k] weight of type qt. y: [m, n] bf16, the float32 totals
+ * rounded to nearest even. Returns 0, -1 for what it does not take (everything without AMX), -2
+ * out of memory. */
+int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
                    int num_threads) {
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
     if (m > QUANT_AMX_EXACT_ROWS || !takes(m, n, k, qt)) return -1;
     const int panels = (n + PANEL - 1) / PANEL, threads = panels < 2 ? 1 : num_threads;
+    const int nb = k / QK, ti = qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2;
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        uint16_t *B = aligned_alloc(64, (size_t)k * PANEL * 2);
+        /* B_SLOTS operands of 1 KB, then SUM_SLOTS stored tiles of 1 KB */
+        uint16_t *B = aligned_alloc(64, (B_SLOTS + SUM_SLOTS) * 1024);
         if (B == NULL) {
             failed = 1;
         } else {
             const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
-            const int nb = k / QK;
             for (int r0 = 0; r0 < m; r0 += TILE_ROWS) { /* each pass: a tile's rows, the same sums */
-                const int rows = m - r0 < TILE_ROWS ? m - r0 : TILE_ROWS;
+                const int rows = min_int(m - r0, TILE_ROWS);
+                const exact_args a = {x + (int64_t)r0 * k, (int64_t)k * 2, sx + (int64_t)r0 * nb, packed,
+                                      y + (int64_t)r0 * n, n, nb};
                 amx_configure(rows);
-                run_exact(x + (int64_t)r0 * k, rows, n, k, sx + (int64_t)r0 * nb, packed, qt, out + (int64_t)r0 * n,
-                          p0, p1, B);
+                EXACT_TABLE[rows - 1][ti](&a, p0, p1, B, (float *)(B + B_SLOTS * 512));
             }
             _tile_release();
             free(B);
@@ -220,7 +261,7 @@ int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, fl
     }
     return failed ? -2 : 0;
 #else
-    (void)x, (void)sx, (void)packed, (void)out, (void)m, (void)n, (void)k, (void)qt, (void)num_threads;
+    (void)x, (void)sx, (void)packed, (void)y, (void)m, (void)n, (void)k, (void)qt, (void)num_threads;
     return -1;
 #endif
 }

@@ -6,20 +6,23 @@
  * The weight is repacked once at load (fairway/models/quant_linear.py) into panels of 16 output
  * columns, block by block along k, with the same bytes a ggml block holds (16 blocks of a panel):
  *   [16 fp16 scales d][16 fp16 mins m, Q4_1 only][quants of 16 columns x 32 k]
- * Q4 quants: 8 k-quads of 32 bytes; byte j holds column j/2's value at k0 + j%2 (low nibble) and at
- * k0 + 2 + j%2 (high nibble). Zero-extended to 32 words, the low nibbles are a VDPBF16PS operand
- * (16 columns x a k-pair); zero-extended to 16 dwords, shifts by 0/4/8/12 give the columns at each
- * of the quad's four k. Q8_0 quants: 16 k-pairs of 32 bytes, byte j column j/2 at k0 + j%2.
- * A nibble becomes its float (Q4_0: minus 8) by a 16-entry table lookup (VPERMPS / VPERMW).
+ * Q4 quants: 4 groups of 64 bytes, each 8 k of the 16 columns; word j (16 bits) of group h holds
+ * column j/2's values at k = 8h + 2i + j%2 in its nibble i. So a group read as it lies is 32
+ * words whose nibble i is a VDPBF16PS / AMX operand (16 columns x k-pair 4h + i: shift by 4i, no
+ * widening shuffle), and read as 16 dwords, column c in dword c, a shift by 4i + 16o gives the
+ * columns at k = 8h + 2i + o. Q8_0 quants: 16 k-pairs of 32 bytes, byte j column j/2 at k0 + j%2.
+ * A nibble becomes its float (Q4_0: minus 8) by a 16-entry table lookup (VPERMPS / VPERMW read
+ * only an index's low 4 / 5 bits, so no mask).
  *
  * A tile of MR rows x NV panels keeps per block an accumulator of sum_k x q per row and column, and
  * adds d * that (and m * sum_k x, Q4_1's offset) to the running sums at the block's end.
  *
  * Paths, chosen at run time by what the CPU reports (quant_isas): AVX512-BF16 (bf16 activations),
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
- * vector); and for bf16 activations from QUANT_AMX_MIN_ROWS rows, AMX tiles (quant_amx.c), which
- * up to 48 rows take each block's sum as the AVX512F path does but for the order of the float32
- * additions, and past them multiply the weights dequantized to bf16 panel by panel. The
+ * vector); and for bf16 activations AMX tiles (quant_amx.c; Q4 from one row, Q8_0 from
+ * QUANT_AMX_MIN_ROWS_Q8), which up to 48 rows take each block's sum as the AVX512F path does but
+ * for the order of the float32 additions, and past them multiply the weights dequantized to bf16
+ * panel by panel. The
  * file is built with -march=native but each path carries its own target attribute, so it compiles
  * on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
  * and Python keeps the dequantized weights. Built with the other kernels by cpu_kernels.py.
@@ -39,13 +42,15 @@
 #define ISA_AVX2 1
 #define ISA_AVX512 2
 #define ISA_AVX512BF16 4
-#define ISA_AMX 8 /* bf16 activations: the AVX512F path's sums on AMX tiles (quant_amx.c) from QUANT_AMX_MIN_ROWS */
-#define QUANT_AMX_MIN_ROWS 6
+#define ISA_AMX 8 /* bf16 activations: the AVX512F path's sums on AMX tiles (quant_amx.c) */
+/* Q4 on AMX from one row (as fast as FMA there, and then every row count up to 48 sums alike);
+ * Q8_0 unpacks to an operand at more cost, so one and two rows stay on FMA */
+#define QUANT_AMX_MIN_ROWS_Q8 3
 #define QUANT_AMX_EXACT_ROWS 48 /* past it AMX runs on the dequantized weights (quant_amx.c) */
 
 int quant_amx_available(void);
-int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, float *out, int m, int n, int k, int qt,
-                   int num_threads);
+int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, uint16_t *y, int m, int n, int k,
+                   int qt, int num_threads);
 int quant_amx_wide(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
                    int num_threads);
 
@@ -157,24 +162,21 @@ T512 INLINE void f32_tile(const tile_args *a, const int MR, const int NV, const 
                 }
             }
         } else {
-#pragma GCC unroll 2
-            for (int g = 0; g < 8; g++) {
+            for (int h = 0; h < 4; h++) {
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + g * 32;
-                    const __m512i raw = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)q));
-                    /* VPERMPS reads the low 4 bits of each index: no mask needed */
-                    const __m512 w0 = _mm512_permutexvar_ps(raw, lut);
-                    const __m512 w2 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4), lut);
-                    const __m512 w1 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 8), lut);
-                    const __m512 w3 = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 12), lut);
+                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + h * 64;
+                    const __m512i raw = _mm512_loadu_si512(q); /* dword c: column c, k = 8h + 2i + o at bit 4i + 16o */
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) {
+                        const __m512 even = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * i), lut);
+                        const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * i + 16), lut);
 #pragma GCC unroll 8
-                    for (int r = 0; r < MR; r++) {
-                        const float *xr = xb + (int64_t)r * a->ldx + 4 * g;
-                        blk[r][v] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), blk[r][v]);
-                        blk[r][v] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[1]), blk[r][v]);
-                        blk[r][v] = _mm512_fmadd_ps(w2, _mm512_set1_ps(xr[2]), blk[r][v]);
-                        blk[r][v] = _mm512_fmadd_ps(w3, _mm512_set1_ps(xr[3]), blk[r][v]);
+                        for (int r = 0; r < MR; r++) {
+                            const float *xr = xb + (int64_t)r * a->ldx + 8 * h + 2 * i;
+                            blk[r][v] = _mm512_fmadd_ps(even, _mm512_set1_ps(xr[0]), blk[r][v]);
+                            blk[r][v] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xr[1]), blk[r][v]);
+                        }
                     }
                 }
             }
@@ -219,20 +221,18 @@ TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int NV, cons
                 }
             }
         } else {
-#pragma GCC unroll 2
-            for (int g = 0; g < 8; g++) {
+            for (int h = 0; h < 4; h++) {
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + g * 32;
-                    const __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)q));
-                    const __m512bh w01 = (__m512bh)_mm512_permutexvar_epi16(
-                        _mm512_and_si512(raw, _mm512_set1_epi16(0x0F)), lut);
-                    const __m512bh w23 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), lut);
+                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + h * 64;
+                    const __m512i raw = _mm512_loadu_si512(q);
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) { /* k-pair 4h + i */
+                        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4 * i), lut);
 #pragma GCC unroll 8
-                    for (int r = 0; r < MR; r++) {
-                        const uint32_t *xr = xb + (int64_t)r * a->ldx + 2 * g;
-                        blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w01, (__m512bh)_mm512_set1_epi32((int)xr[0]));
-                        blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w23, (__m512bh)_mm512_set1_epi32((int)xr[1]));
+                        for (int r = 0; r < MR; r++)
+                            blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w,
+                                                         (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)r * a->ldx + 4 * h + i]));
                     }
                 }
             }
@@ -243,11 +243,40 @@ TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int NV, cons
         for (int v = 0; v < NV; v++) store16(a->y, (int64_t)r * a->ldy + v * PANEL, acc[r][v], a->cols - v * PANEL, a->y_bf16);
 }
 
-/* out [count] float32 -> y in float32 or bf16, rounded as store16 does for the tiles. */
-T512 static void store_all(const float *out, void *y, int64_t count, int y_bf16) {
-    for (int64_t i = 0; i < count; i += PANEL)
-        store16(y, i, _mm512_maskz_loadu_ps(count - i >= PANEL ? 0xFFFF : (__mmask16)((1u << (count - i)) - 1),
-                                            out + i), (int)(count - i), y_bf16);
+/* x [blocks][32] (contiguous rows of whole blocks): each block's sum into sx, and x as float32
+ * into xf (either may be NULL). The sum: the block as two vectors added lane by lane, then the
+ * lanes, a fixed order whatever the path that reads it. */
+T512 static void block_sums512(const void *x, int x_bf16, int64_t blocks, float *sx, float *xf) {
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512 lo, hi;
+        if (x_bf16) {
+            const __m512i raw = _mm512_loadu_si512((const uint16_t *)x + b * QK);
+            lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+            hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+        } else {
+            lo = _mm512_loadu_ps((const float *)x + b * QK);
+            hi = _mm512_loadu_ps((const float *)x + b * QK + 16);
+        }
+        if (xf) {
+            _mm512_storeu_ps(xf + b * QK, lo);
+            _mm512_storeu_ps(xf + b * QK + 16, hi);
+        }
+        if (sx) sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+    }
+}
+
+/* block_sums512 without AVX512 (an AVX2 core). */
+static void block_sums(const void *x, int x_bf16, int64_t blocks, float *sx, float *xf) {
+    for (int64_t b = 0; b < blocks; b++) {
+        float s = 0;
+        for (int i = 0; i < QK; i++) {
+            const int64_t at = b * QK + i;
+            const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
+            if (xf) xf[at] = v;
+            s += v;
+        }
+        if (sx) sx[b] = s;
+    }
 }
 
 /* float32 activations on AVX2: a panel as two halves of 8 columns; Q4_0's offset of 8 is taken
@@ -263,12 +292,10 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
             for (int h = 0; h < 2; h++) blk[r][h] = _mm256_setzero_ps();
         const float *xb = x + (int64_t)b * QK;
         for (int h = 0; h < 2; h++) {
-            const int steps = QT == Q8_0 ? 16 : 8;
-            for (int g = 0; g < steps; g++) {
-                const uint8_t *q = blkp + quants_at(QT) + g * 32 + h * 16;
-                const __m256i raw = QT == Q8_0 ? _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)q))
-                                               : _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)q));
-                if (QT == Q8_0) {
+            if (QT == Q8_0) {
+                for (int g = 0; g < 16; g++) {
+                    const uint8_t *q = blkp + quants_at(QT) + g * 32 + h * 16;
+                    const __m256i raw = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)q));
                     const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
                     const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 8));
                     for (int r = 0; r < MR; r++) {
@@ -276,18 +303,15 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
                         blk[r][h] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[0]), blk[r][h]);
                         blk[r][h] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[1]), blk[r][h]);
                     }
-                } else {
-                    const __m256i nib = _mm256_set1_epi32(0x0F);
-                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(raw, nib));
-                    const __m256 w2 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 4), nib));
-                    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw, 8), nib));
-                    const __m256 w3 = _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 12));
-                    for (int r = 0; r < MR; r++) {
-                        const float *xr = xb + (int64_t)r * a->ldx + 4 * g;
-                        blk[r][h] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[0]), blk[r][h]);
-                        blk[r][h] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[1]), blk[r][h]);
-                        blk[r][h] = _mm256_fmadd_ps(w2, _mm256_set1_ps(xr[2]), blk[r][h]);
-                        blk[r][h] = _mm256_fmadd_ps(w3, _mm256_set1_ps(xr[3]), blk[r][h]);
+                }
+            } else {
+                for (int g = 0; g < 4; g++) { /* dword c of a group's half h: column 8h + c */
+                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blkp + quants_at(QT) + g * 64 + h * 32));
+                    for (int j = 0; j < 8; j++) { /* k = 8g + j at bit 4 (j / 2) + 16 (j % 2) */
+                        const __m256 w = _mm256_cvtepi32_ps(
+                            _mm256_and_si256(_mm256_srli_epi32(raw, 4 * (j >> 1) + 16 * (j & 1)), _mm256_set1_epi32(0x0F)));
+                        for (int r = 0; r < MR; r++)
+                            blk[r][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[(int64_t)r * a->ldx + 8 * g + j]), blk[r][h]);
                     }
                 }
             }
@@ -371,7 +395,7 @@ static void run_panels(int path, const void *x, int ldx, const float *sx, const 
 int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt, int x_bf16, int isa,
                  int num_threads) {
     if (m < 1 || n < 1 || k < QK || k % QK || !known_type(qt) || !(quant_isas() & isa)) return -1;
-    const int amx = isa == ISA_AMX && m >= QUANT_AMX_MIN_ROWS;
+    const int amx = isa == ISA_AMX && m >= (qt == Q8_0 ? QUANT_AMX_MIN_ROWS_Q8 : 1);
     if (isa == ISA_AMX) {
         if (!x_bf16) return -1;
         isa = ISA_AVX512;
@@ -381,26 +405,18 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
     if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
     const int widen = x_bf16 && !amx && path != 1;
-    /* sx [m][nb]: the block sums of x (Q4_1's offset term); widened x [m][k]; AMX's sums [m][n] */
-    const size_t blocks = (size_t)m * nb, extra = amx ? (size_t)m * n : widen ? (size_t)m * k : 0;
+    /* sx [m][nb]: the block sums of x (Q4_1's offset term, and Q4_0's on AVX2); widened x [m][k] */
+    const size_t blocks = (size_t)m * nb, extra = widen ? (size_t)m * k : 0;
     float *scratch = malloc(sizeof(float) * (blocks + extra));
     if (!scratch) return -2;
     float *sx = scratch, *xf = widen ? sx + blocks : NULL;
-    for (int r = 0; r < m; r++)
-        for (int b = 0; b < nb; b++) {
-            float s = 0;
-            for (int i = 0; i < QK; i++) {
-                const int64_t at = (int64_t)r * k + b * QK + i;
-                const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-                if (xf) xf[at] = v;
-                s += v;
-            }
-            sx[(int64_t)r * nb + b] = s;
-        }
+    const int need_sx = qt == Q4_1 || (path == 2 && qt == Q4_0);
+    if (need_sx || xf) {
+        if (quant_isas() & ISA_AVX512) block_sums512(x, x_bf16, (int64_t)blocks, need_sx ? sx : NULL, xf);
+        else block_sums(x, x_bf16, (int64_t)blocks, need_sx ? sx : NULL, xf);
+    }
     if (amx) {
-        float *out = sx + blocks;
-        const int rc = quant_amx_sums(x, sx, packed, out, m, n, k, qt, num_threads);
-        if (rc == 0) store_all(out, y, (int64_t)m * n, 1);
+        const int rc = quant_amx_sums(x, sx, packed, y, m, n, k, qt, num_threads);
         free(scratch);
         return rc;
     }

@@ -1,0 +1,87 @@
+"""Per-layer times of the quantized-weight kernels against the dequantized bf16 ones, side by side.
+
+Layer 0's linears (qkv, o, gate|up, down: Q4_1 in the bundled GGUF) and the tied head (Q8_0) of
+the bundled model, bf16 activations, at the row counts of a decode step (1), a speculative
+verification (2-9), a decode batch (16, 32) and beyond: `--weights native` (the blocks as stored,
+csrc/quant_linear.c and csrc/quant_amx.c) and `--weights dequantized` (bf16 panels) on the same
+random rows. Each figure is the best of --tries calls (us), 2 threads by default; also the ratio of
+each row count's time to the one-row time, which prices a speculative verification step.
+
+    .venv/bin/python bench/quant_kernels.py             # ~1 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import machine  # noqa: E402  (bench/machine.py: this script's folder is on the path)
+
+from fairway.models.bundled import bundled_model_path  # noqa: E402
+from fairway.models.loader import load_model  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+
+
+def layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    first = model.layers[0]
+    return {"qkv": first.self_attn.qkv_proj, "o": first.self_attn.o_proj, "gate_up": first.mlp.gate_up_proj,
+            "down": first.mlp.down_proj, "head": model.lm_head}
+
+
+def best_us(layer: torch.nn.Module, x: torch.Tensor, tries: int) -> float:
+    for _ in range(3):
+        layer(x)
+    best = float("inf")
+    for _ in range(tries):
+        t = time.perf_counter()
+        layer(x)
+        best = min(best, time.perf_counter() - t)
+    return best * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", default="1,2,3,4,6,8,9,16,32,48")
+    ap.add_argument("--tries", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=RESULTS / "quant_kernels.json")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rows = [int(r) for r in args.rows.split(",")]
+    path = bundled_model_path()
+    models = {w: layers(load_model(path, torch.bfloat16, weights=w)) for w in ("native", "dequantized")}
+    gen = torch.Generator().manual_seed(0)
+    times: dict[str, dict[str, dict[int, float]]] = {w: {} for w in models}
+    print("| layer | type | rows | native us | dequantized bf16 us | native / its 1 row |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for name, native in models["native"].items():
+        for w in models:
+            times[w][name] = {}
+        for m in rows:
+            x = torch.randn(m, native.in_features, generator=gen).to(torch.bfloat16)
+            for w, ls in models.items():  # the same rows, one right after the other
+                times[w][name][m] = round(best_us(ls[name], x, args.tries), 1)
+            t = times["native"][name]
+            print(f"| {name} | {getattr(native, 'qtype', '-')} | {m} | {t[m]:.1f} | "
+                  f"{times['dequantized'][name][m]:.1f} | {t[m] / t[rows[0]]:.2f} |", flush=True)
+    result = {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+              "machine": machine.describe(), "args": {k: str(v) for k, v in vars(args).items()},
+              "types": {n: getattr(lin, "qtype", None) for n, lin in models["native"].items()},
+              "best_us": times}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
