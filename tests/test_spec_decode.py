@@ -212,6 +212,10 @@ def test_policy_drafts_as_many_tokens_as_pay_and_none_for_big_batches():
     assert bound.plan([poor], step=10, prefill_tokens=0, seconds_per_draft=0.0) == [1]
     assert [bound.plan([poor], step, 0, 0.0)[0] for step in range(11, 18)] == [0] * 7
     assert bound.plan([poor], step=18, prefill_tokens=0, seconds_per_draft=0.0) == [1]
+    # A fit whose every term clamped to 0 (noisy timings) predicts free steps: the prior decides.
+    clamped = SpecPolicy(SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=16, pause_steps=8),
+                         _Fixed(StepCost(0.0, 0.0, 0.0)), 4096)
+    assert clamped.plan([_decoding(0.3)], step=0, prefill_tokens=0, seconds_per_draft=0.0) == [2]
     # Never past max_tokens: room for the drafts and the token after them.
     near_end = _decoding(0.9)
     near_end.params = SamplingParams(max_tokens=3)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from fairway.engine.sequence import Sequence
 from fairway.engine.spec_decode.config import SpeculativeConfig
-from fairway.engine.step_time import StepTimeModel
+from fairway.engine.step_time import PRIOR, StepTimeModel
 
 
 class SpecPolicy:
@@ -28,6 +28,8 @@ class SpecPolicy:
         """The acceptance chance below which one more draft row costs more than it brings."""
         cost = self.step_time.cost
         step = cost.predict(num_decoding, prefill_tokens)
+        if step <= 0:  # every term of the fit clamped to 0 (noise): it knows nothing, the prior does
+            cost, step = PRIOR, PRIOR.predict(num_decoding, prefill_tokens)
         return (cost.per_decode_row + seconds_per_draft) * num_decoding / step
 
     def plan(self, seqs: list[Sequence], step: int, prefill_tokens: int, seconds_per_draft: float) -> list[int]:
