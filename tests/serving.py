@@ -10,7 +10,6 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -83,16 +82,6 @@ def embedded_server(options: Any, engine: Any = None, mini_engine: Any = None) -
         yield server
     finally:
         server.stop()
-
-
-def policy_with_term(folder: Path, term: str) -> Path:
-    """The bundled safety policy plus one operator's term (a word the model is known to write),
-    as a policy file in folder: what a test of a flagged reply runs its server with."""
-    from fairway.safety import DEFAULT_POLICY
-
-    policy = folder / "policy.toml"
-    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"', f'terms = ["{term}", "with him in it"'))
-    return policy
 
 
 def wait_ready(url: str, timeout: float = 90.0) -> None:

@@ -18,7 +18,6 @@ from serving import (
     chat_body,
     embedded_server,
     headers,
-    policy_with_term,
     sse_events,
     wait_for,
 )
@@ -32,10 +31,12 @@ CATS = "Tell me about cats."
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     from fairway.assembly import ServerOptions, build_engine
-    from fairway.safety import SafetySettings
+    from fairway.safety import DEFAULT_POLICY, SafetySettings
 
     tmp = tmp_path_factory.mktemp("safety")
-    policy = policy_with_term(tmp, FLAGGED_WORD)
+    policy = tmp / "policy.toml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
+                                                          f'terms = ["{FLAGGED_WORD}", "with him in it"'))
     options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
     engine = build_engine(options)

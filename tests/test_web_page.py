@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 from backends import missing
-from serving import free_port, policy_with_term, wait_for, wait_ready
+from serving import free_port, wait_for, wait_ready
 
 pytestmark = pytest.mark.slow
 
@@ -157,8 +157,12 @@ def server(tmp_path_factory):
     it comes (what the streaming test watches); the default hold-back, which sends a sentence at
     a time and never the flagged one, is tested on held_server (and over the API in
     tests/test_safety_api.py)."""
+    from fairway.safety import DEFAULT_POLICY
+
     work = tmp_path_factory.mktemp("web")
-    policy = policy_with_term(work, FLAGGED_WORD)
+    policy = work / "policy.toml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
+                                                          f'terms = ["{FLAGGED_WORD}", "with him in it"'))
     port = free_port()
     log = open(work / "serve.log", "wb")  # closed below, after the server stops
     proc = subprocess.Popen(
@@ -188,11 +192,13 @@ def held_server(tmp_path_factory):
     from serving import embedded_server
 
     from fairway.assembly import ServerOptions
-    from fairway.safety import SafetySettings
+    from fairway.safety import DEFAULT_POLICY, SafetySettings
     from fairway.safety.profanity import available
 
     work = tmp_path_factory.mktemp("web-held")
-    policy = policy_with_term(work, HELD_WORD)
+    policy = work / "policy.toml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
+                                                          f'terms = ["{HELD_WORD}", "with him in it"'))
     options = ServerOptions(database=f"sqlite:///{work / 'fairway.db'}", api_keys=[(KEY, "web-user", "paid")],
                             safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
     with embedded_server(options) as server:

@@ -54,7 +54,9 @@ class Moderator:
         combined: list[Scores] = [{} for _ in texts]
         for classifier in self.classifiers:
             for scores, more in zip(combined, await classifier.score_many(texts), strict=True):
-                _raise_to(scores, more)
+                for category, score in more.items():
+                    if score > scores.get(category, 0.0):
+                        scores[category] = score
         results = [judged(_with_parents(scores), self.thresholds) for scores in combined]
         metrics.observe_safety(stage, time.perf_counter() - start,
                                [c for r in results for c in r.flagged_categories])
@@ -68,15 +70,9 @@ class Moderator:
         per category, so a category is flagged when it is in any of them."""
         scores: Scores = {}
         for result in results:
-            _raise_to(scores, result.category_scores)
+            for category, score in result.category_scores.items():
+                scores[category] = max(score, scores.get(category, 0.0))
         return judged(scores, self.thresholds)
-
-
-def _raise_to(scores: Scores, more: Scores) -> None:
-    """scores takes the higher of its own and more's score in each category."""
-    for category, score in more.items():
-        if score > scores.get(category, 0.0):
-            scores[category] = score
 
 
 def _with_parents(scores: Scores) -> Scores:
