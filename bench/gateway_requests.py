@@ -2,17 +2,25 @@
 
 What a gateway spends to start and end a reply (auth, limits, store, context, job, subscription,
 the final save, the replica's reports), apart from relaying tokens: short streamed chats
-(max_tokens 2) at a fixed concurrency through one `fairway gateway` process on Redis and a
-temporary PostgreSQL database (or SQLite), with one synthetic replica (bench/relay.py's) as the
-model. The figure is the gateway process's CPU (utime + stime) divided by the requests.
+(max_tokens 2) through one `fairway gateway` process on Redis and a temporary PostgreSQL database
+(or SQLite), with one synthetic replica (bench/relay.py's) as the model. The figure is the gateway
+process's CPU (utime + stime) divided by the requests.
 
-This machine's noise (a shared 2-core VM) moves the figure by +-10% from run to run, more than
-most changes do, so both sides run in the same session, alternately, round after round: `--base`
-is checked out in a temporary git worktree, and each side's own `fairway` and synthetic replica
-run from its tree. Prints a table and the medians; results go to bench/results/gateway_requests.json.
+Two ways to send them: --concurrency N requests at all times (closed loop, the default), or
+--rate R requests a second whatever the answers (open loop). Closed loop, how much work shares
+a wake-up or a write depends on how fast the gateway answers, so the figure moves with the
+machine's speed of the moment (+-10-15% here); at a fixed rate below saturation each round does
+the same work, and rounds agree to a few percent. --gateway-arg passes an option to both sides'
+gateways (--gateway-arg=--no-memory: what the memory lookup costs).
+
+Even so this machine's noise (a shared 2-core VM) is as large as many changes, so both sides run
+in the same session, alternately, round after round: `--base` is checked out in a temporary git
+worktree, and each side's own `fairway` and synthetic replica run from its tree. Prints a table
+and the medians; results go to bench/results/gateway_requests.json.
 
     .venv/bin/python bench/gateway_requests.py --base HEAD~3           # 3 rounds of 800 requests
     .venv/bin/python bench/gateway_requests.py --base 4849222 --rounds 5 --database sqlite
+    .venv/bin/python bench/gateway_requests.py --base 0ab41d4 --rate 150 --requests 1500
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ async def measure(root: Path, args: argparse.Namespace, workdir: Path) -> float:
                              workdir / "replica.log", root=root),
                  relay.spawn(["-m", "fairway.cli", "gateway", "--redis", args.redis, "--namespace", namespace,
                               "--database", database, "--port", str(port), "--log-level", "warning",
-                              *relay.NO_LIMITS], workdir / "gateway.log", root=root)]
+                              *relay.NO_LIMITS, *args.gateway_arg], workdir / "gateway.log", root=root)]
         gateway = procs[-1]
         try:
             await relay.wait_ready(f"http://127.0.0.1:{port}")
@@ -55,14 +63,17 @@ async def measure(root: Path, args: argparse.Namespace, workdir: Path) -> float:
                     "max_tokens": args.tokens, "stream": True}
             gate = asyncio.Semaphore(args.concurrency)
 
-            async def one() -> int:
+            async def one(i: int = 0) -> int:
+                if args.rate:  # open loop: request i leaves at i / rate s
+                    await asyncio.sleep(i / args.rate)
+                    return await relay.stream_chat(port, body, lambda data, received: None)
                 async with gate:
                     return await relay.stream_chat(port, body, lambda data, received: None)
 
             await asyncio.gather(*(one() for _ in range(20)))  # warm-up: imports, connections, caches
             await asyncio.sleep(1.0)
             before = relay.cpu_seconds(gateway.pid)
-            statuses = await asyncio.gather(*(one() for _ in range(args.requests)))
+            statuses = await asyncio.gather(*(one(i) for i in range(args.requests)))
             await asyncio.sleep(1.0)  # the replica's last reports, recorded
             cpu = relay.cpu_seconds(gateway.pid) - before
             if any(s != 200 for s in statuses):
@@ -109,8 +120,10 @@ async def main(args: argparse.Namespace) -> None:
         this = this_tree()
         rounds: list[dict[str, float]] = []
         try:
-            print(f"gateway CPU per chat request ({args.requests} chats of {args.tokens} tokens, {args.concurrency} "
-                  f"at once, store {args.database}): {base} vs this tree ({this})", flush=True)
+            load = f"{args.rate:g} a second" if args.rate else f"{args.concurrency} at once"
+            print(f"gateway CPU per chat request ({args.requests} chats of {args.tokens} tokens, {load}, store "
+                  f"{args.database}{', gateway ' + ' '.join(args.gateway_arg) if args.gateway_arg else ''}): {base} vs "
+                  f"this tree ({this})", flush=True)
             for r in range(args.rounds):
                 result = {}
                 for side, root in (("base", base_root), ("this", ROOT)):
@@ -130,7 +143,8 @@ async def main(args: argparse.Namespace) -> None:
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine.describe(),
         "base": base, "this": this, "store": args.database, "requests": args.requests, "tokens": args.tokens,
-        "concurrency": args.concurrency, "rounds": rounds, "median_ms_per_request": medians, "this_over_base": ratio,
+        "concurrency": None if args.rate else args.concurrency, "rate_per_s": args.rate or None,
+        "gateway_args": args.gateway_arg, "rounds": rounds, "median_ms_per_request": medians, "this_over_base": ratio,
     }
     relay.RESULTS.mkdir(parents=True, exist_ok=True)
     (relay.RESULTS / "gateway_requests.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -139,7 +153,9 @@ async def main(args: argparse.Namespace) -> None:
 def parse_args() -> argparse.Namespace:
     parser = comparison_parser(__doc__)
     parser.add_argument("--requests", type=int, default=800)
-    parser.add_argument("--concurrency", type=int, default=20)
+    parser.add_argument("--concurrency", type=int, default=20, help="requests at all times (closed loop)")
+    parser.add_argument("--rate", type=float, default=0.0, help="requests a second, open loop (instead of --concurrency)")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="an option for both gateways (repeatable)")
     parser.add_argument("--tokens", type=int, default=2, help="max_tokens per chat")
     parser.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")
