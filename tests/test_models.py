@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from probes import PARIS_PROMPT
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.models.bundled import ModelFileError
@@ -46,7 +47,7 @@ def test_hf_safetensors_folder_gives_the_same_tokens(tmp_path, hf_model, real_mo
 def test_bfloat16_model_generates_sensible_text(model_path, real_tokenizer):
     model = load_model(model_path, torch.bfloat16)
     eng = LLMEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=real_tokenizer)
-    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": PARIS_PROMPT}])
     eng.add_request("q", prompt, SamplingParams(temperature=0, max_tokens=20))
     text = ""
     while eng.has_unfinished():
@@ -67,7 +68,7 @@ def test_missing_and_corrupt_model_files_say_which_file(tmp_path):
 
 def test_cli_generate_prints_only_the_generated_text():
     run = subprocess.run([sys.executable, "-m", "fairway.cli", "generate", "--prompt",
-                          "What is the capital of France?", "--chat", "--max-tokens", "12"],
+                          PARIS_PROMPT, "--chat", "--max-tokens", "12"],
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
     assert "Paris" in run.stdout and "<|im" not in run.stdout

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from probes import PARIS_PROMPT
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.engine.factory import build_engine
@@ -180,7 +181,7 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
     if model.native_decode is None:
         pytest.skip("no whole-step decode pass in this build")
     eng = LLMEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=real_tokenizer)
-    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": PARIS_PROMPT}])
     got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20))
     assert "Paris" in real_tokenizer.decode(got[0])
     with pytest.raises(ValueError, match="weights"):
