@@ -217,6 +217,46 @@ def test_reply_nobody_listens_to_is_cancelled(http):
     assert reply["state"] == "STOPPED"
 
 
+def test_a_client_leaving_while_its_reply_is_saved_does_not_cut_the_save(server, http):
+    """The stream saves the reply before [DONE]; a client that leaves then (a closed tab) ends the
+    stream, not the write. (A save cancelled inside its SQLite transaction left the file locked:
+    every later write waited out the 30-s busy timeout and failed.)"""
+    import asyncio
+    import threading
+
+    store = server.gateway.store
+    finish = store.finish_reply
+    saving, outcomes = threading.Event(), []
+
+    async def slow_finish(*args, **kwargs):
+        saving.set()
+        try:
+            await asyncio.sleep(0.5)  # the client leaves meanwhile
+            result = await finish(*args, **kwargs)
+        except asyncio.CancelledError:
+            outcomes.append("cancelled")
+            raise
+        outcomes.append("saved")
+        return result
+
+    store.finish_reply = slow_finish
+    try:
+        with http.stream("POST", "/v1/chat/completions", json=chat_body("Name a colour.", max_tokens=5)) as r:
+            assert r.status_code == 200
+            head = dict(r.headers)
+            assert saving.wait(30)
+        wait_for(lambda: outcomes, timeout=10)
+    finally:
+        store.finish_reply = finish
+    assert outcomes[0] == "saved", outcomes
+    message = stored_reply(http, head["x-conversation-id"], head["x-reply-id"])
+    assert message["status"] == "complete"
+    started = time.monotonic()  # and the next reply is saved at once
+    with http.stream("POST", "/v1/chat/completions", json=chat_body("Name a fruit.", max_tokens=5)) as r:
+        assert list(sse_events(r))[-1].data == "[DONE]"
+    assert time.monotonic() - started < 10
+
+
 # -- conversations and context -------------------------------------------------------------
 
 

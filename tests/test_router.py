@@ -28,6 +28,7 @@ from fairway.engine.sequence import Sequence
 from fairway.replica.prefix_summary import PrefixSummary
 from fairway.replica.registry import InProcessRegistry, RedisRegistry, ReplicaInfo, ReplicaRegistry
 from fairway.router import NoReplica, Router, RouterSettings, region_fallback
+from fairway.router.router import REGION_MISS_S
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -264,6 +265,22 @@ async def test_the_requested_region_is_preferred_and_another_serves_when_it_has_
     served = await fleet.router.place("m", [1] * 40, "ap")  # no replica in ap: the least loaded elsewhere
     assert served.id == "us-1" and region_fallback("ap", served) == "us"
     assert region_fallback(None, served) is None
+
+
+async def test_a_replica_just_started_in_the_requested_region_is_found_before_falling_back() -> None:
+    """The cached view (60 s here) predates the region's first replica: a request naming that
+    region looks afresh and is placed there, not elsewhere; requests to a region with no replica
+    look again at most every REGION_MISS_S, not once each."""
+    registry = CountingRegistry()
+    await registry.announce(replica("us-1", region="us"))
+    router = Router(registry, cache_s=60)
+    assert (await router.place("m", region="us")).id == "us-1" and registry.looks == 1
+    await asyncio.sleep(REGION_MISS_S)
+    await registry.announce(replica("eu-1", region="eu", load=9))  # just started, after the view
+    assert (await router.place("m", region="eu")).id == "eu-1" and registry.looks == 2
+    await asyncio.sleep(REGION_MISS_S)
+    placed = await asyncio.gather(*(router.place("m", region="ap") for _ in range(20)))
+    assert len(placed) == 20 and registry.looks == 3  # served elsewhere, after one look for all
 
 
 async def test_round_robin_takes_each_replica_in_turn_whatever_is_cached(builder) -> None:

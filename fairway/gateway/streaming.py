@@ -54,6 +54,9 @@ from fairway.tools.record import CallRecord, add_event, replayed
 
 log = logging.getLogger(__name__)
 
+# Saves whose stream ended under them (the client left): they finish anyway, held here meanwhile.
+_SAVES_LEFT_RUNNING: set[asyncio.Future[None]] = set()
+
 KEEPALIVE_S = 10.0  # an SSE comment this often while nothing happens, so proxies keep the line
 DONE = b"data: [DONE]\n\n"
 # A comment line alone, with no blank line after it: a blank line ends an event, and the OpenAI SDKs
@@ -384,7 +387,17 @@ class ReplyRelay:
 
     async def _save(self, reply_id: str, text: str | None, final: FinalEvent,
                     tools: list[CallRecord] | None = None) -> None:
-        """Save before [DONE]; best effort: the replica's report saves it anyway."""
+        """Save before [DONE]; best effort: the replica's report saves it anyway. A client that
+        leaves meanwhile ends the stream, not the save: a write cancelled inside its transaction
+        leaves the connection torn, and on SQLite its lock held, every other writer of the file
+        waiting out the busy timeout (30 s) and failing, until that connection is collected."""
+        saving = asyncio.ensure_future(self._save_now(reply_id, text, final, tools))
+        _SAVES_LEFT_RUNNING.add(saving)
+        saving.add_done_callback(_SAVES_LEFT_RUNNING.discard)
+        await asyncio.shield(saving)
+
+    async def _save_now(self, reply_id: str, text: str | None, final: FinalEvent,
+                        tools: list[CallRecord] | None) -> None:
         try:
             if text is None:
                 await save_from_log(self.store, self.log, reply_id)

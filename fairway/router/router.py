@@ -5,7 +5,9 @@ the cached view); in the requested region when the request names one, the other 
 when it has none (the response then names the region that served: region_fallback()).
 
 The registry's view is cached for RouterSettings.cache_s: routing every request through a Redis
-round trip buys nothing when replicas heartbeat every 0.5 s anyway.
+round trip buys nothing when replicas heartbeat every 0.5 s anyway. A request naming a region the
+cached view has no replica in takes a fresher look (at most REGION_MISS_S old) before it falls
+back to another region: a replica that has just started there would otherwise be passed over.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class NoReplica(RuntimeError):
 
 
 RETRY_AFTER_S = 2  # a replica that is starting announces itself within a heartbeat or two
+REGION_MISS_S = 0.05  # the oldest view a region with no replica in it is judged on
 
 
 def region_fallback(requested: str | None, replica: ReplicaInfo) -> str | None:
@@ -48,9 +51,11 @@ class Router:
         self._turn = itertools.count()
         self._placed = Placed()
 
-    async def live(self, refresh: bool = False) -> list[ReplicaInfo]:
-        """Live replicas (sorted by id), from the cached view unless it is stale."""
-        if refresh or time.monotonic() - self._cached_at > self._cache_s:
+    async def live(self, refresh: bool = False, max_age_s: float | None = None) -> list[ReplicaInfo]:
+        """Live replicas (sorted by id), from the cached view unless it is stale (older than
+        max_age_s, by default the settings' cache_s)."""
+        max_age_s = self._cache_s if max_age_s is None else max_age_s
+        if refresh or time.monotonic() - self._cached_at > max_age_s:
             # One look at the registry for all the requests that found the view stale at once (a
             # busy gateway has dozens in flight when it expires), not one each.
             if self._refreshing is None:
@@ -68,9 +73,9 @@ class Router:
         finally:
             self._refreshing = None
 
-    async def replicas_for(self, model: str) -> list[ReplicaInfo]:
+    async def replicas_for(self, model: str, max_age_s: float | None = None) -> list[ReplicaInfo]:
         """Live replicas of the model that take new work (not draining)."""
-        return [r for r in await self.live() if r.model == model and not r.draining]
+        return [r for r in await self.live(max_age_s=max_age_s) if r.model == model and not r.draining]
 
     async def serving(self, model: str) -> list[ReplicaInfo]:
         """The live replicas of the model, after a fresh look when the cached view has none
@@ -105,6 +110,8 @@ class Router:
     async def choose(self, model: str, prompt_token_ids: Sequence[int] | None = None,
                      region: str | None = None, lane: Lane | None = None) -> Choice:
         candidates = await self.serving(model)
+        if region and not any(r.region == region for r in candidates):
+            candidates = await self.replicas_for(model, max_age_s=REGION_MISS_S) or candidates
         if region:
             candidates = [r for r in candidates if r.region == region] or candidates
         if lane is not None:
