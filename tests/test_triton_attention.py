@@ -164,3 +164,23 @@ def test_padding_rows_store_nothing_and_attend_to_nothing():
     changed = (got_k != k_cache).any(dim=(0, 2))
     assert changed.nonzero().flatten().tolist() == [batch.slot_mapping[0].item()]
     assert torch.equal(got_v.ne(v_cache).any(dim=(0, 2)), changed)
+
+
+def test_the_gpu_runner_on_the_kernels_gives_the_cpu_runners_tokens():
+    """The whole GPU path but the device: the runner's eager and padded decode steps on the
+    interpreted kernels, a tiny model in float32, greedy."""
+    from fairway.engine.cuda_graphs import EagerCapture
+    from fairway.engine.gpu_model_runner import GPUModelRunner
+    from fairway.engine.llm_engine import EngineConfig, LLMEngine
+    from fairway.engine.sampling_params import SamplingParams
+    from fairway.models.config import LlamaConfig
+    from fairway.models.llama import random_model
+
+    model = random_model(LlamaConfig.tiny(), seed=1)
+    config = EngineConfig(num_kv_blocks=16, max_num_seqs=4, max_num_batched_tokens=16, speculative=None)
+    prompts = [[20, 21, 22, 23, 24], list(range(30, 50)), [7, 8, 9]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = LLMEngine(model, config).generate(prompts, params)
+    runner = GPUModelRunner(model, config.num_kv_blocks, config.block_size, config.max_num_seqs, 256,
+                            capture=EagerCapture(), attention=triton_attention.TritonAttention)
+    assert LLMEngine(model, config, runner=runner).generate(prompts, params) == want
