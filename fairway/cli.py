@@ -751,6 +751,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "device", "cpu") != "cpu":  # at start: a missing GPU is one line, not a first request's traceback
+            from fairway.engine.device import check_device
+
+            check_device(args.device)
         return args.func(args)
     except ModelFileError as exc:
         print(f"fairway: {exc}", file=sys.stderr)

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from fairway.engine.cuda_graphs import Capture, CudaGraphCapture, DecodeGraphs, capture_sizes
+from fairway.engine.device import cuda_memory_plan
 from fairway.engine.device_sampler import DeviceSampler
 from fairway.engine.host_buffers import HostBuffers
 from fairway.engine.rejection_sampler import sample_and_verify
@@ -44,15 +45,19 @@ def triton_attention() -> AttentionFactory:
 class GPUModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, max_num_seqs: int = 256,
                  max_model_len: int | None = None, capture: Capture | None = None,
-                 attention: AttentionFactory | None = None) -> None:
+                 attention: AttentionFactory | None = None, max_num_batched_tokens: int = 512) -> None:
         """capture: how decode steps are recorded (CudaGraphCapture on a GPU by default; None there
         or EagerCapture runs them eagerly). attention: the step's attention backend (Triton's by default)."""
         self.model = model
         cfg = model.cfg
         param = next(model.parameters())
         self.device = param.device
-        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-                               model.kv_cache_dtype or param.dtype, self.device)
+        kv_dtype = model.kv_cache_dtype or param.dtype
+        if self.device.type == "cuda":  # DeviceError naming the sizes, not an out-of-memory traceback
+            cuda_memory_plan(model, cfg, num_blocks, block_size, kv_dtype, max_num_seqs, max_num_batched_tokens,
+                             self.device).check(torch.cuda.get_device_name(self.device))
+        self.kv = PagedKVCache(cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype,
+                               self.device)
         self.block_size = block_size
         self.attention = attention or triton_attention()
         self.host = HostBuffers(self.device)

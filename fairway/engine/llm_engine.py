@@ -62,7 +62,8 @@ class LLMEngine:
         self.max_model_len = c.max_model_len or model.cfg.max_position_embeddings
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.reserve_blocks, c.enable_prefix_caching)
         if runner is None and model.embed_tokens.weight.device.type == "cuda":
-            runner = GPUModelRunner(model, c.num_kv_blocks, c.block_size, c.max_num_seqs, self.max_model_len)
+            runner = GPUModelRunner(model, c.num_kv_blocks, c.block_size, c.max_num_seqs, self.max_model_len,
+                                    max_num_batched_tokens=c.max_num_batched_tokens)
         self.runner = runner or ModelRunner(model, c.num_kv_blocks, c.block_size)
         self.step_time = StepTimeModel()
         target = c.step_time_target or DEFAULT_STEP_TIME_TARGET[self.runner.device.type == "cuda"]
