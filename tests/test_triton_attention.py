@@ -1,12 +1,16 @@
 """The Triton kernels (fairway/models/triton_attention.py) on the CPU, under Triton's interpreter,
 against the PyTorch reference (paged_attention.py) and the block-table twin (block_tables.py).
 
-TRITON_INTERPRET must be set before the kernels are decorated: @triton.jit reads it then and
-returns an interpreted kernel, which runs on CPU tensors. It is set only while this module imports
-them and while its tests run (a fixture), so no other test, and no process another test starts,
-inherits it. The interpreter's bf16 tl.dot is wrong: the kernels cast keys to the queries' dtype,
-so a bf16 cache is tested under float32 queries. Shapes are tiny: the interpreter runs each
-program in numpy.
+TRITON_INTERPRET must be set before triton is imported and before the kernels are decorated:
+@triton.jit reads it then, for ours and for triton's own helpers (tl.zeros, ...), and returns
+interpreted kernels, which run on CPU tensors. It is set only while this module imports them and
+while its tests run (a fixture), so no other test, and no process another test starts, inherits
+the variable. What stays is triton itself, imported interpreted for the rest of this process: a
+compiled kernel could not be built in it afterwards (test_triton_compile.py compiles in a child
+process; nothing else in the suite imports triton). The interpreter's bf16 tl.dot is wrong, and
+it truncates float32 to bf16 where the GPU rounds: the kernels cast keys to the queries' dtype,
+so a bf16 cache is tested under float32 queries, with values bf16 holds exactly. Shapes are
+tiny: the interpreter runs each program in numpy.
 """
 
 from __future__ import annotations
@@ -20,8 +24,12 @@ import pytest
 _before = os.environ.get("TRITON_INTERPRET")
 os.environ["TRITON_INTERPRET"] = "1"
 try:
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
     import torch
+
+    if "Interpreted" not in type(triton.language.zeros).__name__:
+        raise RuntimeError("triton was imported in this process before TRITON_INTERPRET was set: its helpers are "
+                           "compiled ones, which cannot run on the CPU; import it nowhere before this module")
 
     from fairway.models import triton_attention
     if not type(triton_attention._decode_kernel).__name__.startswith("Interpreted"):
