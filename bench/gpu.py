@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -270,6 +271,7 @@ def main() -> None:
         phase(f"itl_{level}", lambda level=level: run_requests(
             engine, random_prompts(level, prompt, cfg.vocab_size, seed=100 + level), new))
     engine = model = None  # the card's memory to transformers
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     if not args.skip_hf:

@@ -132,3 +132,18 @@ def test_device_sampler_draws_as_the_host_sampler():
     assert got[1:] == want
     for a, b in zip(device_seqs[1:], host_seqs[1:], strict=True):
         assert torch.equal(a.generator.get_state(), b.generator.get_state())
+
+
+def test_a_one_token_chunk_mid_prompt_is_a_decode_row_not_sampled():
+    """Four replies decoding under a 5-token budget leave the long prompt one token a step: a
+    decode row of a decode-only step (captured) whose logits are not sampled."""
+    model = random_model(LlamaConfig.tiny(), seed=6)
+    config = EngineConfig(num_kv_blocks=32, max_num_seqs=5, max_num_batched_tokens=5, speculative=None,
+                          bound_step_time=False)
+    batch = [[20 + i, 30, 40] for i in range(4)] + [list(range(50, 90))]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    want = engine(model, config).generate(batch, params)
+    capture = RecordingCapture()
+    gpu = engine(model, config, capture)
+    capture.graphs = gpu.runner.graphs
+    assert gpu.generate(batch, params) == want

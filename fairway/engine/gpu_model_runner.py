@@ -79,9 +79,9 @@ class GPUModelRunner:
         rows = len(plan.input_ids)
         tokens: dict[Sequence, list[int]] = {}
         if self.graphs is not None and plan.decode_only and self.graphs.bucket(rows) is not None:
-            # Every row of a decode-only step is sampled, in order: the recorded step's logits are the samples'.
-            logits = self.graphs.run(plan.input_ids, plan.positions, plan.slots, _tables(plan.decode_rows),
-                                     [ctx for _, ctx in plan.decode_rows])
+            logits = self._sample_rows(self.graphs.run(plan.input_ids, plan.positions, plan.slots,
+                                                       _tables(plan.decode_rows),
+                                                       [ctx for _, ctx in plan.decode_rows]), plan)
         else:
             logits = self._eager(plan)
         if plan.samplers:
@@ -120,10 +120,14 @@ class GPUModelRunner:
         ids = up(host.stage("ids", plan.input_ids, torch.long))
         positions = up(host.stage("positions", plan.positions, torch.long))
         meta = AttentionMetadata(slot_mapping=batch.slot_mapping, backend=self.attention(batch))
-        hidden = self.model(ids, positions, self.kv, meta)
-        if len(plan.sample_rows) < len(plan.input_ids):
-            hidden = hidden[up(host.stage("sample_rows", plan.sample_rows, torch.long))]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(self._sample_rows(self.model(ids, positions, self.kv, meta), plan))
+
+    def _sample_rows(self, rows: torch.Tensor, plan: StepPlan) -> torch.Tensor:
+        """The sampled rows of a step's rows (all of them, in order, unless a prompt's chunk does
+        not reach its end: a one-token chunk is a decode row, even mid-prompt)."""
+        if len(plan.sample_rows) == rows.shape[0]:
+            return rows
+        return rows[self.host.upload(self.host.stage("sample_rows", plan.sample_rows, torch.long))]
 
 
 def _tables(rows: list[tuple[Sequence, int]]) -> list[list[int]]:
