@@ -87,6 +87,8 @@ class GPUModelRunner:
         if plan.samplers:
             tokens = dict(zip(plan.samplers, sample_and_verify(logits, plan.samplers, plan.num_rows, self._sample),
                               strict=True))
+        else:  # no sampled ids to wait for: wait here before the next step refills the pinned buffers
+            self.host.settle()
         self.forward_seconds += time.perf_counter() - t0
         return tokens
 

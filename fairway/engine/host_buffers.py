@@ -1,9 +1,9 @@
 """Host staging for a step's inputs: reused buffers, pinned when the device is a GPU, so each
 upload is one asynchronous copy that does not wait for the GPU to finish the step before.
 
-A buffer is refilled at the next step while its last copy may still be queued: safe because
-every step ends by copying the sampled ids to the host, which waits for everything queued before
-it, the uploads included.
+A buffer is refilled at the next step: safe once the step's copies have run. A step that samples
+ends by copying the sampled ids to the host, which waits for everything queued before it, the
+uploads included; one that samples nothing (a prompt's chunk short of its end) calls settle().
 """
 
 from __future__ import annotations
@@ -45,6 +45,11 @@ class HostBuffers:
             return host.to(self.device, non_blocking=self.pinned)
         out.copy_(host, non_blocking=self.pinned)
         return out
+
+    def settle(self) -> None:
+        """Wait for the uploads queued so far (the buffers may be refilled afterwards)."""
+        if self.pinned:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _buffer(self, name: str, size: int, dtype: torch.dtype) -> torch.Tensor:
         buf = self._buffers.get(name)
