@@ -83,3 +83,17 @@ def test_a_kv_cache_too_large_for_the_card_names_the_sizes():
         assert part in message
     MemoryPlan(weights=plan.weights, kv_cache=fit * block, workspace=workspace, free=20 * GIB, total=24 * GIB,
                kv_blocks=fit, kv_block_bytes=block).check("NVIDIA L4")  # what it says fits, fits
+
+
+def test_serving_imports_no_triton():
+    """triton is a test extra: the engine, the GPU runner's module included, imports it only when a
+    GPU runner is built (make serve installs no triton)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys, fairway.engine.factory, fairway.engine.gpu_model_runner, fairway.assembly; "
+            "print('triton' in sys.modules)")
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

@@ -134,6 +134,10 @@ class DecodeGraphs:
         """The smallest captured size that holds rows, None when none does (the step runs eagerly)."""
         return next((size for size in self.sizes if size >= rows), None)
 
+    def takes(self, rows: int, width: int) -> bool:
+        """Whether a decode step of rows, whose longest block table is width blocks, fits a recording."""
+        return self.bucket(rows) is not None and width <= self.max_blocks
+
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], tables: list[list[int]],
             context_lens: list[int]) -> torch.Tensor:
         """One decode step of len(input_ids) rows (at most the largest size). Returns its logits,

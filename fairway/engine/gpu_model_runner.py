@@ -78,9 +78,10 @@ class GPUModelRunner:
         t0 = time.perf_counter()
         rows = len(plan.input_ids)
         tokens: dict[Sequence, list[int]] = {}
-        if self.graphs is not None and plan.decode_only and self.graphs.bucket(rows) is not None:
-            logits = self._sample_rows(self.graphs.run(plan.input_ids, plan.positions, plan.slots,
-                                                       _tables(plan.decode_rows),
+        tables = _tables(plan.decode_rows)
+        if (self.graphs is not None and plan.decode_only
+                and self.graphs.takes(rows, max((len(t) for t in tables), default=0))):
+            logits = self._sample_rows(self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables,
                                                        [ctx for _, ctx in plan.decode_rows]), plan)
         else:
             logits = self._eager(plan)
