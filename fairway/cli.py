@@ -37,7 +37,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="native", choices=["native", "dequantized"],
                    help="a GGUF's Q8_0/Q4_0/Q4_1 layers: multiplied as stored (native, where this CPU has the "
                         "kernels) or dequantized to --dtype at load")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda[:N]: the GPU path (Triton paged attention, CUDA graphs; needs a CUDA build "
+                        "of torch and triton)")
 
 
 def _build(args: argparse.Namespace):
