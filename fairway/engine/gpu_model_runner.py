@@ -68,8 +68,8 @@ class GPUModelRunner:
         self.graphs: DecodeGraphs | None = None
         if capture is not None:
             max_blocks = -(-(max_model_len or cfg.max_position_embeddings) // block_size)
-            self.graphs = DecodeGraphs(capture, capture_sizes(max_num_seqs), max_blocks, block_size, self.host,
-                                       self.device)
+            self.graphs = DecodeGraphs(capture, capture_sizes(max_num_seqs), max_blocks, block_size, cfg.vocab_size,
+                                       self.host, self.device)
             self.graphs.capture(self._forward)
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, list[int]]:
