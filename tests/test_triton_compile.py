@@ -1,6 +1,7 @@
 """The Triton kernels compile for an H100/H200 (sm_90) without a GPU: Triton lowers them to PTX
 and, with the ptxas it ships, to a cubin, for a target given by hand (GPUTarget). Catches what
-the interpreter does not: types that only the compiler checks, tl.dot shapes under 16.
+the interpreter does not: types that only the compiler checks, tl.dot shapes under 16, shared
+memory beyond what an SM has.
 
 In a child process: whether triton's own helpers (tl.zeros, ...) are interpreted is fixed when
 triton is first imported, and test_triton_attention.py imports it interpreted.
@@ -50,7 +51,7 @@ for name, (fn, signature, constexprs) in kernels.items():
                             target=GPUTarget("cuda", 90, 32))
     ptx = kernel.asm["ptx"]
     out[name] = {"target": [l.split()[1] for l in ptx.splitlines() if l.startswith(".target")],
-                 "cubin_bytes": len(kernel.asm["cubin"])}
+                 "cubin_bytes": len(kernel.asm["cubin"]), "shared": kernel.metadata.shared}
 print(json.dumps(out))
 """
 
@@ -67,3 +68,4 @@ def test_the_kernels_compile_for_sm90(tmp_path):
     for name, result in compiled.items():
         assert result["target"] == ["sm_90a"], name
         assert result["cubin_bytes"] > 0, name
+        assert result["shared"] <= 64 * 1024, name  # a few programs per SM (228 KB each on an H100/H200)
