@@ -62,6 +62,8 @@ def build_engine(model: str | Path | None = None, dtype: str | torch.dtype = "bf
     try:
         loaded = load_model(path, torch_dtype, dev, weights=weights)
     except torch.OutOfMemoryError:
+        if dev.type != "cuda":
+            raise
         free, total = torch.cuda.mem_get_info(dev)
         raise DeviceError(f"the weights of {path.name} in {torch_dtype} do not fit on {torch.cuda.get_device_name(dev)} "
                           f"({total / GIB:.2f} GiB, {free / GIB:.2f} GiB free): use a smaller model or dtype") from None
