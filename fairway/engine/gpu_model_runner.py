@@ -84,7 +84,7 @@ class GPUModelRunner:
             logits = self._sample_rows(self.graphs.run(plan.input_ids, plan.positions, plan.slots, tables,
                                                        [ctx for _, ctx in plan.decode_rows]), plan)
         else:
-            logits = self._eager(plan)
+            logits = self._eager(plan, tables)
         if plan.samplers:
             tokens = dict(zip(plan.samplers, sample_and_verify(logits, plan.samplers, plan.num_rows, self._sample),
                               strict=True))
@@ -100,13 +100,12 @@ class GPUModelRunner:
         meta = AttentionMetadata(slot_mapping=batch.slot_mapping, backend=self.attention(batch))
         return self.model.compute_logits(self.model(input_ids, positions, self.kv, meta))
 
-    def _eager(self, plan: StepPlan) -> torch.Tensor:
+    def _eager(self, plan: StepPlan, decode_tables: list[list[int]]) -> torch.Tensor:
         """A step with prefill chunks (or more decode rows than any captured size): uploaded and run
         as it is. Returns the logits of its sample rows."""
         host, up = self.host, self.host.upload
         prefills = plan.prefills
         starts = [row for row, _, _ in prefills] + [prefills[-1][1]] if prefills else [len(plan.decode_rows)]
-        decode_tables = _tables(plan.decode_rows)
         prefill_tables = [[b.block_id for b in seq.blocks] for _, _, seq in prefills]
         width = max((len(t) for t in decode_tables + prefill_tables), default=1)
         batch = BlockTableBatch(
