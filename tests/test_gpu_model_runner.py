@@ -111,6 +111,7 @@ def test_a_step_larger_than_every_size_runs_eagerly():
     model = random_model(LlamaConfig.tiny(), seed=4)
     runner = GPUModelRunner(model, 16, 16, max_num_seqs=2, max_model_len=256, capture=EagerCapture(),
                             attention=TorchBlockAttention)
+    assert not runner.kv.k.any() and not runner.kv.v.any()  # recording and warming up stored nothing
     assert runner.graphs.bucket(2) == 2 and runner.graphs.bucket(3) is None
     assert runner.graphs.takes(2, 16) and not runner.graphs.takes(3, 1)
     assert not runner.graphs.takes(1, 17)  # a table wider than the static one (256 tokens / 16) runs eagerly

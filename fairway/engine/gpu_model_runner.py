@@ -71,6 +71,20 @@ class GPUModelRunner:
             self.graphs = DecodeGraphs(capture, capture_sizes(max_num_seqs), max_blocks, block_size, cfg.vocab_size,
                                        self.host, self.device)
             self.graphs.capture(self._forward)
+            self._warm_up_prefill()
+
+    def _warm_up_prefill(self) -> None:
+        """One prefill chunk that stores nothing (slot -1), so the prefill kernel compiles now,
+        not during the first request's TTFT."""
+        n, dev = 16, self.device
+        i32 = {"dtype": torch.int32, "device": dev}
+        batch = BlockTableBatch(
+            slot_mapping=torch.full((n,), -1, dtype=torch.long, device=dev), num_decodes=0,
+            decode_block_tables=torch.zeros(0, 1, **i32), decode_context_lens=torch.zeros(0, **i32),
+            prefill_query_start=torch.tensor([0, n], **i32), prefill_seq_lens=torch.tensor([n], **i32),
+            prefill_block_tables=torch.zeros(1, -(-n // self.block_size), **i32), max_prefill_len=n,
+            block_size=self.block_size)
+        self._forward(torch.zeros(n, dtype=torch.long, device=dev), torch.arange(n, device=dev), batch)
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, list[int]]:
         """Run one forward pass; returns the tokens each sequence that reached its end emits."""
