@@ -253,6 +253,7 @@ def main() -> None:
     ttft_len, itl_levels = (64, (4, 8)) if TINY else (2000, (32, 225))
     config = EngineConfig(num_kv_blocks=256 if TINY else 16384, max_num_seqs=n, max_num_batched_tokens=8192,
                           max_model_len=4096, speculative=None)
+    res["engine_config"] = {k: v for k, v in vars(config).items() if k != "speculative"} | {"speculative": None}
     log("building the Llama-3.2-1B-shaped engine (weights, KV cache, graph capture) ...")
     t0 = time.perf_counter()
     model = random_on_device(cfg, torch.float32 if TINY else torch.bfloat16, device)
