@@ -1,12 +1,12 @@
 """Decode steps replayed from CUDA graphs, one per batch-size bucket.
 
-A decode step launches a few hundred small kernels; at batch 256 of a 1B model the GPU finishes
-each faster than Python launches the next. A graph records the step once per bucket size and
-replays it with one launch. The recorded step reads only static buffers (token ids, positions,
-slots, block tables, context lengths, sized for the largest bucket) and copies its logits into
-one static output (each recording's own would stay allocated: 4,231 rows of every size together,
-2 GB at a 128k vocabulary): a step of n rows fills the first n of the smallest bucket >= n, pads
-the rest (slot -1: stored nowhere; context 0: attends to nothing), replays, and reads n rows back.
+A decode step launches hundreds of small kernels, each of which a small model's GPU can finish
+before Python has launched the next. A graph records the step once per bucket size and replays
+it with one launch. The recorded step reads only static buffers (token ids, positions, slots,
+block tables, context lengths, sized for the largest bucket) and copies its logits into one
+static output (each recording's own output would stay allocated, a [size, vocab] tensor for
+every size): a step of n rows fills the first n of the smallest bucket >= n, pads the rest
+(slot -1: stored nowhere; context 0: attends to nothing), replays, and reads n rows back.
 
 `Capture` is the seam: CudaGraphCapture records, EagerCapture runs the function again at every
 replay, so the buckets, the padding and the static buffers are tested on the CPU
