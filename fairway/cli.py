@@ -37,7 +37,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", default="native", choices=["native", "dequantized"],
                    help="a GGUF's Q8_0/Q4_0/Q4_1 layers: multiplied as stored (native, where this CPU has the "
                         "kernels) or dequantized to --dtype at load")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu",
+                   help="cpu, or cuda[:N]: the GPU path (Triton paged attention, CUDA graphs; needs a CUDA build "
+                        "of torch and triton)")
 
 
 def _build(args: argparse.Namespace):
@@ -751,6 +753,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "device", "cpu") != "cpu":  # at start: a missing GPU is one line, not a first request's traceback
+            from fairway.engine.device import check_device
+
+            check_device(args.device)
         return args.func(args)
     except ModelFileError as exc:
         print(f"fairway: {exc}", file=sys.stderr)

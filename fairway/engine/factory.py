@@ -9,6 +9,7 @@ from typing import TypeVar
 
 import torch
 
+from fairway.engine.device import GIB, DeviceError, check_device
 from fairway.engine.llm_engine import EngineConfig, LLMEngine
 from fairway.models.bundled import bundled_model_path
 from fairway.models.loader import load_model
@@ -55,6 +56,15 @@ def build_engine(model: str | Path | None = None, dtype: str | torch.dtype = "bf
                  device: str = "cpu", config: EngineConfig | None = None, weights: str = "native") -> LLMEngine:
     """weights: "native" runs a GGUF's quantized layers as stored where a kernel exists (dtype is then
     the activations' and the KV cache's), "dequantized" rounds every weight to dtype at load."""
+    dev = check_device(device)  # DeviceError: one line, before any weights load
     path = Path(model) if model else bundled_model_path()
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
-    return LLMEngine(load_model(path, torch_dtype, device, weights=weights), config, tokenizer=load_tokenizer(path))
+    try:
+        loaded = load_model(path, torch_dtype, dev, weights=weights)
+    except torch.OutOfMemoryError:
+        if dev.type != "cuda":
+            raise
+        free, total = torch.cuda.mem_get_info(dev)
+        raise DeviceError(f"the weights of {path.name} in {torch_dtype} do not fit on {torch.cuda.get_device_name(dev)} "
+                          f"({total / GIB:.2f} GiB, {free / GIB:.2f} GiB free): use a smaller model or dtype") from None
+    return LLMEngine(loaded, config, tokenizer=load_tokenizer(path))

@@ -95,4 +95,4 @@ def mask_logits(logits: torch.Tensor, rows: list[int], matchers: list[Any]) -> N
             refused = np.ones(vocab, dtype=bool)
             n = min(vocab, bits.size)
             refused[:n] = bits[:n] == 0
-            logits[row].masked_fill_(torch.from_numpy(refused), float("-inf"))
+            logits[row].masked_fill_(torch.from_numpy(refused).to(logits.device), float("-inf"))

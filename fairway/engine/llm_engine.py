@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from fairway.block_hash import BLOCK_SIZE
 from fairway.domain import Priority
+from fairway.engine.gpu_model_runner import GPUModelRunner
 from fairway.engine.guided_decoding import Guides
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.model_runner import ModelRunner
@@ -52,14 +53,18 @@ class EngineConfig:
 
 class LLMEngine:
     def __init__(self, model: LlamaModel, config: EngineConfig | None = None, tokenizer=None,
-                 draft_model: LlamaModel | None = None) -> None:
+                 draft_model: LlamaModel | None = None, runner: ModelRunner | GPUModelRunner | None = None) -> None:
+        """runner: by default the model's device's (GPUModelRunner on CUDA, ModelRunner elsewhere)."""
         self.config = config or EngineConfig()
         c = self.config
         self.model = model
         self.tokenizer = tokenizer
         self.max_model_len = c.max_model_len or model.cfg.max_position_embeddings
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.reserve_blocks, c.enable_prefix_caching)
-        self.runner = ModelRunner(model, c.num_kv_blocks, c.block_size)
+        if runner is None and model.embed_tokens.weight.device.type == "cuda":
+            runner = GPUModelRunner(model, c.num_kv_blocks, c.block_size, c.max_num_seqs, self.max_model_len,
+                                    max_num_batched_tokens=c.max_num_batched_tokens)
+        self.runner = runner or ModelRunner(model, c.num_kv_blocks, c.block_size)
         self.step_time = StepTimeModel()
         target = c.step_time_target or DEFAULT_STEP_TIME_TARGET[self.runner.device.type == "cuda"]
         self.scheduler = Scheduler(SchedulerConfig(c.max_num_seqs, c.max_num_batched_tokens,

@@ -9,6 +9,7 @@ import torch
 from fairway.engine.rejection_sampler import sample_and_verify
 from fairway.engine.scheduler import ScheduledBatch
 from fairway.engine.sequence import Sequence
+from fairway.engine.step_plan import plan_step, slots_of
 from fairway.models.cpu_kernels import DecodeKernels, decode_kernels
 from fairway.models.llama import LlamaModel
 from fairway.models.paged_attention import (
@@ -51,48 +52,21 @@ class ModelRunner:
         return tokens
 
     def _prepare(self, batch: ScheduledBatch):
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        sample_rows: list[int] = []
-        samplers: list[Sequence] = []
-        num_rows: list[int] = []  # sample rows of each sampler
-        spans: list[tuple[int, int, Sequence]] = []
-        decode_rows: list[tuple[Sequence, int]] = []  # (sequence, context length) of each decode row
-        # Decode rows first, shortest context first, so similar lengths sit next to each other.
-        pairs = sorted(zip(batch.seqs, batch.num_new_tokens, strict=True),
-                       key=lambda sn: (not _decodes(*sn), sn[0].num_computed_tokens if _decodes(*sn) else 0))
-        for seq, n in pairs:
-            start = seq.num_computed_tokens
-            row = len(ids)
-            drafts = start + n - seq.num_tokens  # > 0: draft tokens to check after the last real one
-            ids.extend(seq.token_ids[start:start + n])
-            if drafts > 0:
-                ids.extend(seq.spec_token_ids[:drafts])
-            positions.extend(range(start, start + n))
-            slots.extend(_slots(seq, start, start + n, self.block_size))
-            if _decodes(seq, n):  # each row a decode row: the cache holds every key it may see
-                decode_rows.extend((seq, p + 1) for p in range(start, start + n))
-            else:
-                spans.append((row, row + n, seq))
-            if start + n >= seq.num_tokens:
-                rows = n if drafts > 0 else 1
-                sample_rows.extend(range(row + n - rows, row + n))
-                samplers.append(seq)
-                num_rows.append(rows)
+        plan = plan_step(batch, self.block_size)
         dev = self.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            prefills=[self._prefill_group(group) for group in _prefill_groups(spans)],
+            slot_mapping=torch.tensor(plan.slots, dtype=torch.long, device=dev),
+            prefills=[self._prefill_group(group) for group in _prefill_groups(plan.prefills)],
         )
+        decode_rows = plan.decode_rows
         if self.decode_kernels is not None:
             meta.decode_tables = self._decode_tables(decode_rows) if decode_rows else None
         else:
             meta.decodes = [self._decode_group(decode_rows, a, b)
                             for a, b in _length_groups(decode_rows, self.block_size)]
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(positions, dtype=torch.long, device=dev), meta,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev), samplers, num_rows)
+        return (torch.tensor(plan.input_ids, dtype=torch.long, device=dev),
+                torch.tensor(plan.positions, dtype=torch.long, device=dev), meta,
+                torch.tensor(plan.sample_rows, dtype=torch.long, device=dev), plan.samplers, plan.num_rows)
 
     def _decode_tables(self, rows: list[tuple[Sequence, int]]) -> DecodeTables:
         tables, lens = _padded_block_tables(rows, torch.int32)
@@ -130,7 +104,7 @@ class ModelRunner:
             masks.append(mask.repeat(self.group, 1))
             if not fresh:
                 context = start + size
-                slots += [*_slots(seq, 0, context, self.block_size), *[0] * (ctx - context)]
+                slots += [*slots_of(seq, 0, context, self.block_size), *[0] * (ctx - context)]
         dev = self.device
 
         def longs(values: list[int]) -> torch.Tensor:
@@ -161,18 +135,6 @@ def _prefill_groups(spans: list[tuple[int, int, Sequence]], growth: float = 1.5,
         if group:
             groups.append(group)
     return groups
-
-
-def _decodes(seq: Sequence, n: int) -> bool:
-    """Whether seq's n scheduled tokens go through the paged decode path: one token, or a decoding
-    sequence's last token with its draft tokens (row i attends to the context up to itself, which
-    the step writes to the cache before any row attends)."""
-    return n == 1 or seq.is_decoding
-
-
-def _slots(seq: Sequence, begin: int, end: int, block_size: int) -> list[int]:
-    """The KV cache slots of seq's positions [begin, end)."""
-    return [seq.blocks[p // block_size].block_id * block_size + p % block_size for p in range(begin, end)]
 
 
 def _padded_block_tables(rows: list[tuple[Sequence, int]], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

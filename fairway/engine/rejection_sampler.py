@@ -19,18 +19,22 @@ reply is the same with speculation on or off, and greedy is token for token the 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fairway.engine.sampler import sample
 from fairway.engine.sequence import Sequence
 
 
-def sample_and_verify(logits: torch.Tensor, seqs: list[Sequence], num_rows: list[int]) -> list[list[int]]:
+def sample_and_verify(logits: torch.Tensor, seqs: list[Sequence], num_rows: list[int],
+                      sampler: Callable[[torch.Tensor, list[Sequence]], list[int]] = sample) -> list[list[int]]:
     """logits: [sum(num_rows), V], each sequence's rows consecutive (num_rows[i] - 1 of its
-    spec_token_ids are checked). Returns the tokens each sequence emits: 1 .. num_rows[i]."""
+    spec_token_ids are checked). Returns the tokens each sequence emits: 1 .. num_rows[i].
+    sampler: the rows' tokens (sampler.sample on the host; the GPU runner's samples on the device)."""
     rows = [seq for seq, n in zip(seqs, num_rows, strict=True) for _ in range(n)]
     rewind = [_state(seq) if n > 1 else None for seq, n in zip(seqs, num_rows, strict=True)]
-    sampled = sample(logits, rows)
+    sampled = sampler(logits, rows)
     out: list[list[int]] = []
     row = 0
     for seq, n, state in zip(seqs, num_rows, rewind, strict=True):

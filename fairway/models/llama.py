@@ -101,7 +101,10 @@ class Attention(nn.Module):
                               rope.cos, rope.sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             v = qkv[:, c.q_size + c.kv_size:].reshape(-1, c.num_kv_heads, c.head_dim)
-            write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if meta.backend is not None:
+                meta.backend.write_kv(k, v, k_cache, v_cache)
+            else:
+                write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(-1, c.q_size))
 
@@ -170,7 +173,9 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(input_ids)
         if self.native_decode is not None and self.native_decode.takes(x.shape[0], kv, meta):
             return self.native_decode(x, positions, kv, meta)
-        native = self.native is not None and self.native.supports(x) and kv.k.dtype in self.native.DTYPES
+        # A backend stores K/V itself (the native RoPE kernel would store them too).
+        native = (meta.backend is None and self.native is not None and self.native.supports(x)
+                  and kv.k.dtype in self.native.DTYPES)
         rope = self.rotary.batch(positions, x.dtype, native)
         residual = None
         for i, layer in enumerate(self.layers):

@@ -18,6 +18,7 @@ query-length dimension.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -64,12 +65,23 @@ class DecodeTables:
     block_size: int
 
 
+class AttentionBackend(Protocol):
+    """A step's attention done elsewhere (the GPU runner's block-table kernels, block_tables.py):
+    it stores the step's K/V and attends, in place of write_kv and the groups below."""
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None: ...
+
+    def attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  scale: float) -> torch.Tensor: ...
+
+
 @dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] long: cache slot of each new token
     decodes: list[DecodeGroup] = field(default_factory=list)  # portable path
     decode_tables: DecodeTables | None = None  # native path (instead of decodes)
     prefills: list[PrefillGroup] = field(default_factory=list)
+    backend: AttentionBackend | None = None  # the GPU runner's (instead of all the above)
 
 
 class PagedKVCache:
@@ -97,6 +109,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                     v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q: [T, Hq, D]; k, v: [T, Hkv, D], already written to the caches [Hkv, slots, D].
     Returns [T, Hq, D]."""
+    if meta.backend is not None:
+        return meta.backend.attention(q, k_cache, v_cache, scale)
     kv_heads = k_cache.shape[0]
     group = q.shape[1] // kv_heads
     out = torch.empty_like(q)

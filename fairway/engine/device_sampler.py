@@ -1,0 +1,66 @@
+"""Sampling where the logits are (the GPU runner's): every row in one pass, the only wait for the
+GPU being the copy of the sampled ids to the host.
+
+The rows' settings (temperature, top-k, top-p) and their uniforms go up as one pinned upload each;
+what to compute at all (any top-k, any top-p, all greedy) is decided from the host-side settings,
+never by reading the device. Each sampled row draws one float64 uniform from its request's own
+generator, as sampler.py does, against the same inverse CDF: a seed reproduces a reply whatever
+shares its batch, and speculative verification (rejection_sampler.py) rewinds the same draws.
+A temperature-only row is not the CPU's native sampler's draw, so a seeded reply may differ
+between a CPU and a GPU replica.
+
+A guided row's mask (guided_decoding.py) is computed on the host and uploaded: one pageable
+copy per guided row, which waits for the step so far; only guided requests pay it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fairway.engine.guided_decoding import mask_logits
+from fairway.engine.host_buffers import HostBuffers
+from fairway.engine.sampler import _uniforms
+from fairway.engine.sequence import Sequence
+
+
+class DeviceSampler:
+    def __init__(self, host: HostBuffers) -> None:
+        self.host = host
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logits: [S, V] float32 on the device, one row per sampled sequence (masked in place
+        for guided ones). Returns the [S] token ids, on the device."""
+        guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
+        if guided:
+            mask_logits(logits, guided, [seqs[i].guide for i in guided])
+        greedy_rows = [seq.params.greedy for seq in seqs]
+        argmax = logits.argmax(dim=-1)
+        if all(greedy_rows):
+            return argmax
+        vocab = logits.shape[-1]
+        params = [seq.params for seq in seqs]
+        up, stage = self.host.upload, self.host.stage
+        temps = up(stage("temperature", [1.0 if g else p.temperature for g, p in zip(greedy_rows, params, strict=True)],
+                         torch.float32))
+        logits = logits / temps[:, None]
+        top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        if any(k < vocab for k in top_ks):
+            k = up(stage("top_k", top_ks, torch.int64))
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_ps = [p.top_p for p in params]
+        if any(p < 1 for p in top_ps):
+            top_p = up(stage("top_p", top_ps, torch.float32))
+            sorted_logits, order = logits.sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)
+            # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
+            drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+        cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
+        # Greedy rows draw nothing (their generators are not touched), as on the CPU.
+        sampled = [s.generator for s, g in zip(seqs, greedy_rows, strict=True) if not g]
+        draws = iter(_uniforms(sampled).tolist())
+        u = up(stage("uniform", [0.0 if g else next(draws) for g in greedy_rows], torch.float64)) * cdf[:, -1]
+        drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+        greedy = up(stage("greedy", greedy_rows, torch.bool))
+        return torch.where(greedy, argmax, drawn)
