@@ -282,7 +282,8 @@ def test_a_replica_told_it_will_be_reclaimed_drains_and_the_fleet_replaces_it_fi
             if fresh:
                 return fresh[0]
             time.sleep(0.2)
-        raise AssertionError(f"no new replica became live: {manager.decisions}")
+        tails = {path.name: path.read_text(errors="replace")[-1500:] for path in sorted(tmp_path.glob("*.log"))}
+        raise AssertionError(f"no new replica became live: {manager.decisions}, their logs' ends: {tails}")
 
     try:
         thread.start()

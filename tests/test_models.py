@@ -11,7 +11,8 @@ from probes import PARIS_PROMPT
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.models.bundled import ModelFileError
-from fairway.models.loader import load_model
+from fairway.models.loader import load_model, stored_tensors
+from fairway.models.quant_linear import QuantLinear, native_types
 
 
 def test_a_second_gguf_load_reads_the_cache_without_dequantizing(model_path, monkeypatch):
@@ -24,9 +25,28 @@ def test_a_second_gguf_load_reads_the_cache_without_dequantizing(model_path, mon
     def no_dequantizing(*_args, **_kwargs):
         raise AssertionError("a cached load dequantized the GGUF again")
 
+    def no_parsing(*_args, **_kwargs):
+        raise AssertionError("a cached load parsed the GGUF's metadata again")
+
     monkeypatch.setattr(gguf.quants, "dequantize", no_dequantizing)
+    monkeypatch.setattr(gguf, "GGUFReader", no_parsing)  # its native layers' blocks too, by the cached layout
     model = load_model(model_path, torch.bfloat16)
     assert next(model.parameters()).dtype == torch.bfloat16
+    assert any(isinstance(m, QuantLinear) for m in model.modules()) or not native_types()
+
+
+def test_the_cached_layout_of_a_gguf_finds_each_tensor_where_the_gguf_reader_does(model_path):
+    import gguf
+    import numpy as np
+
+    stored_tensors(model_path)  # cached on first use
+    layout = stored_tensors(model_path)
+    tensors = gguf.GGUFReader(str(model_path)).tensors
+    assert set(layout) == {t.name for t in tensors}
+    for t in tensors:
+        kept = layout[t.name]
+        assert kept.type_name == t.tensor_type.name
+        assert np.array_equal(kept.array(model_path), np.asarray(t.data)), t.name
 
 
 def test_hf_safetensors_folder_gives_the_same_tokens(tmp_path, hf_model, real_model_fp32, real_tokenizer):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -101,13 +102,53 @@ def gguf_config(reader) -> LlamaConfig:  # reader: gguf.GGUFReader
     )
 
 
+def _cached_file(path: Path, suffix: str) -> Path:
+    """Where something read from this model file is kept, for this version of the file."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / f"{path.stem}-{key}{suffix}"
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """Where one tensor of a GGUF file lies, as the gguf reader's view of it."""
+
+    type_name: str  # GGML's: Q4_1, Q8_0, F32, ...
+    dtype: str  # numpy's, of the view: uint8 for a block type
+    shape: tuple[int, ...]  # of the view: [rows, bytes of a row of blocks] for a block type
+    offset: int  # bytes from the file's start
+
+    def array(self, path: Path) -> np.ndarray:
+        return np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
+
+
+def stored_tensors(path: Path) -> dict[str, StoredTensor]:
+    """The GGUF's tensors, by name: read once, then from the cache folder. To find them the gguf
+    reader parses every metadata field (the tokenizer's vocabulary string by string), the slowest
+    part of a replica's start when it ran at every start."""
+    cached = _cached_file(path, ".tensors.json")
+    if cached.exists():
+        try:
+            return {name: StoredTensor(kind, dtype, tuple(shape), offset)
+                    for name, (kind, dtype, shape, offset) in json.loads(cached.read_text()).items()}
+        except Exception:  # a half-written cache from an interrupted run: read the file again
+            pass
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    layout = {t.name: StoredTensor(t.tensor_type.name, str(t.data.dtype), tuple(int(d) for d in t.data.shape),
+                                   int(t.data_offset)) for t in reader.tensors}
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps({name: [t.type_name, t.dtype, list(t.shape), t.offset] for name, t in layout.items()}))
+    tmp.replace(cached)
+    return layout
+
+
 def read_gguf_cached(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Dequantize a GGUF once; later loads read the float32 safetensors cache (memory-mapped)."""
     from safetensors.torch import load_file, save_file
 
-    stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / f"{path.stem}-{key}.safetensors"
+    cached = _cached_file(path, ".safetensors")
     meta = cached.with_suffix(".json")
     if cached.exists() and meta.exists():
         try:
@@ -149,23 +190,20 @@ def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype) -> 
     """Swap each linear layer whose GGUF weight has a native kernel (Q8_0/Q4_0/Q4_1) for a
     QuantLinear on the file's blocks; a fused layer (QKV, gate|up) only when its parts share a type.
     Activations stay in `dtype` (float32 or bf16; others keep the dequantized layers). Returns how many."""
-    import gguf
-
     kinds = native_types() if dtype in (torch.float32, torch.bfloat16) else frozenset()
     if not kinds:
         return 0
-    reader = gguf.GGUFReader(str(path))
-    tensors = {t.name: t for t in reader.tensors}
+    tensors = stored_tensors(path)
     c = model.cfg
 
     def blocks(*names: str) -> tuple[np.ndarray, str] | None:
         parts = [tensors.get(name) for name in names]
-        types = {p.tensor_type.name for p in parts if p is not None}
+        types = {p.type_name for p in parts if p is not None}
         if None in parts or len(types) != 1 or not types <= kinds:
             return None
         rows = []
         for name, part in zip(names, parts, strict=True):
-            raw = np.asarray(part.data)  # [out_features, bytes of a row of blocks]
+            raw = np.asarray(part.array(path))  # [out_features, bytes of a row of blocks]
             if name.endswith("attn_q.weight"):  # block rows are output features: unpermute them as read_gguf does
                 raw = _unpermute(raw, c.num_heads)
             elif name.endswith("attn_k.weight"):
