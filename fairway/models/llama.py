@@ -143,13 +143,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, rotary: RotaryEmbedding | None = None) -> None:
+        """rotary: the tables, made elsewhere (a model built on the meta device to be loaded gets
+        real ones: computed there they would be empty, and meta ops import torch._dynamo)."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Its weights are always written after (loaded, or drawn by random_model): no random init,
+        # whose normal_ on the meta device imports torch._dynamo, the slowest part of a load.
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
+        self.rotary = rotary or RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
@@ -241,7 +246,7 @@ def truncated(model: LlamaModel, num_layers: int) -> LlamaModel:
         raise ValueError(f"a truncated draft needs 1..{model.cfg.num_layers - 1} layers, got {num_layers}")
     cfg = dataclasses.replace(model.cfg, num_layers=num_layers)
     with torch.device("meta"):
-        draft = LlamaModel(cfg)
+        draft = LlamaModel(cfg, model.rotary)
     draft.embed_tokens, draft.norm, draft.lm_head = model.embed_tokens, model.norm, model.lm_head
     draft.layers = nn.ModuleList(model.layers[:num_layers])
     draft.rotary = model.rotary

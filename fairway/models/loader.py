@@ -55,12 +55,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         config, state = _read_hf_folder(path)
     else:
         config, state = read_gguf_cached(path)
+    rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
     with torch.device("meta"):
-        model = LlamaModel(config)
+        model = LlamaModel(config, rotary)
+    del model.rotary  # its tables are real already: to_empty would empty them
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:  # to_empty gives every parameter its own storage: tie again
         model.lm_head.weight = model.embed_tokens.weight
-    model.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
+    model.rotary = rotary
     model.load_hf_state_dict(state)
     model = model.to(dtype).eval()
     held = compute_dtype(dtype, device)
