@@ -57,6 +57,18 @@ def prompts(n: int, seed: int = 0) -> list[list[int]]:
             for length in torch.randint(3, 40, (n,), generator=gen)]
 
 
+def same_tokens_as_the_cpu(model, config: EngineConfig, batch: list[list[int]],
+                           params: SamplingParams) -> tuple[RecordingCapture, LLMEngine]:
+    """The batch through the GPU runner (eager capture) gives the CPU runner's tokens; what it
+    recorded and replayed, and its engine."""
+    want = engine(model, config).generate(batch, params)
+    capture = RecordingCapture()
+    gpu = engine(model, config, capture)
+    capture.graphs = gpu.runner.graphs
+    assert gpu.generate(batch, params) == want
+    return capture, gpu
+
+
 def test_capture_sizes_cover_every_batch():
     assert capture_sizes(256)[:5] == [1, 2, 4, 8, 16] and capture_sizes(256)[-1] == 256
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
@@ -72,12 +84,8 @@ def test_same_tokens_as_the_cpu_runner():
     batch = prompts(5)
     batch.append(batch[0][:30] + [20, 21, 22])  # shares a prefix with the first
     batch.append([30, 31, 32, 33] * 6)  # repeats itself: prompt lookup proposes drafts
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    want = engine(model, config).generate(batch, params)
-    capture = RecordingCapture()
-    gpu = engine(model, config, capture)
-    capture.graphs = gpu.runner.graphs
-    assert gpu.generate(batch, params) == want
+    capture, gpu = same_tokens_as_the_cpu(model, config, batch, SamplingParams(temperature=0, max_tokens=12,
+                                                                              ignore_eos=True))
     assert sorted(capture.captured) == list(range(len(capture_sizes(6))))  # every size recorded once
     assert capture.replayed, "no decode step went through a captured size"
     assert gpu.stats().spec_decode_num_drafts > 0  # draft rows went through the decode path too
@@ -145,9 +153,5 @@ def test_a_one_token_chunk_mid_prompt_is_a_decode_row_not_sampled():
     config = EngineConfig(num_kv_blocks=32, max_num_seqs=5, max_num_batched_tokens=5, speculative=None,
                           bound_step_time=False)
     batch = [[20 + i, 30, 40] for i in range(4)] + [list(range(50, 90))]
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    want = engine(model, config).generate(batch, params)
-    capture = RecordingCapture()
-    gpu = engine(model, config, capture)
-    capture.graphs = gpu.runner.graphs
-    assert gpu.generate(batch, params) == want
+    capture, _ = same_tokens_as_the_cpu(model, config, batch, SamplingParams(temperature=0, max_tokens=24,
+                                                                             ignore_eos=True))

@@ -44,6 +44,36 @@ def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
 
 
 @triton.jit
+def _key_tile(q, k_cache_ptr, table_ptr, kv_head, start, length, scale, stride_ch, stride_cs,
+              BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key positions start .. start + BLOCK_N of a sequence of `length` keys, read through its
+    block table (table_ptr: its row): the positions, which exist, where their K/V lie in the
+    caches, and q's scaled float32 scores against them (both kernels' inner step)."""
+    n = start + tl.arange(0, BLOCK_N)
+    n_mask = n < length
+    block = tl.load(table_ptr + n // BLOCK_SIZE, mask=n_mask, other=0)
+    slots = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
+    d = tl.arange(0, BLOCK_D)
+    kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
+    offs = kv_head * stride_ch + slots[:, None] * stride_cs + d[None, :]
+    k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+    return n, n_mask, kv_mask, offs, tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+
+
+@triton.jit
+def _softmax_step(m, denom, acc, s, q, v_cache_ptr, offs, kv_mask):
+    """One tile's scores s into each query row's running softmax (max m, denominator, V weighted
+    in float32, V read at offs as q's dtype). A row that sees no key yet (a prefill's padding past
+    its chunk) keeps m = -inf, without a NaN."""
+    m_new = tl.maximum(m, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
+    return m_new, denom * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(q.dtype), v).to(tl.float32)
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, context_lens_ptr, scale,
                    stride_qt, stride_qh, stride_ot, stride_oh, stride_ch, stride_cs, stride_bt,
                    BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -62,22 +92,10 @@ def _decode_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, c
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for start in range(0, ctx, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < ctx
-        block = tl.load(block_tables_ptr + row * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slots = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
-        offs = kv_head * stride_ch + slots[:, None] * stride_cs + d[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        n, n_mask, kv_mask, offs, s = _key_tile(q, k_cache_ptr, block_tables_ptr + row * stride_bt, kv_head, start, ctx,
+                                                scale, stride_ch, stride_cs, BLOCK_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N)
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v).to(tl.float32)
-        m = m_new
+        m, denom, acc = _softmax_step(m, denom, acc, s, q, v_cache_ptr, offs, kv_mask)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qo_mask)
@@ -110,25 +128,12 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, 
     end = tl.minimum(seq_len, prefix + (tile + 1) * BLOCK_M)
     end = tl.where(tile * BLOCK_M < q_len, end, 0)
     for start in range(0, end, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < seq_len
-        block = tl.load(block_tables_ptr + seq * stride_bt + n // BLOCK_SIZE, mask=n_mask, other=0)
-        slots = block.to(tl.int64) * BLOCK_SIZE + n % BLOCK_SIZE
-        kv_mask = n_mask[:, None] & (d < HEAD_DIM)[None, :]
-        offs = kv_head * stride_ch + slots[:, None] * stride_cs + d[None, :]
-        k = tl.load(k_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        n, n_mask, kv_mask, offs, s = _key_tile(q, k_cache_ptr, block_tables_ptr + seq * stride_bt, kv_head, start,
+                                                seq_len, scale, stride_ch, stride_cs, BLOCK_SIZE, HEAD_DIM, BLOCK_D,
+                                                BLOCK_N)
         visible = n_mask[None, :] & (n[None, :] <= (prefix + i)[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        # A query row that sees nothing yet (padding past the chunk) keeps m = -inf: no NaN from it.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + offs, mask=kv_mask, other=0.0).to(q.dtype)
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v).to(tl.float32)
-        m = m_new
+        m, denom, acc = _softmax_step(m, denom, acc, s, q, v_cache_ptr, offs, kv_mask)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=qo_mask)
