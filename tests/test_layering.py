@@ -23,6 +23,7 @@ LAYERS = [
     "fairway.cache_dir",  # the cache folder (models' weights and tokenizers, compiled C)
     "fairway.block_hash",  # KV block prefix hashes: the engine's prefix cache, the router's affinity
     "fairway.server_gc",  # the garbage collector set for a long-running server process
+    "fairway.uncancelled",  # work a cancelled caller leaves running to its end (a stream's cleanup)
     "fairway.native_build",  # compiling the C sources (the models' kernels, the relay's fast path)
     "fairway.usage.metrics",  # the Prometheus metrics: a leaf that replica and gateway both count in
     "fairway.redis_client",  # Redis connections (the relay, the replica registry and the limits use them)

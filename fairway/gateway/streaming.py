@@ -51,11 +51,9 @@ from fairway.router import NoReplica
 from fairway.tools import EXECUTE_CODE
 from fairway.tools.prompt import openai_call
 from fairway.tools.record import CallRecord, add_event, replayed
+from fairway.uncancelled import finish_anyway
 
 log = logging.getLogger(__name__)
-
-# Saves whose stream ended under them (the client left): they finish anyway, held here meanwhile.
-_SAVES_LEFT_RUNNING: set[asyncio.Future[None]] = set()
 
 KEEPALIVE_S = 10.0  # an SSE comment this often while nothing happens, so proxies keep the line
 DONE = b"data: [DONE]\n\n"
@@ -391,10 +389,7 @@ class ReplyRelay:
         leaves meanwhile ends the stream, not the save: a write cancelled inside its transaction
         leaves the connection torn, and on SQLite its lock held, every other writer of the file
         waiting out the busy timeout (30 s) and failing, until that connection is collected."""
-        saving = asyncio.ensure_future(self._save_now(reply_id, text, final, tools))
-        _SAVES_LEFT_RUNNING.add(saving)
-        saving.add_done_callback(_SAVES_LEFT_RUNNING.discard)
-        await asyncio.shield(saving)
+        await finish_anyway(self._save_now(reply_id, text, final, tools))
 
     async def _save_now(self, reply_id: str, text: str | None, final: FinalEvent,
                         tools: list[CallRecord] | None) -> None:

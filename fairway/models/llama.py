@@ -249,7 +249,6 @@ def truncated(model: LlamaModel, num_layers: int) -> LlamaModel:
         draft = LlamaModel(cfg, model.rotary)
     draft.embed_tokens, draft.norm, draft.lm_head = model.embed_tokens, model.norm, model.lm_head
     draft.layers = nn.ModuleList(model.layers[:num_layers])
-    draft.rotary = model.rotary
     draft.kv_cache_dtype = model.kv_cache_dtype
     if model.native_decode is not None:
         draft.use_native_decode()

@@ -45,6 +45,7 @@ from fairway.relay.token_log import (
     check_token_events,
     raise_if_error,
 )
+from fairway.uncancelled import finish_anyway
 
 # A subscriber whose live connection broke (a Redis restart) tries to come back for this long.
 OUTAGE_S = 30.0
@@ -169,10 +170,7 @@ class _Heartbeats:
         """Best effort (a stale heartbeat ages out anyway), in a task of its own: a caller that is
         cancelled again meanwhile (a request's cancel scope at a client disconnect) cannot cut it short."""
         self._listening.pop(token, None)
-        leaving = asyncio.ensure_future(self._leave(reply_id, token))
-        _leaving.add(leaving)
-        leaving.add_done_callback(_leaving.discard)
-        await asyncio.shield(leaving)
+        await finish_anyway(self._leave(reply_id, token))
 
     async def _leave(self, reply_id: str, token: str) -> None:
         with suppress(Exception):
@@ -191,8 +189,6 @@ class _Heartbeats:
                 await self._task
             self._task = None
 
-
-_leaving: set[asyncio.Task] = set()  # strong references: a leave in flight must not be collected
 
 class RedisTokenLog(TokenLog):
     def __init__(
