@@ -19,7 +19,7 @@ import torch
 
 from fairway.engine.guided_decoding import mask_logits
 from fairway.engine.host_buffers import HostBuffers
-from fairway.engine.sampler import _uniforms
+from fairway.engine.sampler import draw, filtered, uniforms
 from fairway.engine.sequence import Sequence
 
 
@@ -42,25 +42,13 @@ class DeviceSampler:
         up, stage = self.host.upload, self.host.stage
         temps = up(stage("temperature", [1.0 if g else p.temperature for g, p in zip(greedy_rows, params, strict=True)],
                          torch.float32))
-        logits = logits / temps[:, None]
         top_ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        if any(k < vocab for k in top_ks):
-            k = up(stage("top_k", top_ks, torch.int64))
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+        top_k = up(stage("top_k", top_ks, torch.int64)) if any(k < vocab for k in top_ks) else None
         top_ps = [p.top_p for p in params]
-        if any(p < 1 for p in top_ps):
-            top_p = up(stage("top_p", top_ps, torch.float32))
-            sorted_logits, order = logits.sort(dim=-1, descending=True)
-            probs = sorted_logits.softmax(dim=-1)
-            # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
-            drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
-            logits = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
-        cdf = logits.softmax(dim=-1).double().cumsum(dim=-1)
+        top_p = up(stage("top_p", top_ps, torch.float32)) if any(p < 1 for p in top_ps) else None
         # Greedy rows draw nothing (their generators are not touched), as on the CPU.
-        sampled = [s.generator for s, g in zip(seqs, greedy_rows, strict=True) if not g]
-        draws = iter(_uniforms(sampled).tolist())
-        u = up(stage("uniform", [0.0 if g else next(draws) for g in greedy_rows], torch.float64)) * cdf[:, -1]
-        drawn = torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=vocab - 1)
+        draws = iter(uniforms([s.generator for s, g in zip(seqs, greedy_rows, strict=True) if not g]).tolist())
+        u = up(stage("uniform", [0.0 if g else next(draws) for g in greedy_rows], torch.float64))
+        drawn = draw(filtered(logits, temps, top_k, top_p).softmax(dim=-1), u)
         greedy = up(stage("greedy", greedy_rows, torch.bool))
         return torch.where(greedy, argmax, drawn)

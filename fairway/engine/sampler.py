@@ -54,7 +54,7 @@ def _argmax(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 def _sample_native(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     temps = torch.tensor([s.params.temperature for s in seqs], dtype=torch.float32)
-    return temperature_sampler()(logits.contiguous(), temps, _uniforms([s.generator for s in seqs]))
+    return temperature_sampler()(logits.contiguous(), temps, uniforms([s.generator for s in seqs]))
 
 
 def _sample_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -62,36 +62,49 @@ def _sample_filtered(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor
 
 
 def _filtered_probs(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
-    logits = logits / temps[:, None]
+    vocab = logits.shape[-1]
     top_ks = [s.params.top_k for s in seqs]
-    if any(top_ks):
-        vocab = logits.shape[-1]
-        k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks])
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
+    top_ps = [s.params.top_p for s in seqs]
+    temps = torch.tensor([s.params.temperature for s in seqs], dtype=logits.dtype)
+    top_k = torch.tensor([k if 0 < k < vocab else vocab for k in top_ks]) if any(top_ks) else None
+    top_p = torch.tensor(top_ps, dtype=logits.dtype) if any(p < 1 for p in top_ps) else None
+    return filtered(logits, temps, top_k, top_p).softmax(dim=-1)
+
+
+def filtered(logits: torch.Tensor, temperatures: torch.Tensor, top_k: torch.Tensor | None,
+             top_p: torch.Tensor | None) -> torch.Tensor:
+    """Each row's logits over its temperature, what its top-k and top-p leave out at -inf. The
+    rows' settings are tensors where the logits are (None: no row filters by it), so a caller on
+    a GPU decides what to compute from the settings it holds, never by reading the device."""
+    logits = logits / temperatures[:, None]
+    if top_k is not None:
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (top_k - 1)[:, None])
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    top_ps = torch.tensor([s.params.top_p for s in seqs], dtype=logits.dtype)
-    if (top_ps < 1).any():
+    if top_p is not None:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        probs = sorted_logits.softmax(dim=-1)
         # Drop a token once the mass before it already reaches top_p; the most likely token always stays.
-        drop = (cum - sorted_logits.softmax(dim=-1)) >= top_ps[:, None]
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits)
-    return logits.softmax(dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p[:, None]
+        logits = torch.empty_like(logits).scatter_(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return logits
 
 
 def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row by inverse CDF: a single uniform per row from that request's own generator
-    (so a seed reproduces its reply whatever else is in the batch) against one batched cumulative
-    sum. A noise value per vocabulary entry per row instead (49k draws a row) cost more than all
-    the rest of sampling. The sum runs in float64 so tokens of tiny probability keep their share."""
+    return draw(probs, uniforms(generators))
+
+
+def draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row by inverse CDF: a single uniform per row (float64, where probs are), from
+    that request's own generator (so a seed reproduces its reply whatever else is in the batch),
+    against one batched cumulative sum. A noise value per vocabulary entry per row instead (49k
+    draws a row) cost more than all the rest of sampling. The sum runs in float64 so tokens of tiny
+    probability keep their share."""
     cdf = probs.double().cumsum(dim=-1)
-    u = _uniforms(generators) * cdf[:, -1]
+    u = uniform * cdf[:, -1]
     # right=True: the first entry whose cumulative mass exceeds u, never a zero-probability token.
     return torch.searchsorted(cdf, u[:, None], right=True).squeeze(1).clamp_(max=probs.shape[-1] - 1)
 
 
-def _uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
+def uniforms(generators: list[torch.Generator | None]) -> torch.Tensor:
     """One float64 uniform in [0, 1) per row, each from its own generator (None: the global one)."""
     return torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators])
