@@ -33,6 +33,7 @@ from serving import herd_limit as tight_limit
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 IDLE_CANCEL_S = 2.0
+WINDOW = 4096  # tokens a reply may reach: the idle-cancel test needs one that runs for seconds
 KEYS: dict[str, str] = {}  # user -> key, made with `fairway keys create` against the test database
 
 
@@ -78,7 +79,7 @@ def gateways(tmp_path_factory, database, namespace, herd_limit, redis_url):
     """URLs of two gateway processes sharing one replica process (and their users' keys)."""
     procs = Processes(tmp_path_factory.mktemp("procs"))
     shared = ["--redis", redis_url, "--namespace", namespace]
-    procs.start("replica", "replica", *shared, "--idle-cancel", str(IDLE_CANCEL_S), "--max-model-len", "1024",
+    procs.start("replica", "replica", *shared, "--idle-cancel", str(IDLE_CANCEL_S), "--max-model-len", str(WINDOW),
                 "--log-level", "warning")
     KEYS["resume-user"] = create_key(database, "resume-user", "paid")
     KEYS["herd-user"] = create_key(database, "herd-user", "free")
@@ -209,14 +210,16 @@ def test_stop_through_the_other_gateway(gateways):
 
 def test_nobody_listening_cancels_the_reply(gateways):
     a, b = gateways
-    # ignore_eos and most of the 1024-token window: the reply outlasts the idle timeout on any CPU.
-    body = chat_body("Write a very long essay about the history of Rome.", max_tokens=900, ignore_eos=True)
+    # ignore_eos and most of the window: at even 500 tokens/s the reply would run 7 s, well past the
+    # idle timeout and the check's period (900 tokens ran out first on a fast CPU).
+    max_tokens = WINDOW - 500
+    body = chat_body("Write a very long essay about the history of Rome.", max_tokens=max_tokens, ignore_eos=True)
     with httpx.stream("POST", f"{a}/v1/chat/completions", json=body, headers=headers(), timeout=60) as r:
         reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
         next(sse_events(r))
     started = time.monotonic()
     message = stored_message(b, conversation_id, reply_id, timeout=IDLE_CANCEL_S + 30)
-    assert message["status"] == "stopped" and message["usage"]["completion_tokens"] < 900
+    assert message["status"] == "stopped" and message["usage"]["completion_tokens"] < max_tokens
     assert time.monotonic() - started >= IDLE_CANCEL_S - 0.5
 
 
