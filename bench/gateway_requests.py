@@ -11,7 +11,8 @@ Two ways to send them: --concurrency N requests at all times (closed loop, the d
 a wake-up or a write depends on how fast the gateway answers, so the figure moves with the
 machine's speed of the moment (+-10-15% here); at a fixed rate below saturation each round does
 the same work, and rounds agree to a few percent. --gateway-arg passes an option to both sides'
-gateways (--gateway-arg=--no-memory: what the memory lookup costs).
+gateways (--gateway-arg=--no-memory: what the memory lookup costs); --this-arg passes one to this tree's
+gateway only (a part the base revision has not got, turned off).
 
 Even so this machine's noise (a shared 2-core VM) is as large as many changes, so both sides run
 in the same session, alternately, round after round: `--base` is checked out in a temporary git
@@ -45,7 +46,7 @@ import machine  # noqa: E402
 import relay  # noqa: E402  (this tree's helpers: ports, the SSE client, the temporary database)
 
 
-async def measure(root: Path, args: argparse.Namespace, workdir: Path) -> float:
+async def measure(root: Path, args: argparse.Namespace, workdir: Path, own_args: list[str]) -> float:
     """Milliseconds of gateway CPU per request, for the tree at root."""
     async with relay.gateway_database(args.database, workdir) as database:
         relay.API_KEY["value"] = relay.create_key(database, root)
@@ -55,7 +56,7 @@ async def measure(root: Path, args: argparse.Namespace, workdir: Path) -> float:
                              workdir / "replica.log", root=root),
                  relay.spawn(["-m", "fairway.cli", "gateway", "--redis", args.redis, "--namespace", namespace,
                               "--database", database, "--port", str(port), "--log-level", "warning",
-                              *relay.NO_LIMITS, *args.gateway_arg], workdir / "gateway.log", root=root)]
+                              *relay.NO_LIMITS, *args.gateway_arg, *own_args], workdir / "gateway.log", root=root)]
         gateway = procs[-1]
         try:
             await relay.wait_ready(f"http://127.0.0.1:{port}")
@@ -123,13 +124,14 @@ async def main(args: argparse.Namespace) -> None:
             load = f"{args.rate:g} a second" if args.rate else f"{args.concurrency} at once"
             print(f"gateway CPU per chat request ({args.requests} chats of {args.tokens} tokens, {load}, store "
                   f"{args.database}{', gateway ' + ' '.join(args.gateway_arg) if args.gateway_arg else ''}): {base} vs "
-                  f"this tree ({this})", flush=True)
+                  f"this tree ({this}{' ' + ' '.join(args.this_arg) if args.this_arg else ''})", flush=True)
             for r in range(args.rounds):
                 result = {}
                 for side, root in (("base", base_root), ("this", ROOT)):
                     workdir = Path(tmp) / f"{side}{r}"
                     workdir.mkdir()
-                    result[side] = round(await measure(root, args, workdir), 3)
+                    own = args.this_arg if side == "this" else []
+                    result[side] = round(await measure(root, args, workdir, own), 3)
                 rounds.append(result)
                 print(f"  round {r + 1}: {base} {result['base']:6.2f} ms   this {result['this']:6.2f} ms", flush=True)
         finally:
@@ -144,7 +146,7 @@ async def main(args: argparse.Namespace) -> None:
         "machine": machine.describe(),
         "base": base, "this": this, "store": args.database, "requests": args.requests, "tokens": args.tokens,
         "concurrency": None if args.rate else args.concurrency, "rate_per_s": args.rate or None,
-        "gateway_args": args.gateway_arg, "rounds": rounds, "median_ms_per_request": medians, "this_over_base": ratio,
+        "gateway_args": args.gateway_arg, "this_args": args.this_arg, "rounds": rounds, "median_ms_per_request": medians, "this_over_base": ratio,
     }
     relay.RESULTS.mkdir(parents=True, exist_ok=True)
     (relay.RESULTS / "gateway_requests.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -156,6 +158,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=20, help="requests at all times (closed loop)")
     parser.add_argument("--rate", type=float, default=0.0, help="requests a second, open loop (instead of --concurrency)")
     parser.add_argument("--gateway-arg", action="append", default=[], help="an option for both gateways (repeatable)")
+    parser.add_argument("--this-arg", action="append", default=[],
+                        help="an option for this tree's gateway only (repeatable): --this-arg=--no-memory prices a "
+                             "part the base has not got")
     parser.add_argument("--tokens", type=int, default=2, help="max_tokens per chat")
     parser.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")
