@@ -13,7 +13,10 @@ Part 2, the input check on a 2,000-token context, in process: a conversation of 
 history (~1,900 tokens, counted with the model's tokenizer) plus a new ~100-token user message.
 Only the new message is classified (the history was checked when it was new); the same figure for
 classifying the whole context is printed beside it. p50 / p99 over `--samples` checks, with the
-policy and alt-profanity-check. Also the per-sentence cost of the output check's classifier.
+policy and alt-profanity-check. Also the per-sentence cost of the output check's classifier, and
+a pasted document (a 200,000-character message): how long its check takes and the event loop's
+longest pause meanwhile (every stream the gateway relays waits that long), scored inline and, as
+the gateway does for a text that long, in a worker thread.
 
     .venv/bin/python bench/safety.py            # ~1 min on 2 idle cores (far longer on a busy machine)
     .venv/bin/python bench/safety.py --quick    # smoke run: 4 chats of 32 tokens, one round
@@ -43,6 +46,7 @@ import machine  # noqa: E402
 import relay  # noqa: E402  (this tree's helpers: ports, processes, the SSE client, the model level)
 
 from fairway.safety import SafetySettings, make_moderator  # noqa: E402
+from fairway.safety import classifier as classifier_module  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 INPUT_P99_TARGET_MS = 5.0
@@ -151,6 +155,49 @@ async def bench_classifiers(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+async def check_with_ticker(moderator, text: str) -> dict[str, float]:
+    """One check of text: its wall time and the event loop's longest pause meanwhile (the largest
+    gap of a 1 ms ticker's wakes)."""
+    gaps: list[float] = []
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0.02)
+    gaps.clear()
+    start = time.perf_counter()
+    await moderator.moderate_one(text, "input")
+    took = time.perf_counter() - start
+    await asyncio.sleep(0.002)  # the ticker's wake right after the check ends its last gap
+    ticker.cancel()
+    return {"check_ms": round(took * 1000, 1), "longest_loop_pause_ms": round(max(gaps) * 1000, 1)}
+
+
+async def bench_long_message(chars: int = 200_000) -> dict[str, Any]:
+    """A pasted document checked inline (as every text was before classifier.INLINE_CHARS) and in
+    a worker thread; each figure the median of 3 checks, each text new."""
+    moderator = make_moderator(SafetySettings())
+    paragraph = ("The quarterly report covers shipping volumes, staffing, and the new warehouse in the north. "
+                 "Deliveries rose in every region; returns fell slightly after the packaging change. ")
+    threshold = classifier_module.INLINE_CHARS
+    sides: dict[str, dict[str, float]] = {}
+    for side, inline_chars in (("inline", 10**12), ("worker thread", threshold)):
+        classifier_module.INLINE_CHARS = inline_chars
+        try:
+            runs = [await check_with_ticker(moderator, (f"({side} {i}) " + paragraph * (chars // len(paragraph) + 1))[:chars])
+                    for i in range(3)]
+        finally:
+            classifier_module.INLINE_CHARS = threshold
+        sides[side] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+    return {"chars": chars, **sides}
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 
@@ -172,6 +219,11 @@ async def main(args: argparse.Namespace) -> None:
     verdict = "within" if classifiers["input_p99_within_target"] else "OVER"
     print(f"  input check p99 {classifiers['input_check_new_message']['p99_ms']:.2f} ms: {verdict} the target",
           flush=True)
+    report["long_message"] = long = await bench_long_message()
+    print(f"  a {long['chars']:,}-character message (median of 3):")
+    for side in ("inline", "worker thread"):
+        print(f"    {side:14s} check {long[side]['check_ms']:8.1f} ms, the event loop's longest pause "
+              f"{long[side]['longest_loop_pause_ms']:8.1f} ms", flush=True)
     RESULTS.mkdir(parents=True, exist_ok=True)
     out = RESULTS / ("safety_quick.json" if args.quick else "safety.json")
     if args.classifiers_only:  # part 2 again; part 1's figures (and their date) stay as they were

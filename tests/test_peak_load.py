@@ -251,11 +251,13 @@ def test_a_free_flood_is_treated_as_configured_while_paid_ttft_stays_near_idle(s
 
     # Paid: never refused, every stream complete, the middle paid TTFT within 2x of the idle p99
     # (plus one engine step of slack: idle TTFTs here are ~10-80 ms, where a step's or the event
-    # loop's jitter moves one of six samples past 2x), and not one past idle by the wait limit:
-    # a paid request queued behind the free flood would wait about that long, every one of them.
+    # loop's jitter moves one of six samples past 2x), and no more than one past idle by the wait
+    # limit: a paid request queued behind the free flood would wait about that long, every one of
+    # them, while one alone is the 2-core machine's (CI once saw 395 ms among 15-90 ms others).
     assert paid and all(a.status == 200 and a.tokens == 4 for a in paid)
     flood_p99, idle_p99 = p99([a.ttft for a in paid]), p99(baseline)
     flood_median = statistics.median(a.ttft for a in paid)
+    second_worst = sorted(a.ttft for a in paid)[-2] if len(paid) > 1 else paid[0].ttft
     print(f"{treatment}: paid TTFT p99 {flood_p99 * 1000:.0f} ms (median {flood_median * 1000:.0f}) under the "
           f"flood, {idle_p99 * 1000:.0f} ms idle; "
           f"{len(free)} free, {sum(a.status == 503 for a in free)} shed, "
@@ -287,7 +289,7 @@ def test_a_free_flood_is_treated_as_configured_while_paid_ttft_stays_near_idle(s
         for a in treated:
             assert a.body["usage"]["completion_tokens"] == SHORTER == int(a.headers["x-fairway-max-tokens"])
             assert a.body["context"]["max_tokens"] == SHORTER if "context" in a.body else True
-    if flood_median > 2 * idle_p99 + STEP_SLACK_S or flood_p99 > idle_p99 + MAX_WAIT_S:
+    if flood_median > 2 * idle_p99 + STEP_SLACK_S or second_worst > idle_p99 + MAX_WAIT_S:
         others, paused = machine.others(began, ended), machine.paused(began, ended)
         if paused or others > OTHERS_MAX:
             pytest.skip(f"paid TTFT p99 {flood_p99:.3f} s against {idle_p99:.3f} s idle, not checked: other "

@@ -16,7 +16,9 @@ The two samples:
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -227,6 +229,30 @@ def test_the_folded_profanity_model_matches_the_package() -> None:
 async def test_swearing_at_nobody_is_not_harassment(moderator: Moderator) -> None:
     assert not (await moderator.moderate_one("Holy shit, the build finally passed.")).flagged
     assert (await moderator.moderate_one("Shut up, you worthless sack.")).categories["harassment"]
+
+
+async def test_a_long_text_is_checked_while_the_event_loop_goes_on(moderator: Moderator) -> None:
+    """A long message (the gateway takes bodies of up to 1 MiB) is checked without holding the loop: the
+    streams the process relays meanwhile keep flowing. Scored inline, a ticker here would not run
+    once until the check ended."""
+    text = "A quiet paragraph about gardens, rivers and the weather in spring. " * 3_000 + "Go kill yourself."
+    ticks = 0
+
+    async def tick() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    ticker = asyncio.create_task(tick())
+    started = time.perf_counter()
+    result = await moderator.moderate_one(text, "input")
+    took = time.perf_counter() - started
+    ticker.cancel()
+    assert result.categories["harassment/threatening"]  # the words at its very end were read
+    assert took > 0.05 and ticks >= 3, f"the loop ran {ticks} times in the {took:.2f} s check"
+    short = await moderator.moderate_one("Go kill yourself.", "input")  # (inline: same verdict)
+    assert short.flagged_categories == result.flagged_categories
 
 
 def test_settings_are_checked() -> None:

@@ -1,13 +1,15 @@
 """The one classifier interface, and the Moderator that combines classifiers into one result.
 
 A Classifier scores texts in the categories it knows (categories.py). The fast ones here (the
-policy's patterns, the profanity model) take microseconds and run inline; a heavier one (a
-Llama Guard-style model run through the engine) implements the same async score_many(), so
-callers (the input check, the output check, /v1/moderations) do not change when one is added.
+policy's patterns, the profanity model) take microseconds on a chat message and run inline; a
+heavier one (a Llama Guard-style model run through the engine) implements the same async
+score_many(), so callers (the input check, the output check, /v1/moderations) do not change when
+one is added.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -28,14 +30,25 @@ class Classifier(ABC):
         """Each text's scores in [0, 1], for the categories this classifier judges."""
 
 
+# Texts longer than this together are scored in a worker thread. Scoring time grows with the
+# text (the policy's regexes are tried at every position): a body of the largest size the gateway
+# takes, scored inline, would hold the event loop, and every stream the process relays, for
+# seconds. From a thread the loop gets the GIL back between one regex search and the next (a
+# search runs in C, holding it), so it pauses for one category's search at most.
+INLINE_CHARS = 8_000
+
+
 class FastClassifier(Classifier):
-    """A classifier cheap enough to run in the caller's thread, one text at a time."""
+    """A classifier cheap enough to run in the caller's thread, one text at a time (long texts:
+    in a worker thread, see INLINE_CHARS)."""
 
     @abstractmethod
     def score(self, text: str) -> Scores: ...
 
     async def score_many(self, texts: Sequence[str]) -> list[Scores]:
-        return [self.score(text) for text in texts]
+        if sum(map(len, texts)) <= INLINE_CHARS:
+            return [self.score(text) for text in texts]
+        return await asyncio.to_thread(lambda: [self.score(text) for text in texts])
 
 
 class Moderator:
