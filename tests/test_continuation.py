@@ -122,6 +122,51 @@ async def test_a_handed_on_reply_continues_its_log_from_the_next_event(replica):
     assert await relay.jobs.unfinished(queue=worker.queue) == []  # acknowledged at the end
 
 
+async def test_a_reply_handed_on_after_its_last_token_ends_there(replica):
+    """The replica that went had logged the reply's last allowed token but not its final event (a
+    drain's hand-on, a kill): the continuation adds no token past max_tokens (it once added one:
+    CI's drain test saw a reply a word longer than the same reply unbroken) and ends with length."""
+    worker, relay, tokenizer = replica
+    prompt = tokenizer.encode(PROMPT)
+    params = {"temperature": 0, "max_tokens": 9, "ignore_eos": True}
+    sent, sent_text = run(fp32_engine(worker.engine.engine.model, tokenizer), prompt, SamplingParams(**params))
+    assert len(sent) == 9
+    await relay.log.create("rep9")
+    for i, token in enumerate(sent, 1):
+        await relay.log.append("rep9", TokenEvent(i, tokenizer.decode([token]), [token]))
+    job = GenerationJob("rep9", "m", prompt, params, Lane.PAID.value, attempt=1)
+    await relay.jobs.submit(job.to_dict(), Lane.PAID, queue=worker.queue, front=True)
+    events = await events_of(relay, "rep9")
+    assert [e.n for e in events] == list(range(1, len(sent) + 2))  # the logged tokens, then the final event
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.error is None, final
+    assert (final.finish_reason, final.state, final.completion_tokens) == \
+        (FinishReason.LENGTH, ReplyState.FINISHED, len(sent))
+    finished = [d.item for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10) if d.item["kind"] == "finished"]
+    assert finished[0]["text"] == sent_text
+
+
+async def test_a_fault_of_the_replica_ends_the_reply_with_an_error(replica):
+    """A bug inside the replica's generation (here the round itself raising) ends the reply with an
+    error final event, reported and acknowledged: its clients are not left waiting for an end
+    (a missing engine method once left a stream silent until the client gave up)."""
+    worker, relay, tokenizer = replica
+
+    async def broken(*args, **kwargs):
+        raise RuntimeError("a bug")
+
+    worker._round = broken
+    job = GenerationJob("rep8", "m", tokenizer.encode(PROMPT), {"temperature": 0, "max_tokens": 8}, Lane.PAID.value)
+    await relay.log.create("rep8")
+    await relay.jobs.submit(job.to_dict(), Lane.PAID, queue=worker.queue)
+    (final,) = await events_of(relay, "rep8")
+    assert isinstance(final, FinalEvent) and final.state == ReplyState.STOPPED and final.finish_reason == "abort"
+    assert "failed" in final.error
+    reports = [d.item for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)]
+    assert [r["kind"] for r in reports] == ["started", "finished"] and reports[1]["error"] == final.error
+    assert await relay.jobs.unfinished(queue=worker.queue) == []
+
+
 async def test_a_second_producer_of_a_reply_drops_its_copy(replica):
     """A failover that raced a slow replica: the copy read the log, then the first producer
     appended the next event; the copy's first append fails and it ends nothing."""

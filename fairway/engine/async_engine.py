@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from fairway.domain import Priority
-from fairway.engine.llm_engine import LLMEngine
+from fairway.engine.llm_engine import LLMEngine, check_continuation
 from fairway.engine.outputs import RequestOutput
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.stats import EngineStats
@@ -88,6 +88,7 @@ class AsyncEngine:
             raise EngineDead(f"engine stopped: {self.error}")
         output_token_ids = list(output_token_ids or [])
         self.engine.check_prompt(len(prompt_token_ids) + len(output_token_ids))  # reject now, in the caller
+        check_continuation(len(output_token_ids), params)
         self.start()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:

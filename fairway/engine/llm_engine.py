@@ -29,6 +29,15 @@ class RequestRejected(ValueError):
     """A request that can never run (too long for the context window or the KV cache); raised before admission."""
 
 
+def check_continuation(num_output_tokens: int, params: SamplingParams) -> None:
+    """Reject a continuation whose tokens already reach max_tokens: it has nothing left to
+    generate (a replica that logged the last token and went before its final event), and run, it
+    would sample one token past the limit."""
+    if num_output_tokens >= params.max_tokens:
+        raise RequestRejected(f"the {num_output_tokens} tokens it carries on after reach max_tokens "
+                              f"({params.max_tokens})")
+
+
 @dataclass
 class EngineConfig:
     num_kv_blocks: int = 2048  # 16-token blocks: 32k token slots
@@ -94,6 +103,7 @@ class LLMEngine:
         output_token_ids = output_token_ids or []
         tokens = [*prompt_token_ids, *output_token_ids]
         self.check_prompt(len(tokens))
+        check_continuation(len(output_token_ids), params)
         if any(not 0 <= t < self.model.cfg.vocab_size for t in tokens):
             raise ValueError("prompt contains token ids outside the vocabulary")
         seq = Sequence(request_id, tokens, params, priority=priority,

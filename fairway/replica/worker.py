@@ -540,6 +540,12 @@ class ReplicaWorker:
             running.started = min(job.submitted_at, running.started)
         try:
             final = await self._generate(running)
+        except Exception:
+            # A fault of this replica's own (a bug, not the engine or the relay, handled below)
+            # must not leave the reply's clients waiting for an end that never comes: it ends as
+            # an error, with what was said so far.
+            log.exception("reply %s failed", job.reply_id)
+            final = _failed("the replica failed while generating the reply")
         finally:
             del self._running[job.reply_id]
         if running.cancelled == "handoff":
@@ -601,7 +607,8 @@ class ReplicaWorker:
             except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
                 if rounds == 0 and generated and running.events == running.resumed_at \
                         and not isinstance(exc, EngineDead):
-                    # A continuation whose context plus what was said no longer fits: it ran out of room.
+                    # A continuation whose context plus what was said no longer fits, or whose words
+                    # reach max_tokens already (its replica went before the final event): it ends there.
                     return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, len(prompt), 0, len(generated))
                 return _failed(str(exc), None, counts)
             except EventOutOfOrder:
