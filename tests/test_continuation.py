@@ -97,6 +97,18 @@ async def events_of(relay, reply_id: str) -> list:
     return await asyncio.wait_for(all_events(), 60)
 
 
+async def handed_on(worker, relay, tokenizer, reply_id: str, prompt: list[int], params: dict,
+                    sent: list[int]) -> list:
+    """The reply's events once the worker carried it on from a log holding sent (a gone replica's
+    tokens), handed to it as failover does."""
+    await relay.log.create(reply_id)
+    for i, token in enumerate(sent, 1):
+        await relay.log.append(reply_id, TokenEvent(i, tokenizer.decode([token]), [token]))
+    job = GenerationJob(reply_id, "m", prompt, params, Lane.PAID.value, attempt=1)
+    await relay.jobs.submit(job.to_dict(), Lane.PAID, queue=worker.queue, front=True)
+    return await events_of(relay, reply_id)
+
+
 async def test_a_handed_on_reply_continues_its_log_from_the_next_event(replica):
     worker, relay, tokenizer = replica
     prompt = tokenizer.encode(PROMPT)
@@ -105,12 +117,7 @@ async def test_a_handed_on_reply_continues_its_log_from_the_next_event(replica):
     first = fp32_engine(worker.engine.engine.model, tokenizer)
     sent, _ = run(first, prompt, SamplingParams(**{**params, "max_tokens": 9}))
     whole, whole_text = run(fp32_engine(worker.engine.engine.model, tokenizer), prompt, SamplingParams(**params))
-    await relay.log.create("rep1")
-    for i, token in enumerate(sent, 1):
-        await relay.log.append("rep1", TokenEvent(i, tokenizer.decode([token]), [token]))
-    job = GenerationJob("rep1", "m", prompt, params, Lane.PAID.value, attempt=1)
-    await relay.jobs.submit(job.to_dict(), Lane.PAID, queue=worker.queue, front=True)
-    events = await events_of(relay, "rep1")
+    events = await handed_on(worker, relay, tokenizer, "rep1", prompt, params, sent)
     assert [e.n for e in events] == list(range(1, len(whole) + 2))  # no gap, no repeat, then the final event
     assert [t for e in events[:-1] for t in e.token_ids] == whole
     final = events[-1]
@@ -131,12 +138,7 @@ async def test_a_reply_handed_on_after_its_last_token_ends_there(replica):
     params = {"temperature": 0, "max_tokens": 9, "ignore_eos": True}
     sent, sent_text = run(fp32_engine(worker.engine.engine.model, tokenizer), prompt, SamplingParams(**params))
     assert len(sent) == 9
-    await relay.log.create("rep9")
-    for i, token in enumerate(sent, 1):
-        await relay.log.append("rep9", TokenEvent(i, tokenizer.decode([token]), [token]))
-    job = GenerationJob("rep9", "m", prompt, params, Lane.PAID.value, attempt=1)
-    await relay.jobs.submit(job.to_dict(), Lane.PAID, queue=worker.queue, front=True)
-    events = await events_of(relay, "rep9")
+    events = await handed_on(worker, relay, tokenizer, "rep9", prompt, params, sent)
     assert [e.n for e in events] == list(range(1, len(sent) + 2))  # the logged tokens, then the final event
     final = events[-1]
     assert isinstance(final, FinalEvent) and final.error is None, final
