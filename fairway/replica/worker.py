@@ -541,9 +541,9 @@ class ReplicaWorker:
         try:
             final = await self._generate(running)
         except Exception:
-            # A fault of this replica's own (a bug, not the engine or the relay, handled below)
-            # must not leave the reply's clients waiting for an end that never comes: it ends as
-            # an error, with what was said so far.
+            # A fault of this replica's own (a bug: the engine's and the relay's errors are handled
+            # inside) must not leave the reply's clients waiting for an end that never comes: it
+            # ends as an error, with what was said so far.
             log.exception("reply %s failed", job.reply_id)
             final = _failed("the replica failed while generating the reply")
         finally:
