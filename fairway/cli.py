@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -297,6 +298,8 @@ def cmd_replica(args: argparse.Namespace) -> int:
     from fairway.assembly import run_replica
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # `kill -USR1 <pid>` prints every thread's stack to stderr: how a replica that hangs says where.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     import fairway.usage.metrics  # noqa: F401  (registers the metrics the health port's /metrics serves)
 

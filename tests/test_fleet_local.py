@@ -24,9 +24,11 @@ import asyncio
 import json
 import math
 import shutil
+import signal
 import statistics
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import redis
@@ -256,12 +258,24 @@ def ramp_then_trickle(url: str, key: str, watch: Watch, full: float) -> tuple[li
     return streams, ramped, trickled
 
 
+def replicas_said(backend: LocalBackend, log_dir: Path) -> str:
+    """Whether each replica still runs, and its log's end: a running one first prints its threads'
+    stacks there (SIGUSR1, `fairway replica`'s faulthandler), so a hung start says where it hangs."""
+    running = {}
+    for replica_id in backend.ids:
+        proc = backend.process(replica_id)
+        running[replica_id] = proc.poll()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGUSR1)
+    time.sleep(1)
+    tails = {path.name: path.read_text(errors="replace")[-3000:] for path in sorted(log_dir.glob("*.log"))}
+    return f"exit codes (None: running) {running}, their logs' ends: {tails}"
+
+
 def test_a_replica_told_it_will_be_reclaimed_drains_and_the_fleet_replaces_it_first(tmp_path):
     """Spot: the notice through the replica's API (POST /drain, what Kubernetes' preStop sends),
     then a SIGTERM from outside the fleet (a spot VM's shutdown). Each time the replica drains and
     exits by itself, and the fleet, without waiting out its cool-down, starts a replacement first."""
-    import signal
-
     import httpx
 
     if shutil.which("redis-server") is None:
@@ -282,8 +296,7 @@ def test_a_replica_told_it_will_be_reclaimed_drains_and_the_fleet_replaces_it_fi
             if fresh:
                 return fresh[0]
             time.sleep(0.2)
-        tails = {path.name: path.read_text(errors="replace")[-1500:] for path in sorted(tmp_path.glob("*.log"))}
-        raise AssertionError(f"no new replica became live: {manager.decisions}, their logs' ends: {tails}")
+        raise AssertionError(f"no new replica became live: {manager.decisions}, {replicas_said(backend, tmp_path)}")
 
     try:
         thread.start()
