@@ -80,6 +80,32 @@ def test_same_result_with_one_thread_and_several():
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("rows", [2, 4, 9, 12])  # 12 x group 3 is past one item's 32 query rows
+def test_a_verifications_rows_equal_each_row_alone_bit_for_bit(dtype, rows):
+    """A speculative verification sends one sequence's rows with the same block table and lengths
+    one apart; the kernel shares each block between them, and each row's output must be what it
+    is alone (a decode step's), or greedy speculation would change the reply."""
+    start = 300  # the run crosses block boundaries (16-token blocks)
+    lens = [start + i for i in range(rows)]
+    q, k, v, tables, lengths = scattered_case(dtype, 64, 3, [lens[-1]] * rows, seed=rows)
+    tables[:] = tables[0]  # one sequence's table on every row, each row seeing one token more
+    lengths = torch.tensor(lens, dtype=torch.int32)
+    together = kernels.decode_attention(q, k, v, tables, lengths, 16, 0.125)
+    for i in range(rows):
+        alone = kernels.decode_attention(q[i:i + 1], k, v, tables[i:i + 1], lengths[i:i + 1], 16, 0.125)
+        assert torch.equal(together[i:i + 1], alone), f"row {i}"
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(together.double(), reference(q, k, v, tables, lengths, 16, 0.125), atol=tol, rtol=tol)
+    # Two sequences' verifications side by side, and a decode row between them: the same rows again.
+    m = rows // 2
+    mixed = torch.cat([lengths[:m], torch.tensor([40], dtype=torch.int32), lengths[m:]])
+    got = kernels.decode_attention(torch.cat([q[:m], q[:1], q[m:]]), k, v, torch.cat([tables[:m], tables[:1], tables[m:]]),
+                                   mixed, 16, 0.125)
+    assert torch.equal(got[:m], together[:m]) and torch.equal(got[m + 1:], together[m:])
+
+
+@needs_kernel
 def test_shapes_beyond_the_kernel_are_not_claimed():
     bf16, f32 = torch.bfloat16, torch.float32
     assert kernels.supports(bf16, bf16, 3, 64, 16) and kernels.supports(f32, bf16, 3, 64, 16)

@@ -1,10 +1,12 @@
-/* Paged decode attention for the CPU: one new query token per sequence, reading K/V in place
+/* Paged decode attention for the CPU: one query row per new token of a decoding sequence (its last
+ * token, and in a speculative verification its draft tokens after it), reading K/V in place
  * through the sequence's block table (no gathered copy of the context).
  *
  * Layout (fairway/models/paged_attention.py): a layer's cache is [kv_heads, slots, head_dim] with
  * slot = block * block_size + offset, so one block of one head is block_size * head_dim contiguous
- * values. Work items are (sequence, kv head) pairs; each handles the `group` query heads that share
- * the KV head, so every K/V row is read from memory once and used `group` times.
+ * values. Work items are (rows of one context, kv head) pairs; each handles the `group` query heads
+ * of each row that share the KV head, so every K/V row is read from memory once and used by all
+ * of them (a verification's rows share their sequence's blocks).
  *
  * Per item: pass 1 converts each K block to float in a small buffer and takes the dot products
  * with the group's queries; softmax in float32; pass 2 accumulates probability-weighted V rows.
@@ -21,6 +23,7 @@
 #include <string.h>
 
 #define MAX_GROUP 16
+#define MAX_QUERIES 32 /* query rows of one item: a chunk's rows x group */
 #define MAX_HEAD_DIM 256
 #define MAX_BLOCK 64
 
@@ -78,10 +81,12 @@ static inline void load_floats(const void *src, int64_t off, float *restrict dst
 
 /* Blocks sit anywhere in the cache, so the hardware prefetcher loses the stream at every block
  * boundary: ask for the next block while this one is in use (without, the read ran at a fraction
- * of a sequential one: bench/README.md, "CPU kernels"). */
+ * of a sequential one: bench/README.md, "CPU kernels"). Into every cache level: the V pass and a
+ * speculative verification's other rows read the same blocks again, and a non-temporal prefetch
+ * (which keeps them out of L2) made those reads miss (bench/README.md, "Speculative decoding"). */
 static inline void prefetch(const void *base, int64_t off, size_t bytes, const int bf16) {
     const char *p = (const char *)base + off * (bf16 ? 2 : 4);
-    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 0);
+    for (size_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b, 0, 3);
 }
 
 /* out[j] = q . k[j] for the n rows of one block. Four rows at a time: four independent
@@ -126,18 +131,23 @@ static inline void prefetch(const void *base, int64_t off, size_t bytes, const i
 BLOCK_OPS(8, v8f, ld8, st8, hsum8)
 BLOCK_OPS(16, v16f, ld16, st16, hsum16)
 
-/* One (sequence, kv head) item. q, out: the group's query rows; k, v: this head's cache;
- * scores: scratch of group * len floats. */
-static inline __attribute__((always_inline)) void attend(const void *q, const void *k, const void *v,
-        const int32_t *restrict table, int len, void *out, int group, const int d, int block_size,
-        float scale, float *restrict scores, const int q_bf16, const int bf16, const int w) {
-    float qf[MAX_GROUP * MAX_HEAD_DIM];
+/* One item: `rows` consecutive rows of one context (one sequence's decode row, or a speculative
+ * verification's rows: the same block table, row r seeing lens[r] tokens) for one kv head. q, out:
+ * row r's group of query rows at r * stride; k, v: this head's cache; scores: scratch of
+ * rows * group * lens[rows - 1] floats. Each block is converted once for all rows; every query's
+ * sums run as they would for its row alone (same blocks, same lengths, same order), so a row's
+ * output does not depend on which rows share its item. */
+static inline __attribute__((always_inline)) void attend(const void *q, int64_t stride, const void *k,
+        const void *v, const int32_t *restrict table, const int32_t *lens, int rows, void *out, int group, const int d,
+        int block_size, float scale, float *restrict scores, const int q_bf16, const int bf16, const int w) {
+    float qf[MAX_QUERIES * MAX_HEAD_DIM];
     float buf[MAX_BLOCK * MAX_HEAD_DIM];
-    float acc[MAX_GROUP * MAX_HEAD_DIM];
+    float acc[MAX_QUERIES * MAX_HEAD_DIM];
     const int64_t blk = (int64_t)block_size * d;
     const size_t blk_bytes = (size_t)blk * (bf16 ? 2 : 4);
-    load_floats(q, 0, qf, group * d, q_bf16);
-    for (int i = 0; i < group * d; i++) qf[i] *= scale;
+    const int len = lens[rows - 1], queries = rows * group; /* lens ascend */
+    for (int r = 0; r < rows; r++) load_floats(q, r * stride, qf + r * group * d, group * d, q_bf16);
+    for (int i = 0; i < queries * d; i++) qf[i] *= scale;
 
     prefetch(k, table[0] * blk, blk_bytes, bf16);
     if (len > block_size) prefetch(k, table[1] * blk, blk_bytes, bf16);
@@ -148,50 +158,65 @@ static inline __attribute__((always_inline)) void attend(const void *q, const vo
         if (ahead < nblocks) prefetch(k, table[ahead] * blk, blk_bytes, bf16);
         else if (ahead - nblocks < nblocks) prefetch(v, table[ahead - nblocks] * blk, blk_bytes, bf16);
         load_floats(k, table[b] * blk, buf, n * d, bf16);
-        for (int g = 0; g < group; g++) {
-            if (w == 16) block_scores_16(qf + g * d, buf, n, d, scores + g * len + t0);
-            else block_scores_8(qf + g * d, buf, n, d, scores + g * len + t0);
+        for (int r = 0; r < rows; r++) {
+            if (lens[r] <= t0) continue;
+            const int nr = lens[r] - t0 < block_size ? lens[r] - t0 : block_size;
+            for (int g = 0; g < group; g++) {
+                float *sg = scores + (int64_t)(r * group + g) * len + t0;
+                if (w == 16) block_scores_16(qf + (r * group + g) * d, buf, nr, d, sg);
+                else block_scores_8(qf + (r * group + g) * d, buf, nr, d, sg);
+            }
         }
     }
 
-    float inv_sum[MAX_GROUP];
-    for (int g = 0; g < group; g++) {
-        float *sg = scores + g * len;
+    float inv_sum[MAX_QUERIES];
+    for (int i = 0; i < queries; i++) {
+        float *sg = scores + (int64_t)i * len;
+        const int li = lens[i / group];
         float m = -INFINITY;
-        for (int t = 0; t < len; t++) m = sg[t] > m ? sg[t] : m;
+        for (int t = 0; t < li; t++) m = sg[t] > m ? sg[t] : m;
         float sum = 0.f;
-        for (int t = 0; t < len; t++) {
+        for (int t = 0; t < li; t++) {
             sg[t] = expf(sg[t] - m);
             sum += sg[t];
         }
-        inv_sum[g] = 1.f / sum;
+        inv_sum[i] = 1.f / sum;
     }
 
-    memset(acc, 0, sizeof(float) * (size_t)(group * d));
+    memset(acc, 0, sizeof(float) * (size_t)(queries * d));
     for (int t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
         const int n = len - t0 < block_size ? len - t0 : block_size;
         if (t0 + 2 * block_size < len) prefetch(v, table[b + 2] * blk, blk_bytes, bf16);
         load_floats(v, table[b] * blk, buf, n * d, bf16);
-        for (int g = 0; g < group; g++) {
-            if (w == 16) block_weighted_sum_16(scores + g * len + t0, buf, n, d, acc + g * d);
-            else block_weighted_sum_8(scores + g * len + t0, buf, n, d, acc + g * d);
+        for (int r = 0; r < rows; r++) {
+            if (lens[r] <= t0) continue;
+            const int nr = lens[r] - t0 < block_size ? lens[r] - t0 : block_size;
+            for (int g = 0; g < group; g++) {
+                const int i = r * group + g;
+                if (w == 16) block_weighted_sum_16(scores + (int64_t)i * len + t0, buf, nr, d, acc + i * d);
+                else block_weighted_sum_8(scores + (int64_t)i * len + t0, buf, nr, d, acc + i * d);
+            }
         }
     }
 
-    for (int g = 0; g < group; g++)
-        for (int i = 0; i < d; i++) {
-            const float x = acc[g * d + i] * inv_sum[g];
-            if (q_bf16) ((uint16_t *)out)[g * d + i] = float_to_bf16(x);
-            else ((float *)out)[g * d + i] = x;
+    for (int i = 0; i < queries; i++) {
+        const int64_t at = (i / group) * stride + (i % group) * d;
+        for (int c = 0; c < d; c++) {
+            const float x = acc[i * d + c] * inv_sum[i];
+            if (q_bf16) ((uint16_t *)out)[at + c] = float_to_bf16(x);
+            else ((float *)out)[at + c] = x;
         }
+    }
 }
 
 /* Instantiations: query/output dtype x cache dtype x head_dim (64 and 128 constant, so their
  * accumulators live in registers and loops unroll; any other multiple of 8 generic). */
 #define ITEM(NAME, D, Q_BF16, KV_BF16, W)                                                            \
-    static void NAME(const void *q, const void *k, const void *v, const int32_t *table, int len,     \
-                     void *out, int group, int d, int block_size, float scale, float *scores) {       \
-        attend(q, k, v, table, len, out, group, D, block_size, scale, scores, Q_BF16, KV_BF16, W);   \
+    static void NAME(const void *q, int64_t stride, const void *k, const void *v, const int32_t *table,   \
+                     const int32_t *lens, int rows, void *out, int group, int d, int block_size, float scale, \
+                     float *scores) {                                                                 \
+        attend(q, stride, k, v, table, lens, rows, out, group, D, block_size, scale, scores, Q_BF16,     \
+               KV_BF16, W);                                                                           \
     }
 #define ITEMS(SUFFIX, Q_BF16, KV_BF16)                                                               \
     ITEM(item_##SUFFIX##_64, 64, Q_BF16, KV_BF16, WIDE)                                              \
@@ -201,10 +226,39 @@ ITEMS(bf16_bf16, 1, 1)
 ITEMS(f32_f32, 0, 0)
 ITEMS(f32_bf16, 0, 1) /* float32 compute over a bf16 cache (CPUs without bf16 matmuls) */
 
-typedef void (*item_fn)(const void *, const void *, const void *, const int32_t *, int, void *, int, int,
-                        int, float, float *);
+typedef void (*item_fn)(const void *, int64_t, const void *, const void *, const int32_t *, const int32_t *, int,
+                        void *, int, int, int, float, float *);
 
 #define PICK(SUFFIX, D) ((D) == 64 ? item_##SUFFIX##_64 : (D) == 128 ? item_##SUFFIX##_128 : item_##SUFFIX##_any)
+
+/* Consecutive rows that share a context (a speculative verification's: equal block tables, each
+ * row seeing one token more) go to one item, so each block is converted once for all of them; a
+ * run is cut into two or more chunks where that leaves each thread at least two items. Writes
+ * chunks as (first row, rows) pairs; returns how many. */
+static int chunk_rows(const int32_t *tables, const int32_t *lens, int n_seqs, int kv_heads, int group,
+                      int block_size, int max_blocks, int num_threads, int *chunks) {
+    const int most = MAX_QUERIES / group;
+    int n = 0;
+    for (int s = 0; s < n_seqs;) {
+        int e = s + 1;
+        while (e < n_seqs && lens[e] == lens[e - 1] + 1 &&
+               !memcmp(tables + (int64_t)e * max_blocks, tables + (int64_t)s * max_blocks,
+                       sizeof(int32_t) * (size_t)((lens[e] + block_size - 1) / block_size)))
+            e++;
+        const int run = e - s;
+        int pieces = (2 * num_threads + kv_heads - 1) / kv_heads;
+        pieces = pieces < run ? pieces : run;
+        int size = (run + pieces - 1) / pieces;
+        size = size < most ? size : most;
+        for (int r = s; r < e; r += size) {
+            chunks[2 * n] = r;
+            chunks[2 * n + 1] = e - r < size ? e - r : size;
+            n++;
+        }
+        s = e;
+    }
+    return n;
+}
 
 /* q, out: [n_seqs, kv_heads * group, d] (bf16 or float32); caches: [kv_heads, slots, d] (bf16 or
  * float32; a float32 cache needs a float32 q); block_tables: [n_seqs, max_blocks];
@@ -216,15 +270,21 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
                            int max_blocks, float scale, int q_bf16, int kv_bf16, int num_threads) {
     if (group > MAX_GROUP || d > MAX_HEAD_DIM || d % 8 || block_size > MAX_BLOCK) return -1;
     if (q_bf16 && !kv_bf16) return -1;
+    if (n_seqs < 1) return 0;
     const item_fn item = q_bf16 ? PICK(bf16_bf16, d) : kv_bf16 ? PICK(f32_bf16, d) : PICK(f32_f32, d);
     const int q_elem = q_bf16 ? 2 : 4, kv_elem = kv_bf16 ? 2 : 4;
     int max_len = 1;
     for (int s = 0; s < n_seqs; s++) max_len = context_lens[s] > max_len ? context_lens[s] : max_len;
-    const int items = n_seqs * kv_heads;
+    int *chunks = malloc(sizeof(int) * 2 * (size_t)n_seqs);
+    if (!chunks) return -1;
+    const int n_chunks = chunk_rows(block_tables, context_lens, n_seqs, kv_heads, group, block_size, max_blocks,
+                                    num_threads, chunks);
+    const int items = n_chunks * kv_heads;
+    const int64_t stride = (int64_t)kv_heads * group * d; /* elements from one row's queries to the next's */
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = malloc(sizeof(float) * (size_t)group * (size_t)max_len);
+        float *scores = malloc(sizeof(float) * (size_t)MAX_QUERIES * (size_t)max_len);
         if (!scores) {
 #pragma omp atomic write
             failed = 1;
@@ -233,13 +293,15 @@ int paged_decode_attention(const void *q, const void *k_cache, const void *v_cac
         for (int it = 0; it < items; it++) {
             if (!scores) continue;
             /* Rows arrive shortest context first: start with the longest to balance the threads. */
-            const int s = (items - 1 - it) / kv_heads, h = (items - 1 - it) % kv_heads;
+            const int c = (items - 1 - it) / kv_heads, h = (items - 1 - it) % kv_heads;
+            const int s = chunks[2 * c], rows = chunks[2 * c + 1];
             const int64_t row = ((int64_t)s * kv_heads + h) * group * d;
-            item((const char *)q + row * q_elem, (const char *)k_cache + h * slots * d * kv_elem,
+            item((const char *)q + row * q_elem, stride, (const char *)k_cache + h * slots * d * kv_elem,
                  (const char *)v_cache + h * slots * d * kv_elem, block_tables + (int64_t)s * max_blocks,
-                 context_lens[s], (char *)out + row * q_elem, group, d, block_size, scale, scores);
+                 context_lens + s, rows, (char *)out + row * q_elem, group, d, block_size, scale, scores);
         }
         free(scores);
     }
+    free(chunks);
     return failed ? -1 : 0;
 }
