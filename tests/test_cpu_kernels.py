@@ -97,7 +97,7 @@ def test_a_verifications_rows_equal_each_row_alone_bit_for_bit(dtype, rows):
         assert torch.equal(together[i:i + 1], alone), f"row {i}"
     tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(together.double(), reference(q, k, v, tables, lengths, 16, 0.125), atol=tol, rtol=tol)
-    # Two sequences' verifications side by side, and a decode row between them: the same rows again.
+    # Another sequence's decode row between the verification's rows: two runs, the same outputs.
     m = rows // 2
     mixed = torch.cat([lengths[:m], torch.tensor([40], dtype=torch.int32), lengths[m:]])
     got = kernels.decode_attention(torch.cat([q[:m], q[:1], q[m:]]), k, v, torch.cat([tables[:m], tables[:1], tables[m:]]),

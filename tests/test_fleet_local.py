@@ -264,8 +264,8 @@ def replicas_said(backend: LocalBackend, log_dir: Path) -> str:
     running = {}
     for replica_id in backend.ids:
         proc = backend.process(replica_id)
-        running[replica_id] = proc.poll()
-        if proc.poll() is None:
+        running[replica_id] = code = proc.poll()
+        if code is None:
             proc.send_signal(signal.SIGUSR1)
     time.sleep(1)
     tails = {path.name: path.read_text(errors="replace")[-3000:] for path in sorted(log_dir.glob("*.log"))}

@@ -131,6 +131,11 @@ static inline void prefetch(const void *base, int64_t off, size_t bytes, const i
 BLOCK_OPS(8, v8f, ld8, st8, hsum8)
 BLOCK_OPS(16, v16f, ld16, st16, hsum16)
 
+/* How many of a block's keys, from position t0 on, a row seeing len tokens reads (0: none). */
+static inline int keys_seen(int len, int t0, int block_size) {
+    return len <= t0 ? 0 : len - t0 < block_size ? len - t0 : block_size;
+}
+
 /* One item: `rows` consecutive rows of one context (one sequence's decode row, or a speculative
  * verification's rows: the same block table, row r seeing lens[r] tokens) for one kv head. q, out:
  * row r's group of query rows at r * stride; k, v: this head's cache; scores: scratch of
@@ -149,18 +154,18 @@ static inline __attribute__((always_inline)) void attend(const void *q, int64_t 
     for (int r = 0; r < rows; r++) load_floats(q, r * stride, qf + r * group * d, group * d, q_bf16);
     for (int i = 0; i < queries * d; i++) qf[i] *= scale;
 
+    const int nblocks = (len + block_size - 1) / block_size;
     prefetch(k, table[0] * blk, blk_bytes, bf16);
-    if (len > block_size) prefetch(k, table[1] * blk, blk_bytes, bf16);
+    if (nblocks > 1) prefetch(k, table[1] * blk, blk_bytes, bf16);
     for (int t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-        const int n = len - t0 < block_size ? len - t0 : block_size;
         /* Two blocks ahead; past the end of K, the first V blocks. */
-        const int ahead = b + 2, nblocks = (len + block_size - 1) / block_size;
+        const int ahead = b + 2;
         if (ahead < nblocks) prefetch(k, table[ahead] * blk, blk_bytes, bf16);
         else if (ahead - nblocks < nblocks) prefetch(v, table[ahead - nblocks] * blk, blk_bytes, bf16);
-        load_floats(k, table[b] * blk, buf, n * d, bf16);
+        load_floats(k, table[b] * blk, buf, keys_seen(len, t0, block_size) * d, bf16);
         for (int r = 0; r < rows; r++) {
-            if (lens[r] <= t0) continue;
-            const int nr = lens[r] - t0 < block_size ? lens[r] - t0 : block_size;
+            const int nr = keys_seen(lens[r], t0, block_size);
+            if (!nr) continue;
             for (int g = 0; g < group; g++) {
                 float *sg = scores + (int64_t)(r * group + g) * len + t0;
                 if (w == 16) block_scores_16(qf + (r * group + g) * d, buf, nr, d, sg);
@@ -185,12 +190,11 @@ static inline __attribute__((always_inline)) void attend(const void *q, int64_t 
 
     memset(acc, 0, sizeof(float) * (size_t)(queries * d));
     for (int t0 = 0, b = 0; t0 < len; t0 += block_size, b++) {
-        const int n = len - t0 < block_size ? len - t0 : block_size;
-        if (t0 + 2 * block_size < len) prefetch(v, table[b + 2] * blk, blk_bytes, bf16);
-        load_floats(v, table[b] * blk, buf, n * d, bf16);
+        if (b + 2 < nblocks) prefetch(v, table[b + 2] * blk, blk_bytes, bf16);
+        load_floats(v, table[b] * blk, buf, keys_seen(len, t0, block_size) * d, bf16);
         for (int r = 0; r < rows; r++) {
-            if (lens[r] <= t0) continue;
-            const int nr = lens[r] - t0 < block_size ? lens[r] - t0 : block_size;
+            const int nr = keys_seen(lens[r], t0, block_size);
+            if (!nr) continue;
             for (int g = 0; g < group; g++) {
                 const int i = r * group + g;
                 if (w == 16) block_weighted_sum_16(scores + (int64_t)i * len + t0, buf, nr, d, acc + i * d);
