@@ -99,6 +99,9 @@ typedef struct {
 
 #define B_SLOTS 4   /* operands unpacked ahead, a ring (a tile load right after the stores that wrote it waits) */
 #define SUM_SLOTS 8 /* block sums stored, a ring */
+/* Blocks ahead whose bytes are prefetched: the hardware prefetcher alone left the unpacking
+ * waiting on the weights' reads (bench/README.md, "Few rows on AMX"). */
+#define PF_AHEAD 8
 #define LAG 5       /* blocks between a block's product and its scaling: the tile store has landed */
 
 /* Block s's sums (a stored C tile) scaled into the rows' totals, as quant_linear.c's finish_block;
@@ -124,13 +127,15 @@ static inline __attribute__((always_inline)) void scale_block(const exact_args *
     }
 }
 
-/* Stage u of the pipeline over blocks [0, total) (panel-major from the thread's first): unpack
- * block u + 1, multiply block u into C tile t (= u % 4), store block u - 1's tile (a turn late: tile
+/* Stage u of the pipeline over blocks [0, total) (panel-major from the thread's first): prefetch
+ * block u + PF_AHEAD, unpack block u + 1, multiply block u into C tile t (= u % 4), store block u - 1's tile (a turn late: tile
  * loads and stores share port 5 with VPERMW, and a store right after its product waits), scale
  * block u - LAG. */
 #define STAGE(u, t, ta, tb, prev)                                                                                      \
     do {                                                                                                    \
         const int64_t u_ = (u);                                                                             \
+        if (u_ + PF_AHEAD < total)                                                                          \
+            for (int l_ = 0; l_ < bb; l_ += 64) _mm_prefetch((const char *)first + (u_ + PF_AHEAD) * bb + l_, _MM_HINT_T0); \
         if (u_ + 1 < total) to_operand(first + (u_ + 1) * bb + quants_at(QT), QT, B + ((u_ + 1) % B_SLOTS) * 512); \
         if (u_ < total) {                                                                                   \
             const int b_ = (int)((g0 + u_) % a->nb);                                                        \
