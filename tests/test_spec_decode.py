@@ -17,7 +17,7 @@ from fairway.engine.kv_cache_manager import blocks_for
 from fairway.engine.scheduler import ScheduledBatch
 from fairway.engine.sequence import Sequence
 from fairway.engine.spec_decode.config import SpeculativeConfig
-from fairway.engine.spec_decode.ngram_proposer import NgramProposer
+from fairway.engine.spec_decode.ngram_proposer import LONG_MATCH, NgramProposer
 from fairway.engine.spec_decode.policy import SpecPolicy
 from fairway.engine.step_time import StepCost, StepTimeModel
 from fairway.models.config import LlamaConfig
@@ -180,6 +180,31 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     assert ngram.propose([Sequence("t", [1, 2, 3, 4], GREEDY)], [4]) == [[]]  # no repeated n-gram
 
 
+def test_prompt_lookups_cue_is_the_length_of_its_match():
+    ngram = NgramProposer(min_n=1, max_n=8)
+    assert ngram.cue(Sequence("s", [5, 6, 7, 8, 9, 1, 6, 7], GREEDY)) == 2  # (6, 7) occurred before
+    assert ngram.cue(Sequence("s", [5, 6, 7, 8, 9, 6, 7, 8, 9], GREEDY)) == LONG_MATCH  # 4 long and longer alike
+    assert ngram.cue(Sequence("s", [1, 2, 3, 4], GREEDY)) is None  # nothing to follow: no guess
+
+
+def test_each_cue_is_priced_on_its_own_record():
+    policy = SpecPolicy(SpeculativeConfig(num_speculative_tokens=8, pause_steps=8),
+                        _Fixed(StepCost(fixed=0.012, per_decode_row=0.0012, per_prefill_token=0.0003)), 4096)
+    seq = _decoding(0.5)
+    short, long = seq.spec.acceptance(1), seq.spec.acceptance(LONG_MATCH)
+    short.accepted, short.tried, short.num_drafts = 0.5, 10.0, 5  # one-token matches: rarely right
+    long.accepted, long.tried, long.num_drafts = 9.0, 10.0, 5  # long matches: nearly always
+    assert policy.plan([seq], step=0, prefill_tokens=0, seconds_per_draft=0.0, cues=[LONG_MATCH]) == [8]
+    assert policy.plan([seq], step=0, prefill_tokens=0, seconds_per_draft=0.0, cues=[1]) == [1]  # a probe
+    assert policy.plan([seq], step=1, prefill_tokens=0, seconds_per_draft=0.0, cues=[1]) == [0]  # paused ...
+    assert policy.plan([seq], step=1, prefill_tokens=0, seconds_per_draft=0.0, cues=[LONG_MATCH]) == [8]  # ... alone
+    assert policy.plan([seq], step=1, prefill_tokens=0, seconds_per_draft=0.0, cues=[None]) == [0]  # no guess
+    # A verification is recorded against the cue its drafts came with.
+    seq.spec.cue = LONG_MATCH
+    seq.spec.record(8, 2)
+    assert long.num_drafts == 6 and short.num_drafts == 5 and long.rate < 0.9
+
+
 class _Fixed(StepTimeModel):
     def __init__(self, cost: StepCost) -> None:
         super().__init__(cost)
@@ -191,7 +216,8 @@ class _Fixed(StepTimeModel):
 def _decoding(acceptance: float, drafts: int = 5) -> Sequence:
     seq = Sequence("d", list(range(20)), SamplingParams(max_tokens=100))
     seq.num_computed_tokens = 19
-    seq.spec.accepted, seq.spec.tried, seq.spec.num_drafts = acceptance * 10, 10.0, drafts
+    record = seq.spec.acceptance(0)
+    record.accepted, record.tried, record.num_drafts = acceptance * 10, 10.0, drafts
     return seq
 
 

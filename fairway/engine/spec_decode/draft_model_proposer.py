@@ -29,6 +29,9 @@ class DraftModelProposer:
         self.kv = kv
         self.seconds_per_token = 0.0  # measured: one batched draft step
 
+    def cue(self, seq: Sequence) -> int | None:
+        return 0  # every guess rests on the same model
+
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[list[int]]:
         drafts: list[list[int]] = [[] for _ in seqs]
         # The target's slots for the verification: the last token and k drafts (none: no drafting).

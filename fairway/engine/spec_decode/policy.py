@@ -1,14 +1,15 @@
 """How many draft tokens each decoding sequence gets this step: as many as pay for themselves.
 
 The k-th draft token adds a token only if it and every draft before it are accepted: with a
-sequence's acceptance rate a (tracked per sequence, state.py), with chance a^k. It costs one more
+sequence's acceptance rate a (tracked per sequence and cue, state.py), with chance a^k. It costs one more
 row of the verification step (and, for a draft model, one more draft step), while the batch
 makes R tokens per second: worth it when a^k * (1 / cost) > R, that is a^k > cost * R. A single
 stream on a CPU is bound by reading the weights, so an extra row costs a small share of a step
 (bench/README.md, spec_decode.py) and drafts with a fair chance pay; a large batch
 is compute-bound (a row costs about its share of the step) and only near-certain drafts would:
-there speculation is off. A sequence whose first draft no longer pays is paused and probed with
-one draft token now and then, as a reply's character changes (a quote ends, another begins).
+there speculation is off. A cue whose first draft no longer pays for a sequence is paused and
+probed with one draft token now and then, as a reply's character changes (a quote ends, another
+begins).
 """
 
 from __future__ import annotations
@@ -32,24 +33,28 @@ class SpecPolicy:
             cost, step = PRIOR, PRIOR.predict(num_decoding, prefill_tokens)
         return (cost.per_decode_row + seconds_per_draft) * num_decoding / step
 
-    def plan(self, seqs: list[Sequence], step: int, prefill_tokens: int, seconds_per_draft: float) -> list[int]:
-        """Draft tokens for each decoding sequence (0: none this step)."""
+    def plan(self, seqs: list[Sequence], step: int, prefill_tokens: int, seconds_per_draft: float,
+             cues: list[int | None] | None = None) -> list[int]:
+        """Draft tokens for each decoding sequence (0: none this step). cues: what each one's guess
+        would rest on (the proposer's cue; None: no guess), priced by that cue's record."""
         if not seqs or len(seqs) >= self.config.disable_by_batch_size:
             return [0] * len(seqs)
         theta = self.threshold(len(seqs), prefill_tokens, seconds_per_draft)
-        return [self._for(seq, step, theta) for seq in seqs]
+        return [self._for(seq, step, theta, 0 if cues is None else cues[i]) for i, seq in enumerate(seqs)]
 
-    def _for(self, seq: Sequence, step: int, theta: float) -> int:
+    def _for(self, seq: Sequence, step: int, theta: float, cue: int | None) -> int:
         # Room to emit k + 1 tokens within max_tokens and the context window.
         room = min(seq.params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens) - 1
         limit = min(self.config.num_speculative_tokens, room)
-        if limit <= 0 or step < seq.spec.paused_until:
+        if limit <= 0 or cue is None:
             return 0
-        a = seq.spec.acceptance_rate
+        record = seq.spec.acceptance(cue)
+        if step < record.paused_until:
+            return 0
         k = 0
-        while k < limit and a ** (k + 1) >= theta:
+        while k < limit and record.rate ** (k + 1) >= theta:
             k += 1
         if k == 0:  # not worth it now: pause, then probe with one draft token
-            seq.spec.paused_until = step + self.config.pause_steps
-            return 1 if seq.spec.num_drafts else 0
+            record.paused_until = step + self.config.pause_steps
+            return 1 if record.num_drafts else 0
         return k

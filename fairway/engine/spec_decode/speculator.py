@@ -41,13 +41,15 @@ class Speculator:
         """Set spec_token_ids of the decoding sequences that get drafts this step."""
         for seq in decoding:
             seq.spec_token_ids.clear()
-        ks = self.policy.plan(decoding, step, prefill_tokens, self.proposer.seconds_per_token)
+        cues = [self.proposer.cue(seq) for seq in decoding]
+        ks = self.policy.plan(decoding, step, prefill_tokens, self.proposer.seconds_per_token, cues)
         picked = [i for i, k in enumerate(ks) if k > 0]
         if not picked:
             return
         drafts = self.proposer.propose([decoding[i] for i in picked], [ks[i] for i in picked])
         for i, tokens in zip(picked, drafts, strict=True):
             decoding[i].spec_token_ids = tokens[:ks[i]]
+            decoding[i].spec.cue = cues[i] or 0
 
     def record(self, seq: Sequence, drafts: int, accepted: int) -> None:
         seq.spec.record(drafts, accepted)
