@@ -1,7 +1,7 @@
 """How many draft tokens each decoding sequence gets this step: as many as pay for themselves.
 
-The k-th draft token adds a token only if it and every draft before it are accepted: with a
-sequence's acceptance rate a (tracked per sequence and cue, state.py), with chance a^k. It costs one more
+The k-th draft token adds a token only if it and every draft before it are accepted: with an
+acceptance rate a (tracked per sequence and cue, state.py), with chance a^k. It costs one more
 row of the verification step (and, for a draft model, one more draft step), while the batch
 makes R tokens per second: worth it when a^k * (1 / cost) > R, that is a^k > cost * R. A single
 stream on a CPU is bound by reading the weights, so an extra row costs a small share of a step

@@ -49,7 +49,7 @@ class Speculator:
         drafts = self.proposer.propose([decoding[i] for i in picked], [ks[i] for i in picked])
         for i, tokens in zip(picked, drafts, strict=True):
             decoding[i].spec_token_ids = tokens[:ks[i]]
-            decoding[i].spec.cue = cues[i] or 0
+            decoding[i].spec.cue = cues[i] or 0  # (a picked sequence has a cue: None gets no drafts)
 
     def record(self, seq: Sequence, drafts: int, accepted: int) -> None:
         seq.spec.record(drafts, accepted)
