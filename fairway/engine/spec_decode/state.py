@@ -37,10 +37,7 @@ class SpecState:
     # long n-gram match are accepted far more often than after a one-token match, so each match
     # length is priced on its own record; a draft model has one cue.
     by_cue: dict[int, Acceptance] = field(default_factory=dict)
-    cue: int = 0  # the cue of the drafts now being verified
-    num_drafts: int = 0  # verifications with at least one draft token (the metrics' counts)
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    cue: int = 0  # the cue of the drafts now being verified (the engine's totals: Speculator)
     draft_computed: int = 0  # tokens whose K/V the draft model holds (draft-model proposer)
     ngram_index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> end of its last earlier match
     ngram_indexed: int = 0  # token positions whose n-grams are in the index
@@ -55,6 +52,3 @@ class SpecState:
         """One verification of the current cue's drafts: `accepted` of `proposed` draft tokens
         kept (the rest after the first miss)."""
         self.acceptance(self.cue).record(proposed, accepted)
-        self.num_drafts += 1
-        self.num_draft_tokens += proposed
-        self.num_accepted_tokens += accepted

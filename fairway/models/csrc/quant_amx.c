@@ -128,9 +128,9 @@ static inline __attribute__((always_inline)) void scale_block(const exact_args *
 }
 
 /* Stage u of the pipeline over blocks [0, total) (panel-major from the thread's first): prefetch
- * block u + PF_AHEAD, unpack block u + 1, multiply block u into C tile t (= u % 4), store block u - 1's tile (a turn late: tile
- * loads and stores share port 5 with VPERMW, and a store right after its product waits), scale
- * block u - LAG. */
+ * block u + PF_AHEAD, unpack block u + 1, multiply block u into C tile t (= u % 4), store block
+ * u - 1's tile (a turn late: tile loads and stores share port 5 with VPERMW, and a store right
+ * after its product waits), scale block u - LAG. */
 #define STAGE(u, t, ta, tb, prev)                                                                                      \
     do {                                                                                                    \
         const int64_t u_ = (u);                                                                             \
