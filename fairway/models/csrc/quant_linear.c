@@ -14,8 +14,11 @@
  * A nibble becomes its float (Q4_0: minus 8) by a 16-entry table lookup (VPERMPS / VPERMW read
  * only an index's low 4 / 5 bits, so no mask).
  *
- * A tile of MR rows x NV panels keeps per block an accumulator of sum_k x q per row and column, and
- * adds d * that (and m * sum_k x, Q4_1's offset) to the running sums at the block's end.
+ * A tile of MR rows x one panel keeps per block an accumulator of sum_k x q per row and column, and
+ * adds d * that (and m * sum_k x, Q4_1's offset) to the running sums at the block's end. A thread's
+ * panels lie one after another, so taking them one at a time reads its share of the weight as one
+ * sequential stream, which the hardware prefetcher follows from DRAM; several panels at once were
+ * several streams a panel apart and read slower (bench/README.md, "One panel a tile").
  *
  * Paths, chosen at run time by what the CPU reports (quant_isas): AVX512-BF16 (bf16 activations),
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
@@ -88,14 +91,13 @@ int quant_isas(void) {
 #define INLINE static inline __attribute__((always_inline))
 
 /* One tile's operands: x rows (float32, or bf16 pairs as uint32), their block sums sx [rows][nb],
- * the first panel's bytes, and where the outputs go. */
+ * the panel's bytes, and where the outputs go. */
 typedef struct {
     const void *x;
     int ldx; /* elements (float32) or pairs (bf16) per row */
     const float *sx;
     int nb;
-    const uint8_t *w;
-    int64_t panel_bytes;
+    const uint8_t *w; /* the panel's first block */
     void *y;
     int ldy, cols, y_bf16;
 } tile_args;
@@ -116,81 +118,69 @@ T512 INLINE void store16(void *y, int64_t at, __m512 v, int left, int y_bf16) {
 }
 
 /* The block's scales applied: acc += d * blk (+ m * sum x, Q4_1). */
-T512 INLINE void finish_block(__m512 acc[MAX_MR][4], __m512 blk[MAX_MR][4], const tile_args *a, int b,
-                              const int MR, const int NV, const int QT) {
-#pragma GCC unroll 4
-    for (int v = 0; v < NV; v++) {
-        const uint8_t *blkp = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blkp));
-        const __m512 m = QT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blkp + 32)))
-                                    : _mm512_setzero_ps();
+T512 INLINE void finish_block(__m512 acc[MAX_MR], __m512 blk[MAX_MR], const tile_args *a, int b, const int MR,
+                              const int QT) {
+    const uint8_t *blkp = a->w + (int64_t)b * block_bytes(QT);
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blkp));
+    const __m512 m = QT == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blkp + 32)))
+                                : _mm512_setzero_ps();
 #pragma GCC unroll 8
-        for (int r = 0; r < MR; r++) {
-            acc[r][v] = _mm512_fmadd_ps(blk[r][v], d, acc[r][v]);
-            if (QT == Q4_1) acc[r][v] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sx[(int64_t)r * a->nb + b]), acc[r][v]);
-        }
+    for (int r = 0; r < MR; r++) {
+        acc[r] = _mm512_fmadd_ps(blk[r], d, acc[r]);
+        if (QT == Q4_1) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(a->sx[(int64_t)r * a->nb + b]), acc[r]);
     }
 }
 
 /* float32 activations on AVX512F. */
-T512 INLINE void f32_tile(const tile_args *a, const int MR, const int NV, const int QT) {
+T512 INLINE void f32_tile(const tile_args *a, const int MR, const int QT) {
     const float *x = a->x;
-    __m512 acc[MAX_MR][4], blk[MAX_MR][4];
+    __m512 acc[MAX_MR], blk[MAX_MR];
     const __m512 lut = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
                                   : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < a->nb; b++) {
-        for (int r = 0; r < MR; r++)
-            for (int v = 0; v < NV; v++) blk[r][v] = _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) blk[r] = _mm512_setzero_ps();
         const float *xb = x + (int64_t)b * QK;
         if (QT == Q8_0) {
 #pragma GCC unroll 2
             for (int g = 0; g < 16; g++) {
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + 32 + g * 32;
-                    const __m512i raw = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)q));
-                    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
-                    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(raw, 8));
+                const uint8_t *q = a->w + (int64_t)b * block_bytes(QT) + 32 + g * 32;
+                const __m512i raw = _mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i *)q));
+                const __m512 w0 = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(raw, 24), 24));
+                const __m512 w1 = _mm512_cvtepi32_ps(_mm512_srai_epi32(raw, 8));
 #pragma GCC unroll 8
-                    for (int r = 0; r < MR; r++) {
-                        const float *xr = xb + (int64_t)r * a->ldx + 2 * g;
-                        blk[r][v] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), blk[r][v]);
-                        blk[r][v] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[1]), blk[r][v]);
-                    }
+                for (int r = 0; r < MR; r++) {
+                    const float *xr = xb + (int64_t)r * a->ldx + 2 * g;
+                    blk[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xr[0]), blk[r]);
+                    blk[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xr[1]), blk[r]);
                 }
             }
         } else {
             for (int h = 0; h < 4; h++) {
+                const uint8_t *q = a->w + (int64_t)b * block_bytes(QT) + quants_at(QT) + h * 64;
+                const __m512i raw = _mm512_loadu_si512(q); /* dword c: column c, k = 8h + 2i + o at bit 4i + 16o */
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + h * 64;
-                    const __m512i raw = _mm512_loadu_si512(q); /* dword c: column c, k = 8h + 2i + o at bit 4i + 16o */
-#pragma GCC unroll 4
-                    for (int i = 0; i < 4; i++) {
-                        const __m512 even = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * i), lut);
-                        const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * i + 16), lut);
+                for (int i = 0; i < 4; i++) {
+                    const __m512 even = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * i), lut);
+                    const __m512 odd = _mm512_permutexvar_ps(_mm512_srli_epi32(raw, 4 * i + 16), lut);
 #pragma GCC unroll 8
-                        for (int r = 0; r < MR; r++) {
-                            const float *xr = xb + (int64_t)r * a->ldx + 8 * h + 2 * i;
-                            blk[r][v] = _mm512_fmadd_ps(even, _mm512_set1_ps(xr[0]), blk[r][v]);
-                            blk[r][v] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xr[1]), blk[r][v]);
-                        }
+                    for (int r = 0; r < MR; r++) {
+                        const float *xr = xb + (int64_t)r * a->ldx + 8 * h + 2 * i;
+                        blk[r] = _mm512_fmadd_ps(even, _mm512_set1_ps(xr[0]), blk[r]);
+                        blk[r] = _mm512_fmadd_ps(odd, _mm512_set1_ps(xr[1]), blk[r]);
                     }
                 }
             }
         }
-        finish_block(acc, blk, a, b, MR, NV, QT);
+        finish_block(acc, blk, a, b, MR, QT);
     }
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < NV; v++) store16(a->y, (int64_t)r * a->ldy + v * PANEL, acc[r][v], a->cols - v * PANEL, a->y_bf16);
+    for (int r = 0; r < MR; r++) store16(a->y, (int64_t)r * a->ldy, acc[r], a->cols, a->y_bf16);
 }
 
 /* bf16 activations on AVX512-BF16: x read as k-pairs (one uint32 each). */
-TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int NV, const int QT) {
+TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int QT) {
     const uint32_t *x = a->x;
-    __m512 acc[MAX_MR][4], blk[MAX_MR][4];
+    __m512 acc[MAX_MR], blk[MAX_MR];
     /* bf16 bit patterns of 0..15 (Q4_0: -8..7), repeated: VPERMW reads 5 index bits */
     const __m512i lut = QT == Q4_0
         ? _mm512_set_epi16(0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0xBF80, 0xC000, 0xC040,
@@ -199,48 +189,38 @@ TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int NV, cons
         : _mm512_set_epi16(0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0,
                            0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, 0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120,
                            0x4110, 0x4100, 0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000);
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < NV; v++) acc[r][v] = _mm512_setzero_ps();
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < a->nb; b++) {
-        for (int r = 0; r < MR; r++)
-            for (int v = 0; v < NV; v++) blk[r][v] = _mm512_setzero_ps();
+        for (int r = 0; r < MR; r++) blk[r] = _mm512_setzero_ps();
         const uint32_t *xb = x + (int64_t)b * (QK / 2);
         if (QT == Q8_0) {
 #pragma GCC unroll 2
             for (int g = 0; g < 16; g++) {
-#pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + 32 + g * 32;
-                    const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-                    const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
-                    const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* exact: |q| <= 128 */
+                const uint8_t *q = a->w + (int64_t)b * block_bytes(QT) + 32 + g * 32;
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
+                const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo); /* exact: |q| <= 128 */
 #pragma GCC unroll 8
-                    for (int r = 0; r < MR; r++)
-                        blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w,
-                                                     (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)r * a->ldx + g]));
-                }
+                for (int r = 0; r < MR; r++)
+                    blk[r] = _mm512_dpbf16_ps(blk[r], w, (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)r * a->ldx + g]));
             }
         } else {
             for (int h = 0; h < 4; h++) {
+                const uint8_t *q = a->w + (int64_t)b * block_bytes(QT) + quants_at(QT) + h * 64;
+                const __m512i raw = _mm512_loadu_si512(q);
 #pragma GCC unroll 4
-                for (int v = 0; v < NV; v++) {
-                    const uint8_t *q = a->w + v * a->panel_bytes + (int64_t)b * block_bytes(QT) + quants_at(QT) + h * 64;
-                    const __m512i raw = _mm512_loadu_si512(q);
-#pragma GCC unroll 4
-                    for (int i = 0; i < 4; i++) { /* k-pair 4h + i */
-                        const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4 * i), lut);
+                for (int i = 0; i < 4; i++) { /* k-pair 4h + i */
+                    const __m512bh w = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4 * i), lut);
 #pragma GCC unroll 8
-                        for (int r = 0; r < MR; r++)
-                            blk[r][v] = _mm512_dpbf16_ps(blk[r][v], w,
-                                                         (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)r * a->ldx + 4 * h + i]));
-                    }
+                    for (int r = 0; r < MR; r++)
+                        blk[r] = _mm512_dpbf16_ps(blk[r], w,
+                                                  (__m512bh)_mm512_set1_epi32((int)xb[(int64_t)r * a->ldx + 4 * h + i]));
                 }
             }
         }
-        finish_block(acc, blk, a, b, MR, NV, QT);
+        finish_block(acc, blk, a, b, MR, QT);
     }
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < NV; v++) store16(a->y, (int64_t)r * a->ldy + v * PANEL, acc[r][v], a->cols - v * PANEL, a->y_bf16);
+    for (int r = 0; r < MR; r++) store16(a->y, (int64_t)r * a->ldy, acc[r], a->cols, a->y_bf16);
 }
 
 /* x [blocks][32] (contiguous rows of whole blocks): each block's sum into sx, and x as float32
@@ -333,15 +313,14 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
     }
 }
 
-/* Every (MR, NV) with MR * NV <= 8 (the accumulators and block sums fit the 32 registers). */
-#define TILE3(KIND, T, MR, NV)                                                                            \
-    T static void KIND##_##MR##_##NV##_q40(const tile_args *a) { KIND##_tile(a, MR, NV, Q4_0); }         \
-    T static void KIND##_##MR##_##NV##_q41(const tile_args *a) { KIND##_tile(a, MR, NV, Q4_1); }         \
-    T static void KIND##_##MR##_##NV##_q80(const tile_args *a) { KIND##_tile(a, MR, NV, Q8_0); }
+/* Every MR up to MAX_MR (the accumulators and block sums fit the 32 registers). */
+#define TILE3(KIND, T, MR)                                                                                \
+    T static void KIND##_##MR##_q40(const tile_args *a) { KIND##_tile(a, MR, Q4_0); }                    \
+    T static void KIND##_##MR##_q41(const tile_args *a) { KIND##_tile(a, MR, Q4_1); }                    \
+    T static void KIND##_##MR##_q80(const tile_args *a) { KIND##_tile(a, MR, Q8_0); }
 #define TILES(KIND, T)                                                                                    \
-    TILE3(KIND, T, 1, 1) TILE3(KIND, T, 2, 1) TILE3(KIND, T, 3, 1) TILE3(KIND, T, 4, 1) TILE3(KIND, T, 5, 1) \
-    TILE3(KIND, T, 6, 1) TILE3(KIND, T, 7, 1) TILE3(KIND, T, 8, 1) TILE3(KIND, T, 1, 2) TILE3(KIND, T, 2, 2) \
-    TILE3(KIND, T, 3, 2) TILE3(KIND, T, 4, 2) TILE3(KIND, T, 1, 4) TILE3(KIND, T, 2, 4)
+    TILE3(KIND, T, 1) TILE3(KIND, T, 2) TILE3(KIND, T, 3) TILE3(KIND, T, 4) TILE3(KIND, T, 5) TILE3(KIND, T, 6) \
+    TILE3(KIND, T, 7) TILE3(KIND, T, 8)
 TILES(f32, T512)
 TILES(bf16, TBF16)
 #define AVX2_TILE(MR)                                                                                     \
@@ -351,39 +330,31 @@ TILES(bf16, TBF16)
 AVX2_TILE(1) AVX2_TILE(2) AVX2_TILE(3) AVX2_TILE(4)
 
 #define BY_TYPE(NAME) {NAME##_q40, NAME##_q41, NAME##_q80}
-#define BY_NV(KIND, MR) {BY_TYPE(KIND##_##MR##_1), BY_TYPE(KIND##_##MR##_2), {0, 0, 0}, BY_TYPE(KIND##_##MR##_4)}
-#define BY_NV2(KIND, MR) {BY_TYPE(KIND##_##MR##_1), BY_TYPE(KIND##_##MR##_2), {0, 0, 0}, {0, 0, 0}}
-#define BY_NV1(KIND, MR) {BY_TYPE(KIND##_##MR##_1), {0, 0, 0}, {0, 0, 0}, {0, 0, 0}}
 #define BY_MR(KIND)                                                                                        \
-    {BY_NV(KIND, 1), BY_NV(KIND, 2), BY_NV2(KIND, 3), BY_NV2(KIND, 4), BY_NV1(KIND, 5), BY_NV1(KIND, 6), \
-     BY_NV1(KIND, 7), BY_NV1(KIND, 8)}
-/* [path: 0 f32, 1 bf16][MR - 1][NV - 1][type] */
-static const tile_fn TILE_TABLE[2][MAX_MR][4][3] = {BY_MR(f32), BY_MR(bf16)};
+    {BY_TYPE(KIND##_1), BY_TYPE(KIND##_2), BY_TYPE(KIND##_3), BY_TYPE(KIND##_4), BY_TYPE(KIND##_5),        \
+     BY_TYPE(KIND##_6), BY_TYPE(KIND##_7), BY_TYPE(KIND##_8)}
+/* [path: 0 f32, 1 bf16][MR - 1][type] */
+static const tile_fn TILE_TABLE[2][MAX_MR][3] = {BY_MR(f32), BY_MR(bf16)};
 static const tile_fn AVX2_TABLE[4][3] = {BY_TYPE(avx2_1), BY_TYPE(avx2_2), BY_TYPE(avx2_3), BY_TYPE(avx2_4)};
 
 static int type_index(int qt) { return qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2; }
 
-/* The widest panel group for this many rows: few rows stream several panels at once. */
-static int nv_for(int mr) { return mr <= 2 ? 4 : mr <= 4 ? 2 : 1; }
-
-/* One thread's panels [p0, p1): every row, in balanced chunks of at most max_mr. */
+/* One thread's panels [p0, p1), one at a time: every row, in balanced chunks of at most max_mr (a
+ * panel read from DRAM for the first chunk is in L1 for the next). */
 static void run_panels(int path, const void *x, int ldx, const float *sx, const uint8_t *packed, void *y, int y_bf16, int m, int n, int nb, int qt, int p0, int p1) {
     const int64_t panel_bytes = (int64_t)nb * block_bytes(qt);
     const int max_mr = path == 2 ? 4 : MAX_MR;
     const int chunks = (m + max_mr - 1) / max_mr, rows_per_chunk = (m + chunks - 1) / chunks;
     const int ti = type_index(qt), y_elem = y_bf16 ? 2 : 4;
-    const int nv_max = path == 2 ? 1 : nv_for(rows_per_chunk);
-    for (int p = p0; p < p1;) {
-        const int nv = min_int(nv_max, p1 - p) >= 4 ? 4 : min_int(nv_max, p1 - p) >= 2 ? 2 : 1;
+    for (int p = p0; p < p1; p++) {
         for (int r = 0; r < m; r += rows_per_chunk) {
             const int rows = min_int(rows_per_chunk, m - r);
             const tile_args a = {(const char *)x + (int64_t)r * ldx * 4, ldx, sx + (int64_t)r * nb, nb,
-                                 packed + p * panel_bytes, panel_bytes, (char *)y + ((int64_t)r * n + p * PANEL) * y_elem,
-                                 n, min_int(n - p * PANEL, nv * PANEL), y_bf16};
+                                 packed + p * panel_bytes, (char *)y + ((int64_t)r * n + p * PANEL) * y_elem,
+                                 n, min_int(n - p * PANEL, PANEL), y_bf16};
             if (path == 2) AVX2_TABLE[rows - 1][ti](&a);
-            else TILE_TABLE[path][rows - 1][nv - 1][ti](&a);
+            else TILE_TABLE[path][rows - 1][ti](&a);
         }
-        p += nv;
     }
 }
 
