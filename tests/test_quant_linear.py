@@ -110,19 +110,22 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
 
 
 @needs_kernel
-@pytest.mark.skipif(kernel is None or not kernel.isas & QuantKernels.AMX, reason="no AMX here")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("rows", [49, 64, 100])
 def test_past_48_rows_the_outputs_are_the_dequantized_models(qtype, rows):
-    """More rows than a verification of several sequences takes (a prefill): AMX multiplies the weights unpacked to bf16
-    panel by panel, the very weights --weights dequantized holds, so the outputs are its AMX
-    kernel's to the bit."""
+    """More rows than a verification of several sequences takes (a prefill): the weights are
+    unpacked to bf16 panel by panel, the very weights --weights dequantized holds, and multiplied
+    by its kernel (AMX tiles, or AVX512-BF16's), so the outputs are that kernel's to the bit."""
     from fairway.models.cpu_kernels import amx_linear, bf16_linear
     raw, x = case(qtype, 200, 192, rows, seed=2)
     x = x.to(torch.bfloat16)
     dequantized = torch.from_numpy(dequantize64(raw, qtype, 192).astype(np.float32)).to(torch.bfloat16)
-    want = amx_linear()(x, bf16_linear().pack(dequantized), 200)
-    assert torch.equal(QuantLinear(raw, qtype, 192, torch.bfloat16)(x), want)
+    layer = QuantLinear(raw, qtype, 192, torch.bfloat16)
+    if layer.isa not in (QuantKernels.AMX, QuantKernels.AVX512_BF16):
+        pytest.skip("bf16 activations take neither AMX nor AVX512-BF16 here: past 48 rows as below")
+    multiply = amx_linear() if layer.isa == QuantKernels.AMX else bf16_linear()
+    want = multiply(x, bf16_linear().pack(dequantized), 200)
+    assert torch.equal(layer(x), want)
 
 
 @needs_kernel

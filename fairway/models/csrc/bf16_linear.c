@@ -142,6 +142,26 @@ static void run_panels(const uint32_t *x, const uint16_t *packed, uint16_t *y, i
 }
 #endif
 
+/* One thread's product of all m rows of x ([m, k] bf16) with `width` (<= MAX_NV) panels laid out
+ * as below, one after another at w: outputs into y (row stride ldy), cols of them real. For weights
+ * unpacked panel by panel elsewhere (quant_linear.c's many-row path), so in cache already: no
+ * prefetch. The tile is the many-row one (4 panels x 4 rows, cpu_kernels.py's tile_for).
+ * Returns 0, or -1 when not compiled in. */
+int bf16_linear_panels(const uint16_t *x, const uint16_t *w, int width, uint16_t *y, int ldy, int cols, int m, int k) {
+#ifdef __AVX512BF16__
+    const int kp = k / 2, chunks = (m + 3) / 4, rows_per_chunk = (m + chunks - 1) / chunks;
+    const prefetch_plan none = {0, 0};
+    for (int r = 0; r < m; r += rows_per_chunk)
+        TILES[min_int(rows_per_chunk, m - r) - 1][width - 1]((const uint32_t *)x + (int64_t)r * kp, kp, w,
+                                                             (int64_t)kp * 2 * PANEL, kp, y + (int64_t)r * ldy, ldy,
+                                                             cols, none);
+    return 0;
+#else
+    (void)x, (void)w, (void)width, (void)y, (void)ldy, (void)cols, (void)m, (void)k;
+    return -1;
+#endif
+}
+
 /* x: [m, k] bf16, contiguous; packed: the weight [n, k] as ceil(n/16) panels of [k/2][16][2] bf16
  * (columns past n zero); y: [m, n] bf16. Tile: mr rows x nv panels (bf16_linear_tile_ok).
  * Returns 0, or -1 for what this kernel does not take (everything, when it was not compiled in). */

@@ -22,7 +22,8 @@
  * row, column and block, as many as the tile does in 1/32 of the time; it would bound a prefill.
  * Instead each thread unpacks two panels at a time to bf16 weights, d * q (+ m) rounded to the
  * nearest, which are the very weights `--weights dequantized` holds, into a buffer laid out as
- * bf16_linear.c's panels, and runs amx_linear.c's many-row product on it: the unpacking is paid
+ * bf16_linear.c's panels (quant_unpack_panel, quant_linear.c), and runs amx_linear.c's many-row
+ * product on it: the unpacking is paid
  * once per panel whatever the rows, and the outputs are the dequantized model's.
  *
  * Tile state and permission are amx_linear.c's (amx_linear_available(), amx_configure()).
@@ -48,6 +49,7 @@ int amx_linear_available(void);
 #include <omp.h>
 
 void amx_configure(int rows);
+void quant_unpack_panel(const uint8_t *panel, int qt, int nb, uint16_t *W);
 void amx_run_wide(const uint16_t *x, int64_t ldx_bytes, const uint16_t *packed, uint16_t *y, int64_t ldy, int m,
                   int mp, int n, int kb, int64_t panel_stride, int p0, int p1);
 
@@ -55,12 +57,6 @@ void amx_run_wide(const uint16_t *x, int64_t ldx_bytes, const uint16_t *packed, 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
 static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
 static inline int min_int(int a, int b) { return a < b ? a : b; }
-
-/* A 4-bit code as its float (Q4_0: minus 8), by VPERMPS on its low 4 bits. */
-static inline __m512 nibble_table(int qt) {
-    return qt == Q4_0 ? _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8)
-                      : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-}
 
 /* A block's values, exactly, as B: row q = k-pair q, words (column c at 2q, at 2q + 1). */
 static inline __attribute__((always_inline)) void to_operand(const uint8_t *q, const int qt, uint16_t *B) {
@@ -179,42 +175,6 @@ static const exact_fn EXACT_TABLE[TILE_ROWS][3] = {
     BY_TYPE(1), BY_TYPE(2), BY_TYPE(3), BY_TYPE(4), BY_TYPE(5), BY_TYPE(6), BY_TYPE(7), BY_TYPE(8),
     BY_TYPE(9), BY_TYPE(10), BY_TYPE(11), BY_TYPE(12), BY_TYPE(13), BY_TYPE(14), BY_TYPE(15), BY_TYPE(16)};
 
-/* A panel's weights, every block, as bf16 d * q (+ m) rounded to nearest even (the dequantized
- * model's weights), laid out as bf16_linear.c's panels: [k/2][16 columns][2]. Word 2c + o of a B
- * row is column c: the 16 columns' scales spread over 32 words by VPERMPS. */
-static void unpack_panel(const uint8_t *panel, int qt, int nb, uint16_t *W) {
-    const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
-    const __m512 table = nibble_table(qt);
-    const int bb = block_bytes(qt);
-    for (int b = 0; b < nb; b++, W += QK / 2 * 32) {
-        const uint8_t *blk = panel + (int64_t)b * bb, *q = blk + quants_at(qt);
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
-        const __m512 mn = qt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
-                                     : _mm512_setzero_ps();
-        const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
-        const __m512 m0 = _mm512_permutexvar_ps(first, mn), m1 = _mm512_permutexvar_ps(second, mn);
-        if (qt == Q8_0) {
-            for (int g = 0; g < 16; g++) {
-                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
-                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))));
-                _mm512_store_si512(W + g * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d1), _mm512_mul_ps(lo, d0)));
-            }
-            continue;
-        }
-        for (int h = 0; h < 4; h++) { /* group h: nibble i of word j is k-pair 4h + i, word j */
-            const __m512i raw = _mm512_loadu_si512(q + h * 64);
-            const __m512i a = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
-            const __m512i c = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1));
-            for (int i = 0; i < 4; i++) { /* VPERMPS reads an index's low 4 bits */
-                const __m512 lo = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4 * i), table);
-                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4 * i), table);
-                _mm512_store_si512(W + (4 * h + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d1, m1),
-                                                                                    _mm512_fmadd_ps(lo, d0, m0)));
-            }
-        }
-    }
-}
 #endif
 
 /* 1 when this build and CPU multiply on AMX bf16 tiles (asks Linux for the tile state once). */
@@ -300,7 +260,7 @@ int quant_amx_wide(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m,
             amx_configure(16);
             for (int p = p0; p < p1; p += 2) {
                 const int pair = min_int(2, p1 - p);
-                for (int i = 0; i < pair; i++) unpack_panel(packed + (p + i) * panel_bytes, qt, nb, W + i * panel_stride);
+                for (int i = 0; i < pair; i++) quant_unpack_panel(packed + (p + i) * panel_bytes, qt, nb, W + i * panel_stride);
                 amx_run_wide(xs, (int64_t)k * 2, W, y + p * PANEL, n, m, mp, n - p * PANEL, nb, panel_stride, 0, pair);
             }
             _tile_release();

@@ -24,11 +24,12 @@
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
  * vector); and for bf16 activations AMX tiles (quant_amx.c; Q4 from one row, Q8_0 from
  * QUANT_AMX_MIN_ROWS_Q8), which up to 48 rows take each block's sum as the AVX512F path does but
- * for the order of the float32 additions, and past them multiply the weights dequantized to bf16
- * panel by panel. The
- * file is built with -march=native but each path carries its own target attribute, so it compiles
- * on any x86-64 compiler that knows the instructions. Elsewhere quant_isas() is 0
- * and Python keeps the dequantized weights. Built with the other kernels by cpu_kernels.py.
+ * for the order of the float32 additions. Past QUANT_EXACT_ROWS rows (a prefill) the AVX512-BF16
+ * and AMX paths multiply the weights dequantized to bf16 panel by panel (quant_bf16_wide,
+ * quant_amx_wide). The file is built with -march=native but each path carries its own target
+ * attribute, so it compiles on any x86-64 compiler that knows the instructions. Elsewhere
+ * quant_isas() is 0 and Python keeps the dequantized weights. Built with the other kernels by
+ * cpu_kernels.py.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -49,13 +50,15 @@
 /* Q4 on AMX from one row (as fast as FMA there, and then every row count up to 48 sums alike);
  * Q8_0 unpacks to an operand at more cost, so one and two rows stay on FMA */
 #define QUANT_AMX_MIN_ROWS_Q8 3
-#define QUANT_AMX_EXACT_ROWS 48 /* past it AMX runs on the dequantized weights (quant_amx.c) */
+#define QUANT_EXACT_ROWS 48 /* past it the products run on the dequantized weights (quant_bf16_wide) */
+#define WIDE_PANELS 4        /* panels unpacked at a time there: bf16_linear.c's many-row tile */
 
 int quant_amx_available(void);
 int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, uint16_t *y, int m, int n, int k,
                    int qt, int num_threads);
 int quant_amx_wide(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
                    int num_threads);
+int bf16_linear_panels(const uint16_t *x, const uint16_t *w, int width, uint16_t *y, int ldy, int cols, int m, int k);
 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
 static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
@@ -131,12 +134,17 @@ T512 INLINE void finish_block(__m512 acc[MAX_MR], __m512 blk[MAX_MR], const tile
     }
 }
 
+/* A 4-bit code as its float (Q4_0: minus 8), by VPERMPS on its low 4 bits. */
+T512 INLINE __m512 nibble_table(int qt) {
+    return qt == Q4_0 ? _mm512_set_ps(7, 6, 5, 4, 3, 2, 1, 0, -1, -2, -3, -4, -5, -6, -7, -8)
+                      : _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+}
+
 /* float32 activations on AVX512F. */
 T512 INLINE void f32_tile(const tile_args *a, const int MR, const int QT) {
     const float *x = a->x;
     __m512 acc[MAX_MR], blk[MAX_MR];
-    const __m512 lut = QT == Q4_0 ? _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
-                                  : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 lut = nibble_table(QT);
     for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
     for (int b = 0; b < a->nb; b++) {
         for (int r = 0; r < MR; r++) blk[r] = _mm512_setzero_ps();
@@ -221,6 +229,70 @@ TBF16 INLINE void bf16_tile(const tile_args *a, const int MR, const int QT) {
         finish_block(acc, blk, a, b, MR, QT);
     }
     for (int r = 0; r < MR; r++) store16(a->y, (int64_t)r * a->ldy, acc[r], a->cols, a->y_bf16);
+}
+
+/* A panel's weights, every block, as bf16 d * q (+ m) rounded to nearest even (the dequantized
+ * model's weights), laid out as bf16_linear.c's panels: [k/2][16 columns][2]. Word 2c + o of a
+ * k-pair is column c: the 16 columns' scales spread over 32 words by VPERMPS. W: 64-byte aligned.
+ * The many-row paths multiply these (quant_bf16_wide below; quant_amx.c's on AMX). */
+TBF16 void quant_unpack_panel(const uint8_t *panel, int qt, int nb, uint16_t *W) {
+    const __m512i first = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+    const __m512 table = nibble_table(qt);
+    const int bb = block_bytes(qt);
+    for (int b = 0; b < nb; b++, W += QK / 2 * 32) {
+        const uint8_t *blk = panel + (int64_t)b * bb, *q = blk + quants_at(qt);
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 mn = qt == Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)))
+                                     : _mm512_setzero_ps();
+        const __m512 d0 = _mm512_permutexvar_ps(first, d), d1 = _mm512_permutexvar_ps(second, d);
+        const __m512 m0 = _mm512_permutexvar_ps(first, mn), m1 = _mm512_permutexvar_ps(second, mn);
+        if (qt == Q8_0) {
+            for (int g = 0; g < 16; g++) {
+                const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32))));
+                const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + 16))));
+                _mm512_store_si512(W + g * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(hi, d1), _mm512_mul_ps(lo, d0)));
+            }
+            continue;
+        }
+        for (int h = 0; h < 4; h++) { /* group h: nibble i of word j is k-pair 4h + i, word j */
+            const __m512i raw = _mm512_loadu_si512(q + h * 64);
+            const __m512i a = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw));
+            const __m512i c = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1));
+            for (int i = 0; i < 4; i++) { /* VPERMPS reads an index's low 4 bits */
+                const __m512 lo = _mm512_permutexvar_ps(_mm512_srli_epi32(a, 4 * i), table);
+                const __m512 hi = _mm512_permutexvar_ps(_mm512_srli_epi32(c, 4 * i), table);
+                _mm512_store_si512(W + (4 * h + i) * 32, (__m512i)_mm512_cvtne2ps_pbh(_mm512_fmadd_ps(hi, d1, m1),
+                                                                                    _mm512_fmadd_ps(lo, d0, m0)));
+            }
+        }
+    }
+}
+/* More than QUANT_EXACT_ROWS rows (a prefill) on AVX512-BF16: the exact sums would pay a float32
+ * FMA per row, column and block for the scales, and unpack every block again for each 8 rows.
+ * Instead each thread unpacks WIDE_PANELS panels at a time to the dequantized model's bf16
+ * weights and multiplies them by bf16_linear.c's many-row tiles, as quant_amx_wide does on AMX:
+ * the unpacking is paid once per panel, and the outputs are the dequantized model's. */
+TBF16 static int quant_bf16_wide(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt,
+                                 int num_threads) {
+    const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = (int64_t)nb * block_bytes(qt), panel_stride = (int64_t)k * PANEL;
+    int failed = 0;
+#pragma omp parallel num_threads(panels < 2 ? 1 : num_threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+        uint16_t *W = aligned_alloc(64, (size_t)panel_stride * 2 * WIDE_PANELS);
+        for (int p = p0; W != NULL && p < p1; p += WIDE_PANELS) {
+            const int width = min_int(WIDE_PANELS, p1 - p);
+            for (int i = 0; i < width; i++) quant_unpack_panel(packed + (p + i) * panel_bytes, qt, nb, W + i * panel_stride);
+            failed |= bf16_linear_panels(x, W, width, (uint16_t *)y + p * PANEL, n, min_int(n - p * PANEL, width * PANEL),
+                                         m, k) != 0;
+        }
+        failed |= W == NULL;
+        free(W);
+    }
+    return failed ? -2 : 0;
 }
 
 /* x [blocks][32] (contiguous rows of whole blocks): each block's sum into sx, and x as float32
@@ -371,9 +443,10 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
         if (!x_bf16) return -1;
         isa = ISA_AVX512;
     }
-    if (amx && m > QUANT_AMX_EXACT_ROWS) return quant_amx_wide(x, packed, y, m, n, k, qt, num_threads);
+    if (amx && m > QUANT_EXACT_ROWS) return quant_amx_wide(x, packed, y, m, n, k, qt, num_threads);
     const int path = isa == ISA_AVX512BF16 ? 1 : isa == ISA_AVX512 ? 0 : isa == ISA_AVX2 ? 2 : -1;
     if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
+    if (path == 1 && m > QUANT_EXACT_ROWS) return quant_bf16_wide(x, packed, y, m, n, k, qt, num_threads);
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
     const int widen = x_bf16 && !amx && path != 1;
     /* sx [m][nb]: the block sums of x (Q4_1's offset term, and Q4_0's on AVX2); widened x [m][k] */
