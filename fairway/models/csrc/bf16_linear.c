@@ -123,9 +123,10 @@ static prefetch_plan plan_for(const uint16_t *w, int width, int64_t panel_stride
     return pf;
 }
 
-/* One thread's run of panels [p0, p1): nv panels at a time, all m rows in balanced chunks. */
-static void run_panels(const uint32_t *x, const uint16_t *packed, uint16_t *y, int m, int n, int kp, int p0,
-                       int p1, int nv, int mr, int prefetch) {
+/* One thread's run of panels [p0, p1): nv panels at a time, all m rows in balanced chunks. y's rows
+ * are ldy apart, and hold n columns from panel 0's first. */
+static void run_panels(const uint32_t *x, const uint16_t *packed, uint16_t *y, int m, int n, int ldy, int kp,
+                       int p0, int p1, int nv, int mr, int prefetch) {
     const int64_t panel_stride = (int64_t)kp * 2 * PANEL;
     const int chunks = (m + mr - 1) / mr, rows_per_chunk = (m + chunks - 1) / chunks;
     const prefetch_plan none = {0, 0};
@@ -135,8 +136,8 @@ static void run_panels(const uint32_t *x, const uint16_t *packed, uint16_t *y, i
         for (int c = 0, r = 0; r < m; c++, r += rows_per_chunk) {
             const int rows = min_int(rows_per_chunk, m - r);
             const prefetch_plan pf = prefetch ? plan_for(w, width, panel_stride, kp, c, chunks) : none;
-            TILES[rows - 1][width - 1](x + (int64_t)r * kp, kp, w, panel_stride, kp, y + (int64_t)r * n + p * PANEL,
-                                       n, cols, pf);
+            TILES[rows - 1][width - 1](x + (int64_t)r * kp, kp, w, panel_stride, kp, y + (int64_t)r * ldy + p * PANEL,
+                                       ldy, cols, pf);
         }
     }
 }
@@ -149,12 +150,7 @@ static void run_panels(const uint32_t *x, const uint16_t *packed, uint16_t *y, i
  * Returns 0, or -1 when not compiled in. */
 int bf16_linear_panels(const uint16_t *x, const uint16_t *w, int width, uint16_t *y, int ldy, int cols, int m, int k) {
 #ifdef __AVX512BF16__
-    const int kp = k / 2, chunks = (m + 3) / 4, rows_per_chunk = (m + chunks - 1) / chunks;
-    const prefetch_plan none = {0, 0};
-    for (int r = 0; r < m; r += rows_per_chunk)
-        TILES[min_int(rows_per_chunk, m - r) - 1][width - 1]((const uint32_t *)x + (int64_t)r * kp, kp, w,
-                                                             (int64_t)kp * 2 * PANEL, kp, y + (int64_t)r * ldy, ldy,
-                                                             cols, none);
+    run_panels((const uint32_t *)x, w, y, m, cols, ldy, k / 2, 0, width, width, 4, 0);
     return 0;
 #else
     (void)x, (void)w, (void)width, (void)y, (void)ldy, (void)cols, (void)m, (void)k;
@@ -175,7 +171,7 @@ int bf16_linear(const uint16_t *x, const uint16_t *packed, uint16_t *y, int m, i
 #pragma omp parallel num_threads(threads)
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        run_panels((const uint32_t *)x, packed, y, m, n, kp, (int)((int64_t)panels * t / nt),
+        run_panels((const uint32_t *)x, packed, y, m, n, n, kp, (int)((int64_t)panels * t / nt),
                    (int)((int64_t)panels * (t + 1) / nt), nv, mr, prefetch);
     }
     return 0;
