@@ -23,8 +23,8 @@
  * Instead each thread unpacks two panels at a time to bf16 weights, d * q (+ m) rounded to the
  * nearest, which are the very weights `--weights dequantized` holds, into a buffer laid out as
  * bf16_linear.c's panels (quant_unpack_panel, quant_linear.c), and runs amx_linear.c's many-row
- * product on it: the unpacking is paid
- * once per panel whatever the rows, and the outputs are the dequantized model's.
+ * product on it: the unpacking is paid once per panel whatever the rows, and the outputs are the
+ * dequantized model's.
  *
  * Tile state and permission are amx_linear.c's (amx_linear_available(), amx_configure()).
  * Built with the other kernels by cpu_kernels.py (-march=native): without AMX it compiles to a

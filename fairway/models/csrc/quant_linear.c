@@ -273,8 +273,8 @@ TBF16 void quant_unpack_panel(const uint8_t *panel, int qt, int nb, uint16_t *W)
  * Instead each thread unpacks WIDE_PANELS panels at a time to the dequantized model's bf16
  * weights and multiplies them by bf16_linear.c's many-row tiles, as quant_amx_wide does on AMX:
  * the unpacking is paid once per panel, and the outputs are the dequantized model's. */
-TBF16 static int quant_bf16_wide(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt,
-                                 int num_threads) {
+static int quant_bf16_wide(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt,
+                           int num_threads) {
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
     const int64_t panel_bytes = (int64_t)nb * block_bytes(qt), panel_stride = (int64_t)k * PANEL;
     int failed = 0;
