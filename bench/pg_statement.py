@@ -6,6 +6,7 @@ The floor under every store call of a chat request (conversation/hot_path.py): t
 * a connection the caller holds (asyncpg's `Connection.fetch`: no pool at all);
 * the store's hot path (`PostgresHotPath.fetch`: asyncpg's own pool, configured as the store
   runs it, the statement compiled once by SQLAlchemy);
+* the hot path inside `one_connection()`, four statements a checkout (the recorder's batches);
 * asyncpg's pool with its defaults (a reset query at every release).
 
 The figure is this process's CPU per statement (`time.process_time`; PostgreSQL's own CPU is not
@@ -38,14 +39,15 @@ RESULTS = ROOT / "bench" / "results"
 SQL = "SELECT 1 AS x WHERE $1::integer > 0"
 
 
-async def per_statement(run: Callable[[], Awaitable[Any]], statements: int) -> tuple[float, float]:
-    """(CPU us, wall us) per statement over statements runs, after a warm-up."""
-    for _ in range(200):
+async def per_statement(run: Callable[[], Awaitable[Any]], statements: int, per_run: int = 1) -> tuple[float, float]:
+    """(CPU us, wall us) per statement over statements statements (per_run a run), after a warm-up."""
+    for _ in range(200 // per_run):
         await run()
     cpu, wall = time.process_time(), time.perf_counter()
-    for _ in range(statements):
+    for _ in range(statements // per_run):
         await run()
-    return ((time.process_time() - cpu) / statements * 1e6, (time.perf_counter() - wall) / statements * 1e6)
+    done = statements // per_run * per_run
+    return ((time.process_time() - cpu) / done * 1e6, (time.perf_counter() - wall) / done * 1e6)
 
 
 async def main(args: argparse.Namespace) -> None:
@@ -65,16 +67,22 @@ async def main(args: argparse.Namespace) -> None:
         async with pool.acquire() as conn:
             return await conn.fetch(SQL, 1)
 
-    sides: dict[str, Callable[[], Awaitable[Any]]] = {
-        "held connection": lambda: held.fetch(SQL, 1),
-        "store hot path (asyncpg pool)": lambda: hot.fetch(statement, {"a": 1}),
-        "asyncpg pool, defaults": through_default_pool,
+    async def four_a_checkout() -> None:
+        async with hot.one_connection():
+            for _ in range(4):
+                await hot.fetch(statement, {"a": 1})
+
+    sides: dict[str, tuple[Callable[[], Awaitable[Any]], int]] = {
+        "held connection": (lambda: held.fetch(SQL, 1), 1),
+        "store hot path (asyncpg pool)": (lambda: hot.fetch(statement, {"a": 1}), 1),
+        "hot path, 4 a checkout": (four_a_checkout, 4),
+        "asyncpg pool, defaults": (through_default_pool, 1),
     }
     rounds: dict[str, list[tuple[float, float]]] = {name: [] for name in sides}
     try:
         for _ in range(args.rounds):
-            for name, run in sides.items():
-                rounds[name].append(await per_statement(run, args.statements))
+            for name, (run, per_run) in sides.items():
+                rounds[name].append(await per_statement(run, args.statements, per_run))
     finally:
         await held.close()
         await pool.close()

@@ -20,6 +20,7 @@ from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from backends import missing
 from pg_admin import PG_HOST, pg_admin, temporary_database, terminate_lock_waiters
+from sqlalchemy.exc import IntegrityError
 
 from fairway.conversation import (
     ConversationStore,
@@ -35,8 +36,8 @@ from fairway.conversation import (
     make_store,
 )
 from fairway.conversation.entities import Conversation, Message, Reply, new_id, now
-from fairway.conversation.schema import metadata
-from fairway.conversation.sql_store import SqlConversationStore, alembic_config
+from fairway.conversation.schema import conversations, metadata
+from fairway.conversation.sql_store import SqlConversationStore, _values, alembic_config
 from fairway.conversation.store import Ending, NewTurn
 
 StoreFactory = Callable[[], SqlConversationStore]
@@ -556,6 +557,41 @@ async def test_chat_path_statements_share_a_bounded_pool_and_drop_a_cancelled_on
         await asyncio.sleep(0.02)
     assert pool.get_idle_size() == pool.get_size()  # every connection given back
     assert hot._pool is pool  # the same pool throughout
+
+
+async def test_a_batch_in_one_connection_takes_one_checkout_and_its_statements_still_stand_alone(
+    store: SqlConversationStore,
+) -> None:
+    """store.one_connection() (the recorder's batches): the calling task's statements run on one
+    pooled connection, nested blocks included, while other tasks take their own; a statement that
+    fails inside (a duplicate) leaves the next ones running, each committed by itself; after the
+    block the connection is back in the pool. Off the pool (SQLite) the block changes nothing."""
+    conv, _, reply = await _turn(store)
+    if store._dialect != "postgresql":
+        async with store.one_connection():
+            assert (await store.get_reply(reply.id)) is not None
+        return
+    hot = store._hot_path
+    assert hot is not None
+    backend = sa.select(sa.func.pg_backend_pid())
+
+    async def pid() -> int:
+        return (await hot.fetch(backend, {}))[0][0]
+
+    async with store.one_connection():
+        mine = {await pid() for _ in range(5)}
+        async with store.one_connection():
+            mine.add(await pid())
+        others = set(await asyncio.gather(*(pid() for _ in range(3))))  # tasks of their own
+        with pytest.raises(IntegrityError):  # the same primary key twice
+            await hot.fetch(sa.insert(conversations), _values(conv))
+        assert (await store.get_reply(reply.id)) is not None
+        mine.add(await pid())
+        pool = hot._pool
+        assert pool is not None and pool.get_idle_size() == pool.get_size() - 1
+    assert len(mine) == 1 and not mine & others
+    assert pool.get_idle_size() == pool.get_size()
+    assert (await store.get_conversation(conv.id, "u1")) is not None
 
 
 async def _killed_midway(admin: asyncpg.Connection, lock_row: str, call: Awaitable[Any]) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any, Protocol
 
+import orjson
+
 ChatMessage = dict[str, Any]  # {"role": ..., "content": str}
 
 
@@ -77,8 +79,11 @@ SEGMENT_CACHE = 8192
 
 def _chained(digest: bytes, message: ChatMessage) -> bytes:
     """A digest of the messages up to and including this one, from the previous one's."""
-    text = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str)
-    return hashlib.blake2b(digest + text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    try:
+        text = orjson.dumps(message, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
+    except orjson.JSONEncodeError:  # a lone surrogate, which orjson refuses: this process's key all the same
+        text = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
+    return hashlib.blake2b(digest + text, digest_size=16).digest()
 
 
 class ContextBuilder:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
+import contextvars
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 import asyncpg
+import orjson
 from sqlalchemy.engine import Dialect
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncEngine
@@ -34,16 +35,22 @@ from sqlalchemy.sql.dml import Insert
 
 _Compiled = tuple[str, tuple[str, ...], dict[str, Any]]
 
+# The connection a task holds for a run of statements (one_connection), with its pool and task: a
+# task it spawns inherits the variable but must not share the connection (asyncpg runs one
+# operation at a time on it).
+_HELD: contextvars.ContextVar[tuple[asyncpg.Pool, asyncio.Task[Any] | None, asyncpg.Connection] | None] = \
+    contextvars.ContextVar("fairway_pg_held", default=None)
+
 
 def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"))
+    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 async def _setup(conn: asyncpg.Connection) -> None:
     # JSON and JSONB columns (a reply's job and prompt ids) as Python values both ways, as the
     # engine hands them.
     for name in ("json", "jsonb"):
-        await conn.set_type_codec(name, encoder=_dumps, decoder=json.loads, schema="pg_catalog")
+        await conn.set_type_codec(name, encoder=_dumps, decoder=orjson.loads, schema="pg_catalog")
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:
@@ -87,13 +94,36 @@ class PostgresHotPath:
                    many: bool) -> Sequence[asyncpg.Record]:
         sql, names, fixed = self._compile(statement, params_list[0])
         args = [[params[name] if name in params else fixed[name] for name in names] for params in params_list]
-        loop = asyncio.get_running_loop()
-        pool = self._pool if self._loop is loop and self._pool is not None else await self._open(loop)
+        pool = await self._current_pool()
         try:
+            held = _HELD.get()
+            if held is not None and held[0] is pool and held[1] is asyncio.current_task():
+                return await (held[2].fetchmany(sql, args) if many else held[2].fetch(sql, *args[0]))
             async with pool.acquire() as conn:
                 return await (conn.fetchmany(sql, args) if many else conn.fetch(sql, *args[0]))
         except asyncpg.IntegrityConstraintViolationError as exc:
             raise IntegrityError(sql, args, exc) from exc
+
+    @contextlib.asynccontextmanager
+    async def one_connection(self) -> AsyncIterator[None]:
+        """The statements this task runs inside take one connection from the pool between them,
+        not one each: a checkout and its release cost the process about as much CPU as a short
+        statement (bench/README.md). Each still runs alone (autocommit), as outside."""
+        pool = await self._current_pool()
+        held = _HELD.get()
+        if held is not None and held[0] is pool and held[1] is asyncio.current_task():
+            yield  # (inside another: that one's)
+            return
+        async with pool.acquire() as conn:
+            token = _HELD.set((pool, asyncio.current_task(), conn))
+            try:
+                yield
+            finally:
+                _HELD.reset(token)
+
+    async def _current_pool(self) -> asyncpg.Pool:
+        loop = asyncio.get_running_loop()
+        return self._pool if self._loop is loop and self._pool is not None else await self._open(loop)
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> asyncpg.Pool:
         # Connections belong to the loop that opened them: a store used from another loop (a test

@@ -145,7 +145,12 @@ class ReplyRecorder:
 
     async def record_many(self, reports: list[ReplyReport]) -> None:
         """Write the reports (a report's own bad data is logged and skipped). Every step runs
-        even if one before it failed; then the first failure is raised."""
+        even if one before it failed; then the first failure is raised. The steps' statements
+        share one database connection (up to four a batch: the hooks' too)."""
+        async with self.store.one_connection():
+            await self._record_many(reports)
+
+    async def _record_many(self, reports: list[ReplyReport]) -> None:
         failed: list[Exception] = []
 
         async def step(write: Awaitable[object]) -> None:

@@ -382,6 +382,16 @@ class SqlConversationStore(ConversationStore):
             await self._hot_path.close()
         await self._engine.dispose()
 
+    @contextlib.asynccontextmanager
+    async def one_connection(self) -> AsyncIterator[None]:
+        if self._hot_path is None:
+            yield
+            return
+        async with contextlib.AsyncExitStack() as stack:
+            with _reaching_database():  # the checkout's errors; the block's own pass as they are
+                await stack.enter_async_context(self._hot_path.one_connection())
+            yield
+
     # conversations
 
     async def get_conversation(self, id: str, user_id: str) -> Conversation | None:

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +107,13 @@ class ConversationStore(ABC):
 
     @abstractmethod
     async def close(self) -> None: ...
+
+    @contextlib.asynccontextmanager
+    async def one_connection(self) -> AsyncIterator[None]:
+        """The calling task's statements inside share one database connection where the store
+        checks connections out of a pool per statement (a batch of writes: one checkout, not one
+        each). Nothing else changes: each statement still commits by itself."""
+        yield
 
     # conversations
 

@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fairway.gateway.errors import ApiError, invalid
@@ -112,6 +113,10 @@ def request_body(model: type[BaseModel]) -> dict[str, Any]:
 def parse_json(body: bytes) -> Any:
     if not body:
         raise invalid("The request body is empty; send a JSON object.")
+    try:
+        return orjson.loads(body)
+    except orjson.JSONDecodeError:  # or what only the standard parser takes: NaN, huge ints, lone surrogates
+        pass
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

@@ -9,7 +9,7 @@ what the reply really used; release() gives all of it back.
 
 from __future__ import annotations
 
-import uuid
+import secrets
 from dataclasses import dataclass, field
 
 from fairway.limits import _redis
@@ -26,7 +26,7 @@ class Reservation:
     state: WindowState  # usage right after reserving: the x-ratelimit-*-tokens headers
     bucket: int  # the window bucket the tokens went into; settle/release adjust it
     key: str = field(repr=False)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
+    id: str = field(default_factory=lambda: secrets.token_hex(8))
     closed: bool = field(default=False, repr=False)  # settled or released: later calls are no-ops
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from fairway.relay.arrivals import Arrivals
 from fairway.relay.inbox import Delivery, Inbox
@@ -15,7 +16,7 @@ from fairway.relay.inbox import Delivery, Inbox
 
 @dataclass
 class _Pending:
-    raw: str
+    raw: bytes
     consumer: str
     taken_at: float  # monotonic
     attempts: int
@@ -23,7 +24,7 @@ class _Pending:
 
 @dataclass
 class _Box(Arrivals):
-    waiting: deque[tuple[str, str]] = field(default_factory=deque)  # (id, JSON), oldest first
+    waiting: deque[tuple[str, bytes]] = field(default_factory=deque)  # (id, JSON), oldest first
     pending: dict[str, _Pending] = field(default_factory=dict)  # taken, not acknowledged
     next_id: int = 0
 
@@ -35,7 +36,7 @@ class InProcessInbox(Inbox):
     async def post(self, inbox: str, item: dict[str, Any]) -> None:
         box = self._boxes.setdefault(inbox, _Box())
         box.next_id += 1
-        box.waiting.append((str(box.next_id), json.dumps(item)))  # JSON: the same values as on Redis
+        box.waiting.append((str(box.next_id), orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)))  # JSON: the same values as on Redis
         box.notify()
 
     async def take(self, inbox: str, consumer: str, *, max_count: int,
@@ -47,7 +48,7 @@ class InProcessInbox(Inbox):
         for _ in range(min(max_count, len(box.waiting))):
             item_id, raw = box.waiting.popleft()
             box.pending[item_id] = _Pending(raw, consumer, time.monotonic(), 1)
-            taken.append(Delivery(item_id, json.loads(raw), 1))
+            taken.append(Delivery(item_id, orjson.loads(raw), 1))
         return taken
 
     async def ack(self, inbox: str, deliveries: Sequence[Delivery]) -> None:
@@ -67,5 +68,5 @@ class InProcessInbox(Inbox):
         reclaimed = []
         for item_id, pending in idle[:max_count]:
             pending.consumer, pending.taken_at, pending.attempts = consumer, now, pending.attempts + 1
-            reclaimed.append(Delivery(item_id, json.loads(pending.raw), pending.attempts))
+            reclaimed.append(Delivery(item_id, orjson.loads(pending.raw), pending.attempts))
         return reclaimed

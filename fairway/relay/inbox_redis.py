@@ -4,10 +4,10 @@ XREADGROUP, XACK+XDEL, XPENDING IDLE + XCLAIM), so what a process had taken surv
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Sequence
 from typing import Any
 
+import orjson
 from redis.exceptions import ResponseError
 
 from fairway.redis_client import RedisClient, field_pairs
@@ -21,8 +21,8 @@ def _delivery(entry_id: str, flat: list[str], attempts: int) -> Delivery:
     """An inbox stream entry as a Delivery; an entry that is not one of ours carries {} (its
     consumer refuses it, and acknowledges it so it does not come back)."""
     try:
-        item = json.loads(field_pairs(flat)["j"])
-    except (KeyError, ValueError):
+        item = orjson.loads(field_pairs(flat)["j"])
+    except (KeyError, ValueError):  # (orjson's JSONDecodeError is a ValueError)
         item = {}
     return Delivery(entry_id, item if isinstance(item, dict) else {}, attempts)
 
@@ -45,7 +45,7 @@ class RedisInbox(Inbox):
 
     async def post(self, inbox: str, item: dict[str, Any]) -> None:
         with guard():
-            await self._client.execute("XADD", self._key(inbox), "*", "j", json.dumps(item, separators=(",", ":")))
+            await self._client.execute("XADD", self._key(inbox), "*", "j", orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS))
 
     async def take(self, inbox: str, consumer: str, *, max_count: int,
                    timeout: float | None = 0.0) -> list[Delivery]:

@@ -13,11 +13,12 @@ at its first append (TokenLog.append), so a client never sees one reply twice.
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import orjson
 
 from fairway.domain import LANE_ORDER, Lane
 
@@ -37,11 +38,11 @@ class ClaimedJob:
 
 def encode_job(job_id: str, job: dict[str, Any]) -> str:
     # JSON so the same payload crosses process boundaries unchanged in the Redis backend.
-    return json.dumps({"id": job_id, "job": job}, separators=(",", ":"))
+    return orjson.dumps({"id": job_id, "job": job}, option=orjson.OPT_NON_STR_KEYS).decode()
 
 
 def decode_job(raw: str, lane: Lane, receipt: str = "") -> ClaimedJob:
-    data = json.loads(raw)
+    data = orjson.loads(raw)
     return ClaimedJob(data["id"], lane, data["job"], receipt)
 
 

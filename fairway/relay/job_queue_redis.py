@@ -12,8 +12,8 @@ lane at once), it only wakes the claimer, which runs the script again.
 
 from __future__ import annotations
 
+import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -62,7 +62,7 @@ class RedisJobQueue(JobQueue):
     def submit_command(self, job: dict[str, Any], lane: Lane | str, queue: str,
                        front: bool = False) -> tuple[str, Command]:
         """A new job's id and the command that queues it (for a caller that pipelines it)."""
-        job_id = uuid.uuid4().hex
+        job_id = secrets.token_hex(16)
         key = self._keys(queue)[_STREAMS.index((Lane(lane), front))]
         return job_id, ["XADD", key, "*", "j", encode_job(job_id, job)]
 

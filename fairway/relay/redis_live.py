@@ -23,13 +23,13 @@ here, and anything out of order.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -49,7 +49,7 @@ def live_payload(event: Event) -> str:
         return sequenced_text(",".join(map(str, event.token_ids)), event.text)  # its head: the ids
     fields = event.to_fields()
     del fields["n"]
-    return "f" + json.dumps(fields, separators=(",", ":"), ensure_ascii=False)
+    return "f" + orjson.dumps(fields).decode()
 
 
 def event_from_live(message: str) -> Event:
@@ -57,7 +57,7 @@ def event_from_live(message: str) -> Event:
     if payload[0] == TEXT:
         ids, _, text = payload[1:].partition(HEAD_END)
         return _token(int(n), text, ids)
-    fields = json.loads(payload[1:])
+    fields = orjson.loads(payload[1:])
     fields["n"] = n
     return event_from_fields(fields)
 

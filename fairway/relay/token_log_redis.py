@@ -23,7 +23,7 @@ needs no sweeper.
 from __future__ import annotations
 
 import asyncio
-import uuid
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import suppress
 from typing import Any
@@ -329,7 +329,7 @@ class RedisTokenLog(TokenLog):
         sub = await self._live.add(self._key(reply_id), self._key(reply_id, "live"), idle_s)
         try:
             # Counted as a listener before the first event is handed out, in the read's round trip.
-            token = uuid.uuid4().hex
+            token = secrets.token_hex(16)
             try:
                 replay, finished = await self._snapshot(reply_id, after, join=token)
             except RelayError:
