@@ -107,8 +107,8 @@ class PostgresHotPath:
     @contextlib.asynccontextmanager
     async def one_connection(self) -> AsyncIterator[None]:
         """The statements this task runs inside take one connection from the pool between them,
-        not one each: a checkout and its release cost the process about as much CPU as a short
-        statement (bench/README.md). Each still runs alone (autocommit), as outside."""
+        not one each: a checkout and its release cost the process nearly as much CPU as a short
+        statement (bench/README.md, pg_statement.py). Each still runs alone (autocommit), as outside."""
         pool = await self._current_pool()
         held = _HELD.get()
         if held is not None and held[0] is pool and held[1] is asyncio.current_task():
