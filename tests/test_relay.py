@@ -772,6 +772,43 @@ async def test_redis_live_gap_is_filled_from_the_log(redis_backend: Backend) -> 
     assert [e.n for e in events] == [1, 2, 3, 4, 5, 6] and events[2].text == "t3 "
 
 
+async def test_redis_unsubscriptions_wait_to_share_a_write_and_none_is_left_behind(redis_backend: Backend) -> None:
+    """Subscribers that left are unsubscribed with the next subscription's write, or within
+    UNSUBSCRIBE_WAIT_S: no channel stays subscribed on Redis. A reply followed again before its
+    unsubscription went out still hears its events."""
+    import redis.asyncio as aioredis
+
+    from fairway.relay.redis_live import UNSUBSCRIBE_WAIT_S
+
+    gateway, replica, ids = redis_backend.log(), redis_backend.log(), [rid() for _ in range(3)]
+    raw = aioredis.from_url(REDIS_URL, decode_responses=True)
+
+    async def subscribed() -> list[int]:
+        channels = [f"{redis_backend.prefix}reply:{{{r}}}:live" for r in ids]
+        counts = await raw.execute_command("PUBSUB", "SHARDNUMSUB", *channels)
+        return [int(c) for c in counts[1::2]]
+
+    try:
+        for r in ids:
+            await replica.create(r)
+            await replica.append(r, TokenEvent(1, "a"))
+            async with aclosing(gateway.subscribe(r)) as events:
+                assert (await anext(events)).n == 1
+        # Each left before the next subscribed: its unsubscription went with that subscription, the
+        # last one's still waits.
+        assert await subscribed() == [0, 0, 1]
+        async with aclosing(gateway.subscribe(ids[2])) as events:  # again, before it went out
+            assert (await anext(events)).n == 1
+            assert await subscribed() == [0, 0, 1]
+            await replica.append(ids[2], TokenEvent(2, "b"))
+            assert (await asyncio.wait_for(anext(events), 5)).n == 2
+        assert await subscribed() == [0, 0, 1]
+        await asyncio.sleep(UNSUBSCRIBE_WAIT_S + 0.2)
+        assert await subscribed() == [0, 0, 0]
+    finally:
+        await raw.aclose()
+
+
 async def test_replica_appends_of_one_step_share_a_round_trip() -> None:
     from fairway.replica.worker import _Appender
 

@@ -40,6 +40,8 @@ from fairway.relay.errors import RelayUnavailable, ReplyNotFound
 from fairway.relay.events import Event, TokenEvent, event_from_fields
 from fairway.relay.token_log import TokenSink
 
+UNSUBSCRIBE_WAIT_S = 0.05  # the longest an unsubscription waits to share a write
+
 
 def live_payload(event: Event) -> str:
     """What the append script publishes after "<n> " (n, which the script may only assign then,
@@ -189,7 +191,8 @@ class LiveEvents:
         self._taps: dict[str, Any] = {}  # channel -> Tap, fed by the dispatcher (see LiveSubscriber)
         self._confirming: dict[str, deque[asyncio.Future[None]]] = {}  # per channel, in sending order
         self._outbox: list[tuple[str, str]] = []
-        self._flushing = False  # a flush of the outbox is scheduled
+        self._flushing = False  # a flush of the outbox is scheduled for this loop iteration
+        self._flush_later: asyncio.TimerHandle | None = None  # one for pending unsubscriptions only
         self._conn: RawConnection | None = None
         self._dispatcher: Any = None  # the current connection's
         self._connecting = asyncio.Lock()
@@ -255,16 +258,27 @@ class LiveEvents:
             self._failed(RelayUnavailable("Redis unreachable: the live events connection was lost"))
 
     def _send(self, command: str, channel: str) -> None:
-        """Queue a (un)subscription; the commands of one loop iteration go out in one write."""
+        """Queue a (un)subscription. A subscription goes out at the end of this loop iteration,
+        with whatever else is queued, in one write. An unsubscription waits for the next
+        subscription's write, or UNSUBSCRIBE_WAIT_S at most: a reply's channel is silent once it
+        ended, and each write costs a system call and Redis a read."""
         if self._conn is None:
             return  # failed meanwhile: nothing is subscribed any more
         self._outbox.append((command, channel))
-        if not self._flushing:
+        if self._flushing:
+            return
+        loop = asyncio.get_running_loop()
+        if command != "SUNSUBSCRIBE":
             self._flushing = True
-            asyncio.get_running_loop().call_soon(self._flush)
+            loop.call_soon(self._flush)
+        elif self._flush_later is None:
+            self._flush_later = loop.call_later(UNSUBSCRIBE_WAIT_S, self._flush)
 
     def _flush(self) -> None:
         self._flushing = False
+        if self._flush_later is not None:
+            self._flush_later.cancel()
+            self._flush_later = None
         commands, self._outbox = self._outbox, []
         if not commands or self._conn is None:
             return
@@ -356,6 +370,9 @@ class LiveEvents:
         self._taps.clear()
         self._confirming.clear()
         self._outbox.clear()
+        if self._flush_later is not None:
+            self._flush_later.cancel()
+            self._flush_later = None
         return conn
 
 
