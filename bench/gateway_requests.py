@@ -16,12 +16,17 @@ gateway only (a part the base revision has not got, turned off).
 
 Even so this machine's noise (a shared 2-core VM) is as large as many changes, so both sides run
 in the same session, alternately, round after round: `--base` is checked out in a temporary git
-worktree, and each side's own `fairway` and synthetic replica run from its tree. Prints a table
-and the medians; results go to bench/results/gateway_requests.json.
+worktree, and each side's own `fairway` and synthetic replica run from its tree. With --together
+the two sides run at the same time instead, each with its own replica, database and share of the
+client, so a round's two figures meet the same phase of the machine (their ratio moved +-3% from
+round to round where alternate rounds moved +-10%); both then run on a busier machine, so their
+figures are higher than alone. Prints a table and the medians; results go to
+bench/results/gateway_requests.json (gateway_requests_together.json with --together).
 
     .venv/bin/python bench/gateway_requests.py --base HEAD~3           # 3 rounds of 800 requests
     .venv/bin/python bench/gateway_requests.py --base 4849222 --rounds 5 --database sqlite
     .venv/bin/python bench/gateway_requests.py --base 0ab41d4 --rate 150 --requests 1500
+    .venv/bin/python bench/gateway_requests.py --base 0ab41d4 --rate 100 --requests 1500 --rounds 5 --together
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ import relay  # noqa: E402  (this tree's helpers: ports, the SSE client, the tem
 async def measure(root: Path, args: argparse.Namespace, workdir: Path, own_args: list[str]) -> float:
     """Milliseconds of gateway CPU per request, for the tree at root."""
     async with relay.gateway_database(args.database, workdir) as database:
-        relay.API_KEY["value"] = relay.create_key(database, root)
+        api_key = relay.create_key(database, root)
         namespace = f"bench:{uuid.uuid4().hex[:8]}:"
         port = relay.free_port()
         procs = [relay.spawn(["bench/relay.py", "synthetic-replica", "--redis", args.redis, "--namespace", namespace],
@@ -67,9 +72,9 @@ async def measure(root: Path, args: argparse.Namespace, workdir: Path, own_args:
             async def one(i: int = 0) -> int:
                 if args.rate:  # open loop: request i leaves at i / rate s
                     await asyncio.sleep(i / args.rate)
-                    return await relay.stream_chat(port, body, lambda data, received: None)
+                    return await relay.stream_chat(port, body, lambda data, received: None, api_key)
                 async with gate:
-                    return await relay.stream_chat(port, body, lambda data, received: None)
+                    return await relay.stream_chat(port, body, lambda data, received: None, api_key)
 
             await asyncio.gather(*(one() for _ in range(20)))  # warm-up: imports, connections, caches
             await asyncio.sleep(1.0)
@@ -126,12 +131,16 @@ async def main(args: argparse.Namespace) -> None:
                   f"{args.database}{', gateway ' + ' '.join(args.gateway_arg) if args.gateway_arg else ''}): {base} vs "
                   f"this tree ({this}{' ' + ' '.join(args.this_arg) if args.this_arg else ''})", flush=True)
             for r in range(args.rounds):
-                result = {}
+                sides = {}
                 for side, root in (("base", base_root), ("this", ROOT)):
                     workdir = Path(tmp) / f"{side}{r}"
                     workdir.mkdir()
-                    own = args.this_arg if side == "this" else []
-                    result[side] = round(await measure(root, args, workdir, own), 3)
+                    sides[side] = (root, workdir, args.this_arg if side == "this" else [])
+                if args.together:
+                    figures = await asyncio.gather(*(measure(root, args, wd, own) for root, wd, own in sides.values()))
+                else:
+                    figures = [await measure(root, args, wd, own) for root, wd, own in sides.values()]
+                result = {side: round(figure, 3) for side, figure in zip(sides, figures, strict=True)}
                 rounds.append(result)
                 print(f"  round {r + 1}: {base} {result['base']:6.2f} ms   this {result['this']:6.2f} ms", flush=True)
         finally:
@@ -140,16 +149,21 @@ async def main(args: argparse.Namespace) -> None:
     ratio = round(medians["this"] / medians["base"], 3)
     print(f"median: {base} {medians['base']:.2f} ms, this tree {medians['this']:.2f} ms per request "
           f"(this / base = {ratio})")
+    ratios = [round(r["this"] / r["base"], 3) for r in rounds]
+    print(f"this / base round by round: {', '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}")
     report: dict[str, Any] = {
         "benchmark": "gateway_requests",
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine.describe(),
         "base": base, "this": this, "store": args.database, "requests": args.requests, "tokens": args.tokens,
         "concurrency": None if args.rate else args.concurrency, "rate_per_s": args.rate or None,
-        "gateway_args": args.gateway_arg, "this_args": args.this_arg, "rounds": rounds, "median_ms_per_request": medians, "this_over_base": ratio,
+        "gateway_args": args.gateway_arg, "this_args": args.this_arg, "together": args.together, "rounds": rounds,
+        "median_ms_per_request": medians, "this_over_base": ratio,
+        "this_over_base_by_round": ratios, "median_of_ratios": statistics.median(ratios),
     }
     relay.RESULTS.mkdir(parents=True, exist_ok=True)
-    (relay.RESULTS / "gateway_requests.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = "gateway_requests_together.json" if args.together else "gateway_requests.json"
+    (relay.RESULTS / name).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -164,6 +178,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tokens", type=int, default=2, help="max_tokens per chat")
     parser.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")
+    parser.add_argument("--together", action="store_true",
+                        help="both sides at the same time, each round (less of the machine's drift in the ratio)")
     return parser.parse_args()
 
 

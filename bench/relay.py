@@ -216,11 +216,13 @@ class SseClient(asyncio.Protocol):
             self.done.set_result(self.status)
 
 
-async def stream_chat(port: int, body: dict[str, Any], on_event: Callable[[bytes, float], None]) -> int:
-    """POST a streaming chat; on_event(data_bytes, received_at) per SSE data line. Returns status."""
+async def stream_chat(port: int, body: dict[str, Any], on_event: Callable[[bytes, float], None],
+                      api_key: str | None = None) -> int:
+    """POST a streaming chat; on_event(data_bytes, received_at) per SSE data line. Returns status.
+    With the key in API_KEY unless api_key names another (two gateways at once)."""
     payload = json.dumps(body).encode()
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-               f"Authorization: Bearer {API_KEY['value']}\r\nContent-Type: application/json\r\n"
+               f"Authorization: Bearer {api_key or API_KEY['value']}\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
     loop = asyncio.get_running_loop()
     done: asyncio.Future[int] = loop.create_future()
