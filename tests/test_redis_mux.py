@@ -39,6 +39,18 @@ def test_pack_is_resp() -> None:
     assert pack(["SET", "k", 1.5, b"\x00"]) == b"*4\r\n$3\r\nSET\r\n$1\r\nk\r\n$3\r\n1.5\r\n$1\r\n\x00\r\n"
     with pytest.raises(TypeError):
         pack(["SET", "k", None])
+    with pytest.raises(TypeError, match="bool"):
+        pack(["SET", "k", True])
+
+
+def test_pack_writes_each_argument_as_its_text() -> None:
+    """Numbers as Python writes them (repr), text as UTF-8, bytes as they are: the same bytes
+    whichever packer (hiredis's in C, or the Python one) packs them."""
+    values = [0, -7, 10**25, 0.1, 1 / 3, 2.5e-07, 1e16, -0.0, float("inf"), float("nan"), 123.0, "é😀", "", b"\r\n"]
+    expected = b"".join(b"$%d\r\n%b\r\n" % (len(a), a) for a in
+                        [b"X", *(v if isinstance(v, bytes) else (v.encode() if isinstance(v, str) else repr(v).encode())
+                                 for v in values)])
+    assert pack(["X", *values]) == b"*%d\r\n" % (len(values) + 1) + expected
 
 
 async def test_concurrent_callers_each_get_their_own_reply(mux: RedisMux) -> None:
