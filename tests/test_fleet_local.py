@@ -30,6 +30,7 @@ import threading
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import redis
 from backends import missing
@@ -254,8 +255,22 @@ def ramp_then_trickle(url: str, key: str, watch: Watch, full: float) -> tuple[li
     trickled = time.monotonic()
     for thread in threads:
         thread.join(timeout=120)
-    assert not any(t.is_alive() for t in threads), "a stream never ended"
+    hung = [s for s, thread in zip(streams, threads, strict=True) if thread.is_alive()]
+    assert not hung, f"streams never ended: {[hung_stream(url, key, s) for s in hung]}"
     return streams, ramped, trickled
+
+
+def hung_stream(url: str, key: str, s: Stream) -> str:
+    """What a stream that never ended had received, and what the gateway says of its reply."""
+    seen = f"{len(s.ids)} events, the last {time.monotonic() - s.times[-1]:.0f} s ago" if s.times else "no event"
+    if s.reply_id is None:
+        return f"no reply id, {seen}"
+    try:
+        reply = httpx.get(f"{url}/v1/replies/{s.reply_id}", headers={"Authorization": f"Bearer {key}"}, timeout=10)
+        said = f"{reply.status_code} {reply.text[:300]}"
+    except httpx.HTTPError as exc:
+        said = repr(exc)
+    return f"{s.reply_id}: {seen}; GET /v1/replies/{s.reply_id}: {said}"
 
 
 def replicas_said(backend: LocalBackend, log_dir: Path) -> str:
