@@ -81,8 +81,9 @@ def _chained(digest: bytes, message: ChatMessage) -> bytes:
     """A digest of the messages up to and including this one, from the previous one's."""
     try:
         text = orjson.dumps(message, default=str, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
-    except orjson.JSONEncodeError:  # a lone surrogate, which orjson refuses: this process's key all the same
-        text = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str).encode("utf-8", "surrogatepass")
+    except orjson.JSONEncodeError:  # a lone surrogate, which orjson refuses: still a key (in-process)
+        text = json.dumps(message, sort_keys=True, ensure_ascii=False, default=str)
+        text = text.encode("utf-8", "surrogatepass")
     return hashlib.blake2b(digest + text, digest_size=16).digest()
 
 

@@ -42,6 +42,12 @@ _HELD: contextvars.ContextVar[tuple[asyncpg.Pool, asyncio.Task[Any] | None, asyn
     contextvars.ContextVar("fairway_pg_held", default=None)
 
 
+def _held_from(pool: asyncpg.Pool) -> asyncpg.Connection | None:
+    """The connection of pool this task holds inside one_connection(), if it is inside one."""
+    held = _HELD.get()
+    return held[2] if held is not None and held[0] is pool and held[1] is asyncio.current_task() else None
+
+
 def _dumps(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
 
@@ -94,11 +100,10 @@ class PostgresHotPath:
                    many: bool) -> Sequence[asyncpg.Record]:
         sql, names, fixed = self._compile(statement, params_list[0])
         args = [[params[name] if name in params else fixed[name] for name in names] for params in params_list]
-        pool = await self._current_pool()
+        pool = self._this_loops_pool() or await self._open(asyncio.get_running_loop())
         try:
-            held = _HELD.get()
-            if held is not None and held[0] is pool and held[1] is asyncio.current_task():
-                return await (held[2].fetchmany(sql, args) if many else held[2].fetch(sql, *args[0]))
+            if (held := _held_from(pool)) is not None:
+                return await (held.fetchmany(sql, args) if many else held.fetch(sql, *args[0]))
             async with pool.acquire() as conn:
                 return await (conn.fetchmany(sql, args) if many else conn.fetch(sql, *args[0]))
         except asyncpg.IntegrityConstraintViolationError as exc:
@@ -109,9 +114,8 @@ class PostgresHotPath:
         """The statements this task runs inside take one connection from the pool between them,
         not one each: a checkout and its release cost the process nearly as much CPU as a short
         statement (bench/README.md, pg_statement.py). Each still runs alone (autocommit), as outside."""
-        pool = await self._current_pool()
-        held = _HELD.get()
-        if held is not None and held[0] is pool and held[1] is asyncio.current_task():
+        pool = self._this_loops_pool() or await self._open(asyncio.get_running_loop())
+        if _held_from(pool) is not None:
             yield  # (inside another: that one's)
             return
         async with pool.acquire() as conn:
@@ -121,9 +125,9 @@ class PostgresHotPath:
             finally:
                 _HELD.reset(token)
 
-    async def _current_pool(self) -> asyncpg.Pool:
-        loop = asyncio.get_running_loop()
-        return self._pool if self._loop is loop and self._pool is not None else await self._open(loop)
+    def _this_loops_pool(self) -> asyncpg.Pool | None:
+        """The pool, if one is open on the running loop (else _open makes one)."""
+        return self._pool if self._loop is asyncio.get_running_loop() else None
 
     async def _open(self, loop: asyncio.AbstractEventLoop) -> asyncpg.Pool:
         # Connections belong to the loop that opened them: a store used from another loop (a test

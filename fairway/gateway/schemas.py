@@ -115,7 +115,7 @@ def parse_json(body: bytes) -> Any:
         raise invalid("The request body is empty; send a JSON object.")
     try:
         return orjson.loads(body)
-    except orjson.JSONDecodeError:  # or what only the standard parser takes: NaN, huge ints, lone surrogates
+    except orjson.JSONDecodeError:  # or what only the standard parser takes: NaN, big ints, surrogates
         pass
     try:
         data = json.loads(body)

@@ -36,7 +36,8 @@ class InProcessInbox(Inbox):
     async def post(self, inbox: str, item: dict[str, Any]) -> None:
         box = self._boxes.setdefault(inbox, _Box())
         box.next_id += 1
-        box.waiting.append((str(box.next_id), orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)))  # JSON: the same values as on Redis
+        # JSON: the same values as on Redis
+        box.waiting.append((str(box.next_id), orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)))
         box.notify()
 
     async def take(self, inbox: str, consumer: str, *, max_count: int,

@@ -45,7 +45,8 @@ class RedisInbox(Inbox):
 
     async def post(self, inbox: str, item: dict[str, Any]) -> None:
         with guard():
-            await self._client.execute("XADD", self._key(inbox), "*", "j", orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS))
+            payload = orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)
+            await self._client.execute("XADD", self._key(inbox), "*", "j", payload)
 
     async def take(self, inbox: str, consumer: str, *, max_count: int,
                    timeout: float | None = 0.0) -> list[Delivery]:

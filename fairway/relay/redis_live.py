@@ -177,9 +177,10 @@ class LiveEvents:
     """Fans a process's one Pub/Sub connection out to its subscribers.
 
     Subscribing and unsubscribing are batched: the commands of one loop iteration go out in one
-    write, and an unsubscription waits for the next one (UNSUBSCRIBE_WAIT_S at most). Every sweep_s a sweep wakes subscribers idle for their idle_s (keepalives) and, for
-    channels quiet since the last sweep, checks that the log still exists: subscribers of an
-    expired log get ReplyNotFound. A lost connection fails every subscriber with RelayUnavailable
+    write, and an unsubscription waits for the next one (UNSUBSCRIBE_WAIT_S at most). Every
+    sweep_s a sweep wakes subscribers idle for their idle_s (keepalives) and, for channels quiet
+    since the last sweep, checks that the log still exists: subscribers of an expired log get
+    ReplyNotFound. A lost connection fails every subscriber with RelayUnavailable
     (they would have missed events); the next subscription connects afresh.
     """
 
