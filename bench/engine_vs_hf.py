@@ -364,6 +364,13 @@ def main() -> None:
     ap.add_argument("--wait-quiet", type=float, default=120.0,
                     help="before each phase, wait up to this many seconds for other processes to go idle")
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine_vs_hf*.json)")
+    # The engine's serving defaults, one by one, to tell what each costs or gains on this workload
+    # (an older revision had none of them).
+    ap.add_argument("--weights", choices=["native", "dequantized"], default="native",
+                    help="the GGUF's quantized layers run as stored (native) or rounded to bf16 at load")
+    ap.add_argument("--no-step-time-bound", dest="bound_step_time", action="store_false",
+                    help="bound each step by its token budget alone, not by time (scheduler.py)")
+    ap.add_argument("--no-speculative", dest="speculative", action="store_false", help="no speculative decoding")
     args = ap.parse_args()
 
     if args.quick:
@@ -382,9 +389,14 @@ def main() -> None:
         meter = CpuMeter()
         return lambda: contention.__setitem__(name, meter.other_share())
 
-    cfg = EngineConfig(num_kv_blocks=4096, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=256)
-    log(f"loading engine (bf16, cpu, {cfg.num_kv_blocks} KV blocks, {cfg.max_num_batched_tokens} tokens/step)")
-    eng = build_engine(None, "bfloat16", "cpu", cfg)
+    cfg = EngineConfig(num_kv_blocks=4096, max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=256,
+                       bound_step_time=args.bound_step_time)
+    if not args.speculative:
+        cfg.speculative = None
+    log(f"loading engine (bf16, cpu, {args.weights} weights, {cfg.num_kv_blocks} KV blocks, "
+        f"{cfg.max_num_batched_tokens} tokens/step, step time bound {'on' if cfg.bound_step_time else 'off'}, "
+        f"speculation {'on' if cfg.speculative else 'off'})")
+    eng = build_engine(None, "bfloat16", "cpu", cfg, weights=args.weights)
     vocab = eng.model.cfg.vocab_size
     params = eng.model.num_parameters()  # tied embedding counted once
     wl = make_workload(n, prompt_range, output_range, vocab)
@@ -454,7 +466,8 @@ def main() -> None:
                   "compute_dtype": str(compute_dtype(torch.bfloat16, "cpu")).removeprefix("torch.")},
         "engine_config": {"num_kv_blocks": cfg.num_kv_blocks, "block_size": cfg.block_size,
                           "max_num_batched_tokens": cfg.max_num_batched_tokens, "max_num_seqs": cfg.max_num_seqs,
-                          "enable_prefix_caching": cfg.enable_prefix_caching},
+                          "enable_prefix_caching": cfg.enable_prefix_caching, "weights": args.weights,
+                          "bound_step_time": cfg.bound_step_time, "speculative": cfg.speculative is not None},
         "workload": {"requests": n, "prompt_len_range": prompt_range, "output_len_range": output_range,
                      "seed": SEED, "prompt_tokens": wl.prompt_tokens, "output_tokens": wl.output_tokens,
                      "prompt_lens": [len(p) for p in wl.prompts], "output_lens": wl.output_lens},

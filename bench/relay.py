@@ -492,7 +492,7 @@ async def gateway_database(choice: str, workdir: Path) -> AsyncIterator[str]:
 async def bench_relay(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     async with gateway_database(args.database, workdir) as database:
         result = await relay_levels(args, workdir, database)
-    return {"store": database.split(":", 1)[0], **result}
+    return {"store": database.split(":", 1)[0], "gateway_args": args.gateway_arg, **result}
 
 
 async def relay_levels(args: argparse.Namespace, workdir: Path, database: str) -> dict[str, Any]:
@@ -502,7 +502,8 @@ async def relay_levels(args: argparse.Namespace, workdir: Path, database: str) -
     procs = [spawn(["bench/relay.py", "synthetic-replica", "--redis", args.redis, "--namespace", namespace],
                    workdir / f"producer{i}.log") for i in range(args.producers)]
     gateway = spawn(["-m", "fairway.cli", "gateway", "--redis", args.redis, "--namespace", namespace, "--database",
-                     database, "--port", str(port), "--log-level", "warning", *NO_LIMITS], workdir / "gateway.log")
+                     database, "--port", str(port), "--log-level", "warning", *NO_LIMITS, *args.gateway_arg],
+                    workdir / "gateway.log")
     procs.append(gateway)
     levels = [10, 25] if args.quick else [50, 100, 200, 400, 800, 1200, 1600, 2000, 2500, 3000]
     levels = [n for n in levels if n <= args.max_streams]
@@ -784,6 +785,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-streams", type=int, default=3000)
     parser.add_argument("--no-peer", dest="peer", action="store_false",
                         help="model part: skip the peer (transformers serve) run")
+    parser.add_argument("--gateway-arg", action="append", default=[], metavar="ARG",
+                        help="relay part: passed on to `fairway gateway` (--gateway-arg=--no-memory: a part an "
+                             "older revision has not got, turned off to compare like with like)")
     parser.add_argument("--serve-arg", action="append", default=[], metavar="ARG",
                         help="model part: passed on to `fairway serve` (--serve-arg=--safety-output --serve-arg=off)")
     parser.add_argument("--repeats", type=int, default=3,
