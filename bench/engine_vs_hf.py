@@ -40,6 +40,7 @@ from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.engine.sampling_params import SamplingParams  # noqa: E402
 from fairway.models.bundled import bundled_model_path  # noqa: E402
 from fairway.models.precision import compute_dtype  # noqa: E402
+from fairway.server_gc import settle_heap  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 FIRST_ORDINARY_ID = 17  # ids below this are SmolLM2's special tokens
@@ -403,6 +404,7 @@ def main() -> None:
     log(f"workload: {n} requests, {wl.prompt_tokens} prompt tokens, {wl.output_tokens} output tokens")
 
     eng.generate([[100, 200, 300, 400]], greedy(4))  # warm-up
+    settle_heap()  # as a replica does once its engine is loaded (fairway/server_gc.py)
     log("fairway: throughput run")
     done = phase("fairway_run")
     fw = run_engine(eng, wl, batch=n)
