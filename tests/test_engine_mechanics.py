@@ -301,6 +301,22 @@ def test_sample_routes_each_row_to_its_kind_and_keeps_the_order():
     assert sample(logits, seqs) == [3, 7, 1, 9]
 
 
+def test_greedy_takes_the_first_of_tied_maxima_as_torch_does():
+    from fairway.engine.sampler import sample
+
+    torch.manual_seed(0)
+    logits = torch.randn(5, 49152)
+    logits[0, [7, 40000]] = 99.0  # a tie: the lower token id, as torch.argmax and every replica before
+    logits[1] = float("-inf")
+    logits[1, 123] = 0.0  # a grammar's mask leaves one token
+    logits[2, 11] = float("nan")  # a broken row picks its NaN, as torch.argmax does
+    seqs = [Sequence(f"r{i}", [1], SamplingParams(temperature=0)) for i in range(5)]
+    expected = logits.argmax(dim=-1).tolist()
+    assert expected[:3] == [7, 123, 11]
+    assert sample(logits, seqs) == expected
+    assert sample(logits[3:4], seqs[3:4]) == expected[3:4]  # one row, as a single stream samples
+
+
 def test_in_passing_thread_returns_and_raises_like_a_call():
     from fairway.engine.factory import in_passing_thread
 
