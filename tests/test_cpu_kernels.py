@@ -445,10 +445,11 @@ def test_bf16_linear_without_avx512_bf16_builds_to_a_stub(tmp_path):
 @needs_bf16_kernel
 @pytest.mark.parametrize("amx", [True, False])
 def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit(monkeypatch, amx):
-    """Every decode step of a tiny random bf16 model, from 1 row to past one AMX tile (and past the
-    most rows the pass takes on an AMX CPU): the one-call pass against the layer-by-layer path on
-    the same inputs, hidden states compared bit for bit. With the AMX kernel where this CPU has it,
-    and with the AVX512-BF16 kernel (as on a CPU without AMX) in any case."""
+    """Every step of a tiny random bf16 model, from 1 row to past one AMX tile (and past the most
+    rows the pass takes on an AMX CPU), decode rows, prefill chunks (fresh and continuing a cached
+    prefix) and both in one step: the one-call pass against the layer-by-layer path on the same
+    inputs, hidden states compared bit for bit. With the AMX kernel where this CPU has it, and with
+    the AVX512-BF16 kernel (as on a CPU without AMX) in any case."""
     from fairway.engine.llm_engine import EngineConfig, LLMEngine
     from fairway.engine.sampling_params import SamplingParams
     from fairway.models import packed_linear
@@ -466,7 +467,6 @@ def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit(m
     assert model.use_native_decode()
     native = model.native_decode
     assert native.amx == amx
-    compared: list[int] = []
     layer_by_layer = model.forward
 
     def both(ids, positions, kv, meta):
@@ -480,15 +480,31 @@ def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit(m
             model.native_decode = native
         assert torch.equal(got, want), f"{ids.shape[0]} rows"
         compared.append(ids.shape[0])
+        kinds.add(step_kind(meta))
         return got
 
+    compared: list[int] = []
+    kinds: set[str] = set()
     model.forward = both
-    engine = LLMEngine(model, EngineConfig(num_kv_blocks=256))
-    for batch in (1, 5, 20, 70):
-        prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
-        engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    # 512 tokens a step (the default), then 48: prompts split into chunks that continue a prefix
+    for budget, batches in ((512, (1, 5, 20, 70)), (48, (20,))):
+        engine = LLMEngine(model, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=budget))
+        for batch in batches:
+            prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
+            engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
     assert {1, 5, 20} <= set(compared)
+    assert {"decode", "prefill", "mixed", "continued"} <= kinds
     assert native.max_rows is None or max(compared) <= native.max_rows
+
+
+def step_kind(meta) -> str:
+    """What a step's rows are, for the native-pass tests: decode rows only, prefill chunks only,
+    both, or (any of them with) a chunk that continues a prompt already partly in the cache."""
+    if any(pg.context_slots is not None for pg in meta.prefills):
+        return "continued"
+    if not meta.prefills:
+        return "decode"
+    return "mixed" if meta.decode_tables is not None else "prefill"
 
 
 def test_native_decode_pass_is_not_taken_for_float32_or_without_native_linears():

@@ -196,8 +196,9 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
 @needs_kernel
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(qtype):
-    """A tiny random bf16 model with its linears quantized here: every decode step's one-call pass
-    (decode_forward.c calling the quantized kernel) against the layer-by-layer path, bit for bit."""
+    """A tiny random bf16 model with its linears quantized here: every step's one-call pass
+    (decode_forward.c calling the quantized kernel; prefill chunks, alone or beside decode rows,
+    through its attention callback) against the layer-by-layer path, bit for bit."""
     from fairway.models.config import LlamaConfig
     from fairway.models.llama import random_model
 
@@ -221,11 +222,15 @@ def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_st
             finally:
                 model.native_decode = native
             compared.append(ids.shape[0])
+            mixed.append(bool(meta.prefills) and meta.decode_tables is not None)
         return got
 
     model.forward = both
-    engine = LLMEngine(model, EngineConfig(num_kv_blocks=256))
-    for batch in (1, 6, 19):
-        prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
-        engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    mixed: list[bool] = []
+    for budget, batches in ((512, (1, 6, 19)), (64, (19,))):  # 64 tokens a step: chunks beside decode rows
+        engine = LLMEngine(model, EngineConfig(num_kv_blocks=256, max_num_batched_tokens=budget))
+        for batch in batches:
+            prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
+            engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert {1, 6, 19} <= set(compared)
+    assert any(mixed)  # decode rows and prefill chunks in one pass

@@ -33,6 +33,7 @@ import logging
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 from typing import TypeVar
@@ -281,7 +282,14 @@ class DecodeShape(ctypes.Structure):
                                                     "num_layers")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64)]
                 + [(name, ctypes.c_int) for name in ("block_size", "max_blocks", "table_bf16", "amx", "nv", "mr",
-                                                      "prefetch", "num_threads", "quant", "isa")])
+                                                      "prefetch", "num_threads", "quant", "isa", "decode_tokens")])
+
+
+# decode_forward.c's prefill_attention_fn: called with a layer's index.
+_PREFILL_ATTENTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)  # (called with no argument: NULL)
+# (layer, qkv [tokens, (heads_q + 2 heads_kv) * head_dim], attn [tokens, heads_q * head_dim]): writes
+# the prefill rows of attn from qkv, both bf16 views of the pass's scratch.
+PrefillAttention = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class DecodeForward:
@@ -290,7 +298,8 @@ class DecodeForward:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.decode_forward
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.POINTER(DecodeShape)] + [ctypes.c_void_p] * 9
+        fn.argtypes = ([ctypes.c_void_p] * 3 + [ctypes.c_void_p, ctypes.POINTER(DecodeShape)] + [ctypes.c_void_p] * 9
+                       + [_PREFILL_ATTENTION])
         fn.restype = ctypes.c_int
         scratch = lib.decode_forward_scratch
         scratch.argtypes = [ctypes.POINTER(DecodeShape)]
@@ -299,18 +308,52 @@ class DecodeForward:
 
     def __call__(self, x: torch.Tensor, layers: ctypes.Array, final_norm: torch.Tensor, shape: DecodeShape,
                  cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                 context_lens: torch.Tensor) -> torch.Tensor:
-        """x: [tokens, hidden] bf16 embeddings (overwritten). Returns the final norm's output."""
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor | None,
+                 context_lens: torch.Tensor | None, prefill_attention: PrefillAttention | None = None) -> torch.Tensor:
+        """x: [tokens, hidden] bf16 embeddings (overwritten). Returns the final norm's output. The
+        first shape.decode_tokens rows attend through block_tables; prefill_attention attends for
+        the others, layer by layer."""
         out = torch.empty_like(x)
         scratch = torch.empty(self._scratch(ctypes.byref(shape)), dtype=torch.bfloat16)
+        failures: list[BaseException] = []
+        callback = _PREFILL_ATTENTION() if prefill_attention is None else _PREFILL_ATTENTION(
+            _scratch_callback(prefill_attention, scratch, shape, failures))
         rc = self._fn(x.data_ptr(), out.data_ptr(), ctypes.addressof(layers), final_norm.data_ptr(),
                       ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),
-                      k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-                      scratch.data_ptr())
+                      k_cache.data_ptr(), v_cache.data_ptr(), _ptr(block_tables), _ptr(context_lens),
+                      scratch.data_ptr(), callback)
+        if failures:  # the callback's own error, not the code it returned for it
+            raise failures[0]
         if rc != 0:
             raise RuntimeError(f"decode_forward kernel failed (rc {rc})")
         return out
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _scratch_callback(attend: PrefillAttention, scratch: torch.Tensor, s: DecodeShape,
+                      failures: list[BaseException]) -> Callable[[int], int]:
+    """attend, called with views of the qkv and attn buffers in decode_forward.c's scratch (its
+    layout: residual and h [tokens, hidden] each, then qkv, then q and attn [tokens, q width]). An
+    exception cannot cross the C frames: it is kept for the caller and the pass stops."""
+    t = s.tokens
+    q_width, qkv_width = s.heads_q * s.head_dim, (s.heads_q + 2 * s.heads_kv) * s.head_dim
+    at = 2 * t * s.hidden
+    qkv = scratch[at:at + t * qkv_width].view(t, qkv_width)
+    at += t * (qkv_width + q_width)
+    attn = scratch[at:at + t * q_width].view(t, q_width)
+
+    def call(layer: int) -> int:
+        try:
+            attend(layer, qkv, attn)
+        except BaseException as exc:  # noqa: BLE001 (re-raised by the caller)
+            failures.append(exc)
+            return 1
+        return 0
+
+    return call
 
 
 class LayerOps:

@@ -1,22 +1,31 @@
-"""A bf16 decode step's decoder layers in one native call (csrc/decode_forward.c).
+"""A bf16 step's decoder layers in one native call (csrc/decode_forward.c).
 
 The layer-by-layer path (llama.py) calls ~9 kernels a layer from Python; at decode, with a few
 rows, the interpreter, module calls, ctypes and allocations around them cost about as much as the
-kernels (bench/README.md, "CPU kernels"). A step qualifies when every row is a sequence's single
-new token read through the native attention kernel, the model, its cache and RoPE tables are
-bf16, and every linear runs on one native kernel for this many rows: AMX or AVX512-BF16 on bf16
-panels, or the quantized-weight kernel on GGUF blocks of one type (quant_linear.py). The C side
-calls the same kernels in the same order, so hidden states are bit-identical to the layer-by-layer
-path; anything else keeps that path.
+kernels (bench/README.md, "CPU kernels"). A step qualifies when every row is either a sequence's
+new token read through the native attention kernel or a row of a prefill chunk, the model, its
+cache and RoPE tables are bf16, and every linear runs on one native kernel for this many rows:
+AMX or AVX512-BF16 on bf16 panels, or the quantized-weight kernel on GGUF blocks of one type
+(quant_linear.py). Prefill chunks attend through a callback into the layer-by-layer path's own
+attention (paged_attention.attend_prefills), once a layer. The C side calls the same kernels in
+the same order, so hidden states are bit-identical to the layer-by-layer path; anything else
+keeps that path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fairway.models.cpu_kernels import AmxLinear, DecoderWeights, DecodeShape, decode_forward, layer_ops
+from fairway.models.cpu_kernels import (
+    AmxLinear,
+    DecoderWeights,
+    DecodeShape,
+    PrefillAttention,
+    decode_forward,
+    layer_ops,
+)
 from fairway.models.packed_linear import PackedLinear
-from fairway.models.paged_attention import AttentionMetadata, PagedKVCache
+from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, attend_prefills
 from fairway.models.quant_linear import QuantLinear
 
 
@@ -60,7 +69,9 @@ class NativeDecode:
 
     def takes(self, tokens: int, kv: PagedKVCache, meta: AttentionMetadata) -> bool:
         dt = meta.decode_tables
-        return (dt is not None and not meta.prefills and not meta.decodes and dt.context_lens.shape[0] == tokens
+        decode_rows = 0 if dt is None else dt.context_lens.shape[0]
+        prefill_rows = sum(pg.out_rows.shape[0] for pg in meta.prefills)
+        return (meta.backend is None and not meta.decodes and tokens > 0 and decode_rows + prefill_rows == tokens
                 and (self.max_rows is None or tokens <= self.max_rows)
                 and kv.k.dtype == torch.bfloat16 and kv.k.is_contiguous() and kv.v.is_contiguous())
 
@@ -69,17 +80,33 @@ class NativeDecode:
         """x: [T, hidden] bf16 embeddings of the step's tokens (overwritten). Returns the final
         norm's output, as LlamaModel.forward does."""
         c, dt = self.model.cfg, meta.decode_tables
-        assert dt is not None
         tokens = x.shape[0]
         nv, mr, prefetch = ((0, 0, 0) if self.amx or self.quant
                             else self.model.layers[0].mlp.down_proj.native.tile_for(tokens))
         rotary = self.model.rotary
         shape = DecodeShape(tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
-                            c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], dt.block_size,
-                            dt.block_tables.shape[1], rotary.cos.dtype == torch.bfloat16, self.amx, nv, mr,
-                            prefetch, torch.get_num_threads(), self.quant, self.isa)
+                            c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], kv.block_size,
+                            0 if dt is None else dt.block_tables.shape[1], rotary.cos.dtype == torch.bfloat16,
+                            self.amx, nv, mr, prefetch, torch.get_num_threads(), self.quant, self.isa,
+                            0 if dt is None else dt.context_lens.shape[0])
         return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
-                           positions, meta.slot_mapping, kv.k, kv.v, dt.block_tables, dt.context_lens)
+                           positions, meta.slot_mapping, kv.k, kv.v, None if dt is None else dt.block_tables,
+                           None if dt is None else dt.context_lens,
+                           self._prefill_attention(kv, meta) if meta.prefills else None)
+
+    def _prefill_attention(self, kv: PagedKVCache, meta: AttentionMetadata) -> PrefillAttention:
+        """The step's prefill groups attended to as llama.py's Attention does, from the pass's
+        rotated qkv rows (their K/V already in layer's cache) into its attention output rows."""
+        c = self.model.cfg
+        heads, group, scale = c.num_heads + 2 * c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim ** -0.5
+        split = [c.num_heads, c.num_kv_heads, c.num_kv_heads]
+
+        def attend(layer: int, qkv: torch.Tensor, attn: torch.Tensor) -> None:
+            q, k, v = qkv.view(-1, heads, c.head_dim).split(split, dim=1)
+            attend_prefills(attn.view(-1, c.num_heads, c.head_dim), q, k, v, kv.k[layer], kv.v[layer],
+                            meta.prefills, group, scale)
+
+        return attend
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:

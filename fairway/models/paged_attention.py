@@ -120,10 +120,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
                                               dt.block_size, scale)
     for dg in meta.decodes:
         out[dg.start:dg.end] = _decode_attention(q[dg.start:dg.end], k_cache, v_cache, dg, group, scale)
-    for pg in meta.prefills:
+    attend_prefills(out, q, k, v, k_cache, v_cache, meta.prefills, group, scale)
+    return out
+
+
+def attend_prefills(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, prefills: list[PrefillGroup], group: int, scale: float) -> None:
+    """Each prefill group's attention into its rows of out ([T, Hq, D]); the arguments as
+    paged_attention's. The native pass (native_decode.py) calls it from inside its layers."""
+    for pg in prefills:
         out.index_copy_(0, pg.out_rows, _prefill_attention(q, k, v, k_cache, v_cache, pg, group, scale)
                         .index_select(0, pg.real))
-    return out
 
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, dg: DecodeGroup,

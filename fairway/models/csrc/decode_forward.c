@@ -1,4 +1,4 @@
-/* A decode step's pass through every decoder layer in one native call.
+/* A step's pass through every decoder layer in one native call.
  *
  * A decode step has a few rows, and each layer is nine small operations (norm, QKV, RoPE + cache
  * write, attention, O, norm, gate|up, SiLU gating, down). Called one by one from Python, each pays
@@ -6,7 +6,11 @@
  * the attention and small ops themselves (bench/README.md, "CPU kernels"). Here the same
  * kernels (layer_ops.c, paged_decode.c, amx_linear.c or bf16_linear.c) run in the same order on
  * the same inputs from C, so the hidden states are bit-identical to the layer-by-layer path
- * (fairway/models/llama.py), which remains for prefill, other dtypes and portable builds.
+ * (fairway/models/llama.py), which remains for other dtypes and portable builds.
+ *
+ * Prefill chunks ride along: their rows follow the decode rows through every kernel but the
+ * attention, which a callback runs per layer (the layer-by-layer path's own PyTorch attention), so
+ * a step that carries a prompt does not fall back to nine Python calls a layer.
  *
  * bf16 activations and KV cache only; the linears' weights bf16 panels, or GGUF blocks of one type
  * for quant_linear.c. Built with the other kernels by cpu_kernels.py.
@@ -46,7 +50,12 @@ typedef struct {
     int amx, nv, mr, prefetch; /* the linear kernel: AMX, or AVX512-BF16 with this tile */
     int num_threads;
     int quant, isa; /* quant: the linears' GGUF type for quant_linear() on this path, or 0: bf16 panels */
+    int decode_tokens; /* the first rows, each attending through its block table; the rest are prefill rows */
 } decode_shape;
+
+/* Writes layer l's attention output of the prefill rows (scratch's attn rows decode_tokens..tokens)
+ * from its qkv rows, whose K and V are in the cache by then; returns 0, or nonzero on failure. */
+typedef int (*prefill_attention_fn)(int layer);
 
 static int linear(const decode_shape *s, const void *x, const void *panels, void *y, int n, int k) {
     if (s->quant) return quant_linear(x, panels, y, s->tokens, n, k, s->quant, 1, s->isa, s->num_threads);
@@ -61,13 +70,14 @@ int64_t decode_forward_scratch(const decode_shape *s) {
 }
 
 /* x: [tokens, hidden] bf16, the embedded tokens, overwritten; out: [tokens, hidden], the final norm
- * of the last layer's stream (what LlamaModel.forward returns). Each token is one sequence's new
- * token at `positions`, written to `slots`, attending through its block table. Returns 0, or the
- * failing kernel's code (1 norm, 2 linear, 3 RoPE, 4 attention, 5 SiLU) times -1. */
+ * of the last layer's stream (what LlamaModel.forward returns). Each token sits at `positions`,
+ * written to `slots`; the first decode_tokens attend through their block tables, the others
+ * through prefill_attention (NULL when there are none). Returns 0, or the failing kernel's code
+ * (1 norm, 2 linear, 3 RoPE, 4 attention, 5 SiLU, 6 prefill attention) times -1. */
 int decode_forward(void *x, void *out, const decoder_weights *layers, const void *final_norm, const decode_shape *s,
                    const void *cos_table, const void *sin_table, const int64_t *positions, const int64_t *slots,
                    void *k_cache, void *v_cache, const int32_t *block_tables, const int32_t *context_lens,
-                   void *scratch) {
+                   void *scratch, prefill_attention_fn prefill_attention) {
     const int T = s->tokens, H = s->hidden, D = s->head_dim;
     const int q_width = s->heads_q * D, qkv_width = (s->heads_q + 2 * s->heads_kv) * D;
     uint16_t *residual = scratch, *h = residual + (int64_t)T * H, *qkv = h + (int64_t)T * H;
@@ -84,9 +94,11 @@ int decode_forward(void *x, void *out, const decoder_weights *layers, const void
         if (rope_store(qkv, T, s->heads_q, s->heads_kv, D, cos_table, sin_table, positions, slots, kc, vc,
                        s->cache_slots, 1, s->table_bf16, 1, s->num_threads)) return -3;
         for (int t = 0; t < T; t++) memcpy(q + (int64_t)t * q_width, qkv + (int64_t)t * qkv_width, (size_t)q_width * 2);
-        if (paged_decode_attention(q, kc, vc, block_tables, context_lens, attn, T, s->heads_kv,
+        if (s->decode_tokens > 0 &&
+            paged_decode_attention(q, kc, vc, block_tables, context_lens, attn, s->decode_tokens, s->heads_kv,
                                    s->heads_q / s->heads_kv, D, s->cache_slots, s->block_size, s->max_blocks,
                                    s->scale, 1, 1, s->num_threads)) return -4;
+        if (s->decode_tokens < T && (prefill_attention == NULL || prefill_attention(l))) return -6;
         if (linear(s, attn, w->o, h, H, q_width)) return -2;
         /* In place: a row is read whole before its norm and sum are written. */
         if (rms_norm(h, residual, w->post_norm, h, residual, T, H, s->eps, 1, s->num_threads)) return -1;
