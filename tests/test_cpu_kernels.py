@@ -497,6 +497,33 @@ def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit(m
     assert native.max_rows is None or max(compared) <= native.max_rows
 
 
+@needs_bf16_kernel
+def test_an_error_in_the_native_pass_prefill_callback_reaches_the_caller(monkeypatch):
+    """The prompt chunks' attention runs in Python, called back from the C pass: an exception there
+    cannot cross the C frames, so the pass stops and the engine's step raises it, as the layer-by-
+    layer path would (no crash, no hidden states from a half-run pass)."""
+    from fairway.engine.llm_engine import EngineConfig, LLMEngine
+    from fairway.engine.sampling_params import SamplingParams
+    from fairway.models import native_decode
+    from fairway.models.config import LlamaConfig
+    from fairway.models.packed_linear import pack_linears
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, max_position_embeddings=512)
+    model = random_model(cfg, seed=5, dtype=torch.bfloat16)
+    pack_linears(model)
+    assert model.use_native_decode()
+
+    def broken(*args, **kwargs):
+        raise ValueError("attention failed")
+
+    monkeypatch.setattr(native_decode, "attend_prefills", broken)
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64))
+    engine.add_request("r", [5, 6, 7, 8], SamplingParams(max_tokens=2, temperature=0.0))
+    with pytest.raises(ValueError, match="attention failed"):
+        engine.step()
+
+
 def step_kind(meta) -> str:
     """What a step's rows are, for the native-pass tests: decode rows only, prefill chunks only,
     both, or (any of them with) a chunk that continues a prompt already partly in the cache."""
