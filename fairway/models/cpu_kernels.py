@@ -286,7 +286,8 @@ class DecodeShape(ctypes.Structure):
 
 
 # decode_forward.c's prefill_attention_fn: called with a layer's index.
-_PREFILL_ATTENTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)  # (called with no argument: NULL)
+_PREFILL_ATTENTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
+_NO_PREFILL_ATTENTION = _PREFILL_ATTENTION()  # NULL: a step without prefill rows
 # (layer, qkv [tokens, (heads_q + 2 heads_kv) * head_dim], attn [tokens, heads_q * head_dim]): writes
 # the prefill rows of attn from qkv, both bf16 views of the pass's scratch.
 PrefillAttention = Callable[[int, torch.Tensor, torch.Tensor], None]
@@ -316,7 +317,7 @@ class DecodeForward:
         out = torch.empty_like(x)
         scratch = torch.empty(self._scratch(ctypes.byref(shape)), dtype=torch.bfloat16)
         failures: list[BaseException] = []
-        callback = _PREFILL_ATTENTION() if prefill_attention is None else _PREFILL_ATTENTION(
+        callback = _NO_PREFILL_ATTENTION if prefill_attention is None else _PREFILL_ATTENTION(
             _scratch_callback(prefill_attention, scratch, shape, failures))
         rc = self._fn(x.data_ptr(), out.data_ptr(), ctypes.addressof(layers), final_norm.data_ptr(),
                       ctypes.byref(shape), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(),

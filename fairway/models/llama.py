@@ -93,8 +93,7 @@ class Attention(nn.Module):
         if rope.native:  # rotate in place and write the cache in one call
             self.native.rope_store(qkv, c.num_heads, c.num_kv_heads, rope.cos, rope.sin, rope.positions,
                                    meta.slot_mapping, k_cache, v_cache)
-            heads = qkv.view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
-            q, k, v = heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
+            q, k, v = self.split_heads(qkv)
         else:
             # Q and K sit side by side: rotate them in one go (each op costs microseconds at decode).
             qk = apply_rotary(qkv[:, :c.q_size + c.kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim),
@@ -107,6 +106,13 @@ class Attention(nn.Module):
                 write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = paged_attention(q, k, v, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.view(-1, c.q_size))
+
+    def split_heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k and v [T, Hkv, D]: views of the rows of qkv_proj's output (rotated in place
+        by the native RoPE kernel, or the native decode pass's scratch of the same layout)."""
+        c = self.cfg
+        heads = qkv.view(-1, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        return heads.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=1)
 
 
 class MLP(nn.Module):

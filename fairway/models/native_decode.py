@@ -68,10 +68,9 @@ class NativeDecode:
         return NativeDecode(model, linears)
 
     def takes(self, tokens: int, kv: PagedKVCache, meta: AttentionMetadata) -> bool:
-        dt = meta.decode_tables
-        decode_rows = 0 if dt is None else dt.context_lens.shape[0]
         prefill_rows = sum(pg.out_rows.shape[0] for pg in meta.prefills)
-        return (meta.backend is None and not meta.decodes and tokens > 0 and decode_rows + prefill_rows == tokens
+        return (meta.backend is None and not meta.decodes and tokens > 0
+                and _decode_rows(meta) + prefill_rows == tokens
                 and (self.max_rows is None or tokens <= self.max_rows)
                 and kv.k.dtype == torch.bfloat16 and kv.k.is_contiguous() and kv.v.is_contiguous())
 
@@ -80,33 +79,39 @@ class NativeDecode:
         """x: [T, hidden] bf16 embeddings of the step's tokens (overwritten). Returns the final
         norm's output, as LlamaModel.forward does."""
         c, dt = self.model.cfg, meta.decode_tables
+        tables, lens = (None, None) if dt is None else (dt.block_tables, dt.context_lens)
         tokens = x.shape[0]
         nv, mr, prefetch = ((0, 0, 0) if self.amx or self.quant
                             else self.model.layers[0].mlp.down_proj.native.tile_for(tokens))
         rotary = self.model.rotary
         shape = DecodeShape(tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                             c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], kv.block_size,
-                            0 if dt is None else dt.block_tables.shape[1], rotary.cos.dtype == torch.bfloat16,
+                            0 if tables is None else tables.shape[1], rotary.cos.dtype == torch.bfloat16,
                             self.amx, nv, mr, prefetch, torch.get_num_threads(), self.quant, self.isa,
-                            0 if dt is None else dt.context_lens.shape[0])
+                            _decode_rows(meta))
         return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
-                           positions, meta.slot_mapping, kv.k, kv.v, None if dt is None else dt.block_tables,
-                           None if dt is None else dt.context_lens,
+                           positions, meta.slot_mapping, kv.k, kv.v, tables, lens,
                            self._prefill_attention(kv, meta) if meta.prefills else None)
 
     def _prefill_attention(self, kv: PagedKVCache, meta: AttentionMetadata) -> PrefillAttention:
-        """The step's prefill groups attended to as llama.py's Attention does, from the pass's
-        rotated qkv rows (their K/V already in layer's cache) into its attention output rows."""
+        """The step's prefill groups attended to as llama.py's Attention does (its own head split
+        and scale), from the pass's rotated qkv rows (their K/V already in the layer's cache) into
+        its attention output rows."""
         c = self.model.cfg
-        heads, group, scale = c.num_heads + 2 * c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim ** -0.5
-        split = [c.num_heads, c.num_kv_heads, c.num_kv_heads]
+        group = c.num_heads // c.num_kv_heads
 
         def attend(layer: int, qkv: torch.Tensor, attn: torch.Tensor) -> None:
-            q, k, v = qkv.view(-1, heads, c.head_dim).split(split, dim=1)
+            module = self.model.layers[layer].self_attn
+            q, k, v = module.split_heads(qkv)
             attend_prefills(attn.view(-1, c.num_heads, c.head_dim), q, k, v, kv.k[layer], kv.v[layer],
-                            meta.prefills, group, scale)
+                            meta.prefills, group, module.scale)
 
         return attend
+
+
+def _decode_rows(meta: AttentionMetadata) -> int:
+    """Rows read through the native decode attention (the step's first ones)."""
+    return 0 if meta.decode_tables is None else meta.decode_tables.context_lens.shape[0]
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Module]:
