@@ -254,8 +254,8 @@ def gateway_context(
     if files is not None:
         context.on_startup.append(files.init)
         context.on_shutdown.append(files.close)
-    recorder = ReplyRecorder(store, relay.inbox)
-    recorder.on_finished.append(Accounting(store, limits, options.pricing).on_finished)
+    recorder = ReplyRecorder(store, relay.inbox, launched=service.launched)
+    recorder.on_finished.append(Accounting(store, limits, options.pricing, service.launched).on_finished)
 
     async def store_keys() -> None:
         for key, user, tier in options.api_keys:

@@ -287,6 +287,42 @@ def test_usage_per_model_per_day(server, http):
     assert http.get("/v1/usage", params={"from": "yesterday"}).status_code == 400
 
 
+def test_a_reply_this_gateway_relayed_is_recorded_without_reading_it_back_or_saving_it_again(
+        server, http, monkeypatch):
+    """The recorder of the gateway that launched a reply and saved it at its end knows its job and
+    that it is saved (conversation/launched.py): the replica's reports cost it no read of the job
+    and no second save, and the reply is still stored, accounted and billed once."""
+    store = server.gateway.store
+    read_back: list[str] = []
+    saved_again: list[str] = []
+    get_reply_jobs, finish_replies = store.get_reply_jobs, store.finish_replies
+
+    async def counting_get_reply_jobs(ids):
+        read_back.extend(ids)
+        return await get_reply_jobs(ids)
+
+    async def counting_finish_replies(endings):
+        saved_again.extend(e.reply_id for e in endings)
+        return await finish_replies(endings)
+
+    monkeypatch.setattr(store, "get_reply_jobs", counting_get_reply_jobs)
+    monkeypatch.setattr(store, "finish_replies", counting_finish_replies)
+    with http.stream("POST", "/v1/chat/completions", json=chat_body("Say ok.", max_tokens=3)) as r:
+        assert r.status_code == 200
+        reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
+        events = list(sse_events(r))
+    text = "".join(e.data["choices"][0]["delta"].get("content") or "" for e in events if e.data != "[DONE]")
+    usage = wait_for(lambda: http.get(f"/v1/replies/{reply_id}").json()["usage"])
+    assert usage["completion_tokens"] >= 1 and usage["cost"] > 0 and usage["tier"] == "paid"
+    reply = http.get(f"/v1/replies/{reply_id}").json()
+    assert reply["state"] == "FINISHED"
+    stored = [m for m in http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+              if m.get("reply_id") == reply_id]
+    assert [m["content"] for m in stored] == [text]
+    assert reply_id not in read_back and reply_id not in saved_again
+    wait_for(lambda: reply_id not in server.gateway.service.launched)  # forgotten once recorded
+
+
 def test_metrics_in_prometheus_text(server, http):
     http.post("/v1/chat/completions", json=chat_body("Say yes.", max_tokens=3, stream=False))
     text = httpx.get(f"{server.url}/metrics", timeout=30).text

@@ -27,6 +27,7 @@ from redis_keys import delete_prefixed
 
 from fairway.conversation import MessageStatus, ReplyState, Role, make_store
 from fairway.conversation.entities import Conversation, new_id, now
+from fairway.conversation.launched import LaunchedReplies
 from fairway.conversation.recorder import ReplyRecorder
 from fairway.conversation.store import ConversationStore, Ending, NewTurn
 from fairway.limits import LimitsConfig, make_limits
@@ -109,6 +110,74 @@ async def test_a_batch_of_reports_is_recorded_and_accounted_once(store: Conversa
     assert await store.get_usage(a) is None
     # Three replies settled to their 10 tokens each (c once), a's reservation still held.
     assert (await limits.tokens.state("u1", "m", "paid")).used == 100 + 3 * 10
+
+
+async def test_replies_launched_here_are_remembered_within_a_bound(store: ConversationStore) -> None:
+    """What the process that launched a reply knows of it: its stored job, and whether its relay
+    saved it; the oldest go first past the bound, and what is not remembered is read from the store."""
+    launched = LaunchedReplies(max_entries=2)
+    ids = [await _reply(store, {"user": "u1", "n": i}) for i in range(3)]
+    for i, reply_id in enumerate(ids):
+        launched.add(reply_id, {"model": "m", "meta": {"user": "u1", "n": i, "from": "memory"}})
+    assert [reply_id in launched for reply_id in ids] == [False, True, True]
+    jobs = await launched.jobs(store, ids)
+    assert [jobs[i]["meta"] for i in ids] == [{"user": "u1", "n": 0}, {"user": "u1", "n": 1, "from": "memory"},
+                                              {"user": "u1", "n": 2, "from": "memory"}]
+    launched.mark_saved(ids[2])
+    launched.mark_saved(ids[0])  # (not remembered: nothing to mark)
+    assert [launched.saved(i) for i in ids] == [False, False, True]
+    launched.forget([ids[2]])
+    assert ids[2] not in launched and not launched.saved(ids[2]) and len(launched) == 1
+
+
+async def test_the_recorder_skips_only_the_writes_of_replies_its_relay_saved(store: ConversationStore) -> None:
+    """A reply this process's relay saved: its reports change nothing in the store, so the
+    recorder sends none of their writes, and accounts it from the job it remembers. One launched
+    here but not saved yet (its client left): saved by the recorder, as any other."""
+    limits = make_limits(None, LimitsConfig())
+    bus = InProcessInbox()
+    launched = LaunchedReplies()
+    meta = {"user": "u1", "tier": "paid"}
+    relayed, unwatched = await _reply(store, meta), await _reply(store, meta)
+    for reply_id in (relayed, unwatched):
+        launched.add(reply_id, {"model": "m", "meta": meta})
+    await store.finish_reply(relayed, "hello", MessageStatus.COMPLETE, "stop", completion_tokens=7,
+                             look_up_existing=False)
+    launched.mark_saved(relayed)
+    writes: list[str] = []
+    real_finish, real_mark, real_jobs = store.finish_replies, store.mark_running_many, store.get_reply_jobs
+
+    async def finish_replies(endings: list[Ending]) -> None:
+        writes.extend(f"finish {e.reply_id}" for e in endings)
+        await real_finish(endings)
+
+    async def mark_running_many(started: list[tuple[str, str]]) -> int:
+        writes.extend(f"start {reply_id}" for reply_id, _ in started)
+        return await real_mark(started)
+
+    async def get_reply_jobs(ids: list[str]) -> dict:
+        writes.extend(f"read {reply_id}" for reply_id in ids)
+        return await real_jobs(ids)
+
+    store.finish_replies, store.mark_running_many = finish_replies, mark_running_many  # type: ignore[method-assign]
+    store.get_reply_jobs = get_reply_jobs  # type: ignore[method-assign]
+    for reply_id in (relayed, unwatched):
+        await bus.post(REPORTS_INBOX, ReplyReport("started", reply_id, "replica-1").to_dict())
+        await bus.post(REPORTS_INBOX, _finished(reply_id))
+    recorder = ReplyRecorder(store, bus, linger_s=0.05, launched=launched)
+    recorder.on_finished.append(Accounting(store, limits, Pricing(), launched).on_finished)
+
+    async def both_accounted() -> bool:
+        return all([await store.get_usage(relayed), await store.get_usage(unwatched)])
+
+    await _run_until(recorder, both_accounted)
+    assert sorted(writes) == [f"finish {unwatched}", f"start {unwatched}"]
+    for reply_id in (relayed, unwatched):
+        reply = await store.get_reply(reply_id)
+        assert reply.state is ReplyState.FINISHED
+        assert [m.text for m in await store.list_messages(reply.conversation_id) if m.reply_id == reply_id] == ["hello"]
+    await asyncio.sleep(0.05)  # (forgotten once the batch is recorded)
+    assert relayed not in launched and unwatched not in launched
 
 
 async def _run_until(recorder: ReplyRecorder, done: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:

@@ -102,6 +102,12 @@ def test_a_summary_holds_its_hashes_counts_leading_hits_and_stays_small() -> Non
     assert false_hits < 4000 * 0.02
     wire = PrefixSummary.from_wire(summary.to_wire())
     assert wire is not None and wire.leading_hits(held) == 30 and wire.count == 30
+    # Every gateway reads each announcement twice a second: one decoded already is not decoded again.
+    assert PrefixSummary.from_wire(summary.to_wire()) is wire
+    assert PrefixSummary.from_wire({**summary.to_wire(), "n": 31}) is not wire
+    for bad in ({"k": 7}, {"bits": "not base64!", "k": 7}, {"bits": ["a list"], "k": 7}, {"bits": "", "k": 7},
+                {"bits": summary.to_wire()["bits"], "k": 0}, "a string"):
+        assert PrefixSummary.from_wire(bad) is None
 
 
 def test_an_announcement_reads_back_whatever_the_replicas_version() -> None:

@@ -3,7 +3,8 @@
 Two writers, one outcome: the gateway relaying a reply saves it as soon as it sees the final
 event (so the client's next turn finds it in the history), and every gateway runs a
 ReplyRecorder that saves the replicas' reports (so a reply nobody watched is saved too). The
-store's finish_reply is first-writer-wins, so whichever comes second changes nothing.
+store's finish_reply is first-writer-wins, so whichever comes second changes nothing; a recorder
+in the process whose relay saved the reply knows it (launched.py) and does not send it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import uuid
 from collections.abc import Awaitable, Callable
 
+from fairway.conversation.launched import LaunchedReplies
 from fairway.conversation.store import ConversationStore, Ending, NotFound, ReplyFinished
 from fairway.domain import STATUS_OF_STATE, ReplyState
 from fairway.relay import Delivery, FinalEvent, Inbox, RelayError, TokenLog
@@ -76,8 +78,10 @@ class ReplyRecorder:
 
     def __init__(self, store: ConversationStore, inbox: Inbox, *, batch_max: int = 64, linger_s: float = 0.02,
                  retry_after_s: float = 30.0, reclaim_every_s: float = 5.0, max_attempts: int = 5,
-                 consumer: str | None = None) -> None:
+                 consumer: str | None = None, launched: LaunchedReplies | None = None) -> None:
         self.store = store
+        # The replies this process launched (its gateway's): one its relay saved needs no write.
+        self.launched = LaunchedReplies() if launched is None else launched
         self.inbox = inbox
         self.batch_max = batch_max
         self.linger_s = linger_s
@@ -149,6 +153,7 @@ class ReplyRecorder:
         share one database connection (up to four a batch: the hooks' too)."""
         async with self.store.one_connection():
             await self._record_many(reports)
+        self.launched.forget(r.reply_id for r in reports if r.kind == "finished")
 
     async def _record_many(self, reports: list[ReplyReport]) -> None:
         failed: list[Exception] = []
@@ -159,13 +164,15 @@ class ReplyRecorder:
             except Exception as exc:
                 failed.append(exc)
 
+        # A reply's final state is final (the store ignores later marks and saves): one that this
+        # process's relay saved already needs none of them.
+        placed = [r for r in reports if not self.launched.saved(r.reply_id)]
         # A failover's "resumed" comes before the new replica's "started" of the same reply.
-        requeued = [(r.reply_id, r.replica_id) for r in reports if r.kind == "resumed"]
+        requeued = [(r.reply_id, r.replica_id) for r in placed if r.kind == "resumed"]
         if requeued:
             await step(self.store.mark_requeued_many(requeued))
-        started = [(r.reply_id, r.replica_id) for r in reports if r.kind == "started"]
+        started = [(r.reply_id, r.replica_id) for r in placed if r.kind == "started"]
         if started:
-            # A reply whose "finished" report (or relaying gateway) got there first stays final.
             await step(self.store.mark_running_many(started))
         finished = [r for r in reports if r.kind == "finished"]
         endings = []
@@ -178,11 +185,12 @@ class ReplyRecorder:
                 continue
             if ending is None:  # (shed: no message)
                 await step(save_final(self.store, report.reply_id, report.text, final))
-            else:
+            elif not self.launched.saved(report.reply_id):
                 endings.append(ending)
-        if finished:
+        if endings:
             # Mostly saved already by the gateways that relayed them: one round trip finds that out.
             await step(self.store.finish_replies(endings))
+        if finished:
             for hook in self.on_finished:
                 await step(hook(finished))
         if failed:

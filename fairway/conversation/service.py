@@ -26,6 +26,7 @@ from fairway.conversation.context_builder import (
 )
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
 from fairway.conversation.extras import ContextSource, TurnExtras, TurnInfo
+from fairway.conversation.launched import LaunchedReplies
 from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
 from fairway.domain import Lane, ReplyState, Tier, lane_of_tier
 from fairway.relay import Relay
@@ -171,8 +172,10 @@ class ConversationService:
         settings: ServiceSettings | None = None,
         sources: Sequence[ContextSource] = (),
         moderator: Moderator | None = None,
+        launched: LaunchedReplies | None = None,
     ) -> None:
         self.store = store
+        self.launched = LaunchedReplies() if launched is None else launched  # what this process's recorder need not read back
         self.relay = relay
         self.sources = list(sources)  # memories, file chunks: what else goes into a context
         self.moderator = moderator  # the input check; None: none
@@ -435,6 +438,8 @@ class ConversationService:
         """Open the reply's token log and hand its job to the replica."""
         job.submitted_at = time.time()
         job.reply_id = reply.id
+        if reply.job:
+            self.launched.add(reply.id, reply.job)
         await self.relay.launch(reply.id, job.to_dict(), job.lane, queue=replica.queue)
 
     # -- existing replies --------------------------------------------------------------------

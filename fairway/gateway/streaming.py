@@ -395,9 +395,11 @@ class ReplyRelay:
                         tools: list[CallRecord] | None) -> None:
         try:
             if text is None:
-                await save_from_log(self.store, self.log, reply_id)
+                saved = await save_from_log(self.store, self.log, reply_id)
             else:
-                await save_final(self.store, reply_id, text, final, tools)
+                saved = await save_final(self.store, reply_id, text, final, tools)
+            if saved:  # this process's recorder need not save it again
+                self.service.launched.mark_saved(reply_id)
         except Exception:  # the stream must still end cleanly
             log.warning("could not save reply %s at its end", reply_id, exc_info=True)
 

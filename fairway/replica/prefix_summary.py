@@ -14,6 +14,7 @@ double hashing): the block hashes are already uniform 64-bit values, so no secon
 from __future__ import annotations
 
 import base64
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,11 +40,15 @@ class PrefixSummary:
     bits: bytes  # m bits, little-endian within each byte
     k: int  # bit positions per hash
     count: int = 0  # hashes it holds
-    _unpacked: np.ndarray = field(init=False, repr=False, compare=False)
+    _bytes: np.ndarray = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        unpacked = np.unpackbits(np.frombuffer(self.bits, dtype=np.uint8), bitorder="little").astype(bool)
-        object.__setattr__(self, "_unpacked", unpacked)
+        object.__setattr__(self, "_bytes", np.frombuffer(self.bits, dtype=np.uint8))
+
+    def _set(self, positions: np.ndarray) -> np.ndarray:
+        """Whether each of these bit positions is set (read in place: a lookup touches k bytes
+        a hash, where unpacking the whole filter first costs a byte per bit)."""
+        return (self._bytes[positions >> np.uint64(3)] >> (positions & np.uint64(7)).astype(np.uint8)) & 1 == 1
 
     @property
     def m(self) -> int:
@@ -64,14 +69,14 @@ class PrefixSummary:
         return cls(np.packbits(bits, bitorder="little").tobytes(), k, len(hashes))
 
     def __contains__(self, block_hash: int) -> bool:
-        return bool(self._unpacked[_positions([block_hash], self.k, self.m)].all())
+        return bool(self._set(_positions([block_hash], self.k, self.m)).all())
 
     def leading_hits(self, hashes: Sequence[int]) -> int:
         """How many of these chained hashes, from the first, the summary holds: the prompt's
         leading blocks this replica has cached (the engine's lookup stops at the first miss too)."""
         if not len(hashes) or self.count == 0:
             return 0
-        hit = self._unpacked[_positions(hashes, self.k, self.m)].all(axis=1)
+        hit = self._set(_positions(hashes, self.k, self.m)).all(axis=1)
         return len(hashes) if hit.all() else int(np.argmin(hit))
 
     def to_wire(self) -> dict[str, Any]:
@@ -81,10 +86,14 @@ class PrefixSummary:
     def from_wire(cls, data: Any) -> PrefixSummary | None:
         """None for anything that is not a summary (an older or newer replica's field)."""
         try:
-            bits = base64.b64decode(data["bits"], validate=True)
-            k, count = int(data["k"]), int(data.get("n", 1))
+            return _from_wire(data["bits"], int(data["k"]), int(data.get("n", 1)))
         except (KeyError, TypeError, ValueError):
             return None
-        if not bits or k < 1:
-            return None
-        return cls(bits, k, count)
+
+
+@functools.lru_cache(maxsize=256)
+def _from_wire(encoded: str, k: int, count: int) -> PrefixSummary | None:
+    """Decoded once per distinct announcement: every gateway reads each replica's twice a second,
+    and its filter is the same until the replica's cache changes."""
+    bits = base64.b64decode(encoded, validate=True)
+    return PrefixSummary(bits, k, count) if bits and k >= 1 else None

@@ -18,6 +18,7 @@ from typing import Any
 
 from fairway.conversation import ConversationStore, UsageRecord
 from fairway.conversation.entities import new_id, now
+from fairway.conversation.launched import LaunchedReplies
 from fairway.limits import Limits, LimitsError, Reservation, WindowState
 from fairway.replica.report import ReplyReport
 from fairway.usage.pricing import Pricing
@@ -39,15 +40,18 @@ def reservation_from_meta(user: str, model: str, tier: str, quota: dict[str, Any
 
 
 class Accounting:
-    def __init__(self, store: ConversationStore, limits: Limits, pricing: Pricing) -> None:
+    def __init__(self, store: ConversationStore, limits: Limits, pricing: Pricing,
+                 launched: LaunchedReplies | None = None) -> None:
         self.store = store
+        self.launched = LaunchedReplies() if launched is None else launched  # jobs this process stored: not read back
         self.limits = limits
         self.pricing = pricing
 
     async def on_finished(self, reports: list[ReplyReport]) -> None:
-        """Account a batch of ended replies (the recorder's): one read of their jobs, one write of
-        their usage records, then each one's limits settled."""
-        jobs = await self.store.get_reply_jobs([report.reply_id for report in reports])
+        """Account a batch of ended replies (the recorder's): one read of their jobs (none for
+        the ones this process launched), one write of their usage records, then each one's
+        limits settled."""
+        jobs = await self.launched.jobs(self.store, [report.reply_id for report in reports])
         ts = now()
         records: list[UsageRecord] = []
         ends: list[tuple[dict[str, Any], str, str, str, ReplyReport, bool]] = []
