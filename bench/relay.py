@@ -324,7 +324,7 @@ def token_time(data: bytes) -> float | None:
     return float(text) if text else None
 
 
-async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[str, Any]:
+async def relay_level(port: int, gateway_pid: int, n: int, tokens: int, api_key: str | None = None) -> dict[str, Any]:
     delays: list[float] = []
     events = 0
     per_stream = [0] * n  # content events each stream has received
@@ -347,7 +347,7 @@ async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[
     async def one(i: int) -> int:
         await asyncio.sleep(i / n)  # spread the starts over a second, as real arrivals are
         # A stream that never ends (a lost final event) counts as an error instead of hanging the run.
-        return await asyncio.wait_for(stream_chat(port, body, on_event_of(i)), tokens / RATE + 60.0)
+        return await asyncio.wait_for(stream_chat(port, body, on_event_of(i), api_key), tokens / RATE + 60.0)
 
     async def steady() -> tuple[float, int] | None:
         """Gateway CPU and events while every stream is running: from 1 s after the last stream
@@ -398,7 +398,7 @@ async def relay_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[
     }
 
 
-async def churn_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[str, Any]:
+async def churn_level(port: int, gateway_pid: int, n: int, tokens: int, api_key: str | None = None) -> dict[str, Any]:
     """N streams at all times, arriving as they would at steady state: N client slots, each
     running streams of `tokens` back to back, the slots' first starts spread over one stream's
     length (so requests arrive at N / stream length per second, not N in a burst). Measured over
@@ -424,7 +424,7 @@ async def churn_level(port: int, gateway_pid: int, n: int, tokens: int) -> dict[
         await asyncio.sleep(i / n * length)
         while loop.time() < stop_starting:
             try:
-                statuses.append(await asyncio.wait_for(stream_chat(port, body, on_event), length + 60.0))
+                statuses.append(await asyncio.wait_for(stream_chat(port, body, on_event, api_key), length + 60.0))
             except (TimeoutError, OSError):
                 statuses.append(0)
 

@@ -180,6 +180,37 @@ async def test_the_recorder_skips_only_the_writes_of_replies_its_relay_saved(sto
     assert relayed not in launched and unwatched not in launched
 
 
+async def test_a_recorded_batch_is_acknowledged_by_the_next_look_or_when_the_recorder_stops(
+        store: ConversationStore) -> None:
+    """The acknowledgement of a batch rides on the recorder's next look at the inbox (the next
+    batch's, or its look for reclaimable reports, reclaim_every_s at most): nothing it recorded
+    stays pending for long while it runs, nor after it is stopped, so no other gateway takes
+    those reports again."""
+    bus = InProcessInbox()
+    first, second = await _reply(store, {}), await _reply(store, {})
+    await bus.post(REPORTS_INBOX, _finished(first))
+    recorder = ReplyRecorder(store, bus, linger_s=0.05, reclaim_every_s=0.1)
+    task = asyncio.create_task(recorder.run())
+    try:
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if (await store.get_reply(first)).state is ReplyState.FINISHED:
+                break
+        await asyncio.sleep(0.3)  # (its next look for reclaimable reports acknowledges it)
+        assert await bus.reclaim(REPORTS_INBOX, "check", min_idle_s=0, max_count=10) == []
+        await bus.post(REPORTS_INBOX, _finished(second))
+        for _ in range(200):
+            await asyncio.sleep(0.005)
+            if (await store.get_reply(second)).state is ReplyState.FINISHED:
+                break
+    finally:
+        task.cancel()  # (the batch is recorded, not yet acknowledged)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert (await store.get_reply(second)).state is ReplyState.FINISHED
+    assert await bus.reclaim(REPORTS_INBOX, "check", min_idle_s=0, max_count=10) == []
+
+
 async def _run_until(recorder: ReplyRecorder, done: Callable[[], Awaitable[bool]], timeout: float = 20.0) -> None:
     task = asyncio.create_task(recorder.run())
     try:

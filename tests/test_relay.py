@@ -639,6 +639,24 @@ async def test_inbox_keeps_what_a_consumer_took_until_it_acks(backend: Backend) 
     assert await a.take(box, "a", max_count=5, timeout=0.1) == []
 
 
+async def test_a_take_acknowledges_the_batch_before_it(backend: Backend) -> None:
+    """A consumer's next look carries its last batch's acknowledgement: those items are gone (never
+    reclaimed), the ones it did not name stay pending, and what it takes is as a plain take's, in a
+    first look at an inbox nobody used yet too."""
+    replica, consumer = backend.inbox(), backend.inbox()
+    box = f"inbox{uuid.uuid4().hex[:6]}"
+    assert await consumer.take(box, "c", max_count=5, acked=[]) == []  # (the first look makes the group)
+    for i in range(3):
+        await replica.post(box, {"n": i})
+    first = await consumer.take(box, "c", max_count=3)
+    await replica.post(box, {"n": 3})
+    second = await consumer.take(box, "c", max_count=5, acked=first[:2])
+    assert [d.item for d in second] == [{"n": 3}]
+    assert await consumer.take(box, "c", max_count=5, timeout=0.1, acked=second) == []  # (acked, then waits)
+    await asyncio.sleep(0.05)
+    assert [d.item for d in await consumer.reclaim(box, "c", min_idle_s=0.01, max_count=10)] == [{"n": 2}]
+
+
 async def test_inbox_forgets_consumers_long_gone(redis_backend: Backend) -> None:
     """Every gateway process takes reports under a name of its own: the inbox's group forgets a
     name that holds nothing and has not been used for consumer_gone_s (an hour by default)."""

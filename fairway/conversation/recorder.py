@@ -10,6 +10,7 @@ in the process whose relay saved the reply knows it (launched.py) and does not s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import Awaitable, Callable
@@ -67,7 +68,9 @@ class ReplyRecorder:
     In batches: it takes what has come in during linger_s (up to batch_max reports) at once, so a
     busy gateway marks its started replies in one round trip and hands its ended ones to the
     hooks together (accounting: one read of their jobs, one write of their usage), instead of a
-    round trip or three per report. A report is recorded at most linger_s later for it.
+    round trip or three per report. A report is recorded at most linger_s later for it. A batch's
+    acknowledgement goes with the next batch's second look at the inbox, not in a round trip of
+    its own.
 
     At least once: a batch is acknowledged only once the store and the hooks have taken it. One
     that failed (the database away for a moment), or whose gateway died meanwhile, is taken again
@@ -90,32 +93,40 @@ class ReplyRecorder:
         self.max_attempts = max_attempts
         self.consumer = consumer or f"recorder-{uuid.uuid4().hex[:12]}"  # this process's, in the inbox
         self._next_reclaim = 0.0  # loop time
+        self._done: list[Delivery] = []  # recorded, not yet acknowledged (see _next)
         # Run after a batch of finished reports is saved (usage records, quota settlement): each
         # report is taken by one gateway's recorder (again only if it was not acknowledged).
         self.on_finished: list[Callable[[list[ReplyReport]], Awaitable[None]]] = []
 
     async def run(self) -> None:
-        while True:
-            try:
-                deliveries = await self._next()
-                if deliveries and deliveries[0].attempts > 1:
-                    for delivery in deliveries:  # (alone: one bad report must not hold up the rest)
-                        await self._record([delivery])
-                else:
-                    await self._record(deliveries)
-            except RelayError:
-                log.warning("reports inbox unavailable; recorder retrying", exc_info=True)
-                await asyncio.sleep(1.0)
-            except Exception:  # (an inbox refusing a command): the recorder must outlive it
-                log.exception("recorder failed; retrying")
-                await asyncio.sleep(1.0)
+        try:
+            while True:
+                try:
+                    deliveries = await self._next()
+                    if deliveries and deliveries[0].attempts > 1:
+                        for delivery in deliveries:  # (alone: one bad report must not hold up the rest)
+                            self._done += await self._record([delivery])
+                    elif deliveries:
+                        self._done += await self._record(deliveries)
+                except RelayError:
+                    log.warning("reports inbox unavailable; recorder retrying", exc_info=True)
+                    await asyncio.sleep(1.0)
+                except Exception:  # (an inbox refusing a command): the recorder must outlive it
+                    log.exception("recorder failed; retrying")
+                    await asyncio.sleep(1.0)
+        finally:  # stopped: what it recorded is not taken again by another gateway in retry_after_s
+            with contextlib.suppress(Exception):
+                await self._acknowledge()
 
     async def _next(self) -> list[Delivery]:
         """Reports left unacknowledged for retry_after_s, if it is time to look for them; else new
-        ones (waiting until the next look at most)."""
+        ones (waiting until the next look at most). The batch recorded before is acknowledged with
+        the second look at the new ones (one round trip), or before the look for reclaimable ones:
+        at most reclaim_every_s after it was recorded, well within retry_after_s."""
         loop = asyncio.get_running_loop()
         if loop.time() >= self._next_reclaim:
             self._next_reclaim = loop.time() + self.reclaim_every_s
+            await self._acknowledge()
             reclaimed = await self.inbox.reclaim(REPORTS_INBOX, self.consumer, min_idle_s=self.retry_after_s,
                                                  max_count=self.batch_max)
             if reclaimed:
@@ -124,12 +135,19 @@ class ReplyRecorder:
                                       timeout=max(0.01, self._next_reclaim - loop.time()))
         if taken and len(taken) < self.batch_max and self.linger_s > 0:
             await asyncio.sleep(self.linger_s)
+            done, self._done = self._done, []  # (if the look fails, they are taken again later)
             taken += await self.inbox.take(REPORTS_INBOX, self.consumer, max_count=self.batch_max - len(taken),
-                                           timeout=0)
+                                           timeout=0, acked=done)
+        elif taken:
+            await self._acknowledge()
         return taken
 
-    async def _record(self, deliveries: list[Delivery]) -> None:
-        """Record the reports and acknowledge them, or leave them to be taken again."""
+    async def _acknowledge(self) -> None:
+        done, self._done = self._done, []
+        await self.inbox.ack(REPORTS_INBOX, done)
+
+    async def _record(self, deliveries: list[Delivery]) -> list[Delivery]:
+        """Record the reports: those to acknowledge (all of them, or none: left to be taken again)."""
         reports = []
         for delivery in deliveries:
             try:
@@ -142,10 +160,10 @@ class ReplyRecorder:
             if deliveries[0].attempts < self.max_attempts:
                 log.warning("could not record %d reports; they are taken again in %.0f s", len(deliveries),
                             self.retry_after_s, exc_info=True)
-                return
+                return []
             log.exception("giving up on reports after %d attempts: %r", deliveries[0].attempts,
                           [d.item for d in deliveries])
-        await self.inbox.ack(REPORTS_INBOX, deliveries)
+        return deliveries
 
     async def record_many(self, reports: list[ReplyReport]) -> None:
         """Write the reports (a report's own bad data is logged and skipped). Every step runs

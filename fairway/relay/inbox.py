@@ -34,10 +34,12 @@ class Inbox(ABC):
         """Add a JSON-able item."""
 
     @abstractmethod
-    async def take(self, inbox: str, consumer: str, *, max_count: int,
-                   timeout: float | None = 0.0) -> list[Delivery]:
+    async def take(self, inbox: str, consumer: str, *, max_count: int, timeout: float | None = 0.0,
+                   acked: Sequence[Delivery] = ()) -> list[Delivery]:
         """Up to max_count items nobody has taken yet, oldest first, now pending with consumer.
-        timeout as JobQueue.claim(): 0 = don't wait, None = until there is one, else seconds."""
+        timeout as JobQueue.claim(): 0 = don't wait, None = until there is one, else seconds.
+        acked: items of this inbox done with, acknowledged first (as ack(); with timeout 0 in the
+        same round trip), so a consumer's batch and its next look cost one round trip."""
 
     @abstractmethod
     async def ack(self, inbox: str, deliveries: Sequence[Delivery]) -> None:

@@ -40,8 +40,9 @@ class InProcessInbox(Inbox):
         box.waiting.append((str(box.next_id), orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)))
         box.notify()
 
-    async def take(self, inbox: str, consumer: str, *, max_count: int,
-                   timeout: float | None = 0.0) -> list[Delivery]:
+    async def take(self, inbox: str, consumer: str, *, max_count: int, timeout: float | None = 0.0,
+                   acked: Sequence[Delivery] = ()) -> list[Delivery]:
+        await self.ack(inbox, acked)
         box = self._boxes.setdefault(inbox, _Box())
         if not await box.wait_until(lambda: bool(box.waiting), timeout):
             return []

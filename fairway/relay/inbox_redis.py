@@ -27,6 +27,11 @@ def _delivery(entry_id: str, flat: list[str], attempts: int) -> Delivery:
     return Delivery(entry_id, item if isinstance(item, dict) else {}, attempts)
 
 
+def _ack_commands(key: str, deliveries: Sequence[Delivery]) -> list[list[Any]]:
+    ids = [d.id for d in deliveries]
+    return [["XACK", key, _GROUP, *ids], ["XDEL", key, *ids]] if ids else []
+
+
 def _raise_errors(results: list[Any]) -> None:
     for result in results:
         if isinstance(result, Exception):
@@ -48,24 +53,30 @@ class RedisInbox(Inbox):
             payload = orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)
             await self._client.execute("XADD", self._key(inbox), "*", "j", payload)
 
-    async def take(self, inbox: str, consumer: str, *, max_count: int,
-                   timeout: float | None = 0.0) -> list[Delivery]:
+    async def take(self, inbox: str, consumer: str, *, max_count: int, timeout: float | None = 0.0,
+                   acked: Sequence[Delivery] = ()) -> list[Delivery]:
         key = self._key(inbox)
         read = ["XREADGROUP", "GROUP", _GROUP, consumer, "COUNT", max_count]
+        acks = _ack_commands(key, acked)
         for attempt in range(2):
             try:
                 with guard():
-                    if timeout is not None and timeout <= 0:
-                        reply = await self._client.execute(*read, "STREAMS", key, ">")
+                    if timeout is not None and timeout <= 0:  # the acknowledgements and the look in one trip
+                        *acked_results, reply = await self._client.batch([*acks, [*read, "STREAMS", key, ">"]])
+                        _raise_errors([*acked_results, reply])
                     else:
+                        if acks:
+                            _raise_errors(await self._client.batch(acks))
                         reply = await self._client.blocking(
                             lambda wait: [*read, "BLOCK", max(1, int(wait * 1000)), "STREAMS", key, ">"], timeout)
             except ResponseError as exc:
-                # NOGROUP: first use, or a Redis that lost it (a restart); UNBLOCKED: the stream was
-                # deleted under a blocked read.
+                # NOGROUP: first use, or a Redis that lost it (a restart: nothing of it is pending any
+                # more, so nothing to acknowledge either); UNBLOCKED: the stream was deleted under a
+                # blocked read.
                 if attempt or not str(exc).startswith(("NOGROUP", "UNBLOCKED")):
                     raise
                 await self._create_group(key)
+                acks = []
                 continue
             return [_delivery(entry_id, flat, 1) for entry_id, flat in reply[0][1]] if reply else []
         raise AssertionError("unreachable")
@@ -82,9 +93,8 @@ class RedisInbox(Inbox):
     async def ack(self, inbox: str, deliveries: Sequence[Delivery]) -> None:
         if not deliveries:
             return
-        key, ids = self._key(inbox), [d.id for d in deliveries]
         with guard():
-            _raise_errors(await self._client.batch([["XACK", key, _GROUP, *ids], ["XDEL", key, *ids]]))
+            _raise_errors(await self._client.batch(_ack_commands(self._key(inbox), deliveries)))
 
     async def reclaim(self, inbox: str, consumer: str, *, min_idle_s: float,
                       max_count: int) -> list[Delivery]:
