@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import statistics
@@ -41,6 +42,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,12 +95,16 @@ async def measure(root: Path, args: argparse.Namespace, workdir: Path, own_args:
             await relay._clean_redis(args.redis, namespace)
 
 
-def worktree(rev: str, where: Path) -> str:
-    """Check rev out at where; returns its short hash."""
+@contextlib.contextmanager
+def worktree(rev: str, where: Path) -> Iterator[str]:
+    """rev checked out at where for the block (its short hash), removed afterwards."""
     subprocess.run(["git", "worktree", "add", "--detach", str(where), rev], cwd=ROOT, check=True,
                    capture_output=True)
-    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, check=True, capture_output=True,
-                          text=True).stdout.strip()
+    try:
+        yield subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=where, check=True, capture_output=True,
+                             text=True).stdout.strip()
+    finally:
+        subprocess.run(["git", "worktree", "remove", "--force", str(where)], cwd=ROOT, capture_output=True)
 
 
 def this_tree() -> str:
@@ -120,31 +126,28 @@ def comparison_parser(doc: str) -> argparse.ArgumentParser:
 
 async def main(args: argparse.Namespace) -> None:
     relay.raise_fd_limit()
-    with tempfile.TemporaryDirectory(prefix="fairway-gw-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="fairway-gw-bench-") as tmp, \
+            worktree(args.base, Path(tmp) / "base") as base:
         base_root = Path(tmp) / "base"
-        base = worktree(args.base, base_root)
         this = this_tree()
         rounds: list[dict[str, float]] = []
-        try:
-            load = f"{args.rate:g} a second" if args.rate else f"{args.concurrency} at once"
-            print(f"gateway CPU per chat request ({args.requests} chats of {args.tokens} tokens, {load}, store "
-                  f"{args.database}{', gateway ' + ' '.join(args.gateway_arg) if args.gateway_arg else ''}): {base} vs "
-                  f"this tree ({this}{' ' + ' '.join(args.this_arg) if args.this_arg else ''})", flush=True)
-            for r in range(args.rounds):
-                sides = {}
-                for side, root in (("base", base_root), ("this", ROOT)):
-                    workdir = Path(tmp) / f"{side}{r}"
-                    workdir.mkdir()
-                    sides[side] = (root, workdir, args.this_arg if side == "this" else [])
-                if args.together:
-                    figures = await asyncio.gather(*(measure(root, args, wd, own) for root, wd, own in sides.values()))
-                else:
-                    figures = [await measure(root, args, wd, own) for root, wd, own in sides.values()]
-                result = {side: round(figure, 3) for side, figure in zip(sides, figures, strict=True)}
-                rounds.append(result)
-                print(f"  round {r + 1}: {base} {result['base']:6.2f} ms   this {result['this']:6.2f} ms", flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_root)], cwd=ROOT, capture_output=True)
+        load = f"{args.rate:g} a second" if args.rate else f"{args.concurrency} at once"
+        print(f"gateway CPU per chat request ({args.requests} chats of {args.tokens} tokens, {load}, store "
+              f"{args.database}{', gateway ' + ' '.join(args.gateway_arg) if args.gateway_arg else ''}): {base} vs "
+              f"this tree ({this}{' ' + ' '.join(args.this_arg) if args.this_arg else ''})", flush=True)
+        for r in range(args.rounds):
+            sides = {}
+            for side, root in (("base", base_root), ("this", ROOT)):
+                workdir = Path(tmp) / f"{side}{r}"
+                workdir.mkdir()
+                sides[side] = (root, workdir, args.this_arg if side == "this" else [])
+            if args.together:
+                figures = await asyncio.gather(*(measure(root, args, wd, own) for root, wd, own in sides.values()))
+            else:
+                figures = [await measure(root, args, wd, own) for root, wd, own in sides.values()]
+            result = {side: round(figure, 3) for side, figure in zip(sides, figures, strict=True)}
+            rounds.append(result)
+            print(f"  round {r + 1}: {base} {result['base']:6.2f} ms   this {result['this']:6.2f} ms", flush=True)
     medians = {side: round(statistics.median(r[side] for r in rounds), 3) for side in ("base", "this")}
     ratio = round(medians["this"] / medians["base"], 3)
     print(f"median: {base} {medians['base']:.2f} ms, this tree {medians['this']:.2f} ms per request "
