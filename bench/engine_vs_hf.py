@@ -40,6 +40,7 @@ from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.engine.sampling_params import SamplingParams  # noqa: E402
 from fairway.models.bundled import bundled_model_path  # noqa: E402
 from fairway.models.precision import compute_dtype  # noqa: E402
+from fairway.models.weights import WEIGHTS  # noqa: E402
 from fairway.server_gc import settle_heap  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -367,8 +368,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="JSON path (default bench/results/engine_vs_hf*.json)")
     # The engine's serving defaults, one by one, to tell what each costs or gains on this workload
     # (an older revision had none of them).
-    ap.add_argument("--weights", choices=["native", "dequantized"], default="native",
-                    help="the GGUF's quantized layers run as stored (native) or rounded to bf16 at load")
+    ap.add_argument("--weights", choices=list(WEIGHTS), default="auto",
+                    help="the bundled GGUF's layers: as stored, with a bf16 copy for many-row steps where "
+                         "that pays (auto, the serving default), as stored only (native), or in bf16")
     ap.add_argument("--no-step-time-bound", dest="bound_step_time", action="store_false",
                     help="bound each step by its token budget alone, not by time (scheduler.py)")
     ap.add_argument("--no-speculative", dest="speculative", action="store_false", help="no speculative decoding")

@@ -2,7 +2,8 @@
 side in one run.
 
 Engines: Fairway with --weights native on the bundled Q4_1 GGUF and on a Q4_0 copy of it (the file
-llama-server runs), Fairway --weights dequantized (bf16 weights, today's default before this),
+llama-server runs), Fairway --weights auto (the default: as stored, with a bf16 copy for steps of
+many rows where this CPU multiplies that faster), Fairway --weights dequantized (bf16 weights),
 and llama-server on the Q4_0 file. All bf16 activations (llama.cpp: its own choice, int8 dot
 products). Workload as relay.py's model part: distinct ~90-token chat prompts, 128 forced tokens
 (greedy, ignore_eos). One stream: decode tokens/s after the first token (Fairway: the engine's own
@@ -75,9 +76,13 @@ def read_bandwidth(size: int) -> float:
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of weights a decode step reads: every linear (quantized as stored, or dense)."""
+    """Bytes of weights a one-row decode step reads: every linear (quantized as stored, or dense;
+    not the bf16 copies --weights auto keeps for steps of many rows)."""
     total = 0
+    copies = {id(mod.dense) for mod in model.modules() if isinstance(mod, QuantLinear) and mod.dense is not None}
     for mod in model.modules():
+        if id(mod) in copies:
+            continue
         if isinstance(mod, QuantLinear):
             total += mod.weight_bytes
         elif hasattr(mod, "out_features") and hasattr(mod, "in_features") and not list(mod.children()):
@@ -184,6 +189,7 @@ def main() -> None:
     # no speculation: this compares the weights' kernels (llama-server speculates only when told)
     config = EngineConfig(num_kv_blocks=1024, max_num_batched_tokens=512, speculative=None)
     engines = {"fairway native Q4_1": build_engine(bundled, "bfloat16", config=config, weights="native"),
+               "fairway auto Q4_1": build_engine(bundled, "bfloat16", config=config, weights="auto"),
                "fairway dequantized bf16": build_engine(bundled, "bfloat16", config=config, weights="dequantized")}
     if q4_0 is not None:
         engines["fairway native Q4_0"] = build_engine(q4_0, "bfloat16", config=config, weights="native")
@@ -247,6 +253,7 @@ def main() -> None:
                 "one_stream_native_q4_1_over_llama_q4_0": figures["fairway native Q4_1"]["1"] / llama["1"],
                 "one_stream_native_q4_0_over_llama_q4_0": figures["fairway native Q4_0"]["1"] / llama["1"],
                 "chats16_native_q4_1_over_llama": figures["fairway native Q4_1"]["16"] / max(llama["1"], llama["16"]),
+                "chats16_auto_q4_1_over_llama": figures["fairway auto Q4_1"]["16"] / max(llama["1"], llama["16"]),
                 "one_stream_itl_native_q4_1_over_llama_q4_0": figures["fairway native Q4_1"]["1 itl"] / llama["1 itl"],
                 "chats16_itl_native_q4_1_over_llama": figures["fairway native Q4_1"]["16 itl"]
                 / max(llama["1 itl"], llama["16 itl"])}

@@ -36,6 +36,7 @@ from fairway.engine.factory import build_engine  # noqa: E402
 from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.engine.sampling_params import SamplingParams  # noqa: E402
 from fairway.engine.spec_decode.config import SpeculativeConfig  # noqa: E402
+from fairway.models.weights import WEIGHTS  # noqa: E402
 from fairway.server_gc import settle_heap  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -97,8 +98,9 @@ def main() -> None:
                     help="also run a draft model: the target's first N layers (0: prompt lookup only)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch threads (0: its default); 1 steadies ratios on a crowded machine")
-    ap.add_argument("--weights", choices=["native", "dequantized"], default="native",
-                    help="the bundled GGUF's weights as stored (the default) or dequantized to bf16")
+    ap.add_argument("--weights", choices=list(WEIGHTS), default="native",
+                    help="the bundled GGUF's weights as stored (the default: one stream never reaches the many "
+                         "rows auto's bf16 copy takes), as auto, or dequantized to bf16")
     ap.add_argument("--out", type=Path, default=None, help="default: bench/results/spec_decode[_WEIGHTS].json")
     args = ap.parse_args()
     if args.threads:

@@ -55,7 +55,7 @@ class ServerOptions:
 
     model: str | None = None  # a .gguf file or Hugging Face folder; None: the bundled model
     dtype: str = "bfloat16"
-    weights: str = "native"  # a GGUF's quantized layers run as stored, or "dequantized" to dtype
+    weights: str = "auto"  # how a GGUF's quantized layers are held (models/weights.py)
     device: str = "cpu"
     redis: str | None = None  # None: in-process token log, bus and registry
     database: str | None = None  # None: SQLite under ./.fairway/

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from fairway.domain import Tier
 from fairway.models.bundled import ModelFileError
+from fairway.models.weights import WEIGHTS
 from fairway.server_gc import settle_heap
 
 
@@ -35,9 +36,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="activations and KV cache (and the weights, where they are not run as stored)")
-    p.add_argument("--weights", default="native", choices=["native", "dequantized"],
-                   help="a GGUF's Q8_0/Q4_0/Q4_1 layers: multiplied as stored (native, where this CPU has the "
-                        "kernels) or dequantized to --dtype at load")
+    p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
+                   help="a GGUF's Q8_0/Q4_0/Q4_1 layers: multiplied as stored where this CPU has the kernels "
+                        "(native), the same with a bf16 copy for steps of many rows where this CPU multiplies "
+                        "that faster (auto, measured at load), or dequantized to --dtype at load")
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda[:N]: the GPU path (Triton paged attention, CUDA graphs; needs a CUDA build "
                         "of torch and triton)")
@@ -165,7 +167,7 @@ def _server_options(args: argparse.Namespace):
     return ServerOptions(
         model=getattr(args, "model", None),
         dtype=getattr(args, "dtype", "bfloat16"),
-        weights=getattr(args, "weights", "native"),
+        weights=getattr(args, "weights", "auto"),
         device=getattr(args, "device", "cpu"),
         redis=getattr(args, "redis", None),
         database=getattr(args, "database", None),

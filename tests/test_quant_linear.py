@@ -10,9 +10,10 @@ from probes import PARIS_PROMPT
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.engine.factory import build_engine
-from fairway.models.cpu_kernels import QuantKernels, quant_kernels
+from fairway.models.cpu_kernels import QuantKernels, bf16_linear, quant_kernels
 from fairway.models.loader import load_model
-from fairway.models.quant_linear import QuantLinear
+from fairway.models.packed_linear import PackedLinear
+from fairway.models.quant_linear import STEP_ROWS, QuantLinear
 
 kernel = quant_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
@@ -195,10 +196,12 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
 
 @needs_kernel
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
-def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(qtype):
+@pytest.mark.parametrize("dense_from", [None, 6], ids=["as-stored", "bf16-copy-from-6-rows"])
+def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(qtype, dense_from):
     """A tiny random bf16 model with its linears quantized here: every step's one-call pass
     (decode_forward.c calling the quantized kernel; prefill chunks, alone or beside decode rows,
-    through its attention callback) against the layer-by-layer path, bit for bit."""
+    through its attention callback) against the layer-by-layer path, bit for bit; with bf16 copies
+    for steps of 6 rows or more, those steps run on the copies on both paths."""
     from fairway.models.config import LlamaConfig
     from fairway.models.llama import random_model
 
@@ -208,9 +211,12 @@ def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_st
     for parent in [m for layer in model.layers for m in (layer.self_attn, layer.mlp)]:
         for name, child in list(parent.named_children()):
             raw = quantize(child.weight.detach().float().numpy(), qtype)
-            setattr(parent, name, QuantLinear(raw, qtype, child.in_features, torch.bfloat16))
+            setattr(parent, name, linear := QuantLinear(raw, qtype, child.in_features, torch.bfloat16))
+            if dense_from is not None:
+                linear.keep_dense(bf16_copy(raw, qtype, child.in_features), dense_from)
     if not model.use_native_decode():
         pytest.skip("no whole-step decode pass in this build")
+    assert (model.native_decode.dense is not None) == (dense_from is not None)
     native, layer_by_layer, compared = model.native_decode, model.forward, []
 
     def both(ids, positions, kv, meta):
@@ -234,3 +240,97 @@ def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_st
             engine.generate(prompts, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
     assert {1, 6, 19} <= set(compared)
     assert any(mixed)  # decode rows and prefill chunks in one pass
+
+
+def bf16_copy(raw: np.ndarray, qtype: str, k: int) -> PackedLinear:
+    """The weight these blocks stand for in bf16, packed (what --weights auto keeps beside them)."""
+    if bf16_linear() is None:
+        pytest.skip("no AVX512-BF16 matmul here: no bf16 copies")
+    return PackedLinear(torch.from_numpy(dequantize64(raw, qtype, k).astype(np.float32)).to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
+def test_a_bf16_copy_takes_the_steps_of_many_rows_and_only_those(qtype):
+    """From dense_from_rows rows of the step (its rows without draft tokens, as the engine sets
+    STEP_ROWS; else the rows given) a layer with a bf16 copy multiplies by the copy, below by the
+    blocks as stored: each the same bits as that path alone."""
+    raw, x = case(qtype, 48, 256, 20, seed=7)
+    x = x.to(torch.bfloat16)
+    layer = QuantLinear(raw, qtype, 256, torch.bfloat16)
+    copy = bf16_copy(raw, qtype, 256)
+    layer.keep_dense(copy, 8)
+    assert torch.equal(layer(x[:7]), layer.stored(x[:7])) and not torch.equal(layer(x[:7]), copy(x[:7]))
+    assert torch.equal(layer(x[:8]), copy(x[:8])) and torch.equal(layer(x), copy(x))
+    token = STEP_ROWS.set(20)  # 4 rows of a step of 20
+    try:
+        assert torch.equal(layer(x[:4]), copy(x[:4]))
+    finally:
+        STEP_ROWS.reset(token)
+    token = STEP_ROWS.set(2)  # 2 sequences verifying 18 draft tokens: as the 2 rows alone
+    try:
+        assert torch.equal(layer(x), layer.stored(x))
+    finally:
+        STEP_ROWS.reset(token)
+
+
+@pytest.fixture
+def with_copies(monkeypatch):
+    """--weights auto with the bf16 copies taking over from the given row count, whatever this
+    CPU measures (the measurement is the only thing replaced)."""
+    import fairway.models.loader as loader
+
+    def load(model_path, from_rows: int):
+        if bf16_linear() is None:
+            pytest.skip("no AVX512-BF16 matmul here: no bf16 copies")
+        monkeypatch.setattr(loader, "dense_from_rows", lambda linear, dense: from_rows)
+        return load_model(model_path, torch.bfloat16, weights="auto")
+
+    return load
+
+
+@needs_kernel
+def test_auto_weights_run_many_rows_as_the_dequantized_model_and_few_as_stored(model_path, real_tokenizer,
+                                                                               with_copies):
+    """With copies from one row every step is the dequantized model's, token for token; with copies
+    from more rows than any step has, the stored blocks' alone. With copies from 8 rows, 4 replies
+    decoding with draft tokens to verify (steps of more than 8 rows) stay on the stored blocks, as
+    without speculation, so speculation changes no greedy reply."""
+    from test_engine_correctness import QUESTIONS
+
+    from fairway.models.quant_linear import step_rows
+
+    prompts = [real_tokenizer.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    config = EngineConfig(num_kv_blocks=512, max_num_batched_tokens=256, speculative=None)
+
+    def tokens(model, cfg=config):
+        return LLMEngine(model, cfg, tokenizer=real_tokenizer).generate(prompts, params)
+
+    always = with_copies(model_path, 1)
+    assert always.native_decode is not None and always.native_decode.dense is not None
+    assert tokens(always) == tokens(load_model(model_path, torch.bfloat16, weights="dequantized"))
+    assert tokens(with_copies(model_path, 10**6)) == tokens(load_model(model_path, torch.bfloat16, weights="native"))
+    from8 = with_copies(model_path, 8)
+    passes, choose = [], from8.native_decode._for
+
+    def recorded(rows: int):
+        chosen = choose(rows)
+        passes.append((rows, step_rows(rows), chosen is from8.native_decode.dense))
+        return chosen
+
+    from8.native_decode._for = recorded
+    engine = LLMEngine(from8, EngineConfig(num_kv_blocks=512, max_num_batched_tokens=256), tokenizer=real_tokenizer)
+    assert engine.generate(prompts, params) == tokens(from8)
+    assert engine.stats().spec_decode_num_draft_tokens > 0
+    assert any(rows >= 8 > without_drafts and not dense for rows, without_drafts, dense in passes)
+    assert all(dense == (without_drafts >= 8) for _, without_drafts, dense in passes)
+
+
+@needs_kernel
+def test_no_bf16_copies_where_they_would_crowd_memory(model_path, monkeypatch, with_copies):
+    import fairway.models.loader as loader
+
+    monkeypatch.setattr(loader, "_free_memory", lambda: 100 * 2**20)  # the copies: ~325 MB
+    model = with_copies(model_path, 12)
+    assert all(m.dense is None for m in model.modules() if isinstance(m, QuantLinear))

@@ -53,9 +53,11 @@ def in_passing_thread(fn: Callable[[], T]) -> T:
 
 
 def build_engine(model: str | Path | None = None, dtype: str | torch.dtype = "bfloat16",
-                 device: str = "cpu", config: EngineConfig | None = None, weights: str = "native") -> LLMEngine:
+                 device: str = "cpu", config: EngineConfig | None = None, weights: str = "auto") -> LLMEngine:
     """weights: "native" runs a GGUF's quantized layers as stored where a kernel exists (dtype is then
-    the activations' and the KV cache's), "dequantized" rounds every weight to dtype at load."""
+    the activations' and the KV cache's), "auto" the same with a bf16 copy for steps of many rows
+    where this CPU multiplies that faster (models/loader.py), "dequantized" rounds every weight to
+    dtype at load."""
     dev = check_device(device)  # DeviceError: one line, before any weights load
     path = Path(model) if model else bundled_model_path()
     torch_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype

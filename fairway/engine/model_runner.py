@@ -19,6 +19,7 @@ from fairway.models.paged_attention import (
     PagedKVCache,
     PrefillGroup,
 )
+from fairway.models.quant_linear import STEP_ROWS
 
 
 class ModelRunner:
@@ -41,11 +42,17 @@ class ModelRunner:
         or for a sequence with draft tokens, the accepted ones and the target's next."""
         ids, positions, meta, sample_rows, samplers, num_rows = self._prepare(batch)
         t0 = time.perf_counter()
-        hidden = self.model(ids, positions, self.kv, meta)
-        tokens: dict[Sequence, list[int]] = {}
-        if samplers:
-            logits = self.model.compute_logits(hidden[sample_rows])
-            tokens = dict(zip(samplers, sample_and_verify(logits.cpu(), samplers, num_rows), strict=True))
+        # The step's weights are chosen by its rows without the draft tokens (quant_linear.STEP_ROWS).
+        drafts = sum(len(seq.spec_token_ids) for seq in batch.seqs if seq.is_decoding)
+        rows = STEP_ROWS.set(len(ids) - drafts)
+        try:
+            hidden = self.model(ids, positions, self.kv, meta)
+            tokens: dict[Sequence, list[int]] = {}
+            if samplers:
+                logits = self.model.compute_logits(hidden[sample_rows])
+                tokens = dict(zip(samplers, sample_and_verify(logits.cpu(), samplers, num_rows), strict=True))
+        finally:
+            STEP_ROWS.reset(rows)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.forward_seconds += time.perf_counter() - t0

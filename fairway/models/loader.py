@@ -1,14 +1,17 @@
 """Load weights: a GGUF file or a Hugging Face folder.
 
-A GGUF file is dequantized once and cached as safetensors; with weights="native" (the default) its
-Q8_0/Q4_0/Q4_1 linear layers are then swapped for ones that multiply the blocks as stored
-(quant_linear.py), and only the rest (norms, the embedding lookup, other types) stays dequantized.
+A GGUF file is dequantized once and cached as safetensors; with weights="native" its Q8_0/Q4_0/Q4_1
+linear layers are then swapped for ones that multiply the blocks as stored (quant_linear.py), and
+only the rest (norms, the embedding lookup, other types) stays dequantized. weights="auto" (the
+default) does the same and, where this CPU multiplies a bf16 copy faster in steps of many rows
+(measured at load: quant_linear.dense_from_rows), keeps one for those steps too.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,11 +23,14 @@ from fairway.cache_dir import cache_dir
 from fairway.models.bundled import ModelFileError
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
-from fairway.models.packed_linear import pack_linears, packing_supported
+from fairway.models.packed_linear import PackedLinear, pack_linears, packing_supported
 from fairway.models.precision import compute_dtype
-from fairway.models.quant_linear import QuantLinear, native_types
+from fairway.models.quant_linear import QuantLinear, dense_from_rows, native_types
+from fairway.models.weights import WEIGHTS
 
-WEIGHTS = ("native", "dequantized")  # --weights: run quantized GGUF layers as stored, or in --dtype
+log = logging.getLogger(__name__)
+
+DENSE_MEMORY_SHARE = 0.25  # a bf16 copy is kept only if it takes at most this share of the free memory
 
 _GGUF_LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -40,11 +46,12 @@ _GGUF_LAYER_NAMES = {
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu", pack: bool = True, weights: str = "native") -> LlamaModel:
+               device: str | torch.device = "cpu", pack: bool = True, weights: str = "auto") -> LlamaModel:
     """A .gguf file or a folder with config.json + *.safetensors, its weights rounded to `dtype`.
     On a CPU without native half-precision matmuls they are then held in float32 (precision.py).
     weights="native": a GGUF's linear layers in a type with a native kernel stay in it, `dtype` then
-    only the activations' and the KV cache's. On CPU the other linear layers are pre-packed for
+    only the activations' and the KV cache's; "auto": the same, with a bf16 copy for steps of many
+    rows where this CPU multiplies that faster. On CPU the other linear layers are pre-packed for
     oneDNN (pack=False keeps plain nn.Linear)."""
     path = Path(path)
     if weights not in WEIGHTS:
@@ -69,8 +76,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     if held != dtype:
         model = model.to(held)  # exact: every bf16/fp16 value is a float32 value
         model.kv_cache_dtype = dtype
-    if weights == "native" and path.is_file() and torch.device(device).type == "cpu":
-        use_quantized_linears(model, path, held)
+    if weights in ("auto", "native") and path.is_file() and torch.device(device).type == "cpu":
+        use_quantized_linears(model, path, held, dense=weights == "auto")
     if pack and packing_supported(held, torch.device(device)):
         pack_linears(model, bf16_copy=dtype == torch.bfloat16 and held == torch.float32)
         model.use_native_decode()
@@ -188,10 +195,12 @@ def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype) -> int:
+def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype, dense: bool = False) -> int:
     """Swap each linear layer whose GGUF weight has a native kernel (Q8_0/Q4_0/Q4_1) for a
     QuantLinear on the file's blocks; a fused layer (QKV, gate|up) only when its parts share a type.
-    Activations stay in `dtype` (float32 or bf16; others keep the dequantized layers). Returns how many."""
+    Activations stay in `dtype` (float32 or bf16; others keep the dequantized layers). With dense,
+    each keeps its dequantized bf16 weight for the steps of many rows where that multiplies
+    faster here (keep_dense_copies). Returns how many."""
     kinds = native_types() if dtype in (torch.float32, torch.bfloat16) else frozenset()
     if not kinds:
         return 0
@@ -223,12 +232,50 @@ def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype) -> 
                   (layer.mlp, "down_proj", blocks(p + "ffn_down.weight"), c.intermediate_size)]
     head = "token_embd.weight" if c.tie_word_embeddings else "output.weight"
     swaps.append((model, "lm_head", blocks(head), c.hidden_size))
-    done = 0
+    swapped: list[tuple[QuantLinear, torch.Tensor]] = []
     for parent, name, found, width in swaps:
         if found is not None and width % 32 == 0:
-            setattr(parent, name, QuantLinear(found[0], found[1], width, dtype))
-            done += 1
-    return done
+            weight = getattr(parent, name).weight.detach()  # (dequantized: a bf16 copy's source)
+            setattr(parent, name, linear := QuantLinear(found[0], found[1], width, dtype))
+            swapped.append((linear, weight))
+    if dense and dtype == torch.bfloat16:
+        keep_dense_copies(swapped)
+    return len(swapped)
+
+
+def keep_dense_copies(swapped: list[tuple[QuantLinear, torch.Tensor]]) -> int:
+    """Give each of these stored-block layers a bf16 copy of its weight (the dequantized one given
+    beside it) for steps of as many rows as its type's first layer measured the copy faster from
+    (quant_linear.dense_from_rows); none where the stored blocks keep up, or where the copies
+    would take more than DENSE_MEMORY_SHARE of the free memory. Returns how many."""
+    copy_bytes = sum(w.numel() * 2 for _, w in swapped)
+    if copy_bytes > DENSE_MEMORY_SHARE * _free_memory():
+        log.info("no bf16 copy of the quantized layers for many-row steps: %.0f MB is too much of the free "
+                 "memory", copy_bytes / 1e6)
+        return 0
+    crossover: dict[str, int | None] = {}
+    kept = 0
+    for linear, weight in swapped:
+        if crossover.get(linear.qtype, 0) is None:
+            continue  # (its type's first layer measured no gain)
+        dense = PackedLinear(weight.to(torch.bfloat16))
+        if linear.qtype not in crossover:
+            crossover[linear.qtype] = dense_from_rows(linear, dense)
+            log.info("%s layers: a bf16 copy for steps of %s", linear.qtype,
+                     f"{crossover[linear.qtype]} rows or more" if crossover[linear.qtype] else "no row count")
+        if (rows := crossover[linear.qtype]) is not None:
+            linear.keep_dense(dense, rows)
+            kept += 1
+    return kept
+
+
+def _free_memory() -> int:
+    """Bytes this machine has free for the taking (MemAvailable); unbounded where it does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 1 << 62
 
 
 def _hf_name(name: str) -> str:

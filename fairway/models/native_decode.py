@@ -14,6 +14,8 @@ keeps that path.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from fairway.models.cpu_kernels import (
@@ -26,28 +28,35 @@ from fairway.models.cpu_kernels import (
 )
 from fairway.models.packed_linear import PackedLinear
 from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, attend_prefills
-from fairway.models.quant_linear import QuantLinear
+from fairway.models.quant_linear import QuantLinear, step_rows
 
 
 class NativeDecode:
     """Built once per model (see `for_model`); call it with a step's inputs, or ask `takes` first."""
 
-    def __init__(self, model: torch.nn.Module, linears: list[torch.nn.Module]) -> None:
-        """linears: _linears(model), each a PackedLinear with a native kernel (for_model checks)."""
+    def __init__(self, model: torch.nn.Module, linears: list[torch.nn.Module],
+                 pick: Callable[[torch.nn.Module], torch.nn.Module] = lambda linear: linear) -> None:
+        """linears: pick(each of _linears(model)), each a PackedLinear with a native kernel or a
+        QuantLinear (for_model checks); pick: the module whose weights a model's linear lends."""
         self.model = model
         self.kernel = decode_forward()
         first = linears[0]
         self.quant, self.isa = (first.qtype_id, first.isa) if isinstance(first, QuantLinear) else (0, 0)
         self.amx = not self.quant and isinstance(first.native, AmxLinear)
+        self.down_proj = pick(model.layers[0].mlp.down_proj)  # (its tile, for bf16 panels)
         limits = {getattr(lin, "native_max_rows", None) for lin in linears}
         self.max_rows = None if limits == {None} else min(r for r in limits if r is not None)
         # The weights' pointers, read once: the model's tensors stay where they are while it serves.
         self.layers = (DecoderWeights * len(model.layers))(*(
-            DecoderWeights(layer.input_layernorm.weight.data_ptr(), layer.self_attn.qkv_proj.panels.data_ptr(),
-                           layer.self_attn.o_proj.panels.data_ptr(),
+            DecoderWeights(layer.input_layernorm.weight.data_ptr(), pick(layer.self_attn.qkv_proj).panels.data_ptr(),
+                           pick(layer.self_attn.o_proj).panels.data_ptr(),
                            layer.post_attention_layernorm.weight.data_ptr(),
-                           layer.mlp.gate_up_proj.panels.data_ptr(), layer.mlp.down_proj.panels.data_ptr())
+                           pick(layer.mlp.gate_up_proj).panels.data_ptr(), pick(layer.mlp.down_proj).panels.data_ptr())
             for layer in model.layers))
+        # Stored-block layers with bf16 copies (QuantLinear.keep_dense): steps of dense_from_rows
+        # rows or more run the pass on the copies, as their layers do on the layer-by-layer path.
+        self.dense: NativeDecode | None = None
+        self.dense_from_rows = 0
 
     @staticmethod
     def for_model(model: torch.nn.Module) -> NativeDecode | None:
@@ -55,34 +64,45 @@ class NativeDecode:
         if decode_forward() is None or layer_ops() is None or model.embed_tokens.weight.dtype != torch.bfloat16:
             return None
         linears = _linears(model)
-        if all(isinstance(lin, QuantLinear) for lin in linears):
+        quantized = all(isinstance(lin, QuantLinear) for lin in linears)
+        if quantized:
             if len({(lin.qtype_id, lin.isa) for lin in linears}) != 1:  # one type and path for every linear
                 return None
-        elif not all(isinstance(lin, PackedLinear) and lin.native is not None for lin in linears):
-            return None
-        elif len({type(lin.native) for lin in linears}) != 1:  # one kernel for every linear
+        elif not _one_native_kernel(linears):
             return None
         norms = [n.weight for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in [*norms, model.norm.weight]):
             return None
-        return NativeDecode(model, linears)
+        native = NativeDecode(model, linears)
+        copies = [lin.dense for lin in linears] if quantized else []
+        if copies and _one_native_kernel(copies) and len({lin.dense_from_rows for lin in linears}) == 1:
+            native.dense = NativeDecode(model, copies, lambda linear: linear.dense)
+            native.dense_from_rows = linears[0].dense_from_rows
+        return native
+
+    def _for(self, tokens: int) -> NativeDecode:
+        """The pass a step of this many rows runs: on the bf16 copies from dense_from_rows (of
+        the step's rows without its drafts, as each layer would choose: quant_linear.step_rows)."""
+        return self.dense if self.dense is not None and step_rows(tokens) >= self.dense_from_rows else self
 
     def takes(self, tokens: int, kv: PagedKVCache, meta: AttentionMetadata) -> bool:
         prefill_rows = sum(pg.out_rows.shape[0] for pg in meta.prefills)
+        max_rows = self._for(tokens).max_rows
         return (meta.backend is None and not meta.decodes and tokens > 0
                 and _decode_rows(meta) + prefill_rows == tokens
-                and (self.max_rows is None or tokens <= self.max_rows)
+                and (max_rows is None or tokens <= max_rows)
                 and kv.k.dtype == torch.bfloat16 and kv.k.is_contiguous() and kv.v.is_contiguous())
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                  meta: AttentionMetadata) -> torch.Tensor:
         """x: [T, hidden] bf16 embeddings of the step's tokens (overwritten). Returns the final
         norm's output, as LlamaModel.forward does."""
+        if (run := self._for(x.shape[0])) is not self:
+            return run(x, positions, kv, meta)
         c, dt = self.model.cfg, meta.decode_tables
         tables, lens = (None, None) if dt is None else (dt.block_tables, dt.context_lens)
         tokens = x.shape[0]
-        nv, mr, prefetch = ((0, 0, 0) if self.amx or self.quant
-                            else self.model.layers[0].mlp.down_proj.native.tile_for(tokens))
+        nv, mr, prefetch = (0, 0, 0) if self.amx or self.quant else self.down_proj.native.tile_for(tokens)
         rotary = self.model.rotary
         shape = DecodeShape(tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                             c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], kv.block_size,
@@ -107,6 +127,12 @@ class NativeDecode:
                             meta.prefills, group, module.scale)
 
         return attend
+
+
+def _one_native_kernel(linears: list[torch.nn.Module | None]) -> bool:
+    """Every one a PackedLinear on a native kernel, the same kernel for all."""
+    return (all(isinstance(lin, PackedLinear) and lin.native is not None for lin in linears)
+            and len({type(lin.native) for lin in linears}) == 1)
 
 
 def _decode_rows(meta: AttentionMetadata) -> int:

@@ -9,16 +9,39 @@ output columns (the layout is in quant_linear.c), the same bytes as in the file.
 
 from __future__ import annotations
 
+import time
+from contextvars import ContextVar
+
 import numpy as np
 import torch
 from torch import nn
 
 from fairway.models.cpu_kernels import QuantKernels, quant_kernels
+from fairway.models.packed_linear import PackedLinear
 
 QK = 32  # values per ggml block
 PANEL = 16  # output columns per panel
 # bytes of one ggml block of each type: fp16 scale (+ fp16 min, Q4_1) and the values
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+# A step of many rows is bound by its products, not by reading the weights, and where a CPU's
+# stored-block products cost more than its bf16 ones (each block's scales, 4-bit codes unpacked
+# for every few rows), a bf16 copy of the weights serves such steps faster. The row counts tried
+# at load, and the share of the stored blocks' time the copy must beat there. From 12 rows: one
+# sequence's speculative verification (1 + 8 draft rows) keeps the stored blocks' sums, as its
+# decode row alone does.
+DENSE_PROBE_ROWS = (12, 16, 24, 32, 48)
+DENSE_GAIN = 0.9
+# The rows of the step being computed, its draft rows left out (the engine's model runner sets
+# it): what decides between the stored blocks and a bf16 copy, so that a speculative
+# verification's rows are computed as the step without its drafts would compute them, and
+# speculation never changes a greedy reply. Unset: the rows a layer is given.
+STEP_ROWS: ContextVar[int | None] = ContextVar("fairway_step_rows", default=None)
+
+
+def step_rows(rows: int) -> int:
+    """The rows that pick a step's weights (STEP_ROWS, else these)."""
+    step = STEP_ROWS.get()
+    return rows if step is None else step
 
 
 def native_types() -> frozenset[str]:
@@ -88,13 +111,46 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = raw.shape[0], in_features
         self.isa = kernel.isa_for(dtype)
         self.register_buffer("panels", pack_blocks(raw, qtype), persistent=False)
+        # A bf16 copy of the weight for steps of dense_from_rows rows or more (keep_dense), or None.
+        self.dense: PackedLinear | None = None
+        self.dense_from_rows = 0
 
     @property
     def weight_bytes(self) -> int:
         """Bytes one pass reads: the blocks as stored."""
         return self.out_features * self.in_features // QK * BLOCK_BYTES[self.qtype]
 
+    def keep_dense(self, dense: PackedLinear, from_rows: int) -> None:
+        """Multiply steps of from_rows rows or more (step_rows) by dense, the weight dequantized
+        (its outputs are then the dequantized model's)."""
+        self.dense, self.dense_from_rows = dense, from_rows
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return self(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], self.out_features)
+        if self.dense is not None and step_rows(x.shape[0]) >= self.dense_from_rows:
+            return self.dense(x)
+        return self.stored(x)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] by the blocks as stored, whatever the rows."""
         return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, self.isa)
+
+
+def dense_from_rows(linear: QuantLinear, dense: PackedLinear, repeats: int = 5) -> int | None:
+    """The fewest rows (of DENSE_PROBE_ROWS) from which this CPU multiplies dense, the weight
+    dequantized to bf16, in at most DENSE_GAIN of the time the stored blocks take (best of
+    `repeats`, the two taken in turn); None where the stored blocks keep up at every count."""
+    if dense.native is None:  # (oneDNN's bf16: no faster than the blocks at any count measured)
+        return None
+    for rows in DENSE_PROBE_ROWS:
+        x = torch.randn(rows, linear.in_features).to(torch.bfloat16)
+        best = {"stored": float("inf"), "dense": float("inf")}
+        for _ in range(repeats):
+            for name, multiply in (("stored", linear.stored), ("dense", dense)):
+                t0 = time.perf_counter()
+                multiply(x)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        if best["dense"] <= DENSE_GAIN * best["stored"]:
+            return rows
+    return None
