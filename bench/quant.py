@@ -51,7 +51,7 @@ from itl import chat_prompts, run  # noqa: E402
 from fairway.engine.factory import build_engine  # noqa: E402
 from fairway.engine.llm_engine import EngineConfig, LLMEngine  # noqa: E402
 from fairway.models.bundled import bundled_model_path  # noqa: E402
-from fairway.models.quant_linear import QuantLinear  # noqa: E402
+from fairway.models.quant_linear import DENSE_FROM_ROWS, QuantLinear  # noqa: E402
 from fairway.server_gc import settle_heap  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
@@ -89,6 +89,28 @@ def weight_bytes(model: torch.nn.Module) -> int:
             elem = 2 if next(iter(mod.buffers()), torch.empty(0, dtype=torch.bfloat16)).dtype == torch.bfloat16 else 4
             total += mod.out_features * mod.in_features * elem
     return total
+
+
+CROSSOVER_ROWS = (1, 4, 8, 12, 16, 24, 32, 48)
+
+
+def crossover(model: torch.nn.Module, repeats: int = 5) -> list[dict[str, float]]:
+    """Every stored-block linear of a step (the ones --weights auto keeps a bf16 copy of) at each
+    row count of CROSSOVER_ROWS: ms on the stored blocks vs on the copies, best of `repeats`, the
+    two taken in turn; where the copies win is quant_linear.DENSE_FROM_ROWS's ground."""
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear) and m.dense is not None]
+    table = []
+    for rows in CROSSOVER_ROWS if linears else ():
+        xs = [torch.randn(rows, lin.in_features).to(torch.bfloat16) for lin in linears]
+        best = {"stored": float("inf"), "copy": float("inf")}
+        for _ in range(repeats):
+            for name in best:
+                t0 = time.perf_counter()
+                for lin, x in zip(linears, xs, strict=True):
+                    lin.stored(x) if name == "stored" else lin.dense(x)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        table.append({"rows": rows, "stored_ms": 1e3 * best["stored"], "copy_ms": 1e3 * best["copy"]})
+    return table
 
 
 def fairway_run(eng: LLMEngine, prompts: list[list[int]], max_tokens: int, tag: str) -> dict[str, float]:
@@ -208,6 +230,8 @@ def main() -> None:
             fairway_run(e, prompts[:4], 16, f"warm-{n}")
         for s in servers.values():
             s.run(prompts[:4], 16)
+        wait_for_quiet(args.quiet_wait)
+        copies = crossover(engines["fairway auto Q4_1"].model)
         meter, started, done = CpuMeter(), time.monotonic(), 0
         for rep in range(args.repeats):
             if rep and args.max_minutes and time.monotonic() - started > 60 * args.max_minutes:
@@ -245,6 +269,12 @@ def main() -> None:
         share = f"{best[n]['1'] / f['floor_tokens_per_s']:.0%}" if f else "-"
         print(f"| {n} | {mb} | {floor} | {medians[n]['1']:.0f} ({best[n]['1']:.0f}) | {share} | "
               f"{medians[n]['16']:.0f} ({best[n]['16']:.0f}) | {medians[n]['1 itl']:.0f} | {medians[n]['16 itl']:.0f} |")
+    if copies:
+        print("\nthe stored-block linears of a step vs their bf16 copies (--weights auto from "
+              f"{DENSE_FROM_ROWS} rows), ms, best of 5")
+        print("| rows | stored blocks | bf16 copies | copies / stored |\n| --- | --- | --- | --- |")
+        for c in copies:
+            print(f"| {c['rows']} | {c['stored_ms']:.1f} | {c['copy_ms']:.1f} | {c['copy_ms'] / c['stored_ms']:.2f} |")
     ratios = {}
     if servers:
         for stat, figures in (("median", medians), ("best", best)):
@@ -264,7 +294,7 @@ def main() -> None:
         "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "machine": machine.describe(), "other_processes_cpu_share": other_share,
         "args": {k: str(v) for k, v in vars(args).items()}, "targets": TARGETS,
-        "repeats_done": done, "floors": floors, "medians": medians, "best": best, "runs": runs,
+        "repeats_done": done, "floors": floors, "copies_vs_stored": copies, "medians": medians, "best": best, "runs": runs,
         "ratios": ratios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

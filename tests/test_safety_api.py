@@ -37,7 +37,10 @@ def server(tmp_path_factory):
     policy = tmp / "policy.toml"
     policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
                                                           f'terms = ["{FLAGGED_WORD}", "with him in it"'))
+    # the stored blocks alone (the greedy reply FLAGGED_WORD is in): the default --weights auto
+    # prefills on a bf16 copy where the CPU keeps one, and the reply is another there
     options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
+                           weights="native",
                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
     engine = build_engine(options)
     with embedded_server(options, engine) as server:

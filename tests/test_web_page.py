@@ -37,6 +37,9 @@ KEY = "sk-web-page-test"
 # (bf16, native weights). Any change to the kernels' arithmetic can change that sentence: then
 # pick a word of the new one (tests/test_web_page.py fails at step 2 of the safety test).
 FLAGGED_WORD = "feline"
+# Both servers run the stored blocks alone: the default --weights auto prefills a prompt on a bf16
+# copy where the CPU keeps one (AVX512-BF16 without AMX), and the greedy reply is another there.
+NATIVE = "native"
 # The same for the default output check's server (held_server): a word of the second greedy
 # sentence about cats, as in tests/test_safety_api.py, so the first sentence passes and is shown.
 HELD_WORD = "domesticated"
@@ -168,7 +171,7 @@ def server(tmp_path_factory):
     proc = subprocess.Popen(
         [sys.executable, "-m", "fairway.cli", "serve", "--port", str(port), "--log-level", "warning",
          "--database", f"sqlite:///{work / 'fairway.db'}", "--safety-policy", str(policy),
-         "--safety-output", "release-then-check"],
+         "--safety-output", "release-then-check", "--weights", NATIVE],
         cwd=work, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "FAIRWAY_DEV_KEY": KEY},
     )
     url = f"http://127.0.0.1:{port}"
@@ -200,7 +203,7 @@ def held_server(tmp_path_factory):
     policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
                                                           f'terms = ["{HELD_WORD}", "with him in it"'))
     options = ServerOptions(database=f"sqlite:///{work / 'fairway.db'}", api_keys=[(KEY, "web-user", "paid")],
-                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
+                            weights=NATIVE, safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
     with embedded_server(options) as server:
         yield server.url
 

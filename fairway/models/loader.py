@@ -3,8 +3,8 @@
 A GGUF file is dequantized once and cached as safetensors; with weights="native" its Q8_0/Q4_0/Q4_1
 linear layers are then swapped for ones that multiply the blocks as stored (quant_linear.py), and
 only the rest (norms, the embedding lookup, other types) stays dequantized. weights="auto" (the
-default) does the same and, where this CPU multiplies a bf16 copy faster in steps of many rows
-(measured at load: quant_linear.dense_from_rows), keeps one for those steps too.
+default) does the same and, where this CPU has a native bf16 kernel, keeps a bf16 copy for steps
+of many rows, which it multiplies faster (quant_linear.dense_from_rows).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
 from fairway.models.packed_linear import PackedLinear, pack_linears, packing_supported
 from fairway.models.precision import compute_dtype
-from fairway.models.quant_linear import QuantLinear, dense_from_rows, native_types
+from fairway.models.quant_linear import DENSE_FROM_ROWS, QuantLinear, dense_from_rows, native_types
 from fairway.models.weights import WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -245,27 +245,23 @@ def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype, den
 
 def keep_dense_copies(swapped: list[tuple[QuantLinear, torch.Tensor]]) -> int:
     """Give each of these stored-block layers a bf16 copy of its weight (the dequantized one given
-    beside it) for steps of as many rows as its type's first layer measured the copy faster from
-    (quant_linear.dense_from_rows); none where the stored blocks keep up, or where the copies
-    would take more than DENSE_MEMORY_SHARE of the free memory. Returns how many."""
+    beside it) for steps of many rows (quant_linear.dense_from_rows); none where this CPU gains
+    nothing by it, or where the copies would take more than DENSE_MEMORY_SHARE of the
+    free memory. Returns how many."""
     copy_bytes = sum(w.numel() * 2 for _, w in swapped)
     if copy_bytes > DENSE_MEMORY_SHARE * _free_memory():
         log.info("no bf16 copy of the quantized layers for many-row steps: %.0f MB is too much of the free "
                  "memory", copy_bytes / 1e6)
         return 0
-    crossover: dict[str, int | None] = {}
     kept = 0
     for linear, weight in swapped:
-        if crossover.get(linear.qtype, 0) is None:
-            continue  # (its type's first layer measured no gain)
         dense = PackedLinear(weight.to(torch.bfloat16))
-        if linear.qtype not in crossover:
-            crossover[linear.qtype] = dense_from_rows(linear, dense)
-            log.info("%s layers: a bf16 copy for steps of %s", linear.qtype,
-                     f"{crossover[linear.qtype]} rows or more" if crossover[linear.qtype] else "no row count")
-        if (rows := crossover[linear.qtype]) is not None:
+        if (rows := dense_from_rows(linear, dense)) is not None:
             linear.keep_dense(dense, rows)
             kept += 1
+    if kept:
+        log.info("%d of %d stored-block layers: a bf16 copy for steps of %d rows or more", kept, len(swapped),
+                 DENSE_FROM_ROWS)
     return kept
 
 

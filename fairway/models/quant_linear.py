@@ -9,7 +9,6 @@ output columns (the layout is in quant_linear.c), the same bytes as in the file.
 
 from __future__ import annotations
 
-import time
 from contextvars import ContextVar
 
 import numpy as np
@@ -25,12 +24,13 @@ PANEL = 16  # output columns per panel
 BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
 # A step of many rows is bound by its products, not by reading the weights, and where a CPU's
 # stored-block products cost more than its bf16 ones (each block's scales, 4-bit codes unpacked
-# for every few rows), a bf16 copy of the weights serves such steps faster. The row counts tried
-# at load, and the share of the stored blocks' time the copy must beat there. From 12 rows: one
-# sequence's speculative verification (1 + 8 draft rows) keeps the stored blocks' sums, as its
-# decode row alone does.
-DENSE_PROBE_ROWS = (12, 16, 24, 32, 48)
-DENSE_GAIN = 0.9
+# for every few rows), a bf16 copy of the weights serves such steps faster: from DENSE_FROM_ROWS
+# rows, where this CPU has a native bf16 kernel and no AMX (bench/quant.py measures the
+# crossover). A fixed count, not one timed at load: which weights a step uses changes its greedy
+# tokens, and a reply must not change from one start to the next with how busy the machine was
+# while it loaded. From 12 rows: one sequence's speculative verification (1 + 8 draft rows) keeps
+# the stored blocks' sums, as its decode row alone does.
+DENSE_FROM_ROWS = 12
 # The rows of the step being computed, its draft rows left out (the engine's model runner sets
 # it): what decides between the stored blocks and a bf16 copy, so that a speculative
 # verification's rows are computed as the step without its drafts would compute them, and
@@ -137,20 +137,11 @@ class QuantLinear(nn.Module):
         return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, self.isa)
 
 
-def dense_from_rows(linear: QuantLinear, dense: PackedLinear, repeats: int = 5) -> int | None:
-    """The fewest rows (of DENSE_PROBE_ROWS) from which this CPU multiplies dense, the weight
-    dequantized to bf16, in at most DENSE_GAIN of the time the stored blocks take (best of
-    `repeats`, the two taken in turn); None where the stored blocks keep up at every count."""
-    if dense.native is None:  # (oneDNN's bf16: no faster than the blocks at any count measured)
+def dense_from_rows(linear: QuantLinear, dense: PackedLinear) -> int | None:
+    """The rows from which a step multiplies dense (linear's weight dequantized to bf16) rather
+    than the stored blocks: DENSE_FROM_ROWS where dense runs on a native bf16 kernel and the blocks
+    do not run on AMX tiles, which sum many rows as fast as bf16 does; else None (oneDNN's bf16 is
+    no faster than the blocks at any row count measured)."""
+    if dense.native is None or linear.isa == QuantKernels.AMX:
         return None
-    for rows in DENSE_PROBE_ROWS:
-        x = torch.randn(rows, linear.in_features).to(torch.bfloat16)
-        best = {"stored": float("inf"), "dense": float("inf")}
-        for _ in range(repeats):
-            for name, multiply in (("stored", linear.stored), ("dense", dense)):
-                t0 = time.perf_counter()
-                multiply(x)
-                best[name] = min(best[name], time.perf_counter() - t0)
-        if best["dense"] <= DENSE_GAIN * best["stored"]:
-            return rows
-    return None
+    return DENSE_FROM_ROWS
