@@ -205,6 +205,34 @@ def test_each_cue_is_priced_on_its_own_record():
     assert long.num_drafts == 6 and short.num_drafts == 5 and long.rate < 0.9
 
 
+def test_a_big_batch_looks_up_no_cue_and_prompt_lookup_catches_up_after_it():
+    """From disable_by_batch_size decoding sequences no draft is possible, so no sequence's
+    prompt-lookup index is touched that step; once the batch shrinks, the index catches up on the
+    tokens it skipped and proposes what a fresh one would."""
+    from fairway.engine.spec_decode.speculator import Speculator
+
+    class Counting(NgramProposer):
+        cues = 0
+
+        def cue(self, seq):
+            Counting.cues += 1
+            return super().cue(seq)
+
+    config = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=4, pause_steps=8)
+    cheap = _Fixed(StepCost(fixed=0.012, per_decode_row=0.0001, per_prefill_token=0.0003))
+    speculator = Speculator(Counting(min_n=2, max_n=3), SpecPolicy(config, cheap, 4096))
+    batch = [_decoding(0.99) for _ in range(4)]
+    for seq in batch:
+        seq.token_ids[:] = [5, 6, 7, 8, 9, 1, 6, 7]
+    speculator.propose(batch, step=0, prefill_tokens=0)
+    assert Counting.cues == 0 and all(seq.spec_token_ids == [] for seq in batch)
+    alone = batch[0]
+    alone.token_ids += [8, 9, 1, 6]  # decoded while the batch was big
+    speculator.propose([alone], step=1, prefill_tokens=0)
+    assert Counting.cues == 1
+    assert alone.spec_token_ids == NgramProposer(min_n=2, max_n=3).propose([alone], [4])[0] == [7, 8, 9, 1]
+
+
 class _Fixed(StepTimeModel):
     def __init__(self, cost: StepCost) -> None:
         super().__init__(cost)

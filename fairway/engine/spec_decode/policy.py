@@ -33,11 +33,15 @@ class SpecPolicy:
             cost, step = PRIOR, PRIOR.predict(num_decoding, prefill_tokens)
         return (cost.per_decode_row + seconds_per_draft) * num_decoding / step
 
+    def drafts_at(self, num_decoding: int) -> bool:
+        """Whether a step with this many decoding sequences may give any of them drafts."""
+        return 0 < num_decoding < self.config.disable_by_batch_size
+
     def plan(self, seqs: list[Sequence], step: int, prefill_tokens: int, seconds_per_draft: float,
              cues: list[int | None] | None = None) -> list[int]:
         """Draft tokens for each decoding sequence (0: none this step). cues: what each one's guess
         would rest on (the proposer's cue; None: no guess), priced by that cue's record."""
-        if not seqs or len(seqs) >= self.config.disable_by_batch_size:
+        if not self.drafts_at(len(seqs)):
             return [0] * len(seqs)
         theta = self.threshold(len(seqs), prefill_tokens, seconds_per_draft)
         return [self._for(seq, step, theta, 0 if cues is None else cues[i]) for i, seq in enumerate(seqs)]

@@ -41,6 +41,8 @@ class Speculator:
         """Set spec_token_ids of the decoding sequences that get drafts this step."""
         for seq in decoding:
             seq.spec_token_ids.clear()
+        if not self.policy.drafts_at(len(decoding)):
+            return  # a big batch: no cue to look up (prompt lookup's index catches up when it shrinks)
         cues = [self.proposer.cue(seq) for seq in decoding]
         ks = self.policy.plan(decoding, step, prefill_tokens, self.proposer.seconds_per_token, cues)
         picked = [i for i, k in enumerate(ks) if k > 0]
