@@ -274,6 +274,26 @@ def test_a_bf16_copy_takes_the_steps_of_many_rows_and_only_those(qtype):
         STEP_ROWS.reset(token)
 
 
+@needs_kernel
+def test_the_copies_row_count_is_fixed_not_timed(monkeypatch):
+    """Which weights a step uses changes its greedy tokens, so the copies' row count must not
+    depend on how busy the machine was at load: DENSE_FROM_ROWS wherever the bf16 kernel is native
+    and the blocks are not on AMX tiles, even with the copy made slower than the blocks."""
+    import time
+
+    from fairway.models.quant_linear import DENSE_FROM_ROWS, dense_from_rows
+
+    raw, _ = case("Q4_1", 48, 256, 1, seed=3)
+    layer = QuantLinear(raw, "Q4_1", 256, torch.bfloat16)
+    copy = bf16_copy(raw, "Q4_1", 256)
+    multiply = copy.forward
+    monkeypatch.setattr(copy, "forward", lambda x: (time.sleep(0.002), multiply(x))[1])  # a crowded CPU
+    expected = None if layer.isa == QuantKernels.AMX else DENSE_FROM_ROWS
+    assert [dense_from_rows(layer, copy) for _ in range(3)] == [expected] * 3
+    copy.native = None  # (oneDNN's bf16: no copy)
+    assert dense_from_rows(layer, copy) is None
+
+
 @pytest.fixture
 def with_copies(monkeypatch):
     """--weights auto with the bf16 copies taking over from the given row count, whatever this
