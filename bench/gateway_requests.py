@@ -116,11 +116,16 @@ def this_tree() -> str:
     return f"{head}{' + changes' if dirty else ''}"
 
 
-def comparison_parser(doc: str) -> argparse.ArgumentParser:
-    """The options of a benchmark that runs this tree against --base, round after round."""
+def comparison_parser(doc: str, this_arg: bool = True) -> argparse.ArgumentParser:
+    """The options of a benchmark that runs this tree against --base, round after round; with
+    this_arg, options for this tree's processes alone."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--base", default="HEAD~1", help="the revision to compare with (default HEAD~1)")
     parser.add_argument("--rounds", type=int, default=3)
+    if this_arg:
+        parser.add_argument("--this-arg", action="append", default=[],
+                            help="an option for this tree's gateway or server only (repeatable): --this-arg=--no-memory "
+                                 "turns off a part the base has not got")
     return parser
 
 
@@ -175,9 +180,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=20, help="requests at all times (closed loop)")
     parser.add_argument("--rate", type=float, default=0.0, help="requests a second, open loop (instead of --concurrency)")
     parser.add_argument("--gateway-arg", action="append", default=[], help="an option for both gateways (repeatable)")
-    parser.add_argument("--this-arg", action="append", default=[],
-                        help="an option for this tree's gateway only (repeatable): --this-arg=--no-memory prices a "
-                             "part the base has not got")
     parser.add_argument("--tokens", type=int, default=2, help="max_tokens per chat")
     parser.add_argument("--database", default="postgres", help="postgres (a temporary database), sqlite, or a URL")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")

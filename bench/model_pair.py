@@ -82,8 +82,6 @@ def parse_args() -> Any:
     parser = comparison_parser(__doc__)
     parser.add_argument("--chats", default="1,16,64", help="concurrent chats, comma-separated levels")
     parser.add_argument("--tokens", type=int, default=128, help="tokens a chat")
-    parser.add_argument("--this-arg", action="append", default=[],
-                        help="an option for this tree's server only (repeatable): a part the base has not got, off")
     return parser.parse_args()
 
 

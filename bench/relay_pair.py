@@ -148,8 +148,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--streams", type=int, default=400, help="streams each side relays at once")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per stream")
     parser.add_argument("--producers", type=int, default=2, help="synthetic replica processes a side")
-    parser.add_argument("--this-arg", action="append", default=[],
-                        help="an option for this tree's gateway only (repeatable): a part the base has not got, off")
     parser.add_argument("--database", default="postgres", help="postgres (a temporary database a side) or sqlite")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")
     return parser.parse_args()

@@ -158,7 +158,7 @@ async def main(args: argparse.Namespace) -> None:
 
 
 def parse_args() -> argparse.Namespace:
-    parser = gateway_requests.comparison_parser(__doc__)
+    parser = gateway_requests.comparison_parser(__doc__, this_arg=False)
     parser.add_argument("--chats", type=int, default=2000)
     parser.add_argument("--concurrency", type=int, default=20)
     parser.add_argument("--worker", metavar="DATABASE", help=argparse.SUPPRESS)  # one side's run, on this database
