@@ -248,21 +248,18 @@ def keep_dense_copies(swapped: list[tuple[QuantLinear, torch.Tensor]]) -> int:
     beside it) for steps of many rows (quant_linear.dense_from_rows); none where this CPU gains
     nothing by it, or where the copies would take more than DENSE_MEMORY_SHARE of the
     free memory. Returns how many."""
-    copy_bytes = sum(w.numel() * 2 for _, w in swapped)
+    chosen = [(linear, weight, rows) for linear, weight in swapped if (rows := dense_from_rows(linear)) is not None]
+    copy_bytes = sum(w.numel() * 2 for _, w, _ in chosen)
     if copy_bytes > DENSE_MEMORY_SHARE * _free_memory():
         log.info("no bf16 copy of the quantized layers for many-row steps: %.0f MB is too much of the free "
                  "memory", copy_bytes / 1e6)
         return 0
-    kept = 0
-    for linear, weight in swapped:
-        dense = PackedLinear(weight.to(torch.bfloat16))
-        if (rows := dense_from_rows(linear, dense)) is not None:
-            linear.keep_dense(dense, rows)
-            kept += 1
-    if kept:
-        log.info("%d of %d stored-block layers: a bf16 copy for steps of %d rows or more", kept, len(swapped),
+    for linear, weight, rows in chosen:
+        linear.keep_dense(PackedLinear(weight.to(torch.bfloat16)), rows)
+    if chosen:
+        log.info("%d of %d stored-block layers: a bf16 copy for steps of %d rows or more", len(chosen), len(swapped),
                  DENSE_FROM_ROWS)
-    return kept
+    return len(chosen)
 
 
 def _free_memory() -> int:

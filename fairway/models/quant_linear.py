@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from fairway.models.cpu_kernels import QuantKernels, quant_kernels
+from fairway.models.cpu_kernels import QuantKernels, bf16_linear, quant_kernels
 from fairway.models.packed_linear import PackedLinear
 
 QK = 32  # values per ggml block
@@ -137,11 +137,13 @@ class QuantLinear(nn.Module):
         return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, self.isa)
 
 
-def dense_from_rows(linear: QuantLinear, dense: PackedLinear) -> int | None:
-    """The rows from which a step multiplies dense (linear's weight dequantized to bf16) rather
-    than the stored blocks: DENSE_FROM_ROWS where dense runs on a native bf16 kernel and the blocks
+def dense_from_rows(linear: QuantLinear) -> int | None:
+    """The rows from which a step would multiply a bf16 copy of linear's weight rather than the
+    stored blocks: DENSE_FROM_ROWS where the copy would run on the native bf16 kernel and the blocks
     do not run on AMX tiles, which sum many rows as fast as bf16 does; else None (oneDNN's bf16 is
-    no faster than the blocks at any row count measured)."""
-    if dense.native is None or linear.isa == QuantKernels.AMX:
+    no faster than the blocks at any row count measured). Decided before a copy is made, so none is
+    packed to be thrown away."""
+    kernel = bf16_linear()
+    if kernel is None or not kernel.supports(linear.in_features) or linear.isa == QuantKernels.AMX:
         return None
     return DENSE_FROM_ROWS
