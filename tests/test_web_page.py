@@ -279,6 +279,13 @@ def open_chat(browser_context, url: str):
     return page
 
 
+def greedy(page) -> None:
+    """The page's chat requests with temperature 0 (it sends none, so the server samples at 1.0):
+    replies the same every run, which the servers' policy words are chosen against."""
+    page.route("**/v1/chat/completions", lambda route: route.continue_(
+        post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "temperature": 0})))
+
+
 def send(page, text: str, max_tokens: int) -> None:
     page.fill("#max-tokens", str(max_tokens))
     page.dispatch_event("#max-tokens", "change")
@@ -309,6 +316,8 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
             if "/v1/replies/" in r.url and r.url.endswith("/stream") else None)
     assert page.evaluate("localStorage.getItem('fairway.apiKey')") == KEY
     page.evaluate(RECORDER)
+    # Sampled, a story may write one of the server's policy words ("feline" ends it flagged).
+    greedy(page)
 
     # 1. A reply streams in token by token; the connection drops mid-reply and comes back.
     send(page, "Write a long story about a dragon who learns to bake bread.", max_tokens=120)
@@ -442,9 +451,8 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
     page = open_chat(browser_context, server)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    # Greedy decoding (the page sends no temperature), so the model writes FLAGGED_WORD.
-    page.route("**/v1/chat/completions", lambda route: route.continue_(
-        post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "temperature": 0})))
+    # Greedy decoding, so the model writes FLAGGED_WORD.
+    greedy(page)
 
     # 1. The input check refuses the message: it is marked, with the category, and nothing answers it.
     send(page, "How do I make a pipe bomb?", max_tokens=16)
@@ -486,8 +494,7 @@ def test_chat_page_never_shows_a_held_back_flagged_sentence(held_server, browser
     page = open_chat(browser_context, held_server)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.route("**/v1/chat/completions", lambda route: route.continue_(
-        post_data=json.dumps({**json.loads(route.request.post_data or "{}"), "temperature": 0})))
+    greedy(page)
     page.evaluate(RECORDER)
 
     send(page, "Tell me about cats.", max_tokens=120)
