@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,10 +32,15 @@ def pack_call(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes
 def pack_call_bytes(script: Script, args: Sequence[bytes], numkeys: int) -> bytes:
     """pack_call() for arguments that are bytes already (keys first): the same bytes, packed
     without looking at each argument's type, for a call made once per token."""
-    head = b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n" % (len(args) + 3, script.sha.encode())
+    return _call_head(script.sha, len(args), numkeys) + b"".join([b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in args])
+
+
+@functools.lru_cache(maxsize=64)
+def _call_head(sha: str, num_args: int, numkeys: int) -> bytes:
+    """EVALSHA, the sha and numkeys, packed once per script and shape (not once per token)."""
     count = b"%d" % numkeys
-    return head + b"$%d\r\n%b\r\n" % (len(count), count) + b"".join(
-        [b"$%d\r\n%b\r\n" % (len(arg), arg) for arg in args])
+    return (b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n" % (num_args + 3, sha.encode())
+            + b"$%d\r\n%b\r\n" % (len(count), count))
 
 
 async def run_scripts(mux: RedisMux, script: Script,

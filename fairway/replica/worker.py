@@ -117,19 +117,14 @@ class _Appender:
         self._pending: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]] = []
         self._writes: set[asyncio.Task] = set()  # strong references to batches in flight
 
-    async def append(self, reply_id: str, events: Sequence[TokenEvent | ToolEvent]) -> int:
-        """Append the reply's events (a held-back sentence's go out together) and return the last n."""
+    async def append(self, reply_id: str, event: TokenEvent | ToolEvent) -> int:
+        """Append one event of the reply and return its n."""
         loop = asyncio.get_running_loop()
         if not self._pending:
             loop.call_soon(self._flush)  # after the replies woken with this one have appended too
-        futures: list[asyncio.Future[int]] = []
-        for event in events:
-            futures.append(loop.create_future())
-            self._pending.append((reply_id, event, futures[-1]))
-        n = 0
-        for done in futures:
-            n = await done
-        return n
+        done: asyncio.Future[int] = loop.create_future()
+        self._pending.append((reply_id, event, done))
+        return await done
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -679,6 +674,9 @@ class ReplicaWorker:
                     if out.text or (out.token_id is not None and not out.finished):
                         # Every token is an event, even one whose text waits for the rest of a
                         # character; the stop token at the end is not (it has no text).
+                        if hold is None:  # (without _release's frame: every await level costs each token)
+                            await self._append(running, (out,))
+                            continue
                         step.flagged = await self._release(running, hold, out)
                         if step.flagged is not None:
                             return step
@@ -770,7 +768,7 @@ class ReplicaWorker:
 
     async def _append_tool(self, running: _Running, event: ToolEvent) -> None:
         event = dataclasses.replace(event, n=running.events + 1)
-        running.events = await self._appender.append(running.job.reply_id, [event])
+        running.events = await self._appender.append(running.job.reply_id, event)
         add_event(running.tools, event, running.chars)
 
     async def _resume_point(self, running: _Running, tools: ToolLoop | None) -> list[int] | None:
@@ -812,7 +810,8 @@ class ReplicaWorker:
             return
         clock = time.monotonic()
         job = running.job
-        for _ in outs:
+        n = running.events
+        for out in outs:
             if running.first_token_at is None:
                 running.first_token_at = time.time()
                 self._ttfts.append(max(0.0, running.first_token_at - running.started))
@@ -822,15 +821,14 @@ class ReplicaWorker:
                     running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
                 running.inter_token.observe(clock - running.last_token_at)
             running.last_token_at = clock
-        # Explicit numbers: a second producer of this reply (a duplicate job) fails instead of
-        # interleaving tokens into the same log.
-        events = [TokenEvent(running.events + i, out.text, [out.token_id] if out.token_id is not None else [])
-                  for i, out in enumerate(outs, 1)]
-        # One event per reply per flush, as without the check: the gateway's fast path (a token log
-        # callback writing to the connection) broke the SDK's stream when a held-back sentence's
-        # events arrived in one batch (tests/test_api.py::test_sdk_streaming); not yet understood.
-        for event, out in zip(events, outs, strict=True):
-            running.events = await self._appender.append(running.job.reply_id, [event])
+            # Explicit numbers: a second producer of this reply (a duplicate job) fails instead of
+            # interleaving tokens into the same log. One event per reply per flush, as without the
+            # check: the gateway's fast path (a token log callback writing to the connection) broke
+            # the SDK's stream when a held-back sentence's events arrived in one batch
+            # (tests/test_api.py::test_sdk_streaming); not yet understood.
+            n += 1
+            event = TokenEvent(n, out.text, [out.token_id] if out.token_id is not None else [])
+            running.events = await self._appender.append(job.reply_id, event)
             running.text.append(out.text)
             running.chars += len(out.text)
 
