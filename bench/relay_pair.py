@@ -12,7 +12,9 @@ of the machine and its ratio is the figure to read.
 Each round runs, on both sides at once: steady arrivals (relay.py's headline: N streams at all
 times, requests arriving at N / stream length a second; CPU per event all in), then all in 1 s
 (N streams started within a second; CPU per event all in, and relaying alone while all run). The
-medians of the rounds' ratios are printed; results go to bench/results/relay_pair.json.
+medians of the rounds' ratios are printed, and those of the two sides' synthetic replicas' CPU over
+each round (the same streams: the replica's cost per token, which on a shared machine is CPU the
+gateway lacks). Results go to bench/results/relay_pair.json.
 
     .venv/bin/python bench/relay_pair.py --base 0ab41d4 --streams 400 --rounds 5 \\
         --this-arg=--no-memory --this-arg=--no-input-check
@@ -70,15 +72,23 @@ class Side:
     def gateway_pid(self) -> int:
         return self.procs[-1].pid
 
+    def replicas_cpu_s(self) -> float:
+        return sum(relay.cpu_seconds(p.pid) for p in self.procs[:-1])
+
     async def round(self, streams: int, tokens: int) -> dict[str, Any]:
+        replicas_before = self.replicas_cpu_s()
         steady = await relay.churn_level(self.port, self.gateway_pid, streams, tokens, self.key)
         burst = await relay.relay_level(self.port, self.gateway_pid, streams, tokens, self.key)
+        replicas = self.replicas_cpu_s() - replicas_before
         per_event = {"steady_arrivals": steady["gateway_cpu_s_per_1000_events"],
                      "all_in": burst["gateway_cpu_s_per_1000_events"],
                      "relaying_alone": burst["steady_gateway_cpu_s_per_1000_events"]}
         return {"us_per_event": {k: round(v * 1000, 2) if v else None for k, v in per_event.items()},
                 "p99_ms": {"steady_arrivals": steady["delay_p99_ms"], "all_in": burst["delay_p99_ms"]},
-                "errors": steady["errors"] + burst["errors"]}
+                "errors": steady["errors"] + burst["errors"],
+                # The synthetic replicas' CPU over both levels: the same streams on both sides, so
+                # the two compare directly (on a shared machine what they take, the gateway lacks).
+                "replicas_cpu_s": round(replicas, 2)}
 
     def stop(self) -> None:
         for p in self.procs:
@@ -103,8 +113,9 @@ async def run(args: argparse.Namespace, base_root: Path, tmp: Path) -> list[dict
                 base, this = await asyncio.gather(*(side.round(args.streams, tokens) for side in sides))
                 rounds.append({"base": base, "this": this})
                 cells = "   ".join(f"{k} {base['us_per_event'][k]} / {this['us_per_event'][k]}" for k in FIGURES)
-                print(f"  round {r + 1}: us per event, base / this: {cells}   (p99 ms {base['p99_ms']} / "
-                      f"{this['p99_ms']}; errors {base['errors']} / {this['errors']})", flush=True)
+                print(f"  round {r + 1}: us per event, base / this: {cells}   replicas' CPU {base['replicas_cpu_s']} / "
+                      f"{this['replicas_cpu_s']} s   (p99 ms {base['p99_ms']} / {this['p99_ms']}; errors "
+                      f"{base['errors']} / {this['errors']})", flush=True)
         finally:
             for side in sides:
                 await relay._clean_redis(args.redis, side.namespace)
@@ -135,6 +146,12 @@ async def main(args: argparse.Namespace) -> None:
                            "median_of_ratios": statistics.median(ratios)}
         print(f"{figure}: median {medians['base']:.2f} vs {medians['this']:.2f} us per event; this / base by round "
               f"{', '.join(f'{x:.3f}' for x in ratios)}; median {summary[figure]['median_of_ratios']}")
+    replicas = [round(r["this"]["replicas_cpu_s"] / r["base"]["replicas_cpu_s"], 3) for r in rounds
+                if r["base"]["replicas_cpu_s"]]
+    if replicas:
+        summary["replicas_cpu"] = {"this_over_base_by_round": replicas, "median_of_ratios": statistics.median(replicas)}
+        print(f"the synthetic replicas' CPU, this / base by round {', '.join(f'{x:.3f}' for x in replicas)}; "
+              f"median {statistics.median(replicas)}")
     report = {"benchmark": "relay_pair", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine.describe(), "base": base, "this": this, "this_args": args.this_arg,
               "streams_per_side": args.streams, "duration_s": args.duration, "producers_per_side": args.producers,
