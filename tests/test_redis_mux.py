@@ -53,7 +53,6 @@ def test_pack_writes_each_argument_as_its_text() -> None:
     assert pack(["X", *values]) == b"*%d\r\n" % (len(values) + 1) + expected
 
 
-
 def test_a_call_packed_from_bytes_is_the_generic_packers() -> None:
     """The replica's per-token packer (its head packed once per script and shape) writes the bytes
     pack_call writes, for scripts and argument counts in turn (a head cached for one shape must
@@ -65,6 +64,7 @@ def test_a_call_packed_from_bytes_is_the_generic_packers() -> None:
         for keys, args in ((["a", "b", "c"], ["5", "1000", "t1\x1fé", "", "ids", "1,2"]), (["k"], ["x"]), (["k"], [])):
             as_bytes = [v.encode() for v in (*keys, *args)]
             assert pack_call_bytes(script, as_bytes, len(keys)) == pack_call(script, keys, args)
+
 
 async def test_concurrent_callers_each_get_their_own_reply(mux: RedisMux) -> None:
     keys = [key() for _ in range(200)]
