@@ -13,10 +13,14 @@ from fairway.engine.factory import build_engine
 from fairway.models.cpu_kernels import QuantKernels, bf16_linear, quant_kernels
 from fairway.models.loader import load_model
 from fairway.models.packed_linear import PackedLinear
-from fairway.models.quant_linear import STEP_ROWS, QuantLinear
+from fairway.models.quant_linear import STEP_ROWS, QuantLinear, native_types
 
 kernel = quant_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
+# An AVX2-only CPU multiplies the blocks by float32 activations alone (the model computes in float32 there).
+needs_bf16 = pytest.mark.skipif(not native_types(torch.bfloat16),
+                                reason="no bf16 activations on stored weights here (AVX2 only: float32's)")
+ACTIVATIONS = torch.bfloat16 if native_types(torch.bfloat16) else torch.float32  # what a decode step has here
 PATHS = [(isa, dtype) for isa, dtype in ((QuantKernels.AVX2, torch.float32), (QuantKernels.AVX512, torch.float32),
                                          (QuantKernels.AVX512, torch.bfloat16),
                                          (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16))
@@ -91,13 +95,14 @@ def test_matches_float64_with_the_dequantized_weights(qtype, isa, dtype, rows, n
 @needs_kernel
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
-    """bf16 activations, one row alone (a decode step) or among up to 48 (a speculative
-    verification of several sequences, a decode batch): the same bits among any number of rows on
-    one path, and at most a bf16 rounding step apart across paths (the same block sums but for the
-    order of float32 additions). With AMX, Q4 weights take it from one row, so a verification's
-    rows are a decode step's to the bit; Q8_0 from 3 rows (1 and 2 on FMA)."""
-    layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, torch.bfloat16)
-    x = case(qtype, 100, 128, 48, seed=1)[1].to(torch.bfloat16)
+    """The activations a decode step has here (bf16; float32 on an AVX2-only CPU), one row alone
+    (a decode step) or among up to 48 (a speculative verification of several sequences, a decode
+    batch): the same bits among any number of rows on one path, and at most a bf16 rounding step
+    apart across paths (the same block sums but for the order of float32 additions). With AMX, Q4
+    weights take it from one row, so a verification's rows are a decode step's to the bit; Q8_0
+    from 3 rows (1 and 2 on FMA)."""
+    layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, ACTIVATIONS)
+    x = case(qtype, 100, 128, 48, seed=1)[1].to(ACTIVATIONS)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(48)]).float()
     batch = layer(x).float()
     assert ((batch - alone).abs() <= alone.abs() * 2 ** -7 + 1e-6).all()
@@ -111,6 +116,7 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
 
 
 @needs_kernel
+@needs_bf16
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("rows", [49, 64, 100])
 def test_past_48_rows_the_outputs_are_the_dequantized_models(qtype, rows):
@@ -195,6 +201,7 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
 
 
 @needs_kernel
+@needs_bf16
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("dense_from", [None, 6], ids=["as-stored", "bf16-copy-from-6-rows"])
 def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(qtype, dense_from):
@@ -250,6 +257,7 @@ def bf16_copy(raw: np.ndarray, qtype: str, k: int) -> PackedLinear:
 
 
 @needs_kernel
+@needs_bf16
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1"])
 def test_a_bf16_copy_takes_the_steps_of_many_rows_and_only_those(qtype):
     """From dense_from_rows rows of the step (its rows without draft tokens, as the engine sets
@@ -275,6 +283,7 @@ def test_a_bf16_copy_takes_the_steps_of_many_rows_and_only_those(qtype):
 
 
 @needs_kernel
+@needs_bf16
 def test_the_copies_row_count_is_fixed_not_timed(monkeypatch):
     """Which weights a step uses changes its greedy tokens, so the copies' row count must not
     depend on how busy the machine was at load: DENSE_FROM_ROWS wherever the bf16 kernel is native

@@ -248,6 +248,8 @@ class QuantKernels:
         activations stay float32 (FMA). bf16 ones: AMX where there is some (Q8_0's one and two
         rows still on FMA); on an Intel core otherwise widened to float32 for FMA on two ports, which beat
         VDPBF16PS there (bench/README.md, "Quantized weights"); on an AMD core VDPBF16PS."""
+        if dtype not in (torch.float32, torch.bfloat16):
+            return 0
         if dtype == torch.bfloat16:
             if self.isas & self.AMX:
                 return self.AMX

@@ -201,7 +201,7 @@ def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype, den
     Activations stay in `dtype` (float32 or bf16; others keep the dequantized layers). With dense,
     each keeps its dequantized bf16 weight for the steps of many rows where that multiplies
     faster here (keep_dense_copies). Returns how many."""
-    kinds = native_types() if dtype in (torch.float32, torch.bfloat16) else frozenset()
+    kinds = native_types(dtype)
     if not kinds:
         return 0
     tensors = stored_tensors(path)

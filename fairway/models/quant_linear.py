@@ -44,9 +44,11 @@ def step_rows(rows: int) -> int:
     return rows if step is None else step
 
 
-def native_types() -> frozenset[str]:
-    """The GGUF types this CPU multiplies as stored (none without the kernels)."""
-    return frozenset(BLOCK_BYTES) if quant_kernels() is not None else frozenset()
+def native_types(dtype: torch.dtype) -> frozenset[str]:
+    """The GGUF types this CPU multiplies as stored with activations of this dtype (none without
+    the kernels, or without a path for the dtype: an AVX2-only CPU has float32's alone)."""
+    kernel = quant_kernels()
+    return frozenset(BLOCK_BYTES) if kernel is not None and kernel.isa_for(dtype) else frozenset()
 
 
 def unpack_blocks(raw: np.ndarray, qtype: str) -> tuple[np.ndarray, np.ndarray | None, np.ndarray]:
@@ -104,8 +106,9 @@ class QuantLinear(nn.Module):
     def __init__(self, raw: np.ndarray, qtype: str, in_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         kernel = quant_kernels()
-        if kernel is None or qtype not in BLOCK_BYTES or in_features % QK:
-            raise ValueError(f"no native kernel for {qtype} weights of width {in_features} here")
+        if qtype not in native_types(dtype) or in_features % QK:
+            raise ValueError(f"no native kernel for {qtype} weights of width {in_features} and {dtype} activations here")
+        assert kernel is not None
         self.kernel: QuantKernels = kernel
         self.qtype, self.qtype_id = qtype, QuantKernels.TYPES[qtype]
         self.out_features, self.in_features = raw.shape[0], in_features
