@@ -1,7 +1,7 @@
 """Per-layer times of the quantized-weight kernels against the dequantized bf16 ones, side by side.
 
 The linears of the bundled model (qkv, o, gate|up, down: Q4_1 in the bundled GGUF) and its tied head
-(Q8_0), bf16 activations, at the row counts of a decode step (1), a speculative verification
+(Q8_0), bf16 activations (float32 on a CPU without bf16 matmuls, as the model runs there), at the row counts of a decode step (1), a speculative verification
 (2-9), a decode batch (16, 32) and beyond: `--weights native` (the blocks as stored,
 csrc/quant_linear.c and csrc/quant_amx.c) and `--weights dequantized` (bf16 panels) on the same
 random rows, 2 threads by default; also the ratio of each row count's time to the one-row time,
@@ -33,6 +33,7 @@ import machine  # noqa: E402  (bench/machine.py: this script's folder is on the 
 
 from fairway.models.bundled import bundled_model_path  # noqa: E402
 from fairway.models.loader import load_model  # noqa: E402
+from fairway.models.precision import compute_dtype  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -73,6 +74,7 @@ def main() -> None:
     path = bundled_model_path()
     models = {w: layers(load_model(path, torch.bfloat16, weights=w), args.warm) for w in ("native", "dequantized")}
     gen = torch.Generator().manual_seed(0)
+    activations = compute_dtype(torch.bfloat16, "cpu")  # what the loaded layers take here
     times: dict[str, dict[str, dict[int, float]]] = {w: {} for w in models}
     print("| layer | type | rows | native us | dequantized bf16 us | native / its 1 row |")
     print("| --- | --- | --- | --- | --- | --- |")
@@ -81,7 +83,7 @@ def main() -> None:
         for w in models:
             times[w][name] = {}
         for m in rows:
-            x = torch.randn(m, native.in_features, generator=gen).to(torch.bfloat16)
+            x = torch.randn(m, native.in_features, generator=gen).to(activations)
             for w, ls in models.items():  # the same rows, one right after the other
                 times[w][name][m] = round(best_us(ls[name], x, args.tries), 1)
             t = times["native"][name]

@@ -332,20 +332,25 @@ static void block_sums(const void *x, int x_bf16, int64_t blocks, float *sx, flo
 }
 
 /* float32 activations on AVX2: a panel as two halves of 8 columns; Q4_0's offset of 8 is taken
- * from the block sums (sum x (q - 8) = sum x q - 8 sum x). */
+ * from the block sums (sum x (q - 8) = sum x q - 8 sum x). Each k multiplies both halves, so a
+ * row runs two FMA chains at once: the halves one after the other left one row's chain bound by
+ * the FMA's latency (bench/README.md, "AVX2"). Each half still sums its k in order, the same
+ * order for every row count, so a row's outputs do not depend on the rows beside it. */
+#define AVX2_MR 4
 T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
     const float *x = a->x;
-    __m256 acc[MAX_MR][2], blk[MAX_MR][2];
+    __m256 acc[AVX2_MR][2];
     for (int r = 0; r < MR; r++)
         for (int h = 0; h < 2; h++) acc[r][h] = _mm256_setzero_ps();
     for (int b = 0; b < a->nb; b++) {
         const uint8_t *blkp = a->w + (int64_t)b * block_bytes(QT);
+        __m256 blk[AVX2_MR][2];
         for (int r = 0; r < MR; r++)
             for (int h = 0; h < 2; h++) blk[r][h] = _mm256_setzero_ps();
         const float *xb = x + (int64_t)b * QK;
-        for (int h = 0; h < 2; h++) {
-            if (QT == Q8_0) {
-                for (int g = 0; g < 16; g++) {
+        if (QT == Q8_0) {
+            for (int g = 0; g < 16; g++) { /* k = 2g (the low byte of a word) and 2g + 1 */
+                for (int h = 0; h < 2; h++) {
                     const uint8_t *q = blkp + quants_at(QT) + g * 32 + h * 16;
                     const __m256i raw = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)q));
                     const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
@@ -356,17 +361,26 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
                         blk[r][h] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[1]), blk[r][h]);
                     }
                 }
-            } else {
-                for (int g = 0; g < 4; g++) { /* dword c of a group's half h: column 8h + c */
-                    const __m256i raw = _mm256_loadu_si256((const __m256i *)(blkp + quants_at(QT) + g * 64 + h * 32));
-                    for (int j = 0; j < 8; j++) { /* k = 8g + j at bit 4 (j / 2) + 16 (j % 2) */
-                        const __m256 w = _mm256_cvtepi32_ps(
-                            _mm256_and_si256(_mm256_srli_epi32(raw, 4 * (j >> 1) + 16 * (j & 1)), _mm256_set1_epi32(0x0F)));
-                        for (int r = 0; r < MR; r++)
-                            blk[r][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[(int64_t)r * a->ldx + 8 * g + j]), blk[r][h]);
+            }
+        } else {
+            for (int g = 0; g < 4; g++) { /* dword c of a group's half h: column 8h + c */
+                const uint8_t *q = blkp + quants_at(QT) + g * 64;
+                const __m256i raw0 = _mm256_loadu_si256((const __m256i *)q);
+                const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(q + 32));
+                for (int j = 0; j < 8; j++) { /* k = 8g + j at bit 4 (j / 2) + 16 (j % 2) */
+                    const int shift = 4 * (j >> 1) + 16 * (j & 1);
+                    const __m256i low = _mm256_set1_epi32(0x0F);
+                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw0, shift), low));
+                    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw1, shift), low));
+                    for (int r = 0; r < MR; r++) {
+                        const __m256 xv = _mm256_set1_ps(xb[(int64_t)r * a->ldx + 8 * g + j]);
+                        blk[r][0] = _mm256_fmadd_ps(w0, xv, blk[r][0]);
+                        blk[r][1] = _mm256_fmadd_ps(w1, xv, blk[r][1]);
                     }
                 }
             }
+        }
+        for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + h * 16)));
             const __m256 m = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + 32 + h * 16)))
                              : QT == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
@@ -407,7 +421,7 @@ AVX2_TILE(1) AVX2_TILE(2) AVX2_TILE(3) AVX2_TILE(4)
      BY_TYPE(KIND##_6), BY_TYPE(KIND##_7), BY_TYPE(KIND##_8)}
 /* [path: 0 f32, 1 bf16][MR - 1][type] */
 static const tile_fn TILE_TABLE[2][MAX_MR][3] = {BY_MR(f32), BY_MR(bf16)};
-static const tile_fn AVX2_TABLE[4][3] = {BY_TYPE(avx2_1), BY_TYPE(avx2_2), BY_TYPE(avx2_3), BY_TYPE(avx2_4)};
+static const tile_fn AVX2_TABLE[AVX2_MR][3] = {BY_TYPE(avx2_1), BY_TYPE(avx2_2), BY_TYPE(avx2_3), BY_TYPE(avx2_4)};
 
 static int type_index(int qt) { return qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2; }
 
@@ -415,7 +429,7 @@ static int type_index(int qt) { return qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2; }
  * panel read from DRAM for the first chunk is in L1 for the next). */
 static void run_panels(int path, const void *x, int ldx, const float *sx, const uint8_t *packed, void *y, int y_bf16, int m, int n, int nb, int qt, int p0, int p1) {
     const int64_t panel_bytes = (int64_t)nb * block_bytes(qt);
-    const int max_mr = path == 2 ? 4 : MAX_MR;
+    const int max_mr = path == 2 ? AVX2_MR : MAX_MR;
     const int chunks = (m + max_mr - 1) / max_mr, rows_per_chunk = (m + chunks - 1) / chunks;
     const int ti = type_index(qt), y_elem = y_bf16 ? 2 : 4;
     for (int p = p0; p < p1; p++) {
