@@ -50,7 +50,10 @@ REPLICA_ARGS = ["--max-model-len", "512", "--max-inflight", str(SEATS), "--drain
 TOKENS = 16  # tokens per reply
 SERVES = 0.75  # a replica is said to serve this share of what it finishes with its seats full
 RAMP_FROM, RAMP_S = 0.2, 40.0  # arrivals: from RAMP_FROM of what a full replica finishes, up by that all per RAMP_S
-TRICKLE = 0.2  # then a trickle at this share of what a replica is said to serve: idle, one drains
+# Then a trickle, one reply every TRICKLE_GAP_S: idle, one drains. A fixed gap, not a share of what a
+# replica serves: each arrival lifts the forecast's trend over the next seconds, so the policy's 4 s of
+# idle need gaps well beyond 4 s (a share of a fast replica's rate left 4.6 s and never drained).
+TRICKLE_GAP_S = 8.0
 OTHERS_MAX = 0.5  # others held a CPU of the two for 4 s: a timing check that failed then skips instead
 
 
@@ -248,7 +251,7 @@ def ramp_then_trickle(url: str, key: str, watch: Watch, full: float) -> tuple[li
     deadline, drained_for = time.monotonic() + 60, None
     while time.monotonic() < deadline and (drained_for is None or time.monotonic() < drained_for):
         send()
-        interval = 1.0 / (SERVES * full * TRICKLE)
+        interval = TRICKLE_GAP_S
         if drained_for is not None:
             time.sleep(interval)
         elif watch.drained.wait(interval):  # wakes at the drain: replies that begin as the replica leaves
