@@ -1,10 +1,10 @@
 """Per-layer times of the quantized-weight kernels against the dequantized bf16 ones, side by side.
 
 The linears of the bundled model (qkv, o, gate|up, down: Q4_1 in the bundled GGUF) and its tied head
-(Q8_0), bf16 activations (float32 on a CPU without bf16 matmuls, as the model runs there), at the row counts of a decode step (1), a speculative verification
-(2-9), a decode batch (16, 32) and beyond: `--weights native` (the blocks as stored,
-csrc/quant_linear.c and csrc/quant_amx.c) and `--weights dequantized` (bf16 panels) on the same
-random rows, 2 threads by default; also the ratio of each row count's time to the one-row time,
+(Q8_0), bf16 activations (float32 on a CPU without bf16 matmuls, as the model runs there), at the
+row counts of a decode step (1), a speculative verification (2-9), a decode batch (16, 32) and
+beyond: `--weights native` (the blocks as stored, csrc/quant_linear.c and csrc/quant_amx.c) and
+`--weights dequantized` (bf16 panels) on the same random rows, 2 threads by default; also the ratio of each row count's time to the one-row time,
 which prices a speculative verification step.
 
 Each figure is the best of --tries passes (us a layer). A pass calls the linear of every layer in

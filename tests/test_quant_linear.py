@@ -17,10 +17,11 @@ from fairway.models.quant_linear import STEP_ROWS, QuantLinear, native_types
 
 kernel = quant_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
-# An AVX2-only CPU multiplies the blocks by float32 activations alone (the model computes in float32 there).
-needs_bf16 = pytest.mark.skipif(not native_types(torch.bfloat16),
+# What a decode step has here: an AVX2-only CPU multiplies the blocks by float32 activations alone
+# (the model computes in float32 there).
+ACTIVATIONS = torch.bfloat16 if native_types(torch.bfloat16) else torch.float32
+needs_bf16 = pytest.mark.skipif(ACTIVATIONS != torch.bfloat16,
                                 reason="no bf16 activations on stored weights here (AVX2 only: float32's)")
-ACTIVATIONS = torch.bfloat16 if native_types(torch.bfloat16) else torch.float32  # what a decode step has here
 PATHS = [(isa, dtype) for isa, dtype in ((QuantKernels.AVX2, torch.float32), (QuantKernels.AVX512, torch.float32),
                                          (QuantKernels.AVX512, torch.bfloat16),
                                          (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16))

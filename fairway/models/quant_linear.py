@@ -106,13 +106,13 @@ class QuantLinear(nn.Module):
     def __init__(self, raw: np.ndarray, qtype: str, in_features: int, dtype: torch.dtype) -> None:
         super().__init__()
         kernel = quant_kernels()
-        if qtype not in native_types(dtype) or in_features % QK:
+        isa = kernel.isa_for(dtype) if kernel is not None else 0
+        if kernel is None or not isa or qtype not in BLOCK_BYTES or in_features % QK:
             raise ValueError(f"no native kernel for {qtype} weights of width {in_features} and {dtype} activations here")
-        assert kernel is not None
         self.kernel: QuantKernels = kernel
         self.qtype, self.qtype_id = qtype, QuantKernels.TYPES[qtype]
         self.out_features, self.in_features = raw.shape[0], in_features
-        self.isa = kernel.isa_for(dtype)
+        self.isa = isa
         self.register_buffer("panels", pack_blocks(raw, qtype), persistent=False)
         # A bf16 copy of the weight for steps of dense_from_rows rows or more (keep_dense), or None.
         self.dense: PackedLinear | None = None

@@ -363,13 +363,13 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
                 }
             }
         } else {
+            const __m256i low = _mm256_set1_epi32(0x0F);
             for (int g = 0; g < 4; g++) { /* dword c of a group's half h: column 8h + c */
                 const uint8_t *q = blkp + quants_at(QT) + g * 64;
                 const __m256i raw0 = _mm256_loadu_si256((const __m256i *)q);
                 const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(q + 32));
                 for (int j = 0; j < 8; j++) { /* k = 8g + j at bit 4 (j / 2) + 16 (j % 2) */
                     const int shift = 4 * (j >> 1) + 16 * (j & 1);
-                    const __m256i low = _mm256_set1_epi32(0x0F);
                     const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw0, shift), low));
                     const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw1, shift), low));
                     for (int r = 0; r < MR; r++) {
