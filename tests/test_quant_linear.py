@@ -13,7 +13,7 @@ from fairway.engine.factory import build_engine
 from fairway.models.cpu_kernels import QuantKernels, bf16_linear, quant_kernels
 from fairway.models.loader import load_model
 from fairway.models.packed_linear import PackedLinear
-from fairway.models.quant_linear import STEP_ROWS, QuantLinear, native_types
+from fairway.models.quant_linear import STEP_ROWS, QuantLinear, native_types, path_for
 
 kernel = quant_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
@@ -24,7 +24,8 @@ needs_bf16 = pytest.mark.skipif(ACTIVATIONS != torch.bfloat16,
                                 reason="no bf16 activations on stored weights here (AVX2 only: float32's)")
 PATHS = [(isa, dtype) for isa, dtype in ((QuantKernels.AVX2, torch.float32), (QuantKernels.AVX512, torch.float32),
                                          (QuantKernels.AVX512, torch.bfloat16),
-                                         (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16))
+                                         (QuantKernels.AVX512_BF16, torch.bfloat16), (QuantKernels.AMX, torch.bfloat16),
+                                         (QuantKernels.VNNI, torch.bfloat16))
          if kernel is not None and kernel.isas & isa]
 
 
@@ -99,21 +100,54 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
     """The activations a decode step has here (bf16; float32 on an AVX2-only CPU), one row alone
     (a decode step) or among up to 48 (a speculative verification of several sequences, a decode
     batch): the same bits among any number of rows on one path, and at most a bf16 rounding step
-    apart across paths (the same block sums but for the order of float32 additions). With AMX, Q4
-    weights take it from one row, so a verification's rows are a decode step's to the bit; Q8_0
-    from 3 rows (1 and 2 on FMA)."""
+    apart across paths (the same block sums but for the order of float32 additions). The path is
+    the step's rows without its drafts (STEP_ROWS): with AVX512-VNNI, bf16 steps of one or two rows
+    take integer products, so one sequence's verification is its decode rows to the bit. With AMX,
+    Q4 weights take it from one row (from three with VNNI), Q8_0 from 3 rows (1 and 2 on FMA)."""
     layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, ACTIVATIONS)
     x = case(qtype, 100, 128, 48, seed=1)[1].to(ACTIVATIONS)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(48)]).float()
     batch = layer(x).float()
     assert ((batch - alone).abs() <= alone.abs() * 2 ** -7 + 1e-6).all()
+    for rows in (3, 6, 13, 17, 40):  # AMX where there is some
+        assert torch.equal(layer(x[:rows]).float(), batch[:rows]), rows
+    if path_for(layer.isa, 1) == QuantKernels.VNNI:
+        token = STEP_ROWS.set(1)  # one sequence's decode row and its drafts
+        try:
+            for rows in (2, 5, 9, 16, 48):
+                assert torch.equal(layer(x[:rows]).float(), alone[:rows]), rows
+        finally:
+            STEP_ROWS.reset(token)
+        return
     amx = kernel.isas & QuantKernels.AMX
     for rows in (2, 5, 6, 16) if not amx else (2,) if qtype == "Q8_0" else (2, 5, 16, 17, 40):
         assert torch.equal(layer(x[:rows]).float(), alone[:rows]), rows
-    for rows in (3, 6, 13, 17, 40):  # AMX where there is some
-        assert torch.equal(layer(x[:rows]).float(), batch[:rows]), rows
     if amx and qtype != "Q8_0":
         assert torch.equal(batch, alone)
+
+
+@needs_kernel
+@needs_bf16
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("isa,dtype", [p for p in PATHS if p[1] == torch.bfloat16])
+def test_small_activations_beside_an_outlier_keep_their_products(qtype, isa, dtype):
+    """A decode step's row (bf16; integer dot products where the CPU has AVX512-VNNI) whose every
+    block holds one value 2^14 times the others, as the bundled model's activations have, with a
+    zero weight there: the output is the small values' products alone, and they must survive (a
+    16-bit grid per block rounds them by up to 1/4 and misses by ~10%; it changed the bundled
+    model's greedy text)."""
+    k, n = 576, 64
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((n, k)) * 0.05
+    w[:, ::32] = 0
+    raw = quantize(w, qtype)
+    x = torch.from_numpy(rng.standard_normal((1, k)).astype(np.float32))
+    x[0, ::32] = torch.tensor([2.0 ** 14, -(2.0 ** 14)]).repeat(k // 64)
+    x = x.to(dtype)
+    want = x.double().numpy() @ dequantize64(raw, qtype, k).T
+    layer = QuantLinear(raw, qtype, k, dtype)
+    layer.isa = isa
+    assert np.abs(layer(x).double().numpy() - want).max() <= 1e-2 * np.abs(want).max()
 
 
 @needs_kernel
@@ -324,14 +358,19 @@ def with_copies(monkeypatch):
 
 @needs_kernel
 def test_auto_weights_run_many_rows_as_the_dequantized_model_and_few_as_stored(model_path, real_tokenizer,
-                                                                               with_copies):
+                                                                               with_copies, monkeypatch):
     """With copies from one row every step is the dequantized model's, token for token; with copies
     from more rows than any step has, the stored blocks' alone. With copies from 8 rows, 4 replies
     decoding with draft tokens to verify (steps of more than 8 rows) stay on the stored blocks, as
-    without speculation, so speculation changes no greedy reply."""
+    without speculation, so speculation changes no greedy reply. The stored blocks take one path
+    for every row count here (not the integer path of one- and two-sequence steps, which the
+    speculating run's last steps would take alone: test_spec_decode says why)."""
     from test_engine_correctness import QUESTIONS
 
+    from fairway.models import quant_linear
     from fairway.models.quant_linear import step_rows
+
+    monkeypatch.setattr(quant_linear, "VNNI_ROWS", 0)
 
     prompts = [real_tokenizer.chat_prompt_ids([{"role": "user", "content": q}]) for q in QUESTIONS[:4]]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

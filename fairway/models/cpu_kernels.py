@@ -14,8 +14,9 @@ Six things portable PyTorch does badly on a CPU:
   * the small ops of a decoder layer on a few rows (layer_ops.c: residual add + RMSNorm, SiLU
     gating, RoPE + the KV cache write), where PyTorch's per-op overhead dwarfs the arithmetic;
   * temperature sampling over a large vocabulary (sample.c): one pass per row instead of ~8 ops.
-  * matmuls on weights kept as GGUF Q8_0/Q4_0/Q4_1 blocks (quant_linear.c, unpacked in registers):
-    reading 4-8 bits a weight instead of 16 is what bounds a decode step.
+  * matmuls on weights kept as GGUF Q8_0/Q4_0/Q4_1 blocks (quant_linear.c, unpacked in registers;
+    quant_vnni.c, integer dot products for a step of one or two rows): reading 4-8 bits a weight
+    instead of 16 is what bounds a decode step.
 And one thing the interpreter does badly: calling those kernels ~9 times a layer at decode
 (decode_forward.c runs a bf16 decode step's layers in one call; fairway/models/native_decode.py).
 The measurements behind these choices are in bench/README.md ("CPU kernels").
@@ -47,7 +48,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name
             for name in ("paged_decode.c", "skinny_linear.c", "layer_ops.c", "bf16_linear.c", "amx_linear.c", "sample.c",
                          "decode_forward.c", "quant_linear.c",
-                         "quant_amx.c")]
+                         "quant_amx.c", "quant_vnni.c")]
 _FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 # The C side's fixed limits.
 MAX_GROUP, MAX_HEAD_DIM, MAX_BLOCK = 16, 256, 64
@@ -233,8 +234,8 @@ class QuantKernels:
     # ggml's type ids, the C side's too
     TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
     # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations; Q8_0's one
-    # and two rows go to AVX512F)
-    AVX2, AVX512, AVX512_BF16, AMX = 1, 2, 4, 8
+    # and two rows go to AVX512F), AVX512-VNNI (bf16 activations as integers: quant_linear.path_for)
+    AVX2, AVX512, AVX512_BF16, AMX, VNNI = 1, 2, 4, 8, 16
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         fn = lib.quant_linear

@@ -28,7 +28,7 @@ from fairway.models.cpu_kernels import (
 )
 from fairway.models.packed_linear import PackedLinear
 from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, attend_prefills
-from fairway.models.quant_linear import QuantLinear, step_rows
+from fairway.models.quant_linear import QuantLinear, path_for, step_rows
 
 
 class NativeDecode:
@@ -107,7 +107,8 @@ class NativeDecode:
         shape = DecodeShape(tokens, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.intermediate_size,
                             c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], kv.block_size,
                             0 if tables is None else tables.shape[1], rotary.cos.dtype == torch.bfloat16,
-                            self.amx, nv, mr, prefetch, torch.get_num_threads(), self.quant, self.isa,
+                            self.amx, nv, mr, prefetch, torch.get_num_threads(), self.quant,
+                            path_for(self.isa, tokens) if self.quant else 0,
                             _decode_rows(meta))
         return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
                            positions, meta.slot_mapping, kv.k, kv.v, tables, lens,

@@ -38,10 +38,27 @@ DENSE_FROM_ROWS = 12
 STEP_ROWS: ContextVar[int | None] = ContextVar("fairway_step_rows", default=None)
 
 
+# Steps of up to this many rows (step_rows: drafts left out) multiply bf16 activations by integer
+# dot products where this CPU has AVX512-VNNI (csrc/quant_vnni.c): at one and two rows they beat
+# the AMX and VDPBF16PS paths, from three they cost more (bench/README.md, "Integer products").
+# Chosen by the step's rows, as the bf16 copies are, so a speculative verification's rows are
+# computed as its decode rows alone would be.
+VNNI_ROWS = 2
+
+
 def step_rows(rows: int) -> int:
     """The rows that pick a step's weights (STEP_ROWS, else these)."""
     step = STEP_ROWS.get()
     return rows if step is None else step
+
+
+def path_for(isa: int, rows: int) -> int:
+    """The kernel path a step of these rows takes on stored blocks whose path is isa."""
+    kernel = quant_kernels()
+    bf16 = isa in (QuantKernels.AMX, QuantKernels.AVX512_BF16)
+    if bf16 and kernel is not None and kernel.isas & QuantKernels.VNNI and step_rows(rows) <= VNNI_ROWS:
+        return QuantKernels.VNNI
+    return isa
 
 
 def native_types(dtype: torch.dtype) -> frozenset[str]:
@@ -137,7 +154,7 @@ class QuantLinear(nn.Module):
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] by the blocks as stored, whatever the rows."""
-        return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, self.isa)
+        return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, path_for(self.isa, x.shape[0]))
 
 
 def dense_from_rows(linear: QuantLinear) -> int | None:

@@ -24,7 +24,8 @@
  * AVX512F (float32 activations, or bf16 ones widened) and AVX2 + FMA (float32, 8 columns a
  * vector); and for bf16 activations AMX tiles (quant_amx.c; Q4 from one row, Q8_0 from
  * QUANT_AMX_MIN_ROWS_Q8), which up to 48 rows take each block's sum as the AVX512F path does but
- * for the order of the float32 additions. Past QUANT_EXACT_ROWS rows (a prefill) the AVX512-BF16
+ * for the order of the float32 additions, and integer dot products (quant_vnni.c, ISA_VNNI: the
+ * path Python picks for steps of one or two sequences, quant_linear.path_for). Past QUANT_EXACT_ROWS rows (a prefill) the AVX512-BF16
  * and AMX paths multiply the weights dequantized to bf16 panel by panel (quant_bf16_wide,
  * quant_amx_wide). The file is built with -march=native but each path carries its own target
  * attribute, so it compiles on any x86-64 compiler that knows the instructions. Elsewhere
@@ -47,6 +48,7 @@
 #define ISA_AVX512 2
 #define ISA_AVX512BF16 4
 #define ISA_AMX 8 /* bf16 activations: the AVX512F path's sums on AMX tiles (quant_amx.c) */
+#define ISA_VNNI 16 /* bf16 activations as integers, integer dot products (quant_vnni.c), up to 48 rows */
 /* Q4 on AMX from one row (as fast as FMA there, and then every row count up to 48 sums alike);
  * Q8_0 unpacks to an operand at more cost, so one and two rows stay on FMA */
 #define QUANT_AMX_MIN_ROWS_Q8 3
@@ -58,6 +60,9 @@ int quant_amx_sums(const uint16_t *x, const float *sx, const uint8_t *packed, ui
                    int qt, int num_threads);
 int quant_amx_wide(const uint16_t *x, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
                    int num_threads);
+int quant_vnni_available(void);
+int quant_vnni(const uint16_t *x, const float *sx, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
+               int num_threads);
 int bf16_linear_panels(const uint16_t *x, const uint16_t *w, int width, uint16_t *y, int ldy, int cols, int m, int k);
 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
@@ -85,6 +90,7 @@ int quant_isas(void) {
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) isas |= ISA_AVX512;
     if ((isas & ISA_AVX512) && __builtin_cpu_supports("avx512bf16")) isas |= ISA_AVX512BF16;
     if ((isas & ISA_AVX512BF16) && quant_amx_available()) isas |= ISA_AMX;
+    if ((isas & ISA_AVX512BF16) && quant_vnni_available()) isas |= ISA_VNNI;
     return known = isas;
 }
 
@@ -452,6 +458,13 @@ static void run_panels(int path, const void *x, int ldx, const float *sx, const 
 int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, int k, int qt, int x_bf16, int isa,
                  int num_threads) {
     if (m < 1 || n < 1 || k < QK || k % QK || !known_type(qt) || !(quant_isas() & isa)) return -1;
+    if (isa == ISA_VNNI && m > QUANT_EXACT_ROWS) /* a prefill: as the bf16 paths take it */
+        isa = quant_isas() & ISA_AMX ? ISA_AMX : ISA_AVX512BF16;
+    const int vnni = isa == ISA_VNNI;
+    if (vnni) {
+        if (!x_bf16) return -1;
+        isa = ISA_AVX512; /* its block sums (Q4_1's offset) */
+    }
     const int amx = isa == ISA_AMX && m >= (qt == Q8_0 ? QUANT_AMX_MIN_ROWS_Q8 : 1);
     if (isa == ISA_AMX) {
         if (!x_bf16) return -1;
@@ -462,7 +475,7 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
     if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
     if (path == 1 && m > QUANT_EXACT_ROWS) return quant_bf16_wide(x, packed, y, m, n, k, qt, num_threads);
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
-    const int widen = x_bf16 && !amx && path != 1;
+    const int widen = x_bf16 && !amx && !vnni && path != 1;
     /* sx [m][nb]: the block sums of x (Q4_1's offset term, and Q4_0's on AVX2); widened x [m][k] */
     const size_t blocks = (size_t)m * nb, extra = widen ? (size_t)m * k : 0;
     float *scratch = malloc(sizeof(float) * (blocks + extra));
@@ -472,6 +485,11 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
     if (need_sx || xf) {
         if (quant_isas() & ISA_AVX512) block_sums512(x, x_bf16, (int64_t)blocks, need_sx ? sx : NULL, xf);
         else block_sums(x, x_bf16, (int64_t)blocks, need_sx ? sx : NULL, xf);
+    }
+    if (vnni) {
+        const int rc = quant_vnni(x, sx, packed, y, m, n, k, qt, num_threads);
+        free(scratch);
+        return rc;
     }
     if (amx) {
         const int rc = quant_amx_sums(x, sx, packed, y, m, n, k, qt, num_threads);

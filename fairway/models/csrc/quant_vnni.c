@@ -1,0 +1,229 @@
+/* quant_linear.c's weights times bf16 activations for a few rows (a decode step, a draft's
+ * verification), by integer dot products (AVX512-VNNI): a Q4 nibble or a Q8_0 byte is already an
+ * integer, so a block's products need no unpacking to floats, and VPDPBUSD / VPDPWSSD take 64 / 32
+ * of them an instruction where VDPBF16PS and the AMX pipeline take 32 after a table lookup.
+ *
+ * The activations become integers first, per row and block of 32: v = x / u rounded to nearest,
+ * u the power of two that puts the block's largest |x| just under 2^21. A bf16 value has 8
+ * significant bits, so every x within 2^13 of the block's largest is exact in v, and a smaller one
+ * is off by at most 2^-21 of the largest: far below a bf16 rounding step of the block's large
+ * values, so the model's outlier activations (a value thousands of times its block's others: a
+ * 16-bit grid rounded those away and changed the bundled model's greedy text, bench/README.md) keep
+ * the small ones. v is then split into signed digits, exact: three bytes for Q4 (v = 65536 h +
+ * 256 m + l, VPDPBUSD: nibble u8 x digit s8) and two words for Q8_0 (v = 65536 h + l, VPDPWSSD).
+ * A block's integer sums are exact; each block is scaled into the float32 totals as the other
+ * paths do (quant_linear.c's finish_block), so a row's outputs do not depend on the rows beside it.
+ *
+ * Digits are laid out for the weights as they lie (quant_linear.c's layout): a Q4 group's dword c
+ * read as bytes holds column c's nibbles at k = 8h + {0, 4, 1, 5} (low nibbles) and 8h + {2, 6, 3,
+ * 7} (high nibbles), so each group's digits are stored in that order, a dword to broadcast per
+ * nibble half; a Q8_0 k-pair's words are column c's at k0, k0 + 1, the digits' natural order.
+ * Built with the other kernels by cpu_kernels.py; each function carries its own target attribute.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define PANEL 16
+#define QK 32
+#define Q4_0 2
+#define Q4_1 3
+#define Q8_0 8
+#define VNNI_MR 4      /* rows a tile: 3 digit sums + a total a row stay in registers */
+#define Q4_PLANES 3    /* bytes of a Q4 digit (v < 2^21 in magnitude: three signed bytes) */
+#define Q8_PLANES 2    /* words of a Q8_0 digit */
+#define PF_AHEAD 8     /* blocks ahead whose bytes are prefetched (a panel's next ones lie right after) */
+#define GRID_BITS 20   /* |v| < 2^(GRID_BITS + 1): a Q4 block's sum stays within int32 (32 * 15 * 2^21) */
+
+static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
+static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
+static inline int min_int(int a, int b) { return a < b ? a : b; }
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#include <omp.h>
+
+#define TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16,fma,f16c")))
+#define INLINE static inline __attribute__((always_inline))
+
+int quant_vnni_available(void) {
+    static int known = -1;
+    if (known < 0) {
+        __builtin_cpu_init();
+        known = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+                __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512bw");
+    }
+    return known;
+}
+
+/* A row's activations as digits. Per block b: unit[b] (u), vsum[b] (the sum of v, Q4_0's offset),
+ * and the digits: Q4, three planes of 32 bytes (l, m, h) in the groups' order; Q8_0, two planes of
+ * 32 words (l, h) in k's order. */
+typedef struct {
+    const uint8_t *digits; /* [rows][nb][planes][32 bytes or 64] */
+    const float *unit;     /* [rows][nb] */
+    const int32_t *vsum;   /* [rows][nb] */
+    const float *sx;       /* [rows][nb], Q4_1: the block sums of x */
+    const uint8_t *w;      /* the panel's first block */
+    uint16_t *y;
+    int nb, ldy, cols;
+} vnni_args;
+
+static int digit_bytes(int qt) { return qt == Q8_0 ? Q8_PLANES * 64 : Q4_PLANES * 32; }
+
+/* Block b of a row: x (32 bf16) to digits, its unit and v's sum. */
+TVNNI static void to_digits(const uint16_t *x, int qt, uint8_t *digits, float *unit, int32_t *vsum) {
+    const __m512i raw = _mm512_loadu_si512(x);
+    const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(raw)), 16));
+    const __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(raw, 1)), 16));
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    /* the exponent of the largest |x|: amax < 2^(e + 1), so |v| < 2^(GRID_BITS + 1) */
+    const int e = amax > 0 && amax <= 3.4e38f ? (int)_mm_cvtss_f32(_mm_getexp_ss(_mm_setzero_ps(), _mm_set_ss(amax))) : 0;
+    const __m512 to_grid = _mm512_set1_ps((float)(GRID_BITS - e));
+    const __m512i v0 = _mm512_cvtps_epi32(_mm512_scalef_ps(lo, to_grid)); /* nearest, ties to even */
+    const __m512i v1 = _mm512_cvtps_epi32(_mm512_scalef_ps(hi, to_grid));
+    *unit = _mm_cvtss_f32(_mm_scalef_ss(_mm_set_ss(1.0f), _mm_set_ss((float)(e - GRID_BITS))));
+    *vsum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+    if (qt == Q8_0) { /* v = 65536 h + l, l in [-32768, 32768) */
+        const __m512i half = _mm512_set1_epi32(32768), low16 = _mm512_set1_epi32(0xFFFF);
+        const __m512i l0 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v0, half), low16), half);
+        const __m512i l1 = _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(v1, half), low16), half);
+        _mm256_storeu_si256((__m256i *)digits, _mm512_cvtepi32_epi16(l0));
+        _mm256_storeu_si256((__m256i *)(digits + 32), _mm512_cvtepi32_epi16(l1));
+        _mm256_storeu_si256((__m256i *)(digits + 64), _mm512_cvtepi32_epi16(_mm512_srai_epi32(_mm512_sub_epi32(v0, l0), 16)));
+        _mm256_storeu_si256((__m256i *)(digits + 96), _mm512_cvtepi32_epi16(_mm512_srai_epi32(_mm512_sub_epi32(v1, l1), 16)));
+        return;
+    }
+    /* group g's dwords: k = 8g + {0, 4, 1, 5}, then 8g + {2, 6, 3, 7} (the nibbles as they lie) */
+    const __m256i order = _mm256_set_epi8(31, 27, 30, 26, 29, 25, 28, 24, 23, 19, 22, 18, 21, 17, 20, 16,
+                                          15, 11, 14, 10, 13, 9, 12, 8, 7, 3, 6, 2, 5, 1, 4, 0);
+    const __m512i b128 = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(0xFF);
+    __m512i a = v0, c = v1;
+    for (int p = 0; p < Q4_PLANES; p++) { /* signed byte digits, low first: d = ((v + 128) & 255) - 128 */
+        const __m512i da = p == Q4_PLANES - 1 ? a : _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(a, b128), byte), b128);
+        const __m512i dc = p == Q4_PLANES - 1 ? c : _mm512_sub_epi32(_mm512_and_si512(_mm512_add_epi32(c, b128), byte), b128);
+        const __m256i bytes = _mm256_set_m128i(_mm512_cvtepi32_epi8(dc), _mm512_cvtepi32_epi8(da));
+        _mm256_storeu_si256((__m256i *)(digits + p * 32), _mm256_permutexvar_epi8(order, bytes));
+        a = _mm512_srai_epi32(_mm512_sub_epi32(a, da), 8);
+        c = _mm512_srai_epi32(_mm512_sub_epi32(c, dc), 8);
+    }
+}
+
+/* A block's float32 sums scaled in: acc += d * blk (+ m * sum x, Q4_1), as quant_linear.c does. */
+TVNNI INLINE void finish_block(__m512 *acc, __m512 blk, const uint8_t *blkp, float sx, const int QT) {
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blkp));
+    *acc = _mm512_fmadd_ps(blk, d, *acc);
+    if (QT == Q4_1) *acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blkp + 32))),
+                                           _mm512_set1_ps(sx), *acc);
+}
+
+/* MR rows x one panel. */
+TVNNI INLINE void vnni_tile(const vnni_args *a, const int MR, const int QT) {
+    const int db = digit_bytes(QT), bb = block_bytes(QT);
+    __m512 acc[VNNI_MR];
+    for (int r = 0; r < MR; r++) acc[r] = _mm512_setzero_ps();
+    for (int b = 0; b < a->nb; b++) {
+        const uint8_t *blkp = a->w + (int64_t)b * bb, *q = blkp + quants_at(QT);
+        for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)blkp + PF_AHEAD * bb + l, _MM_HINT_T0);
+        if (QT == Q8_0) {
+            __m512i s[VNNI_MR][Q8_PLANES];
+            for (int r = 0; r < MR; r++) s[r][0] = s[r][1] = _mm512_setzero_si512();
+#pragma GCC unroll 16
+            for (int g = 0; g < 16; g++) { /* k-pair g: word 2c + o is column c at 2g + o */
+                const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + g * 32)));
+                for (int r = 0; r < MR; r++) {
+                    const int32_t *xd = (const int32_t *)(a->digits + ((int64_t)r * a->nb + b) * db);
+                    s[r][0] = _mm512_dpwssd_epi32(s[r][0], w, _mm512_set1_epi32(xd[g]));
+                    s[r][1] = _mm512_dpwssd_epi32(s[r][1], w, _mm512_set1_epi32(xd[16 + g]));
+                }
+            }
+            for (int r = 0; r < MR; r++) {
+                const int64_t rb = (int64_t)r * a->nb + b;
+                const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s[r][1]), _mm512_set1_ps(65536.0f),
+                                                   _mm512_cvtepi32_ps(s[r][0]));
+                finish_block(&acc[r], _mm512_mul_ps(sum, _mm512_set1_ps(a->unit[rb])), blkp, 0, QT);
+            }
+            continue;
+        }
+        /* two sums a digit (the low and the high nibbles), so a chain is 4 products long, not 8 */
+        __m512i s[VNNI_MR][Q4_PLANES][2];
+        for (int r = 0; r < MR; r++)
+            for (int p = 0; p < Q4_PLANES; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
+        const __m512i low = _mm512_set1_epi8(0x0F);
+#pragma GCC unroll 4
+        for (int h = 0; h < 4; h++) {
+            const __m512i raw = _mm512_loadu_si512(q + h * 64);
+            const __m512i nib_lo = _mm512_and_si512(raw, low), nib_hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+            for (int r = 0; r < MR; r++) {
+                const int32_t *xd = (const int32_t *)(a->digits + ((int64_t)r * a->nb + b) * db);
+                for (int p = 0; p < Q4_PLANES; p++) {
+                    s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], nib_lo, _mm512_set1_epi32(xd[p * 8 + 2 * h]));
+                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], nib_hi, _mm512_set1_epi32(xd[p * 8 + 2 * h + 1]));
+                }
+            }
+        }
+        for (int r = 0; r < MR; r++) { /* exact: |sum| < 32 * 15 * 2^21 */
+            const int64_t rb = (int64_t)r * a->nb + b;
+            __m512i d[Q4_PLANES];
+            for (int p = 0; p < Q4_PLANES; p++) d[p] = _mm512_add_epi32(s[r][p][0], s[r][p][1]);
+            __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(d[2], 16), _mm512_slli_epi32(d[1], 8)), d[0]);
+            if (QT == Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * a->vsum[rb]));
+            finish_block(&acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a->unit[rb])), blkp,
+                         QT == Q4_1 ? a->sx[rb] : 0, QT);
+        }
+    }
+    const __mmask16 mask = a->cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << a->cols) - 1);
+    for (int r = 0; r < MR; r++) /* nearest even, as the other paths round */
+        _mm256_mask_storeu_epi16(a->y + (int64_t)r * a->ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+typedef void (*vnni_fn)(const vnni_args *a);
+#define VNNI3(MR)                                                                                         \
+    TVNNI static void vnni_##MR##_q40(const vnni_args *a) { vnni_tile(a, MR, Q4_0); }                   \
+    TVNNI static void vnni_##MR##_q41(const vnni_args *a) { vnni_tile(a, MR, Q4_1); }                   \
+    TVNNI static void vnni_##MR##_q80(const vnni_args *a) { vnni_tile(a, MR, Q8_0); }
+VNNI3(1) VNNI3(2) VNNI3(3) VNNI3(4)
+#define BY_TYPE(NAME) {NAME##_q40, NAME##_q41, NAME##_q80}
+static const vnni_fn VNNI_TABLE[VNNI_MR][3] = {BY_TYPE(vnni_1), BY_TYPE(vnni_2), BY_TYPE(vnni_3), BY_TYPE(vnni_4)};
+
+/* x: [m, k] bf16; sx: its block sums [m][k/32] (read for Q4_1); packed: quant_linear.c's panels of
+ * a [n, k] weight of type qt; y: [m, n] bf16. Every row count, in tiles of up to VNNI_MR rows.
+ * Returns 0, -1 for what it does not take (no AVX512-VNNI), -2 out of memory. */
+int quant_vnni(const uint16_t *x, const float *sx, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
+               int num_threads) {
+    if (m < 1 || n < 1 || k < QK || k % QK || !(qt == Q4_0 || qt == Q4_1 || qt == Q8_0) || !quant_vnni_available())
+        return -1;
+    const int nb = k / QK, panels = (n + PANEL - 1) / PANEL, db = digit_bytes(qt);
+    const int64_t blocks = (int64_t)m * nb, panel_bytes = (int64_t)nb * block_bytes(qt);
+    uint8_t *digits = aligned_alloc(64, (size_t)(blocks * (db + 8) + 64) / 64 * 64);
+    if (digits == NULL) return -2;
+    float *unit = (float *)(digits + blocks * db);
+    int32_t *vsum = (int32_t *)(unit + blocks);
+    for (int64_t i = 0; i < blocks; i++) to_digits(x + i * QK, qt, digits + i * db, unit + i, vsum + i);
+    const int ti = qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2;
+    const int tiles = (m + VNNI_MR - 1) / VNNI_MR, rows_per_tile = (m + tiles - 1) / tiles;
+    /* Waking the second thread costs microseconds: a small weight (< 32 KB) is read by one. */
+    const int threads = panels * panel_bytes < 32 * 1024 ? 1 : num_threads;
+#pragma omp parallel num_threads(threads)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+        for (int p = p0; p < p1; p++) /* a panel read from DRAM for the first tile is in L1 for the next */
+            for (int r = 0; r < m; r += rows_per_tile) {
+                const int64_t rb = (int64_t)r * nb;
+                const vnni_args a = {digits + rb * db, unit + rb, vsum + rb, sx + rb, packed + p * panel_bytes,
+                                     y + (int64_t)r * n + p * PANEL, nb, n, min_int(n - p * PANEL, PANEL)};
+                VNNI_TABLE[min_int(rows_per_tile, m - r) - 1][ti](&a);
+            }
+    }
+    free(digits);
+    return 0;
+}
+#else
+int quant_vnni_available(void) { return 0; }
+int quant_vnni(const uint16_t *x, const float *sx, const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt,
+               int num_threads) {
+    (void)x, (void)sx, (void)packed, (void)y, (void)m, (void)n, (void)k, (void)qt, (void)num_threads;
+    return -1;
+}
+#endif
