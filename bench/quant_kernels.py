@@ -3,9 +3,11 @@
 The linears of the bundled model (qkv, o, gate|up, down: Q4_1 in the bundled GGUF) and its tied head
 (Q8_0), bf16 activations (float32 on a CPU without bf16 matmuls, as the model runs there), at the
 row counts of a decode step (1), a speculative verification (2-9), a decode batch (16, 32) and
-beyond: `--weights native` (the blocks as stored, csrc/quant_linear.c and csrc/quant_amx.c) and
-`--weights dequantized` (bf16 panels) on the same random rows, 2 threads by default; also the ratio of each row count's time to the one-row time,
-which prices a speculative verification step.
+beyond: `--weights native` (the blocks as stored, csrc/quant_linear.c, csrc/quant_amx.c and
+csrc/quant_vnni.c), the same rows counted as one sequence's (a verification of its drafts, which
+takes its decode row's path: quant_linear.path_for) and `--weights dequantized` (bf16 panels), on
+the same random rows, 2 threads by default; also the ratio of each row count's time to the one-row
+time, which prices a speculative verification step.
 
 Each figure is the best of --tries passes (us a layer). A pass calls the linear of every layer in
 turn, as a decode step does, so each call reads its weight from DRAM (or L3), not from a cache the
@@ -34,8 +36,12 @@ import machine  # noqa: E402  (bench/machine.py: this script's folder is on the 
 from fairway.models.bundled import bundled_model_path  # noqa: E402
 from fairway.models.loader import load_model  # noqa: E402
 from fairway.models.precision import compute_dtype  # noqa: E402
+from fairway.models.quant_linear import STEP_ROWS  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
+# The stored blocks with the step counted as one sequence (quant_linear.STEP_ROWS = 1): the path of
+# a speculative verification of one sequence's drafts (integer products where the CPU has them).
+ONE_SEQUENCE = "native, one sequence"
 
 
 def layers(model: torch.nn.Module, warm: bool) -> dict[str, list[torch.nn.Module]]:
@@ -75,19 +81,24 @@ def main() -> None:
     models = {w: layers(load_model(path, torch.bfloat16, weights=w), args.warm) for w in ("native", "dequantized")}
     gen = torch.Generator().manual_seed(0)
     activations = compute_dtype(torch.bfloat16, "cpu")  # what the loaded layers take here
-    times: dict[str, dict[str, dict[int, float]]] = {w: {} for w in models}
-    print("| layer | type | rows | native us | dequantized bf16 us | native / its 1 row |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    times: dict[str, dict[str, dict[int, float]]] = {w: {} for w in (*models, ONE_SEQUENCE)}
+    print("| layer | type | rows | native us | one sequence's rows us | dequantized bf16 us | native / its 1 row |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for name, copies in models["native"].items():
         native = copies[0]
-        for w in models:
+        for w in times:
             times[w][name] = {}
         for m in rows:
             x = torch.randn(m, native.in_features, generator=gen).to(activations)
             for w, ls in models.items():  # the same rows, one right after the other
                 times[w][name][m] = round(best_us(ls[name], x, args.tries), 1)
+            token = STEP_ROWS.set(1)  # a verification of one sequence's drafts: its decode row's path
+            try:
+                times[ONE_SEQUENCE][name][m] = round(best_us(models["native"][name], x, args.tries), 1)
+            finally:
+                STEP_ROWS.reset(token)
             t = times["native"][name]
-            print(f"| {name} | {getattr(native, 'qtype', '-')} | {m} | {t[m]:.1f} | "
+            print(f"| {name} | {getattr(native, 'qtype', '-')} | {m} | {t[m]:.1f} | {times[ONE_SEQUENCE][name][m]:.1f} | "
                   f"{times['dequantized'][name][m]:.1f} | {t[m] / t[rows[0]]:.2f} |", flush=True)
     result = {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine.describe(), "args": {k: str(v) for k, v in vars(args).items()},

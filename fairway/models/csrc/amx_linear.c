@@ -60,6 +60,20 @@ void amx_configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
+/* quant_amx.c's integer tiles: C 0-2 and A 3-5 `rows` high (A: 32 bytes of k a row), B 6 eight
+ * rows of 4 k's (64 bytes). */
+void amx_configure_int8(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette_id = 1;
+    for (int t = 0; t < 7; t++) {
+        cfg.colsb[t] = t >= 3 && t < 6 ? 32 : 64;
+        cfg.rows[t] = (uint8_t)(t == 6 ? 8 : rows);
+    }
+    __asm__ __volatile__("" : : "r"(&cfg) : "memory"); /* as in amx_configure */
+    _tile_loadconfig(&cfg);
+}
+
 /* Rows [0, rows) of the C tile `acc` as bf16 (round to nearest even) into y, `cols` columns. */
 static inline void store_rows(const float *acc, int rows, uint16_t *y, int64_t ldy, int cols) {
     const __mmask16 mask = cols >= PANEL ? (__mmask16)0xffff : (__mmask16)((1u << cols) - 1);

@@ -33,7 +33,13 @@
 #define Q4_PLANES 3    /* bytes of a Q4 digit (v < 2^21 in magnitude: three signed bytes) */
 #define Q8_PLANES 2    /* words of a Q8_0 digit */
 #define PF_AHEAD 8     /* blocks ahead whose bytes are prefetched (a panel's next ones lie right after) */
+/* From this many rows Q4 goes to AMX int8 tiles where there are some (quant_amx_digits: the same
+ * integer sums, 16 rows a tile; below it VPDPBUSD's rows cost less: bench/README.md) */
+#define AMX_FROM_ROWS 8
 #define GRID_BITS 20   /* |v| < 2^(GRID_BITS + 1): a Q4 block's sum stays within int32 (32 * 15 * 2^21) */
+
+int quant_amx_digits(const uint8_t *digits, const float *unit, const int32_t *vsum, const float *sx,
+                     const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt, int num_threads);
 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
 static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
@@ -145,7 +151,9 @@ TVNNI INLINE void vnni_tile(const vnni_args *a, const int MR, const int QT) {
             }
             continue;
         }
-        /* two sums a digit (the low and the high nibbles), so a chain is 4 products long, not 8 */
+        /* one row: two sums a digit (the low and the high nibbles), so a chain is 4 products long,
+         * not 8; more rows have chains enough, and registers for one sum a digit */
+        const int H = MR == 1 ? 2 : 1;
         __m512i s[VNNI_MR][Q4_PLANES][2];
         for (int r = 0; r < MR; r++)
             for (int p = 0; p < Q4_PLANES; p++) s[r][p][0] = s[r][p][1] = _mm512_setzero_si512();
@@ -158,14 +166,14 @@ TVNNI INLINE void vnni_tile(const vnni_args *a, const int MR, const int QT) {
                 const int32_t *xd = (const int32_t *)(a->digits + ((int64_t)r * a->nb + b) * db);
                 for (int p = 0; p < Q4_PLANES; p++) {
                     s[r][p][0] = _mm512_dpbusd_epi32(s[r][p][0], nib_lo, _mm512_set1_epi32(xd[p * 8 + 2 * h]));
-                    s[r][p][1] = _mm512_dpbusd_epi32(s[r][p][1], nib_hi, _mm512_set1_epi32(xd[p * 8 + 2 * h + 1]));
+                    s[r][p][H - 1] = _mm512_dpbusd_epi32(s[r][p][H - 1], nib_hi, _mm512_set1_epi32(xd[p * 8 + 2 * h + 1]));
                 }
             }
         }
         for (int r = 0; r < MR; r++) { /* exact: |sum| < 32 * 15 * 2^21 */
             const int64_t rb = (int64_t)r * a->nb + b;
             __m512i d[Q4_PLANES];
-            for (int p = 0; p < Q4_PLANES; p++) d[p] = _mm512_add_epi32(s[r][p][0], s[r][p][1]);
+            for (int p = 0; p < Q4_PLANES; p++) d[p] = H == 2 ? _mm512_add_epi32(s[r][p][0], s[r][p][1]) : s[r][p][0];
             __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(d[2], 16), _mm512_slli_epi32(d[1], 8)), d[0]);
             if (QT == Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * a->vsum[rb]));
             finish_block(&acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a->unit[rb])), blkp,
@@ -200,6 +208,10 @@ int quant_vnni(const uint16_t *x, const float *sx, const uint8_t *packed, uint16
     float *unit = (float *)(digits + blocks * db);
     int32_t *vsum = (int32_t *)(unit + blocks);
     for (int64_t i = 0; i < blocks; i++) to_digits(x + i * QK, qt, digits + i * db, unit + i, vsum + i);
+    if (m >= AMX_FROM_ROWS && quant_amx_digits(digits, unit, vsum, sx, packed, y, m, n, k, qt, num_threads) == 0) {
+        free(digits);
+        return 0;
+    }
     const int ti = qt == Q4_0 ? 0 : qt == Q4_1 ? 1 : 2;
     const int tiles = (m + VNNI_MR - 1) / VNNI_MR, rows_per_tile = (m + tiles - 1) / tiles;
     /* Waking the second thread costs microseconds: a small weight (< 32 KB) is read by one. */
