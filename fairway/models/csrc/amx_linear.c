@@ -60,7 +60,7 @@ void amx_configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* quant_amx.c's integer tiles: C 0-2 and A 3-5 `rows` high (A: 32 bytes of k a row), B 6 eight
+/* quant_vnni.c's integer tiles: C 0-2 and A 3-5 `rows` high (A: 32 bytes of k a row), B 6 eight
  * rows of 4 k's (64 bytes). */
 void amx_configure_int8(int rows) {
     tile_config cfg;

@@ -26,10 +26,6 @@
  * product on it: the unpacking is paid once per panel whatever the rows, and the outputs are the
  * dequantized model's.
  *
- * And a third for the rows of a step of one or two sequences (a verification of their drafts), whose
- * activations quant_vnni.c has made integer digits: int8 tiles (quant_amx_digits) take the same
- * exact integer block sums as its VPDPBUSD, so the rows are its rows to the bit.
- *
  * Tile state and permission are amx_linear.c's (amx_linear_available(), amx_configure()).
  * Built with the other kernels by cpu_kernels.py (-march=native): without AMX it compiles to a
  * stub that says so.
@@ -180,122 +176,6 @@ static const exact_fn EXACT_TABLE[TILE_ROWS][3] = {
     BY_TYPE(9), BY_TYPE(10), BY_TYPE(11), BY_TYPE(12), BY_TYPE(13), BY_TYPE(14), BY_TYPE(15), BY_TYPE(16)};
 
 #endif
-
-static int takes(int m, int n, int k, int qt);
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
-void amx_configure_int8(int rows);
-
-/* Block b's stored integer sums (three C tiles at C) scaled into the rows' totals, with
- * quant_vnni.c's very operations. */
-static inline __attribute__((always_inline)) void scale_digits(__m512 acc[TILE_ROWS], const int32_t *C, const uint8_t *blkp,
-                                                               const float *unit, const int32_t *vsum, const float *sx,
-                                                               int nb, int b, int rows, int qt) {
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blkp));
-    for (int r = 0; r < rows; r++) {
-        const int64_t rb = (int64_t)r * nb + b;
-        const __m512i s0 = _mm512_load_si512(C + r * 16), s1 = _mm512_load_si512(C + 256 + r * 16);
-        const __m512i s2 = _mm512_load_si512(C + 512 + r * 16);
-        __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(s2, 16), _mm512_slli_epi32(s1, 8)), s0);
-        if (qt == Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * vsum[rb]));
-        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(unit[rb])), d, acc[r]);
-        if (qt == Q4_1)
-            acc[r] = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blkp + 32))),
-                                     _mm512_set1_ps(sx[rb]), acc[r]);
-    }
-}
-
-/* A block's codes as the B operand: each group's low and high nibbles, 8 rows of 4 k's. */
-static inline __attribute__((always_inline)) void unpack_nibbles(const uint8_t *q, uint8_t *B, __m512i low) {
-    for (int h = 0; h < 4; h++) {
-        const __m512i raw = _mm512_loadu_si512(q + h * 64);
-        _mm512_store_si512(B + h * 128, _mm512_and_si512(raw, low));
-        _mm512_store_si512(B + h * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
-    }
-}
-
-/* quant_vnni.c's tile for rows <= 16 on int8 tiles, one panel: per block, the panel's nibbles as
- * they lie (B: low and high nibbles of a group, 8 rows of 4 k's) times each digit plane of the
- * rows' x (A); a block's sums are scaled in a block late, so the tile stores have landed. */
-static void digits_pass(const uint8_t *digits, int64_t ld_digits, const float *unit, const int32_t *vsum,
-                        const float *sx, const uint8_t *w, uint16_t *y, int ldy, int cols, int nb, int rows, int qt,
-                        uint8_t *B, int32_t *C) {
-    const int bb = block_bytes(qt);
-    const __m512i low = _mm512_set1_epi8(0x0F);
-    __m512 acc[TILE_ROWS];
-    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-    unpack_nibbles(w + quants_at(qt), B, low);
-    for (int b = 0; b <= nb; b++) {
-        int32_t *Cb = C + (b % 2) * 768;
-        if (b < nb) {
-            const uint8_t *xd = digits + (int64_t)b * 96;
-            for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)w + (int64_t)(b + 4) * bb + l, _MM_HINT_T0);
-            if (b + 1 < nb) /* a block ahead: a tile load right after the stores that wrote it waits */
-                unpack_nibbles(w + (int64_t)(b + 1) * bb + quants_at(qt), B + ((b + 1) % 2) * 512, low);
-            _tile_loadd(6, B + (b % 2) * 512, 64);
-            _tile_loadd(3, xd, ld_digits);
-            _tile_loadd(4, xd + 32, ld_digits);
-            _tile_loadd(5, xd + 64, ld_digits);
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_dpbsud(0, 3, 6);
-            _tile_dpbsud(1, 4, 6);
-            _tile_dpbsud(2, 5, 6);
-        }
-        if (b >= 1) /* block b - 1 */
-            scale_digits(acc, C + ((b - 1) % 2) * 768, w + (int64_t)(b - 1) * bb, unit, vsum, sx, nb, b - 1, rows, qt);
-        if (b < nb) {
-            _tile_stored(0, Cb, 64);
-            _tile_stored(1, Cb + 256, 64);
-            _tile_stored(2, Cb + 512, 64);
-        }
-    }
-    const __mmask16 mask = cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-    for (int r = 0; r < rows; r++)
-        _mm256_mask_storeu_epi16(y + (int64_t)r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
-}
-#endif
-
-/* Q4 weights times x as quant_vnni.c's digits ([m][nb][3 planes][32 bytes], unit and vsum [m][nb],
- * sx [m][nb] for Q4_1), on AMX int8 tiles: the same exact block sums as VPDPBUSD, scaled in by the
- * same operations, so each row's outputs are quant_vnni.c's to the bit, for the rows of a
- * speculative verification, where VPDPBUSD pays per row and a tile takes 16 at once. Returns 0,
- * -1 for what it does not take (Q8_0; no AMX int8), -2 out of memory. */
-int quant_amx_digits(const uint8_t *digits, const float *unit, const int32_t *vsum, const float *sx,
-                     const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt, int num_threads) {
-#if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
-    if (qt == Q8_0 || !takes(m, n, k, qt)) return -1;
-    const int nb = k / QK, panels = (n + PANEL - 1) / PANEL, threads = panels < 2 ? 1 : num_threads;
-    const int64_t panel_bytes = (int64_t)nb * block_bytes(qt), ld = (int64_t)nb * 96;
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
-    {
-        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-        uint8_t *B = aligned_alloc(64, 2 * 512 + 2 * 3 * 1024); /* two B operands, then two blocks' three stored C tiles */
-        if (B == NULL) {
-            failed = 1;
-        } else {
-            const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
-            for (int r0 = 0; r0 < m; r0 += TILE_ROWS) {
-                const int rows = min_int(m - r0, TILE_ROWS);
-                const int64_t rb = (int64_t)r0 * nb;
-                amx_configure_int8(rows);
-                for (int p = p0; p < p1; p++)
-                    digits_pass(digits + rb * 96, ld, unit + rb, vsum + rb, sx + rb, packed + p * panel_bytes,
-                                y + (int64_t)r0 * n + p * PANEL, n, min_int(n - p * PANEL, PANEL), nb, rows, qt, B,
-                                (int32_t *)(B + 1024));
-            }
-            _tile_release();
-            free(B);
-        }
-    }
-    return failed ? -2 : 0;
-#else
-    (void)digits, (void)unit, (void)vsum, (void)sx, (void)packed, (void)y, (void)m, (void)n, (void)k, (void)qt,
-        (void)num_threads;
-    return -1;
-#endif
-}
 
 /* 1 when this build and CPU multiply on AMX bf16 tiles (asks Linux for the tile state once). */
 int quant_amx_available(void) {

@@ -18,7 +18,10 @@
  * read as bytes holds column c's nibbles at k = 8h + {0, 4, 1, 5} (low nibbles) and 8h + {2, 6, 3,
  * 7} (high nibbles), so each group's digits are stored in that order, a dword to broadcast per
  * nibble half; a Q8_0 k-pair's words are column c's at k0, k0 + 1, the digits' natural order.
- * Built with the other kernels by cpu_kernels.py; each function carries its own target attribute.
+ * From AMX_FROM_ROWS rows Q4 runs on AMX int8 tiles where there are some (amx_digits): TDPBSUD takes
+ * the same digits by the same nibbles, so the block sums, and with them the rows, are the same bits.
+ * Built with the other kernels by cpu_kernels.py; each VNNI function carries its own target
+ * attribute (the AMX ones are built where -march=native has AMX).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,13 +36,10 @@
 #define Q4_PLANES 3    /* bytes of a Q4 digit (v < 2^21 in magnitude: three signed bytes) */
 #define Q8_PLANES 2    /* words of a Q8_0 digit */
 #define PF_AHEAD 8     /* blocks ahead whose bytes are prefetched (a panel's next ones lie right after) */
-/* From this many rows Q4 goes to AMX int8 tiles where there are some (quant_amx_digits: the same
- * integer sums, 16 rows a tile; below it VPDPBUSD's rows cost less: bench/README.md) */
+/* From this many rows Q4 goes to AMX int8 tiles where there are some (amx_digits: the same integer
+ * sums, 16 rows a tile; below it VPDPBUSD's rows cost less: bench/README.md) */
 #define AMX_FROM_ROWS 8
 #define GRID_BITS 20   /* |v| < 2^(GRID_BITS + 1): a Q4 block's sum stays within int32 (32 * 15 * 2^21) */
-
-int quant_amx_digits(const uint8_t *digits, const float *unit, const int32_t *vsum, const float *sx,
-                     const uint8_t *packed, uint16_t *y, int m, int n, int k, int qt, int num_threads);
 
 static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 * 20 : 16 * 18; }
 static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
@@ -123,6 +123,15 @@ TVNNI INLINE void finish_block(__m512 *acc, __m512 blk, const uint8_t *blkp, flo
                                            _mm512_set1_ps(sx), *acc);
 }
 
+/* A Q4 block's three digit-plane sums (exact: |sum| < 32 * 15 * 2^21) scaled into a row's total.
+ * The one place both the VPDPBUSD and the AMX int8 tiles do it, so their rows agree to the bit. */
+TVNNI INLINE void q4_block_total(__m512 *acc, __m512i l, __m512i m, __m512i h, const uint8_t *blkp, float unit,
+                                 int32_t vsum, float sx, const int QT) {
+    __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(h, 16), _mm512_slli_epi32(m, 8)), l);
+    if (QT == Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * vsum));
+    finish_block(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(unit)), blkp, sx, QT);
+}
+
 /* MR rows x one panel. */
 TVNNI INLINE void vnni_tile(const vnni_args *a, const int MR, const int QT) {
     const int db = digit_bytes(QT), bb = block_bytes(QT);
@@ -170,14 +179,11 @@ TVNNI INLINE void vnni_tile(const vnni_args *a, const int MR, const int QT) {
                 }
             }
         }
-        for (int r = 0; r < MR; r++) { /* exact: |sum| < 32 * 15 * 2^21 */
+        for (int r = 0; r < MR; r++) {
             const int64_t rb = (int64_t)r * a->nb + b;
             __m512i d[Q4_PLANES];
             for (int p = 0; p < Q4_PLANES; p++) d[p] = H == 2 ? _mm512_add_epi32(s[r][p][0], s[r][p][1]) : s[r][p][0];
-            __m512i sum = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(d[2], 16), _mm512_slli_epi32(d[1], 8)), d[0]);
-            if (QT == Q4_0) sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(8 * a->vsum[rb]));
-            finish_block(&acc[r], _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(a->unit[rb])), blkp,
-                         QT == Q4_1 ? a->sx[rb] : 0, QT);
+            q4_block_total(&acc[r], d[0], d[1], d[2], blkp, a->unit[rb], a->vsum[rb], QT == Q4_1 ? a->sx[rb] : 0, QT);
         }
     }
     const __mmask16 mask = a->cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << a->cols) - 1);
@@ -194,6 +200,111 @@ VNNI3(1) VNNI3(2) VNNI3(3) VNNI3(4)
 #define BY_TYPE(NAME) {NAME##_q40, NAME##_q41, NAME##_q80}
 static const vnni_fn VNNI_TABLE[VNNI_MR][3] = {BY_TYPE(vnni_1), BY_TYPE(vnni_2), BY_TYPE(vnni_3), BY_TYPE(vnni_4)};
 
+#if defined(__AMX_TILE__) && defined(__AMX_INT8__)
+void amx_configure_int8(int rows);
+int amx_linear_available(void);
+
+/* A Q4 block's codes as an int8 tile's B operand: each group's low and high nibbles, 8 rows of 4 k's
+ * (the k order of the digits, as VPDPBUSD takes them). */
+INLINE void unpack_nibbles(const uint8_t *q, uint8_t *B) {
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    for (int h = 0; h < 4; h++) {
+        const __m512i raw = _mm512_loadu_si512(q + h * 64);
+        _mm512_store_si512(B + h * 128, _mm512_and_si512(raw, low));
+        _mm512_store_si512(B + h * 128 + 64, _mm512_and_si512(_mm512_srli_epi16(raw, 4), low));
+    }
+}
+
+/* Up to 16 rows x one panel on AMX int8 tiles: per block the codes (B, tile 6) times each digit
+ * plane of the rows (A, tiles 3-5) into C tiles 0-2 (TDPBSUD: the same integer sums as VPDPBUSD).
+ * A block is unpacked a block ahead (a tile load right after the stores that wrote it waits) and
+ * scaled in a block late, so its tile stores have landed. B: two operands; C: two blocks' sums. */
+static void amx_digits_tile(const vnni_args *a, int rows, int qt, uint8_t *B, int32_t *C) {
+    const int bb = block_bytes(qt), nb = a->nb;
+    const int64_t ld = (int64_t)nb * digit_bytes(qt);
+    __m512 acc[16];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    unpack_nibbles(a->w + quants_at(qt), B);
+    for (int b = 0; b <= nb; b++) {
+        if (b < nb) {
+            const uint8_t *xd = a->digits + (int64_t)b * digit_bytes(qt);
+            for (int l = 0; l < bb; l += 64) _mm_prefetch((const char *)a->w + (int64_t)(b + 4) * bb + l, _MM_HINT_T0);
+            if (b + 1 < nb) unpack_nibbles(a->w + (int64_t)(b + 1) * bb + quants_at(qt), B + ((b + 1) % 2) * 512);
+            _tile_loadd(6, B + (b % 2) * 512, 64);
+            _tile_loadd(3, xd, ld);
+            _tile_loadd(4, xd + 32, ld);
+            _tile_loadd(5, xd + 64, ld);
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_dpbsud(0, 3, 6);
+            _tile_dpbsud(1, 4, 6);
+            _tile_dpbsud(2, 5, 6);
+        }
+        if (b >= 1) { /* block b - 1 */
+            const int32_t *Cb = C + ((b - 1) % 2) * 768;
+            const uint8_t *blkp = a->w + (int64_t)(b - 1) * bb;
+            for (int r = 0; r < rows; r++) {
+                const int64_t rb = (int64_t)r * nb + b - 1;
+                const __m512i l = _mm512_load_si512(Cb + r * 16), m = _mm512_load_si512(Cb + 256 + r * 16);
+                const __m512i h = _mm512_load_si512(Cb + 512 + r * 16);
+                if (qt == Q4_0) q4_block_total(&acc[r], l, m, h, blkp, a->unit[rb], a->vsum[rb], 0, Q4_0);
+                else q4_block_total(&acc[r], l, m, h, blkp, a->unit[rb], 0, a->sx[rb], Q4_1);
+            }
+        }
+        if (b < nb) {
+            int32_t *Cb = C + (b % 2) * 768;
+            _tile_stored(0, Cb, 64);
+            _tile_stored(1, Cb + 256, 64);
+            _tile_stored(2, Cb + 512, 64);
+        }
+    }
+    const __mmask16 mask = a->cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << a->cols) - 1);
+    for (int r = 0; r < rows; r++)
+        _mm256_mask_storeu_epi16(a->y + (int64_t)r * a->ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
+/* Q4 rows (the digits of quant_vnni) on AMX int8 tiles, passes of 16 rows. Returns 0, -1 where the
+ * process has no AMX tile state, -2 out of memory (quant_vnni then takes the rows itself). */
+static int amx_digits(const uint8_t *digits, const float *unit, const int32_t *vsum, const float *sx,
+                      const uint8_t *packed, uint16_t *y, int m, int n, int nb, int qt, int num_threads) {
+    if (!amx_linear_available()) return -1;
+    const int panels = (n + PANEL - 1) / PANEL, threads = panels < 2 ? 1 : num_threads, db = digit_bytes(qt);
+    const int64_t panel_bytes = (int64_t)nb * block_bytes(qt);
+    int failed = 0;
+#pragma omp parallel num_threads(threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        uint8_t *B = aligned_alloc(64, 2 * 512 + 2 * 3 * 1024); /* two B operands, two blocks' three C tiles */
+        if (B == NULL) {
+            failed = 1;
+        } else {
+            const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+            for (int r0 = 0; r0 < m; r0 += 16) {
+                const int rows = min_int(m - r0, 16);
+                const int64_t rb = (int64_t)r0 * nb;
+                amx_configure_int8(rows);
+                for (int p = p0; p < p1; p++) {
+                    const vnni_args a = {digits + rb * db, unit + rb, vsum + rb, sx + rb, packed + p * panel_bytes,
+                                         y + (int64_t)r0 * n + p * PANEL, nb, n, min_int(n - p * PANEL, PANEL)};
+                    amx_digits_tile(&a, rows, qt, B, (int32_t *)(B + 1024));
+                }
+            }
+            _tile_release();
+            free(B);
+        }
+    }
+    return failed ? -2 : 0;
+}
+#else
+static int amx_digits(const uint8_t *digits, const float *unit, const int32_t *vsum, const float *sx,
+                      const uint8_t *packed, uint16_t *y, int m, int n, int nb, int qt, int num_threads) {
+    (void)digits, (void)unit, (void)vsum, (void)sx, (void)packed, (void)y, (void)m, (void)n, (void)nb, (void)qt,
+        (void)num_threads;
+    return -1;
+}
+#endif
+
 /* x: [m, k] bf16; sx: its block sums [m][k/32] (read for Q4_1); packed: quant_linear.c's panels of
  * a [n, k] weight of type qt; y: [m, n] bf16. Every row count, in tiles of up to VNNI_MR rows.
  * Returns 0, -1 for what it does not take (no AVX512-VNNI), -2 out of memory. */
@@ -208,7 +319,8 @@ int quant_vnni(const uint16_t *x, const float *sx, const uint8_t *packed, uint16
     float *unit = (float *)(digits + blocks * db);
     int32_t *vsum = (int32_t *)(unit + blocks);
     for (int64_t i = 0; i < blocks; i++) to_digits(x + i * QK, qt, digits + i * db, unit + i, vsum + i);
-    if (m >= AMX_FROM_ROWS && quant_amx_digits(digits, unit, vsum, sx, packed, y, m, n, k, qt, num_threads) == 0) {
+    if (qt != Q8_0 && m >= AMX_FROM_ROWS &&
+        amx_digits(digits, unit, vsum, sx, packed, y, m, n, nb, qt, num_threads) == 0) {
         free(digits);
         return 0;
     }
