@@ -5,7 +5,7 @@ The linears of the bundled model (qkv, o, gate|up, down: Q4_1 in the bundled GGU
 row counts of a decode step (1), a speculative verification (2-9), a decode batch (16, 32) and
 beyond: `--weights native` (the blocks as stored, csrc/quant_linear.c, csrc/quant_amx.c and
 csrc/quant_vnni.c), the same rows counted as one sequence's (a verification of its drafts, which
-takes its decode row's path: quant_linear.path_for) and `--weights dequantized` (bf16 panels), on
+takes its decode row's path: QuantLinear.path) and `--weights dequantized` (bf16 panels), on
 the same random rows, 2 threads by default; also the ratio of each row count's time to the one-row
 time, which prices a speculative verification step.
 

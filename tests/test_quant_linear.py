@@ -13,7 +13,7 @@ from fairway.engine.factory import build_engine
 from fairway.models.cpu_kernels import QuantKernels, bf16_linear, quant_kernels
 from fairway.models.loader import load_model
 from fairway.models.packed_linear import PackedLinear
-from fairway.models.quant_linear import STEP_ROWS, QuantLinear, native_types, path_for
+from fairway.models.quant_linear import STEP_ROWS, QuantLinear, native_types
 
 kernel = quant_kernels()
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no x86 AVX2/AVX512 kernels here: weights are dequantized")
@@ -111,7 +111,7 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
     assert ((batch - alone).abs() <= alone.abs() * 2 ** -7 + 1e-6).all()
     for rows in (3, 6, 13, 17, 40):  # AMX where there is some
         assert torch.equal(layer(x[:rows]).float(), batch[:rows]), rows
-    if path_for(layer.isa, 1) == QuantKernels.VNNI:
+    if layer.path(1) == QuantKernels.VNNI:
         token = STEP_ROWS.set(1)  # one sequence's decode row and its drafts
         try:
             for rows in (2, 5, 9, 16, 48):

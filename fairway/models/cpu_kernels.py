@@ -15,7 +15,7 @@ Six things portable PyTorch does badly on a CPU:
     gating, RoPE + the KV cache write), where PyTorch's per-op overhead dwarfs the arithmetic;
   * temperature sampling over a large vocabulary (sample.c): one pass per row instead of ~8 ops.
   * matmuls on weights kept as GGUF Q8_0/Q4_0/Q4_1 blocks (quant_linear.c, unpacked in registers;
-    quant_vnni.c, integer dot products for a step of one or two rows): reading 4-8 bits a weight
+    quant_vnni.c, integer dot products for a step of one or two sequences): reading 4-8 bits a weight
     instead of 16 is what bounds a decode step.
 And one thing the interpreter does badly: calling those kernels ~9 times a layer at decode
 (decode_forward.c runs a bf16 decode step's layers in one call; fairway/models/native_decode.py).
@@ -234,7 +234,7 @@ class QuantKernels:
     # ggml's type ids, the C side's too
     TYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 8}
     # quant_isas() bits: AVX2 + FMA, AVX512F/BW, AVX512-BF16, AMX (bf16 activations; Q8_0's one
-    # and two rows go to AVX512F), AVX512-VNNI (bf16 activations as integers: quant_linear.path_for)
+    # and two rows go to AVX512F), AVX512-VNNI (bf16 activations as integers: QuantLinear.path)
     AVX2, AVX512, AVX512_BF16, AMX, VNNI = 1, 2, 4, 8, 16
 
     def __init__(self, lib: ctypes.CDLL) -> None:

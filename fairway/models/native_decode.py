@@ -28,7 +28,7 @@ from fairway.models.cpu_kernels import (
 )
 from fairway.models.packed_linear import PackedLinear
 from fairway.models.paged_attention import AttentionMetadata, PagedKVCache, attend_prefills
-from fairway.models.quant_linear import QuantLinear, path_for, step_rows
+from fairway.models.quant_linear import QuantLinear, step_rows
 
 
 class NativeDecode:
@@ -42,6 +42,7 @@ class NativeDecode:
         self.kernel = decode_forward()
         first = linears[0]
         self.quant, self.isa = (first.qtype_id, first.isa) if isinstance(first, QuantLinear) else (0, 0)
+        self.quant_linear = first if isinstance(first, QuantLinear) else None  # its path is every linear's
         self.amx = not self.quant and isinstance(first.native, AmxLinear)
         self.down_proj = pick(model.layers[0].mlp.down_proj)  # (its tile, for bf16 panels)
         limits = {getattr(lin, "native_max_rows", None) for lin in linears}
@@ -108,7 +109,7 @@ class NativeDecode:
                             c.num_layers, c.rms_norm_eps, c.head_dim ** -0.5, kv.k.shape[2], kv.block_size,
                             0 if tables is None else tables.shape[1], rotary.cos.dtype == torch.bfloat16,
                             self.amx, nv, mr, prefetch, torch.get_num_threads(), self.quant,
-                            path_for(self.isa, tokens) if self.quant else 0,
+                            self.quant_linear.path(tokens) if self.quant_linear is not None else 0,
                             _decode_rows(meta))
         return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
                            positions, meta.slot_mapping, kv.k, kv.v, tables, lens,

@@ -52,15 +52,6 @@ def step_rows(rows: int) -> int:
     return rows if step is None else step
 
 
-def path_for(isa: int, rows: int) -> int:
-    """The kernel path a step of these rows takes on stored blocks whose path is isa."""
-    kernel = quant_kernels()
-    bf16 = isa in (QuantKernels.AMX, QuantKernels.AVX512_BF16)
-    if bf16 and kernel is not None and kernel.isas & QuantKernels.VNNI and step_rows(rows) <= VNNI_ROWS:
-        return QuantKernels.VNNI
-    return isa
-
-
 def native_types(dtype: torch.dtype) -> frozenset[str]:
     """The GGUF types this CPU multiplies as stored with activations of this dtype (none without
     the kernels, or without a path for the dtype: an AVX2-only CPU has float32's alone)."""
@@ -154,7 +145,15 @@ class QuantLinear(nn.Module):
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """x [rows, in_features] by the blocks as stored, whatever the rows."""
-        return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, path_for(self.isa, x.shape[0]))
+        return self.kernel(x.contiguous(), self.panels, self.out_features, self.qtype_id, self.path(x.shape[0]))
+
+    def path(self, rows: int) -> int:
+        """The kernel path a step of these rows takes (step_rows): integer products for steps of up
+        to VNNI_ROWS where this CPU has them and the activations are bf16, else self.isa."""
+        bf16 = self.isa in (QuantKernels.AMX, QuantKernels.AVX512_BF16)
+        if bf16 and self.kernel.isas & QuantKernels.VNNI and step_rows(rows) <= VNNI_ROWS:
+            return QuantKernels.VNNI
+        return self.isa
 
 
 def dense_from_rows(linear: QuantLinear) -> int | None:

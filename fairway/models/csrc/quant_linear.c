@@ -25,9 +25,9 @@
  * vector); and for bf16 activations AMX tiles (quant_amx.c; Q4 from one row, Q8_0 from
  * QUANT_AMX_MIN_ROWS_Q8), which up to 48 rows take each block's sum as the AVX512F path does but
  * for the order of the float32 additions, and integer dot products (quant_vnni.c, ISA_VNNI: the
- * path Python picks for steps of one or two sequences, quant_linear.path_for). Past QUANT_EXACT_ROWS rows (a prefill) the AVX512-BF16
- * and AMX paths multiply the weights dequantized to bf16 panel by panel (quant_bf16_wide,
- * quant_amx_wide). The file is built with -march=native but each path carries its own target
+ * path Python picks for steps of one or two sequences, QuantLinear.path). Past QUANT_EXACT_ROWS
+ * rows (a prefill) the AVX512-BF16 and AMX paths multiply the weights dequantized to bf16 panel by
+ * panel (quant_bf16_wide, quant_amx_wide). The file is built with -march=native but each path carries its own target
  * attribute, so it compiles on any x86-64 compiler that knows the instructions. Elsewhere
  * quant_isas() is 0 and Python keeps the dequantized weights. Built with the other kernels by
  * cpu_kernels.py.
