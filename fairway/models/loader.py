@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from fairway.cache_dir import cache_dir
+from fairway.models import huge_pages
 from fairway.models.bundled import ModelFileError
 from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
@@ -80,6 +81,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         use_quantized_linears(model, path, held, dense=weights == "auto")
     if pack and packing_supported(held, torch.device(device)):
         pack_linears(model, bf16_copy=dtype == torch.bfloat16 and held == torch.float32)
+        huge_pages.gather(model)  # before the native pass takes the weights' pointers
         model.use_native_decode()
     return model
 

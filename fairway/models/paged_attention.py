@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from fairway.models import huge_pages
 from fairway.models.cpu_kernels import DecodeKernels
 
 
@@ -90,8 +91,9 @@ class PagedKVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
         shape = (num_layers, num_kv_heads, num_blocks * block_size, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # On 2 MB pages where the host lends them: a step's reads of scattered blocks (huge_pages.py).
+        self.k = huge_pages.zeros(shape, dtype, device)
+        self.v = huge_pages.zeros(shape, dtype, device)
         self.block_size = block_size
         self.num_blocks = num_blocks
 

@@ -8,8 +8,8 @@
  * than its few thousand FLOPs, and a layer had ~25 such ops: a large share of a decode step
  * (bench/README.md, "CPU kernels"). Each works on float32 or bfloat16 tensors and reproduces
  * PyTorch's rounding step by step (a bf16 op computes in float32 and rounds its result to bf16),
- * so the fused path gives the tokens the op-by-op path gives. Rows are independent: large inputs
- * (prefill) split across threads.
+ * so the fused path gives the tokens the op-by-op path gives. Rows are independent, so a row's result
+ * does not depend on how the rows are split across threads.
  *
  * Built with the other kernels by fairway/models/cpu_kernels.py.
  */
@@ -44,7 +44,10 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
         ((float *)p)[i] = f;
 }
 
-#define PARALLEL_ROWS 64 /* below this many rows one thread is faster than waking the others */
+/* Rows from which the threads split the work. A decode step's kernels run back to back, so the
+ * other threads are still spinning from the last one and join at once: from two rows up, splitting
+ * beat one thread doing it while the others wait (bench/README.md, "Huge pages and layer ops"). */
+#define PARALLEL_ROWS 2
 
 /* The row functions take the dtype as a constant (always inlined into one copy per dtype), so
  * the loads, stores and roundings fold away and each loop vectorizes (expf through libmvec). */

@@ -1,0 +1,116 @@
+"""Host tensors on 2 MB pages, where Linux lends them (transparent huge pages).
+
+A decode step reads every sequence's KV blocks, scattered over a pool of hundreds of MB: with
+4 KB pages each 2 KB block costs a TLB miss and a page walk, and the kernel's prefetches of the
+next blocks wait on them (bench/README.md, "Huge pages"). Linux backs a range with 2 MB pages
+when it is marked MADV_HUGEPAGE before its first touch (or always, where THP is set to
+"always"); where it isn't lent, or the platform has no madvise, the tensor is the same one on
+small pages.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import math
+import mmap
+import sys
+from functools import cache
+
+import torch
+
+log = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+
+
+@cache
+def _madvise() -> ctypes._CFuncPtr | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def advise_huge_pages(t: torch.Tensor) -> int:
+    """Marks the whole 2 MB pages inside t's memory for huge pages; returns the bytes marked (0
+    where nothing could be). Pages touched before this call keep their small pages."""
+    fn = _madvise()
+    nbytes = t.numel() * t.element_size()
+    if fn is None or t.device.type != "cpu" or not t.is_contiguous() or nbytes < HUGE_PAGE:
+        return 0
+    start = t.data_ptr()
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    end = (start + nbytes) // HUGE_PAGE * HUGE_PAGE
+    if end <= first:
+        return 0
+    if fn(first, end - first, MADV_HUGEPAGE) != 0:
+        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): small pages", ctypes.get_errno())
+        return 0
+    return end - first
+
+
+def fresh(nbytes: int) -> torch.Tensor:
+    """nbytes of zeroed memory, starting on a 2 MB boundary and not touched yet: a mapping of its
+    own (a heap allocation could reuse pages already touched on small pages)."""
+    if _madvise() is None or nbytes < HUGE_PAGE:
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping while it lives
+    start = -whole.data_ptr() % HUGE_PAGE
+    return whole[start:start + nbytes]
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+    """torch.zeros, on huge pages where the device is the CPU and Linux lends them."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    t = fresh(count * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
+    advise_huge_pages(t)
+    return t.zero_()  # every page now, on 2 MB pages where marked: the cache's memory is held from the start
+
+
+def gather(model: torch.nn.Module) -> int:
+    """Moves every CPU parameter and buffer of model into one allocation, on huge pages where
+    marked: a decode step streams all of them, and on small pages each 4 KB of weights is a TLB
+    miss. Tensors that shared memory still do; each old copy is freed as soon as it is moved.
+    Call before anything holds their pointers (the native decode pass does). Returns the bytes on
+    huge pages (0: nothing moved)."""
+    groups: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # a storage's address -> who holds it
+    sizes: dict[int, int] = {}
+    for mod in model.modules():
+        for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
+            if t is not None and t.device.type == "cpu" and t.layout == torch.strided:  # not oneDNN's opaque ones
+                address = t.untyped_storage().data_ptr()
+                groups.setdefault(address, []).append((mod, name))
+                sizes[address] = t.untyped_storage().nbytes()
+    total = sum(-(-n // 64) * 64 for n in sizes.values())  # each 64-byte aligned, as torch's allocator gives
+    if total < HUGE_PAGE or _madvise() is None:
+        return 0
+    whole = fresh(total)
+    marked = advise_huge_pages(whole)
+    offset = 0
+    for address, holders in groups.items():
+        moved: dict[int, torch.Tensor] = {}  # by the old tensor's id: a tensor held twice stays one
+        for mod, name in holders:
+            t = mod._parameters[name] if name in mod._parameters else mod._buffers[name]
+            if id(t) not in moved:
+                if not moved:
+                    old = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+                    whole[offset:offset + sizes[address]].copy_(old)
+                at = (whole.storage_offset() + offset) // t.element_size() + t.storage_offset()
+                moved[id(t)] = torch.empty(0, dtype=t.dtype).set_(whole.untyped_storage(), at, t.size(), t.stride())
+            if name in mod._parameters:
+                mod._parameters[name].data = moved[id(t)]
+            else:
+                mod._buffers[name] = moved[id(t)]
+        offset += -(-sizes[address] // 64) * 64
+    return marked
