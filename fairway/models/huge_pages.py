@@ -4,8 +4,8 @@ A decode step reads every sequence's KV blocks, scattered over a pool of hundred
 4 KB pages each 2 KB block costs a TLB miss and a page walk, and the kernel's prefetches of the
 next blocks wait on them (bench/README.md, "Huge pages"). Linux backs a range with 2 MB pages
 when it is marked MADV_HUGEPAGE before its first touch (or always, where THP is set to
-"always"); where it isn't lent, or the platform has no madvise, the tensor is the same one on
-small pages.
+"always"); where it isn't lent, or the platform has no madvise, or FAIRWAY_HUGE_PAGES=0, the
+tensor is the same one on small pages.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import ctypes.util
 import logging
 import math
 import mmap
+import os
 import sys
 from functools import cache
 
@@ -26,8 +27,12 @@ HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 
 
-@cache
 def _madvise() -> ctypes._CFuncPtr | None:
+    return _libc_madvise() if os.environ.get("FAIRWAY_HUGE_PAGES", "1") != "0" else None
+
+
+@cache
+def _libc_madvise() -> ctypes._CFuncPtr | None:
     if not sys.platform.startswith("linux"):
         return None
     try:
