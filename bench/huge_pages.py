@@ -110,7 +110,7 @@ def main() -> None:
             prompts = chat_prompts(tok, n, 1000 + r * n)
             small.append(step_ms(engines[False], prompts, f"s{n}-{r}", args.max_tokens))
             big.append(step_ms(engines[True], prompts, f"h{n}-{r}", args.max_tokens))
-        ratios = [b / s for s, b in zip(small, big)]
+        ratios = [b / s for s, b in zip(small, big, strict=True)]
         steps[str(n)] = {"small_pages_ms": small, "huge_pages_ms": big, "ratios": ratios,
                          "small_median_ms": statistics.median(small), "huge_median_ms": statistics.median(big),
                          "ratio_median": statistics.median(ratios)}
@@ -121,7 +121,7 @@ def main() -> None:
               f"{s['ratio_median']:>26.3f}")
     print(f"{'attention, 16 x 155 tok':<26}{attention['small_pages_ms']:>10.2f}ms{attention['huge_pages_ms']:>10.2f}ms"
           f"{attention['huge_pages_ms'] / attention['small_pages_ms']:>26.3f}")
-    result = {"timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    result = {"timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine.describe(), "args": {k: str(v) for k, v in vars(args).items()},
               "steps": steps, "attention_30_layers": attention}
     args.out.write_text(json.dumps(result, indent=2) + "\n")
