@@ -2,7 +2,7 @@
 
 A decode step reads every sequence's KV blocks, scattered over a pool of hundreds of MB: with
 4 KB pages each 2 KB block costs a TLB miss and a page walk, and the kernel's prefetches of the
-next blocks wait on them (bench/README.md, "Huge pages"). Linux backs a range with 2 MB pages
+next blocks wait on them (bench/README.md, "Huge pages and layer ops"). Linux backs a range with 2 MB pages
 when it is marked MADV_HUGEPAGE before its first touch (or always, where THP is set to
 "always"); where it isn't lent, or the platform has no madvise, or FAIRWAY_HUGE_PAGES=0, the
 tensor is the same one on small pages.
