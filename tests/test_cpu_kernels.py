@@ -172,7 +172,7 @@ def assert_same_rounding(got, want):
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows", [1, 3, 64, 300])  # 64+ rows split across threads
+@pytest.mark.parametrize("rows", [1, 3, 64, 300])  # 2+ rows split across threads
 def test_rms_norm_with_and_without_residual(dtype, rows):
     gen = torch.Generator().manual_seed(rows)
     x, res = (torch.randn(rows, 576, generator=gen) * 3).to(dtype), torch.randn(rows, 576, generator=gen).to(dtype)
@@ -197,6 +197,27 @@ def test_silu_mul_matches_pytorch(dtype, rows):
     ops = cpu_kernels.layer_ops()
     gate, up = gate_up.chunk(2, dim=-1)
     assert_same_rounding(ops.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 3, 17])
+def test_layer_ops_give_each_row_the_same_bits_on_one_thread_and_several(rows):
+    """A decode step's rows split across threads from two rows: which thread takes a row must not
+    change it (a reply would otherwise depend on the machine's thread count)."""
+    ops = cpu_kernels.layer_ops()
+    gen = torch.Generator().manual_seed(rows)
+    x, res, w = (torch.randn(rows, 576, generator=gen).to(torch.bfloat16) for _ in range(3))
+    gate_up = (torch.randn(rows, 2 * 1536, generator=gen) * 4).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    outs = []
+    for n in (1, max(2, threads)):
+        torch.set_num_threads(n)
+        try:
+            outs.append((ops.rms_norm(x, w, 1e-5, residual=res), ops.silu_mul(gate_up)))
+        finally:
+            torch.set_num_threads(threads)
+    (norm1, silu1), (norm2, silu2) = outs
+    assert torch.equal(norm1[0], norm2[0]) and torch.equal(norm1[1], norm2[1]) and torch.equal(silu1, silu2)
 
 
 @needs_kernel

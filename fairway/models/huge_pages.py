@@ -67,7 +67,11 @@ def fresh(nbytes: int) -> torch.Tensor:
     own (a heap allocation could reuse pages already touched on small pages)."""
     if _madvise() is None or nbytes < HUGE_PAGE:
         return torch.zeros(nbytes, dtype=torch.uint8)
-    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError as exc:  # a mapping refused (limits): torch's allocator may still find the memory
+        log.debug("no mapping of %d bytes (%s): small pages", nbytes, exc)
+        return torch.zeros(nbytes, dtype=torch.uint8)
     whole = torch.frombuffer(region, dtype=torch.uint8)  # holds the mapping while it lives
     start = -whole.data_ptr() % HUGE_PAGE
     return whole[start:start + nbytes]
