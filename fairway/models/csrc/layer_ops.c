@@ -49,12 +49,13 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
  * beat one thread doing it while the others wait (bench/README.md, "Huge pages and layer ops"). */
 #define PARALLEL_ROWS 2
 
-/* The row functions take the dtype as a constant (always inlined into one copy per dtype), so
- * the loads, stores and roundings fold away and each loop vectorizes (expf through libmvec). */
 /* Full-width vectors where the CPU has AVX-512 (GCC otherwise keeps 256-bit ones on Intel cores):
  * the SiLU's expf and the roundings took a twelfth of a 512-token prefill step at 256 bits
  * (bench/README.md, "Huge pages and layer ops"). Harmless elsewhere: no wider vector exists. */
 #pragma GCC target("prefer-vector-width=512")
+
+/* The row functions take the dtype as a constant (always inlined into one copy per dtype), so
+ * the loads, stores and roundings fold away and each loop vectorizes (expf through libmvec). */
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE void norm_row(const void *x, const void *residual, const void *weight, void *out, void *residual_out,
