@@ -48,7 +48,7 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     """Marks the whole 2 MB pages inside t's memory for huge pages; returns the bytes marked (0
     where nothing could be). Pages touched before this call keep their small pages."""
     fn = _madvise()
-    nbytes = t.numel() * t.element_size()
+    nbytes = t.nbytes
     if fn is None or t.device.type != "cpu" or not t.is_contiguous() or nbytes < HUGE_PAGE:
         return 0
     start = t.data_ptr()
@@ -81,8 +81,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     """torch.zeros, on huge pages where the device is the CPU and Linux lends them."""
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    count = math.prod(shape)
-    t = fresh(count * torch.empty(0, dtype=dtype).element_size()).view(dtype).view(shape)
+    t = fresh(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
     advise_huge_pages(t)
     return t.zero_()  # every page now, on 2 MB pages where marked: the cache's memory is held from the start
 
@@ -93,33 +92,37 @@ def gather(model: torch.nn.Module) -> int:
     miss. Tensors that shared memory still do; each old copy is freed as soon as it is moved.
     Call before anything holds their pointers (the native decode pass does). Returns the bytes on
     huge pages (0: nothing moved)."""
-    groups: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # a storage's address -> who holds it
-    sizes: dict[int, int] = {}
+    holders: dict[int, list[tuple[torch.nn.Module, str]]] = {}  # a storage's address -> who holds it
+    places: dict[int, tuple[int, int]] = {}  # a storage's address -> (its offset in the allocation, bytes)
+    total = 0
     for mod in model.modules():
         for name, t in [*mod._parameters.items(), *mod._buffers.items()]:
             if t is not None and t.device.type == "cpu" and t.layout == torch.strided:  # not oneDNN's opaque ones
-                address = t.untyped_storage().data_ptr()
-                groups.setdefault(address, []).append((mod, name))
-                sizes[address] = t.untyped_storage().nbytes()
-    total = sum(-(-n // 64) * 64 for n in sizes.values())  # each 64-byte aligned, as torch's allocator gives
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in places:
+                    places[storage.data_ptr()] = (total, storage.nbytes())
+                    total += -(-storage.nbytes() // 64) * 64  # 64-byte aligned, as torch's allocator gives
+                holders.setdefault(storage.data_ptr(), []).append((mod, name))
     if total < HUGE_PAGE or _madvise() is None:
         return 0
     whole = fresh(total)
     marked = advise_huge_pages(whole)
-    offset = 0
-    for address, holders in groups.items():
+    for address, held_by in holders.items():
+        offset, nbytes = places[address]
+        first = _held(*held_by[0])
+        whole[offset:offset + nbytes].copy_(torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage()))
         moved: dict[int, torch.Tensor] = {}  # by the old tensor's id: a tensor held twice stays one
-        for mod, name in holders:
-            t = mod._parameters[name] if name in mod._parameters else mod._buffers[name]
+        for mod, name in held_by:
+            t = _held(mod, name)
             if id(t) not in moved:
-                if not moved:
-                    old = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
-                    whole[offset:offset + sizes[address]].copy_(old)
                 at = (whole.storage_offset() + offset) // t.element_size() + t.storage_offset()
                 moved[id(t)] = torch.empty(0, dtype=t.dtype).set_(whole.untyped_storage(), at, t.size(), t.stride())
             if name in mod._parameters:
                 mod._parameters[name].data = moved[id(t)]
             else:
                 mod._buffers[name] = moved[id(t)]
-        offset += -(-sizes[address] // 64) * 64
     return marked
+
+
+def _held(mod: torch.nn.Module, name: str) -> torch.Tensor:
+    return mod._parameters[name] if name in mod._parameters else mod._buffers[name]

@@ -41,7 +41,7 @@ class NativeDecode:
         self.model = model
         self.kernel = decode_forward()
         first = linears[0]
-        self.quant, self.isa = (first.qtype_id, first.isa) if isinstance(first, QuantLinear) else (0, 0)
+        self.quant = first.qtype_id if isinstance(first, QuantLinear) else 0
         self.quant_linear = first if isinstance(first, QuantLinear) else None  # its path is every linear's
         self.amx = not self.quant and isinstance(first.native, AmxLinear)
         self.down_proj = pick(model.layers[0].mlp.down_proj)  # (its tile, for bf16 panels)
