@@ -117,14 +117,15 @@ class _Appender:
         self._pending: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]] = []
         self._writes: set[asyncio.Task] = set()  # strong references to batches in flight
 
-    async def append(self, reply_id: str, event: TokenEvent | ToolEvent) -> int:
-        """Append one event of the reply and return its n."""
+    def append(self, reply_id: str, event: TokenEvent | ToolEvent) -> asyncio.Future[int]:
+        """Append one event of the reply; the future gets its n. (A plain function returning the
+        future, not a coroutine: a coroutine's frame more for every token of every reply.)"""
         loop = asyncio.get_running_loop()
         if not self._pending:
             loop.call_soon(self._flush)  # after the replies woken with this one have appended too
         done: asyncio.Future[int] = loop.create_future()
         self._pending.append((reply_id, event, done))
-        return await done
+        return done
 
     def _flush(self) -> None:
         batch, self._pending = self._pending, []
@@ -674,8 +675,11 @@ class ReplicaWorker:
                     if out.text or (out.token_id is not None and not out.finished):
                         # Every token is an event, even one whose text waits for the rest of a
                         # character; the stop token at the end is not (it has no text).
-                        if hold is None:  # (without _release's frame: every await level costs each token)
-                            await self._append(running, (out,))
+                        if hold is None:  # (without _append's frame: every await level costs each token)
+                            running.events = await self._appender.append(running.job.reply_id,
+                                                                         self._token_event(running, out))
+                            running.text.append(out.text)
+                            running.chars += len(out.text)
                             continue
                         step.flagged = await self._release(running, hold, out)
                         if step.flagged is not None:
@@ -804,33 +808,33 @@ class ReplicaWorker:
         return ids
 
     async def _append(self, running: _Running, outs: Sequence[RequestOutput]) -> None:
-        """Append these tokens (released by the output check) as the reply's next events. Latency
-        is measured as listeners see it: a held-back sentence arrives at once."""
-        if not outs:
-            return
-        clock = time.monotonic()
-        job = running.job
-        n = running.events
+        """Append these tokens (released by the output check) as the reply's next events, one
+        after another. One event per reply per flush, as without the check: the gateway's fast
+        path (a token log callback writing to the connection) broke the SDK's stream when a
+        held-back sentence's events arrived in one batch (tests/test_api.py::test_sdk_streaming);
+        not yet understood."""
+        clock = time.monotonic()  # (latency as listeners see it: a held-back sentence arrives at once)
         for out in outs:
-            if running.first_token_at is None:
-                running.first_token_at = time.time()
-                self._ttfts.append(max(0.0, running.first_token_at - running.started))
-                self._recent_ttfts.append((clock, self._ttfts[-1]))
-            elif running.last_token_at is not None:
-                if running.inter_token is None:
-                    running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(job.model, job.tier)
-                running.inter_token.observe(clock - running.last_token_at)
-            running.last_token_at = clock
-            # Explicit numbers: a second producer of this reply (a duplicate job) fails instead of
-            # interleaving tokens into the same log. One event per reply per flush, as without the
-            # check: the gateway's fast path (a token log callback writing to the connection) broke
-            # the SDK's stream when a held-back sentence's events arrived in one batch
-            # (tests/test_api.py::test_sdk_streaming); not yet understood.
-            n += 1
-            event = TokenEvent(n, out.text, [out.token_id] if out.token_id is not None else [])
-            running.events = await self._appender.append(job.reply_id, event)
+            running.events = await self._appender.append(running.job.reply_id,
+                                                         self._token_event(running, out, clock))
             running.text.append(out.text)
             running.chars += len(out.text)
+
+    def _token_event(self, running: _Running, out: RequestOutput, clock: float | None = None) -> TokenEvent:
+        """The reply's next event for this token, its latency recorded (clock: when it is
+        released, now if None). Explicit numbers: a second producer of this reply (a duplicate
+        job) fails instead of interleaving tokens into the same log."""
+        clock = time.monotonic() if clock is None else clock
+        if running.first_token_at is None:
+            running.first_token_at = time.time()
+            self._ttfts.append(max(0.0, running.first_token_at - running.started))
+            self._recent_ttfts.append((clock, self._ttfts[-1]))
+        elif running.last_token_at is not None:
+            if running.inter_token is None:
+                running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(running.job.model, running.job.tier)
+            running.inter_token.observe(clock - running.last_token_at)
+        running.last_token_at = clock
+        return TokenEvent(running.events + 1, out.text, [out.token_id] if out.token_id is not None else [])
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
