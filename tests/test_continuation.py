@@ -26,7 +26,7 @@ from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.registry import InProcessRegistry, RedisRegistry, ReplicaInfo
 from fairway.replica.report import REPORTS_INBOX
 from fairway.replica.worker import ReplicaSettings, ReplicaWorker
-from fairway.router import Failover, Router
+from fairway.router import Failover, FailoverSettings, Router
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 PROMPT = "<|im_start|>user\nName three colours and say why people like them.<|im_end|>\n<|im_start|>assistant\n"
@@ -191,6 +191,62 @@ async def test_a_second_producer_of_a_reply_drops_its_copy(replica):
     assert "finished" not in reports
 
 
+def append_many_at(relay, reply_id: str, n: int, before) -> None:
+    """relay.log.append_many, with before(real append_many, items) run in place of the call whose
+    batch holds reply_id's event n (once)."""
+    real = relay.log.append_many
+
+    async def append_many(items):
+        if any(r == reply_id and e.n == n for r, e in items) and not append_many.done:
+            append_many.done = True
+            return await before(real, items)
+        return await real(items)
+
+    append_many.done = False
+    relay.log.append_many = append_many
+
+
+async def test_a_producer_overtaken_mid_reply_drops_its_copy_and_leaves_the_end_to_the_other(replica):
+    """A replica taken over while cut off from Redis (its announcement lapsed): the new producer
+    logged event 5 before this one could. This one stops there and writes no final event (an
+    error final once ended the other producer's stream: CI's Redis-restart test)."""
+    worker, relay, tokenizer = replica
+    await relay.log.create("rep3")
+
+    async def the_other_producer_first(real, items):
+        await relay.log.append("rep3", TokenEvent(5, " other", [999]))
+        return await real(items)
+
+    append_many_at(relay, "rep3", 5, the_other_producer_first)
+    job = GenerationJob("rep3", "m", tokenizer.encode(PROMPT), {"temperature": 0, "max_tokens": 16})
+    assert await asyncio.wait_for(worker.serve(job), 60) is True
+    events = await relay.log.read("rep3")
+    assert [e.n for e in events] == [1, 2, 3, 4, 5] and events[-1].text == " other"  # no final event from here
+    reports = [d.item["kind"] for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)]
+    assert "finished" not in reports
+
+
+async def test_an_append_whose_answer_was_lost_counts_as_written(replica):
+    """The connection went after Redis ran a batch and the client ran it again (redis_client
+    retries a lost connection itself): the second run finds event 5 logged, and it is this
+    replica's own, so the reply goes on, each event once, and ends whole."""
+    worker, relay, tokenizer = replica
+    await relay.log.create("rep4")
+
+    async def run_twice(real, items):
+        await real(items)
+        return await real(items)
+
+    append_many_at(relay, "rep4", 5, run_twice)
+    params = {"temperature": 0, "max_tokens": 16, "ignore_eos": True}
+    job = GenerationJob("rep4", "m", tokenizer.encode(PROMPT), params)
+    assert await asyncio.wait_for(worker.serve(job), 60) is True
+    events = await relay.log.read("rep4")
+    assert [e.n for e in events] == list(range(1, 18))
+    final = events[-1]
+    assert isinstance(final, FinalEvent) and final.error is None and final.state == ReplyState.FINISHED
+
+
 async def test_a_continuation_that_no_longer_fits_ends_with_length(real_model_fp32, real_tokenizer):
     """The replica that died had said so much that the context plus its words fill this one's
     window: the reply ends there, finish_reason length and FINISHED (no error), numbered on."""
@@ -319,6 +375,43 @@ async def test_a_late_replica_nobody_answers_for_is_failed_over_before_its_annou
     finally:
         await health.close()
         stalled.close()
+
+
+async def test_a_replica_whose_announcement_lapsed_while_it_serves_is_not_taken_over_at_once():
+    """Redis restarted for longer than the registry's ttl: every announcement lapsed, the replicas
+    alive. One whose health endpoint answers ready keeps its replies (a takeover would set a second
+    producer on each) for lapse_grace_s, time to announce again; after that, or once it answers
+    not ready (stopping, draining), its jobs are handed on as a dead one's are."""
+    relay = make_relay(None)
+    registry = InProcessRegistry(ttl_s=60)
+    serving = {"lapsed": True, "stopping": False}
+    servers = {name: HealthServer(lambda name=name: serving[name]) for name in serving}
+    for server in servers.values():
+        await server.start()
+    try:
+        for name, server in servers.items():
+            await registry.announce(dataclasses.replace(info(name), health_url=server.url))
+            await relay.jobs.submit(GenerationJob(f"reply-{name}", "m", [1]).to_dict(), Lane.FREE,
+                                    queue=replica_queue(name))
+        await registry.announce(info("other"))
+        failover = Failover(registry, relay, Router(registry, cache_s=0), FailoverSettings(lapse_grace_s=0.5))
+        assert await failover.sweep() == 0  # all announced: nothing to do (their addresses noted)
+        for name in servers:
+            await registry.withdraw(name)  # (an expired announcement looks the same)
+        assert await failover.sweep() == 1  # the stopping one's job only
+        assert [j.job["reply_id"] for j in await relay.jobs.unfinished(queue=replica_queue("other"))] == \
+            ["reply-stopping"]
+        assert await registry.gone() == ["lapsed"]
+        await registry.announce(dataclasses.replace(info("lapsed"), health_url=servers["lapsed"].url))
+        assert await failover.sweep() == 0 and await registry.gone() == []  # it came back: nothing moved
+        await registry.withdraw("lapsed")
+        assert await failover.sweep() == 0  # lapsed again: a new grace
+        await asyncio.sleep(0.6)
+        assert await failover.sweep() == 1  # it never announced again: out
+        assert await relay.jobs.unfinished(queue=replica_queue("lapsed")) == []
+    finally:
+        for server in servers.values():
+            await server.close()
 
 
 async def test_the_health_endpoint_answers_ready_until_the_replica_drains():

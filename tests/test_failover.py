@@ -153,6 +153,31 @@ def test_streams_carry_on_through_a_redis_restart(fleet):
     wait_for(lambda: len(live_replicas(fleet)) == 2, timeout=30)  # both replicas came through it
 
 
+def test_a_replica_stalled_past_its_announcement_is_taken_over_and_its_copies_stop_when_it_wakes(fleet):
+    """The busiest replica SIGSTOPped for 4 s mid-stream: its announcement expires, its health
+    endpoint does not answer, so its replies go on elsewhere. Woken, it finds their logs moved
+    on and drops its copies (an error final from it once ended the other replica's stream): each
+    reply whole, and the woken replica announces itself again."""
+    stalled: list[str] = []
+
+    def stall_the_busiest(streams: list[Stream]) -> None:
+        victim = busiest_mid_stream(fleet, streams)
+        proc = fleet.procs.procs[victim]
+        proc.send_signal(signal.SIGSTOP)
+        stalled.append(victim)
+        try:
+            time.sleep(4.0)
+        finally:
+            proc.send_signal(signal.SIGCONT)
+
+    streams = run_streams(fleet.urls, fleet.key, during=stall_the_busiest, max_tokens=64)
+    for s in streams:
+        assert s.error is None and s.finish_reason in ("stop", "length"), (s, fleet.procs.tails())
+        assert s.ids == list(range(1, len(s.ids) + 1)), s.ids
+    assert max(s.longest_pause for s in streams) > 1.5  # (its replies did wait for the takeover)
+    wait_for(lambda: stalled[0] in live_replicas(fleet) and len(live_replicas(fleet)) == 2, timeout=30)
+
+
 @pytest.mark.parametrize("gateways", [1, 2], ids=["one-gateway", "two-gateways"])
 def test_a_replica_killed_mid_stream_loses_no_reply(fleet, gateways):
     """With two gateways both sweep for gone replicas; one takes each over."""

@@ -1,7 +1,7 @@
 """The replica's health endpoint: a few lines of HTTP on the replica's own event loop.
 
 GET /health answers 200 while the process's loop runs; GET /ready 200 once it serves and until it
-drains (503 then), for a supervisor's readiness check (Kubernetes) and the fleet manager's local
+drains or stops (503 then), for a supervisor's readiness check (Kubernetes) and the fleet manager's local
 backend; GET /metrics the process's Prometheus metrics (fairway/usage/metrics.py), so a replica has
 one port for all of it; POST /drain starts the drain SIGTERM starts (202; the process ends when drained), for
 Kubernetes' preStop (deploy/k8s/replica.yaml), so the SIGTERM that follows finds it gone. Its address is announced in

@@ -41,7 +41,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Literal, TypeVar
 
 from fairway.domain import LANE_ORDER, PRIORITY_OF_LANE, Lane, Priority, ToolStatus
 from fairway.engine import AsyncEngine, EngineDead, FinishReason, RequestOutput, SamplingParams
@@ -146,15 +146,26 @@ class _Appender:
             for _, _, done in batch:
                 done.cancel()
             raise
-        for (_, event, done), result in zip(batch, results.value, strict=True):
+        for (reply_id, event, done), result in zip(batch, results, strict=True):
             if done.done():
                 continue  # its reply was cancelled meanwhile
-            if results.retried and isinstance(result, EventOutOfOrder) and result.last_n >= event.n:
-                result = event.n  # written by the try that lost its answer to the outage
+            if isinstance(result, EventOutOfOrder) and 0 < event.n <= result.last_n \
+                    and await self._logged(reply_id, event):
+                result = event.n  # written by a try that lost its answer to an outage
             if isinstance(result, Exception):
                 done.set_exception(result)
             else:
                 done.set_result(result)
+
+    async def _logged(self, reply_id: str, event: TokenEvent | ToolEvent) -> bool:
+        """Whether the log's event number event.n is this very event: a try the connection lost
+        (retried here, or by the Redis client itself) had written it. Anything else there was
+        written by another producer of the reply. (Read only on such a conflict: rare.)"""
+        try:
+            logged = await self._log.read(reply_id, event.n - 1)
+        except RelayError:
+            return False
+        return bool(logged) and logged[0] == event
 
 
 @dataclass
@@ -235,7 +246,7 @@ class ReplicaWorker:
         self._claimed = 0  # new jobs claimed since start (the heartbeat's arrivals, with the queue's depth)
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
         self._health = None if settings.health_port is None else \
-            HealthServer(lambda: not self.draining, settings.health_host, settings.health_port, self.request_drain)
+            HealthServer(lambda: not (self.draining or self._stopping), settings.health_host, settings.health_port, self.request_drain)
         engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
@@ -608,10 +619,16 @@ class ReplicaWorker:
                     return FinalEvent(0, FinishReason.LENGTH, ReplyState.FINISHED, len(prompt), 0, len(generated))
                 return _failed(str(exc), None, counts)
             except EventOutOfOrder:
-                if not running.events or running.events == running.resumed_at:
-                    log.info("reply %s: another replica produces it; dropping this copy", job.reply_id)
-                    return None
-                return _failed("token log: another producer wrote to the reply", None, counts)
+                # Another producer wrote the event this one meant to (its own lost writes are told
+                # apart in _Appender): the reply is that one's now, its end too. A copy that never
+                # got to append is a failover racing a slow replica; one overtaken mid-reply, a
+                # replica taken over while cut off from Redis (router/failover.py). An error final
+                # from here would end the other's stream.
+                overtaken = running.events > running.resumed_at
+                log.log(logging.WARNING if overtaken else logging.INFO,
+                        "reply %s: another replica produces it (from event %d); dropping this copy",
+                        job.reply_id, running.events + 1)
+                return None
             except RelayError as exc:
                 return _failed(f"token log: {exc}", None, counts)
             if step.flagged is not None:
@@ -838,7 +855,7 @@ class ReplicaWorker:
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
-            return (await _through_outages(lambda: self.relay.log.finish(reply_id, final), "finish")).value
+            return await _through_outages(lambda: self.relay.log.finish(reply_id, final), "finish")
         except ReplyFinished:  # a try that lost its answer to an outage had written it
             return await self.relay.log.last_event_id(reply_id)
         except RelayError:
@@ -882,19 +899,13 @@ REPORT_RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0, 8.0)
 LOG_RETRY_DELAYS_S = (0.1, 0.25, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 8.0, 8.0)
 
 
-@dataclass
-class _Tried(Generic[T]):
-    value: T
-    retried: bool  # an earlier try failed with an outage: its writes may have happened
-
-
 async def _retrying(call: Callable[[], Awaitable[T]], what: str, delays: Sequence[float],
-                   errors: type[Exception] | tuple[type[Exception], ...]) -> _Tried[T]:
+                   errors: type[Exception] | tuple[type[Exception], ...]) -> T:
     """call(), again after each of delays while it raises one of errors (Redis away for a
     moment); the last error is raised."""
-    for attempt, delay in enumerate((*delays, None)):
+    for delay in (*delays, None):
         try:
-            return _Tried(await call(), attempt > 0)
+            return await call()
         except errors:
             if delay is None:
                 raise
@@ -903,7 +914,7 @@ async def _retrying(call: Callable[[], Awaitable[T]], what: str, delays: Sequenc
     raise AssertionError("unreachable")
 
 
-async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> _Tried[T]:
+async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> T:
     """A token log write, again after each of LOG_RETRY_DELAYS_S while Redis is unreachable."""
     return await _retrying(call, f"token log: {what}", LOG_RETRY_DELAYS_S, RelayUnavailable)
 

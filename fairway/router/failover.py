@@ -17,6 +17,11 @@ takeover once it has withdrawn.
 A replica is gone when its announcement expires (the registry's ttl, 2 s), or sooner when its
 heartbeats are late (suspect_after_s) and the health probe finds nothing listening at its
 endpoint (router/probe.py): the failover withdraws it from the registry for every gateway then.
+An announcement can also lapse with its replica alive: Redis restarted, down longer than the ttl,
+drops every replica's at once. Taking such a replica over would set a second producer on each of
+its replies, so a gone replica whose health endpoint still answers ready (as last announced to
+this gateway) is left for lapse_grace_s to announce again; after that it is taken over too (it
+lost Redis for good), and its own copies stop at their next append (replica/worker.py).
 
 What the user sees: a pause of about suspect_after_s (the ttl when the probe cannot decide) plus
 one sweep plus the new replica's prefill of the context and what was said, then the reply continues; no error, no repeated or
@@ -37,7 +42,7 @@ from fairway.relay.job_queue import Part
 from fairway.replica.job import GenerationJob, replica_queue
 from fairway.replica.registry import ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
-from fairway.router.probe import is_dead
+from fairway.router.probe import is_dead, is_serving
 from fairway.router.router import NoReplica, Router
 
 log = logging.getLogger(__name__)
@@ -48,6 +53,7 @@ class FailoverSettings:
     poll_s: float = 0.5  # how often the registry is looked at
     takeover_ttl_s: float = 30.0  # a takeover claim's life: another gateway may retry after it
     suspect_after_s: float = 1.0  # an announcement this old (two missed heartbeats) gets probed
+    lapse_grace_s: float = 10.0  # how long a gone replica still serving may take to announce again
 
 
 class Failover:
@@ -59,6 +65,8 @@ class Failover:
         self.settings = settings or FailoverSettings()
         self.owner = f"gateway-{uuid.uuid4().hex[:8]}"
         self.handed_on = 0  # jobs this gateway moved (tests, metrics)
+        self._seen: dict[str, ReplicaInfo] = {}  # each replica's last announcement this gateway read
+        self._gone_since: dict[str, float] = {}  # monotonic: when this gateway first found it gone
 
     async def run(self) -> None:
         while True:
@@ -78,12 +86,17 @@ class Failover:
         if await self._probe_late(live):
             live = await self.router.live(refresh=True)
         for info in live:
+            self._seen[info.id] = info
+            self._gone_since.pop(info.id, None)
+        for info in live:
             # One gateway at a time moves a draining replica's waiting jobs, as it takes a gone one
             # over: two sweeps reading the same waiting jobs would each hand every one on.
             if info.draining and await self.registry.claim_takeover(info.id, self.owner,
                                                                     self.settings.takeover_ttl_s):
                 moved += await self._move(info.id, "waiting")
         for replica_id in await self.registry.gone():
+            if await self._lapsed(replica_id):
+                continue  # alive: it announces again on its next heartbeat
             if not await self.registry.claim_takeover(replica_id, self.owner, self.settings.takeover_ttl_s):
                 continue  # another gateway is on it
             left = await self._take_over(replica_id)
@@ -91,7 +104,24 @@ class Failover:
             if left[1]:
                 await self.relay.jobs.delete(queue=replica_queue(replica_id))
                 await self.registry.forget(replica_id)
+                self._seen.pop(replica_id, None)
+                self._gone_since.pop(replica_id, None)
         return moved
+
+    async def _lapsed(self, replica_id: str) -> bool:
+        """Whether a gone replica is in fact alive and serving, its announcement merely lapsed,
+        and still within lapse_grace_s of this gateway finding it gone."""
+        info = self._seen.get(replica_id)
+        if info is None:
+            return False  # never seen alive here (this gateway started after it went): no endpoint to ask
+        now = time.monotonic()
+        since = self._gone_since.setdefault(replica_id, now)
+        if now - since > self.settings.lapse_grace_s or not await is_serving(info):
+            return False
+        if since == now:
+            log.warning("replica %s: its announcement lapsed but it still serves (Redis restarted?); "
+                        "waiting up to %.0f s for it to announce again", replica_id, self.settings.lapse_grace_s)
+        return True
 
     async def _probe_late(self, live: list[ReplicaInfo]) -> bool:
         """Withdraw the replicas whose heartbeats are late and whose health endpoint nobody
