@@ -170,11 +170,8 @@ def test_a_replica_stalled_past_its_announcement_is_taken_over_and_its_copies_st
         finally:
             proc.send_signal(signal.SIGCONT)
 
-    streams = run_streams(fleet.urls, fleet.key, during=stall_the_busiest, max_tokens=64)
-    for s in streams:
-        assert s.error is None and s.finish_reason in ("stop", "length"), (s, fleet.procs.tails())
-        assert s.ids == list(range(1, len(s.ids) + 1)), s.ids
-    assert max(s.longest_pause for s in streams) > 1.5  # (its replies did wait for the takeover)
+    streams = run_streams(fleet.urls, fleet.key, during=stall_the_busiest, count=8)
+    assert check_whole(fleet, streams) > 1.5  # (its replies did wait for the takeover)
     wait_for(lambda: stalled[0] in live_replicas(fleet) and len(live_replicas(fleet)) == 2, timeout=30)
 
 
