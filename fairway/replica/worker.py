@@ -246,7 +246,8 @@ class ReplicaWorker:
         self._claimed = 0  # new jobs claimed since start (the heartbeat's arrivals, with the queue's depth)
         self._summary: tuple[tuple[int, ...], PrefixSummary] | None = None  # (of these hashes, summary)
         self._health = None if settings.health_port is None else \
-            HealthServer(lambda: not (self.draining or self._stopping), settings.health_host, settings.health_port, self.request_drain)
+            HealthServer(lambda: not (self.draining or self._stopping), settings.health_host,
+                         settings.health_port, self.request_drain)
         engine.recent_blocks_limit = settings.prefix_summary_blocks  # what the engine's snapshot keeps
 
     @property
