@@ -88,7 +88,6 @@ class Failover:
         for info in live:
             self._seen[info.id] = info
             self._gone_since.pop(info.id, None)
-        for info in live:
             # One gateway at a time moves a draining replica's waiting jobs, as it takes a gone one
             # over: two sweeps reading the same waiting jobs would each hand every one on.
             if info.draining and await self.registry.claim_takeover(info.id, self.owner,
