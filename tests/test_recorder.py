@@ -357,10 +357,10 @@ async def test_a_finished_report_gets_through_a_redis_restart(store: Conversatio
     bus = Restarting()
     reply_id = await _reply(store, {})
     report = ReplyReport.from_dict(_finished(reply_id))
-    assert await post_report(bus, report, delays=(0.01, 0.01, 0.01))
+    assert await post_report(bus.post, report, delays=(0.01, 0.01, 0.01))
     await _run_until(ReplyRecorder(store, bus), lambda: _finished_in(store, reply_id))
     bus.down_for = 10
-    assert not await post_report(bus, report, delays=(0.01,))
+    assert not await post_report(bus.post, report, delays=(0.01,))
 
 
 async def _finished_in(store: ConversationStore, reply_id: str) -> bool:

@@ -603,6 +603,58 @@ async def test_a_claim_can_take_from_some_lanes_only_in_its_own_order(backend: B
     assert [j.job["n"] for j in await replica.unfinished(queue=q)] == ["free"]
 
 
+async def test_a_claim_after_one_that_emptied_the_queue_misses_nothing(backend: Backend) -> None:
+    """A replica's claim loop claims again right after a job; what came in meanwhile, in any lane,
+    is claimed at once and in lane order, whether the claim waits or not, and a job another
+    consumer of the queue took is not waited for."""
+    gateway, replica, other = backend.jobs(), backend.jobs(), backend.jobs()
+    q = f"q{uuid.uuid4().hex[:6]}"
+    await gateway.submit({"n": "a"}, Lane.FREE, queue=q)
+    assert (await replica.claim(queue=q)).job["n"] == "a"  # type: ignore[union-attr]  (the queue is empty now)
+    await gateway.submit({"n": "b"}, Lane.FREE, queue=q)
+    await gateway.submit({"n": "c"}, Lane.PAID, queue=q, front=True)
+    start = time.monotonic()
+    got = [await asyncio.wait_for(replica.claim(queue=q, timeout=None), 5), await replica.claim(queue=q, timeout=5)]
+    assert [j.job["n"] for j in got if j] == ["c", "b"] and time.monotonic() - start < 1
+    assert await replica.claim(queue=q, timeout=0.2) is None
+    await gateway.submit({"n": "d"}, Lane.BACKGROUND, queue=q)
+    assert (await replica.claim(queue=q, timeout=0)).job["n"] == "d"  # type: ignore[union-attr]
+    # Seats full: paid only. A free job is not taken, and the next full claim takes it at once.
+    assert await replica.claim(queue=q, timeout=0.2, lanes=(Lane.PAID,)) is None
+    await gateway.submit({"n": "e"}, Lane.FREE, queue=q)
+    assert await replica.claim(queue=q, timeout=0.2, lanes=(Lane.PAID,)) is None
+    start = time.monotonic()
+    assert (await asyncio.wait_for(replica.claim(queue=q, timeout=None), 5)).job["n"] == "e"  # type: ignore[union-attr]
+    assert time.monotonic() - start < 1
+    # Another consumer takes what came in: this one waits for the next job, then takes it.
+    await gateway.submit({"n": "f"}, Lane.FREE, queue=q)
+    assert (await other.claim(queue=q)).job["n"] == "f"  # type: ignore[union-attr]
+    waiting = asyncio.create_task(replica.claim(queue=q, timeout=5))
+    await asyncio.sleep(0.3)
+    assert not waiting.done()
+    await gateway.submit({"n": "g"}, Lane.PAID, queue=q)
+    assert (await asyncio.wait_for(waiting, 5)).job["n"] == "g"  # type: ignore[union-attr]
+    assert await replica.depth(queue=q) == {Lane.PAID: 0, Lane.FREE: 0, Lane.BACKGROUND: 0}
+
+
+async def test_a_replys_end_posts_its_report_and_acknowledges_its_job(backend: Backend) -> None:
+    """Relay.conclude, a replica's last word on a reply: the report is there for the recorders and
+    the job is gone from the queue; with the queue deleted meanwhile (a failover emptied it) the
+    report still goes."""
+    gateway, replica, box = backend.relay(), backend.relay(), f"inbox{uuid.uuid4().hex[:6]}"
+    q = f"q{uuid.uuid4().hex[:6]}"
+    await gateway.jobs.submit({"n": 1}, Lane.FREE, queue=q)
+    await gateway.jobs.submit({"n": 2}, Lane.PAID, queue=q)
+    first, second = await replica.jobs.claim(queue=q), await replica.jobs.claim(queue=q)
+    assert first is not None and second is not None
+    await replica.conclude(box, {"reply": 2}, [first], queue=q)
+    assert [j.job["n"] for j in await gateway.jobs.unfinished(queue=q)] == [1]
+    await gateway.jobs.delete(queue=q)
+    await replica.conclude(box, {"reply": 1}, [second], queue=q)
+    assert [d.item for d in await gateway.inbox.take(box, "recorder", max_count=5)] == [{"reply": 2}, {"reply": 1}]
+    assert await gateway.jobs.unfinished(queue=q) == []
+
+
 async def test_bus_blocked_claim_wakes_on_submit(backend: Backend) -> None:
     gateway, replica = backend.jobs(), backend.jobs()
     q = f"q{uuid.uuid4().hex[:6]}"

@@ -11,6 +11,7 @@ gives the Redis ones, shared by many gateway and replica processes over one Redi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,13 @@ class Relay:
         await self.log.create(reply_id)
         return await self.jobs.submit(job, lane, queue=queue)
 
+    async def conclude(self, inbox: str, item: dict[str, Any], done: Sequence[ClaimedJob], *,
+                       queue: str = DEFAULT_QUEUE) -> None:
+        """A reply's end at its replica: the report posted to inbox, then the reply's job acked
+        (the report first: a job acked without it would leave the reply with no record)."""
+        await self.inbox.post(inbox, item)
+        await self.jobs.ack(done, queue=queue)
+
     async def ping(self) -> None:
         """At startup: RelayUnavailable now rather than on the first reply."""
 
@@ -80,6 +88,16 @@ class RedisRelay(Relay):
         for result in results:
             raise_if_error(result)
         return job_id
+
+    async def conclude(self, inbox: str, item: dict[str, Any], done: Sequence[ClaimedJob], *,
+                       queue: str = DEFAULT_QUEUE) -> None:
+        # One pipeline, run in order: the report, then the ack (one round trip for a reply's end).
+        with guard():
+            posted, *acked = await self.client.batch([self.inbox.post_command(inbox, item),
+                                                      *self.jobs.ack_commands(done, queue)], ordered=True)
+        if isinstance(posted, Exception):
+            raise posted
+        self.jobs.raise_if_not_acked(acked)
 
     async def ping(self) -> None:
         with guard():

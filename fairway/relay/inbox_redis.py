@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 from redis.exceptions import ResponseError
 
-from fairway.redis_client import RedisClient, field_pairs
+from fairway.redis_client import Command, RedisClient, field_pairs
 from fairway.relay.inbox import Delivery, Inbox
 from fairway.relay.redis_guard import guard
 
@@ -48,10 +48,14 @@ class RedisInbox(Inbox):
     def _key(self, inbox: str) -> str:
         return f"{self._prefix}inbox:{{{inbox}}}"
 
+    def post_command(self, inbox: str, item: dict[str, Any]) -> Command:
+        """post() as one command, for a caller that pipelines it with others."""
+        return ["XADD", self._key(inbox), "*", "j", orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)]
+
     async def post(self, inbox: str, item: dict[str, Any]) -> None:
+        command = self.post_command(inbox, item)
         with guard():
-            payload = orjson.dumps(item, option=orjson.OPT_NON_STR_KEYS)
-            await self._client.execute("XADD", self._key(inbox), "*", "j", payload)
+            await self._client.execute(*command)
 
     async def take(self, inbox: str, consumer: str, *, max_count: int, timeout: float | None = 0.0,
                    acked: Sequence[Delivery] = ()) -> list[Delivery]:

@@ -7,7 +7,10 @@ streams in one Redis Cluster slot, which the script needs.
 
 A claim that finds nothing waits with a plain XREAD BLOCK from each stream's last entry: it
 claims nothing itself (a group read over several streams could take entries from more than one
-lane at once), it only wakes the claimer, which runs the script again.
+lane at once), it only wakes the claimer, which runs the script again. A claim that took the last
+waiting job also returns where each stream's group has read to, so the next claim (a replica's
+claim loop, idle between jobs) starts with that wait instead of a script that would find nothing:
+an XREAD from those ids returns at once if anything came in since.
 """
 
 from __future__ import annotations
@@ -29,8 +32,30 @@ _GROUP = "replicas"
 _STREAMS = [(lane, front) for lane in LANE_ORDER for front in (True, False)]
 
 # KEYS: the queue's streams in claim order. ARGV: group, consumer, count. Returns {index, entries}
-# of the first stream with new entries, or {0, last ids}: where an XREAD should wait from.
+# of the first stream with new entries, or {0, last ids}: where an XREAD should wait from. With
+# entries, and none left to read in any stream, {index, entries, read to}: the group's last
+# delivered id per stream (where the next claim's XREAD waits from).
 _CLAIM = Script("""
+local function after(a, b)
+  local am, as = string.match(a, '(%d+)-(%d+)')
+  local bm, bs = string.match(b, '(%d+)-(%d+)')
+  am, bm = tonumber(am), tonumber(bm)
+  return am > bm or (am == bm and tonumber(as) > tonumber(bs))
+end
+local function read_to(key)
+  if redis.call('EXISTS', key) == 0 then return '0-0' end
+  local delivered = nil
+  for _, group in ipairs(redis.call('XINFO', 'GROUPS', key)) do
+    for j = 1, #group, 2 do
+      if group[j] == 'name' and group[j + 1] ~= ARGV[1] then break end
+      if group[j] == 'last-delivered-id' then delivered = group[j + 1] end
+    end
+  end
+  local last = redis.call('XREVRANGE', key, '+', '-', 'COUNT', 1)[1]
+  if last == nil then return delivered or '0-0' end
+  if delivered == nil or after(last[1], delivered) then return nil end
+  return delivered
+end
 for i, key in ipairs(KEYS) do
   if redis.call('EXISTS', key) == 1 then
     local read = {'XREADGROUP', 'GROUP', ARGV[1], ARGV[2], 'COUNT', ARGV[3], 'STREAMS', key, '>'}
@@ -39,7 +64,14 @@ for i, key in ipairs(KEYS) do
       redis.call('XGROUP', 'CREATE', key, ARGV[1], '0')
       got = redis.call(unpack(read))
     end
-    if got then return {i, got[1][2]} end
+    if got then
+      local ids = {}
+      for k, other in ipairs(KEYS) do
+        ids[k] = read_to(other)
+        if ids[k] == nil then return {i, got[1][2]} end
+      end
+      return {i, got[1][2], ids}
+    end
   end
 end
 local last = {}
@@ -55,6 +87,9 @@ class RedisJobQueue(JobQueue):
     def __init__(self, client: RedisClient, *, prefix: str = "fairway:") -> None:
         self._client = client
         self._prefix = prefix
+        # Per claim's streams: ids after which nothing waited when a claim emptied them (the next
+        # claim of the same streams waits from there first).
+        self._read_to: dict[tuple[str, ...], list[str]] = {}
 
     def _keys(self, queue: str) -> list[str]:
         return [f"{self._prefix}jobs:{{{queue}}}:{lane}" + (":front" if front else "") for lane, front in _STREAMS]
@@ -80,36 +115,56 @@ class RedisJobQueue(JobQueue):
         streams = [_STREAMS.index((lane, front)) for lane in lanes for front in (True, False)]
         keys = [every[i] for i in streams]
         deadline = None if timeout is None else time.monotonic() + timeout
+        read_to = self._read_to.pop(tuple(keys), None)
+        last = read_to if timeout != 0 else None
         with guard():
             while True:
-                result, = await self._client.run_scripts(_CLAIM, [(keys, [_GROUP, queue, max_count])])
-                if isinstance(result, Exception):
-                    raise result
-                index, found = result
-                if index:
-                    return [_claimed(every, streams[index - 1], entry) for entry in found]
+                if last is None:
+                    result, = await self._client.run_scripts(_CLAIM, [(keys, [_GROUP, queue, max_count])])
+                    if isinstance(result, Exception):
+                        raise result
+                    index, found, *emptied = result
+                    if index:
+                        if emptied:
+                            self._read_to[tuple(keys)] = emptied[0]
+                        return [_claimed(every, streams[index - 1], entry) for entry in found]
+                    last = found
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    self._read_to[tuple(keys)] = last  # (nothing came in: still where to wait from)
                     return []
                 woke = await self._client.blocking(
-                    lambda wait, last=found: ["XREAD", "BLOCK", max(1, int(wait * 1000)), "STREAMS", *keys, *last],
+                    lambda wait, ids=last: ["XREAD", "BLOCK", max(1, int(wait * 1000)), "STREAMS", *keys, *ids],
                     remaining)
                 if woke is None:
+                    self._read_to[tuple(keys)] = last
                     return []
+                last = None
 
-    async def ack(self, claimed: Sequence[ClaimedJob], *, queue: str = DEFAULT_QUEUE) -> None:
+    def ack_commands(self, claimed: Sequence[ClaimedJob], queue: str) -> list[Command]:
+        """ack() as commands, for a caller that pipelines them with others (their replies go to
+        raise_if_not_acked())."""
         keys = self._keys(queue)
         commands: list[Command] = []
         for c in claimed:
             index, _, entry_id = c.receipt.partition(":")
             key = keys[int(index)]
             commands += [["XACK", key, _GROUP, entry_id], ["XDEL", key, entry_id]]
+        return commands
+
+    async def ack(self, claimed: Sequence[ClaimedJob], *, queue: str = DEFAULT_QUEUE) -> None:
+        commands = self.ack_commands(claimed, queue)
         if not commands:
             return
         with guard():
-            for result in await self._client.batch(commands):
-                if isinstance(result, Exception) and not str(result).startswith("NOGROUP"):
-                    raise result
+            self.raise_if_not_acked(await self._client.batch(commands))
+
+    @staticmethod
+    def raise_if_not_acked(results: Sequence[Any]) -> None:
+        """The first error among ack_commands' replies (a queue deleted meanwhile, NOGROUP, is none)."""
+        for result in results:
+            if isinstance(result, Exception) and not str(result).startswith("NOGROUP"):
+                raise result
 
     async def unfinished(self, *, queue: str = DEFAULT_QUEUE, part: Part = "all") -> list[ClaimedJob]:
         claimed, waiting = await self._split(queue)

@@ -41,6 +41,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, TypeVar
 
 from fairway.domain import LANE_ORDER, PRIORITY_OF_LANE, Lane, Priority, ToolStatus
@@ -49,7 +50,6 @@ from fairway.relay import (
     ClaimedJob,
     EventOutOfOrder,
     FinalEvent,
-    Inbox,
     Relay,
     RelayError,
     RelayUnavailable,
@@ -524,11 +524,9 @@ class ReplicaWorker:
             await self._ack(claimed)
             return
         try:
-            done = await self.serve(job)
+            await self.serve(job, claimed)
         except Exception:
             log.exception("reply %s failed", job.reply_id)
-            done = True
-        if done:
             await self._ack(claimed)
 
     async def _ack(self, claimed: ClaimedJob) -> None:
@@ -537,9 +535,10 @@ class ReplicaWorker:
         except RelayError:  # it may run again elsewhere after a failover: its first append then fails
             log.warning("could not acknowledge job %s", claimed.id, exc_info=True)
 
-    async def serve(self, job: GenerationJob) -> bool:
-        """Generate one reply into its token log, then report how it ended. False when the
-        reply is left for another replica (a drain's handoff): its job stays unacknowledged."""
+    async def serve(self, job: GenerationJob, claimed: ClaimedJob | None = None) -> bool:
+        """Generate one reply into its token log, then report how it ended, and acknowledge
+        claimed (the job's queue entry) with the report. False when the reply is left for
+        another replica (a drain's handoff): its job stays unacknowledged."""
         if job.reply_id in self._running:
             log.warning("reply %s is already running here; ignoring the duplicate job", job.reply_id)
             return True
@@ -559,9 +558,11 @@ class ReplicaWorker:
         if running.cancelled == "handoff":
             return False
         if final is None:  # another producer has the reply, or it had ended already
+            if claimed is not None:
+                await self._ack(claimed)
             return True
         final_n = await self._finish_log(job.reply_id, final)
-        await self._report(running, final, final_n)
+        await self._report(running, final, final_n, claimed)
         return True
 
     async def _generate(self, running: _Running) -> FinalEvent | None:
@@ -863,7 +864,10 @@ class ReplicaWorker:
             log.exception("reply %s: could not write its final event", reply_id)
             return 0
 
-    async def _report(self, running: _Running, final: FinalEvent | None, final_n: int) -> None:
+    async def _report(self, running: _Running, final: FinalEvent | None, final_n: int,
+                      claimed: ClaimedJob | None = None) -> None:
+        """Post how the reply went ("started", or "finished" with claimed acknowledged in the same
+        round trip)."""
         job = running.job
         if final is None:
             report = ReplyReport("started", job.reply_id, self.id)
@@ -889,8 +893,12 @@ class ReplicaWorker:
                 tools=running.tools,
                 categories=list(final.categories),
             )
-        # A "started" report only marks the reply running, and generation waits for it: one try.
-        await post_report(self.relay.inbox, report, REPORT_RETRY_DELAYS_S if final is not None else ())
+        if final is None:  # "started" only marks the reply running, and generation waits for it: one try
+            await post_report(self.relay.inbox.post, report, ())
+        elif claimed is None:
+            await post_report(self.relay.inbox.post, report)
+        elif not await post_report(partial(self.relay.conclude, done=[claimed], queue=self.queue), report):
+            await self._ack(claimed)  # (the report never got through: the reply's job is still done with)
 
 
 # A Redis restart takes a second or two; a blip, less (the connection itself retries twice).
@@ -920,12 +928,14 @@ async def _through_outages(call: Callable[[], Awaitable[T]], what: str) -> T:
     return await _retrying(call, f"token log: {what}", LOG_RETRY_DELAYS_S, RelayUnavailable)
 
 
-async def post_report(inbox: Inbox, report: ReplyReport, delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:
-    """Post a report to the recorders, retrying after each delay while the inbox is unreachable:
-    for a reply nobody watched, a "finished" report is the only record of its text and usage.
-    False if it never got through."""
+async def post_report(post: Callable[[str, dict[str, Any]], Awaitable[None]], report: ReplyReport,
+                      delays: Sequence[float] = REPORT_RETRY_DELAYS_S) -> bool:
+    """Post a report to the recorders (post: Inbox.post, or Relay.conclude with the job's
+    acknowledgement), retrying after each delay while Redis is unreachable: for a reply nobody
+    watched, a "finished" report is the only record of its text and usage. False if it never got
+    through."""
     try:
-        await _retrying(lambda: inbox.post(REPORTS_INBOX, report.to_dict()),
+        await _retrying(lambda: post(REPORTS_INBOX, report.to_dict()),
                         f"reply {report.reply_id}: report {report.kind}", delays, RelayError)
         return True
     except RelayError:
