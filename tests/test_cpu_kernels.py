@@ -555,7 +555,7 @@ def step_kind(meta) -> str:
     return "mixed" if meta.decode_tables is not None else "prefill"
 
 
-def test_native_decode_pass_is_not_taken_for_float32_or_without_native_linears():
+def test_native_decode_pass_is_not_taken_without_native_linears():
     from fairway.models.config import LlamaConfig
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=1, num_heads=4,

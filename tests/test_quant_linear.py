@@ -10,7 +10,7 @@ from probes import PARIS_PROMPT
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.engine.factory import build_engine
-from fairway.models.cpu_kernels import QuantKernels, bf16_linear, quant_kernels
+from fairway.models.cpu_kernels import QuantKernels, bf16_linear, decode_forward, quant_kernels
 from fairway.models.loader import load_model
 from fairway.models.packed_linear import PackedLinear
 from fairway.models.quant_linear import STEP_ROWS, QuantLinear, native_types
@@ -220,6 +220,15 @@ def test_bundled_q4_1_weights_run_as_stored_give_the_dequantized_greedy_tokens(n
 
 
 @needs_kernel
+def test_float32_activations_on_stored_weights_take_the_native_decode_pass_too(native_fp32):
+    """Where the model computes in float32 (a CPU without bf16 arithmetic, or --dtype float32), its
+    steps take the one-call pass too: the greedy comparison above runs through it."""
+    if decode_forward() is None:
+        pytest.skip("no whole-step decode pass in this build")
+    assert native_fp32.native_decode is not None and native_fp32.native_decode.dtype == torch.float32
+
+
+@needs_kernel
 def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_path, real_tokenizer):
     model = load_model(model_path, torch.bfloat16)  # native: the default
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
@@ -236,24 +245,30 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
 
 
 @needs_kernel
-@needs_bf16
+@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32],
+                         ids=["bf16", "float32"])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("dense_from", [None, 6], ids=["as-stored", "bf16-copy-from-6-rows"])
-def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(qtype, dense_from):
-    """A tiny random bf16 model with its linears quantized here: every step's one-call pass
-    (decode_forward.c calling the quantized kernel; prefill chunks, alone or beside decode rows,
-    through its attention callback) against the layer-by-layer path, bit for bit; with bf16 copies
-    for steps of 6 rows or more, those steps run on the copies on both paths."""
+def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(dtype, qtype, dense_from):
+    """A tiny random model (bf16, or float32 as on a CPU without bf16 arithmetic) with its linears
+    quantized here: every step's one-call pass (decode_forward.c calling the quantized kernel;
+    prefill chunks, alone or beside decode rows, through its attention callback) against the
+    layer-by-layer path, bit for bit; with bf16 copies for steps of 6 rows or more, those steps run
+    on the copies on both paths (bf16 only: a float32 model with copies keeps the layer path)."""
     from fairway.models.config import LlamaConfig
     from fairway.models.llama import random_model
 
+    if dtype == torch.float32 and dense_from is not None:
+        pytest.skip("bf16 copies are for bf16 activations")
+    if not native_types(dtype):
+        pytest.skip(f"no {dtype} activations on stored weights here")
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=512)
-    model = random_model(cfg, seed=3, dtype=torch.bfloat16)
+    model = random_model(cfg, seed=3, dtype=dtype)
     for parent in [m for layer in model.layers for m in (layer.self_attn, layer.mlp)]:
         for name, child in list(parent.named_children()):
             raw = quantize(child.weight.detach().float().numpy(), qtype)
-            setattr(parent, name, linear := QuantLinear(raw, qtype, child.in_features, torch.bfloat16))
+            setattr(parent, name, linear := QuantLinear(raw, qtype, child.in_features, dtype))
             if dense_from is not None:
                 linear.keep_dense(bf16_copy(raw, qtype, child.in_features), dense_from)
     if not model.use_native_decode():

@@ -18,7 +18,7 @@ Six things portable PyTorch does badly on a CPU:
     quant_vnni.c, integer dot products for a step of one or two sequences): reading 4-8 bits a weight
     instead of 16 is what bounds a decode step.
 And one thing the interpreter does badly: calling those kernels ~9 times a layer at decode
-(decode_forward.c runs a bf16 decode step's layers in one call; fairway/models/native_decode.py).
+(decode_forward.c runs a bf16 or float32 decode step's layers in one call; fairway/models/native_decode.py).
 The measurements behind these choices are in bench/README.md ("CPU kernels").
 
 The build takes a few seconds and is cached per source, compiler and CPU under the Fairway cache
@@ -285,19 +285,19 @@ class DecodeShape(ctypes.Structure):
                                                     "num_layers")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64)]
                 + [(name, ctypes.c_int) for name in ("block_size", "max_blocks", "table_bf16", "amx", "nv", "mr",
-                                                      "prefetch", "num_threads", "quant", "isa", "decode_tokens")])
+                                                      "prefetch", "num_threads", "quant", "isa", "decode_tokens", "f32")])
 
 
 # decode_forward.c's prefill_attention_fn: called with a layer's index.
 _PREFILL_ATTENTION = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)
 _NO_PREFILL_ATTENTION = _PREFILL_ATTENTION()  # NULL: a step without prefill rows
 # (layer, qkv [tokens, (heads_q + 2 heads_kv) * head_dim], attn [tokens, heads_q * head_dim]): writes
-# the prefill rows of attn from qkv, both bf16 views of the pass's scratch.
+# the prefill rows of attn from qkv, both views of the pass's scratch (in the pass's dtype).
 PrefillAttention = Callable[[int, torch.Tensor, torch.Tensor], None]
 
 
 class DecodeForward:
-    """ctypes binding of decode_forward.c: every decoder layer of a bf16 decode step in one call.
+    """ctypes binding of decode_forward.c: every decoder layer of a decode step in one call.
     The caller (fairway/models/native_decode.py) holds the weights' pointers and the shapes."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
@@ -314,11 +314,11 @@ class DecodeForward:
                  cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor | None,
                  context_lens: torch.Tensor | None, prefill_attention: PrefillAttention | None = None) -> torch.Tensor:
-        """x: [tokens, hidden] bf16 embeddings (overwritten). Returns the final norm's output. The
+        """x: [tokens, hidden] embeddings, bf16 (float32 with shape.f32), overwritten. Returns the final norm's output. The
         first shape.decode_tokens rows attend through block_tables; prefill_attention attends for
         the others, layer by layer."""
         out = torch.empty_like(x)
-        scratch = torch.empty(self._scratch(ctypes.byref(shape)), dtype=torch.bfloat16)
+        scratch = torch.empty(self._scratch(ctypes.byref(shape)), dtype=x.dtype)
         failures: list[BaseException] = []
         callback = _NO_PREFILL_ATTENTION if prefill_attention is None else _PREFILL_ATTENTION(
             _scratch_callback(prefill_attention, scratch, shape, failures))

@@ -1,12 +1,13 @@
-"""A bf16 step's decoder layers in one native call (csrc/decode_forward.c).
+"""A step's decoder layers in one native call (csrc/decode_forward.c).
 
 The layer-by-layer path (llama.py) calls ~9 kernels a layer from Python; at decode, with a few
 rows, the interpreter, module calls, ctypes and allocations around them cost about as much as the
 kernels (bench/README.md, "CPU kernels"). A step qualifies when every row is either a sequence's
-new token read through the native attention kernel or a row of a prefill chunk, the model, its
-cache and RoPE tables are bf16, and every linear runs on one native kernel for this many rows:
-AMX or AVX512-BF16 on bf16 panels, or the quantized-weight kernel on GGUF blocks of one type
-(quant_linear.py). Prefill chunks attend through a callback into the layer-by-layer path's own
+new token read through the native attention kernel or a row of a prefill chunk, the model and its
+cache are bf16 and every linear runs on one native kernel for this many rows: AMX or AVX512-BF16
+on bf16 panels, or the quantized-weight kernel on GGUF blocks of one type (quant_linear.py); or
+the model and its cache are float32 (a CPU without bf16 arithmetic) and the linears are GGUF
+blocks, which the quantized kernel takes with float32 activations. Prefill chunks attend through a callback into the layer-by-layer path's own
 attention (paged_attention.attend_prefills), once a layer. The C side calls the same kernels in
 the same order, so hidden states are bit-identical to the layer-by-layer path; anything else
 keeps that path.
@@ -39,6 +40,7 @@ class NativeDecode:
         """linears: pick(each of _linears(model)), each a PackedLinear with a native kernel or a
         QuantLinear (for_model checks); pick: the module whose weights a model's linear lends."""
         self.model = model
+        self.dtype = model.embed_tokens.weight.dtype  # the activations', norms' and KV cache's
         self.kernel = decode_forward()
         first = linears[0]
         self.quant = first.qtype_id if isinstance(first, QuantLinear) else 0
@@ -62,20 +64,23 @@ class NativeDecode:
     @staticmethod
     def for_model(model: torch.nn.Module) -> NativeDecode | None:
         """The native pass for this model, or None when its weights or this build don't allow one."""
-        if decode_forward() is None or layer_ops() is None or model.embed_tokens.weight.dtype != torch.bfloat16:
+        dtype = model.embed_tokens.weight.dtype
+        if decode_forward() is None or layer_ops() is None or dtype not in (torch.bfloat16, torch.float32):
             return None
         linears = _linears(model)
         quantized = all(isinstance(lin, QuantLinear) for lin in linears)
         if quantized:
             if len({(lin.qtype_id, lin.isa) for lin in linears}) != 1:  # one type and path for every linear
                 return None
-        elif not _one_native_kernel(linears):
+            if dtype != torch.bfloat16 and any(lin.dense is not None for lin in linears):  # (copies are bf16 panels)
+                return None
+        elif dtype != torch.bfloat16 or not _one_native_kernel(linears):  # (bf16 panels take bf16 only)
             return None
         norms = [n.weight for layer in model.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
-        if not all(w.dtype == torch.bfloat16 and w.is_contiguous() for w in [*norms, model.norm.weight]):
+        if not all(w.dtype == dtype and w.is_contiguous() for w in [*norms, model.norm.weight]):
             return None
         native = NativeDecode(model, linears)
-        copies = [lin.dense for lin in linears] if quantized else []
+        copies = [lin.dense for lin in linears] if quantized and dtype == torch.bfloat16 else []
         if copies and _one_native_kernel(copies) and len({lin.dense_from_rows for lin in linears}) == 1:
             native.dense = NativeDecode(model, copies, lambda linear: linear.dense)
             native.dense_from_rows = linears[0].dense_from_rows
@@ -92,12 +97,12 @@ class NativeDecode:
         return (meta.backend is None and not meta.decodes and tokens > 0
                 and _decode_rows(meta) + prefill_rows == tokens
                 and (max_rows is None or tokens <= max_rows)
-                and kv.k.dtype == torch.bfloat16 and kv.k.is_contiguous() and kv.v.is_contiguous())
+                and kv.k.dtype == self.dtype and kv.k.is_contiguous() and kv.v.is_contiguous())
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                  meta: AttentionMetadata) -> torch.Tensor:
-        """x: [T, hidden] bf16 embeddings of the step's tokens (overwritten). Returns the final
-        norm's output, as LlamaModel.forward does."""
+        """x: [T, hidden] embeddings of the step's tokens in the model's dtype (overwritten).
+        Returns the final norm's output, as LlamaModel.forward does."""
         if (run := self._for(x.shape[0])) is not self:
             return run(x, positions, kv, meta)
         c, dt = self.model.cfg, meta.decode_tables
@@ -110,7 +115,7 @@ class NativeDecode:
                             0 if tables is None else tables.shape[1], rotary.cos.dtype == torch.bfloat16,
                             self.amx, nv, mr, prefetch, torch.get_num_threads(), self.quant,
                             self.quant_linear.path(tokens) if self.quant_linear is not None else 0,
-                            _decode_rows(meta))
+                            _decode_rows(meta), self.dtype == torch.float32)
         return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
                            positions, meta.slot_mapping, kv.k, kv.v, tables, lens,
                            self._prefill_attention(kv, meta) if meta.prefills else None)

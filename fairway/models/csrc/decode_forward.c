@@ -12,8 +12,9 @@
  * attention, which a callback runs per layer (the layer-by-layer path's own PyTorch attention), so
  * a step that carries a prompt does not fall back to nine Python calls a layer.
  *
- * bf16 activations and KV cache only; the linears' weights bf16 panels, or GGUF blocks of one type
- * for quant_linear.c. Built with the other kernels by cpu_kernels.py.
+ * Activations, norms and KV cache all bf16, the linears' weights bf16 panels or GGUF blocks of one
+ * type for quant_linear.c; or all float32 (shape->f32: a CPU without bf16 arithmetic), the linears
+ * GGUF blocks. Built with the other kernels by cpu_kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -51,6 +52,7 @@ typedef struct {
     int num_threads;
     int quant, isa; /* quant: the linears' GGUF type for quant_linear() on this path, or 0: bf16 panels */
     int decode_tokens; /* the first rows, each attending through its block table; the rest are prefill rows */
+    int f32;           /* activations, norms and KV cache float32 (quant only), else bf16 */
 } decode_shape;
 
 /* Writes layer l's attention output of the prefill rows (scratch's attn rows decode_tokens..tokens)
@@ -58,18 +60,19 @@ typedef struct {
 typedef int (*prefill_attention_fn)(int layer);
 
 static int linear(const decode_shape *s, const void *x, const void *panels, void *y, int n, int k) {
-    if (s->quant) return quant_linear(x, panels, y, s->tokens, n, k, s->quant, 1, s->isa, s->num_threads);
+    if (s->quant) return quant_linear(x, panels, y, s->tokens, n, k, s->quant, !s->f32, s->isa, s->num_threads);
+    if (s->f32) return -1;
     return s->amx ? amx_linear(x, panels, y, s->tokens, n, k, s->num_threads)
                   : bf16_linear(x, panels, y, s->tokens, n, k, s->nv, s->mr, s->prefetch, s->num_threads);
 }
 
-/* The bf16 values of scratch decode_forward() needs for this shape. */
+/* The values (bf16, or float32 with f32) of scratch decode_forward() needs for this shape. */
 int64_t decode_forward_scratch(const decode_shape *s) {
     const int64_t q = (int64_t)s->heads_q * s->head_dim, kv = (int64_t)s->heads_kv * s->head_dim;
     return (int64_t)s->tokens * (2 * (int64_t)s->hidden + (q + 2 * kv) + 2 * q + 3 * (int64_t)s->inter);
 }
 
-/* x: [tokens, hidden] bf16, the embedded tokens, overwritten; out: [tokens, hidden], the final norm
+/* x: [tokens, hidden] bf16 (float32 with f32), the embedded tokens, overwritten; out: [tokens, hidden], the final norm
  * of the last layer's stream (what LlamaModel.forward returns). Each token sits at `positions`,
  * written to `slots`; the first decode_tokens attend through their block tables, the others
  * through prefill_attention (NULL when there are none). Returns 0, or the failing kernel's code
@@ -78,33 +81,35 @@ int decode_forward(void *x, void *out, const decoder_weights *layers, const void
                    const void *cos_table, const void *sin_table, const int64_t *positions, const int64_t *slots,
                    void *k_cache, void *v_cache, const int32_t *block_tables, const int32_t *context_lens,
                    void *scratch, prefill_attention_fn prefill_attention) {
-    const int T = s->tokens, H = s->hidden, D = s->head_dim;
+    const int T = s->tokens, H = s->hidden, D = s->head_dim, bf = !s->f32;
+    const int64_t es = bf ? 2 : 4; /* bytes a value */
     const int q_width = s->heads_q * D, qkv_width = (s->heads_q + 2 * s->heads_kv) * D;
-    uint16_t *residual = scratch, *h = residual + (int64_t)T * H, *qkv = h + (int64_t)T * H;
-    uint16_t *q = qkv + (int64_t)T * qkv_width, *attn = q + (int64_t)T * q_width;
-    uint16_t *gate_up = attn + (int64_t)T * q_width, *act = gate_up + (int64_t)T * 2 * s->inter;
-    const int64_t layer_cache = (int64_t)s->heads_kv * s->cache_slots * D * 2; /* bytes */
+    char *residual = scratch, *h = residual + (int64_t)T * H * es, *qkv = h + (int64_t)T * H * es;
+    char *q = qkv + (int64_t)T * qkv_width * es, *attn = q + (int64_t)T * q_width * es;
+    char *gate_up = attn + (int64_t)T * q_width * es, *act = gate_up + (int64_t)T * 2 * s->inter * es;
+    const int64_t layer_cache = (int64_t)s->heads_kv * s->cache_slots * D * es; /* bytes */
     if (T < 1) return 0;
-    memcpy(residual, x, (size_t)T * H * 2); /* layer 0's residual stream is the embedding */
+    memcpy(residual, x, (size_t)(T * H * es)); /* layer 0's residual stream is the embedding */
     for (int l = 0; l < s->num_layers; l++) {
         const decoder_weights *w = &layers[l];
         char *kc = (char *)k_cache + l * layer_cache, *vc = (char *)v_cache + l * layer_cache;
-        if (rms_norm(x, l ? residual : NULL, w->input_norm, h, residual, T, H, s->eps, 1, s->num_threads)) return -1;
+        if (rms_norm(x, l ? residual : NULL, w->input_norm, h, residual, T, H, s->eps, bf, s->num_threads)) return -1;
         if (linear(s, h, w->qkv, qkv, qkv_width, H)) return -2;
         if (rope_store(qkv, T, s->heads_q, s->heads_kv, D, cos_table, sin_table, positions, slots, kc, vc,
-                       s->cache_slots, 1, s->table_bf16, 1, s->num_threads)) return -3;
-        for (int t = 0; t < T; t++) memcpy(q + (int64_t)t * q_width, qkv + (int64_t)t * qkv_width, (size_t)q_width * 2);
+                       s->cache_slots, bf, s->table_bf16, bf, s->num_threads)) return -3;
+        for (int t = 0; t < T; t++)
+            memcpy(q + (int64_t)t * q_width * es, qkv + (int64_t)t * qkv_width * es, (size_t)(q_width * es));
         if (s->decode_tokens > 0 &&
             paged_decode_attention(q, kc, vc, block_tables, context_lens, attn, s->decode_tokens, s->heads_kv,
                                    s->heads_q / s->heads_kv, D, s->cache_slots, s->block_size, s->max_blocks,
-                                   s->scale, 1, 1, s->num_threads)) return -4;
+                                   s->scale, bf, bf, s->num_threads)) return -4;
         if (s->decode_tokens < T && (prefill_attention == NULL || prefill_attention(l))) return -6;
         if (linear(s, attn, w->o, h, H, q_width)) return -2;
         /* In place: a row is read whole before its norm and sum are written. */
-        if (rms_norm(h, residual, w->post_norm, h, residual, T, H, s->eps, 1, s->num_threads)) return -1;
+        if (rms_norm(h, residual, w->post_norm, h, residual, T, H, s->eps, bf, s->num_threads)) return -1;
         if (linear(s, h, w->gate_up, gate_up, 2 * s->inter, H)) return -2;
-        if (silu_mul(gate_up, act, T, s->inter, 1, s->num_threads)) return -5;
+        if (silu_mul(gate_up, act, T, s->inter, bf, s->num_threads)) return -5;
         if (linear(s, act, w->down, x, H, s->inter)) return -2;
     }
-    return rms_norm(x, residual, final_norm, out, residual, T, H, s->eps, 1, s->num_threads) ? -1 : 0;
+    return rms_norm(x, residual, final_norm, out, residual, T, H, s->eps, bf, s->num_threads) ? -1 : 0;
 }
