@@ -245,23 +245,25 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [pytest.param(torch.bfloat16, marks=needs_bf16), torch.float32],
-                         ids=["bf16", "float32"])
+@pytest.mark.parametrize(("dtype", "isa"), [pytest.param(torch.bfloat16, None, marks=needs_bf16),
+                                           (torch.float32, None), (torch.float32, QuantKernels.AVX2)],
+                         ids=["bf16", "float32", "float32-avx2"])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("dense_from", [None, 6], ids=["as-stored", "bf16-copy-from-6-rows"])
-def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(dtype, qtype, dense_from):
-    """A tiny random model (bf16, or float32 as on a CPU without bf16 arithmetic) with its linears
-    quantized here: every step's one-call pass (decode_forward.c calling the quantized kernel;
-    prefill chunks, alone or beside decode rows, through its attention callback) against the
-    layer-by-layer path, bit for bit; with bf16 copies for steps of 6 rows or more, those steps run
-    on the copies on both paths (bf16 only: a float32 model with copies keeps the layer path)."""
+def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(dtype, isa, qtype, dense_from):
+    """A tiny random model (bf16, or float32 as on a CPU without bf16 arithmetic, there on the AVX2
+    path) with its linears quantized here: every step's one-call pass (decode_forward.c calling the
+    quantized kernel; prefill chunks, alone or beside decode rows, through its attention callback)
+    against the layer-by-layer path, bit for bit; with bf16 copies for steps of 6 rows or more,
+    those steps run on the copies on both paths (bf16 only: a float32 model with copies keeps the
+    layer path)."""
     from fairway.models.config import LlamaConfig
     from fairway.models.llama import random_model
 
     if dtype == torch.float32 and dense_from is not None:
         pytest.skip("bf16 copies are for bf16 activations")
-    if not native_types(dtype):
-        pytest.skip(f"no {dtype} activations on stored weights here")
+    if not native_types(dtype) or (isa is not None and not kernel.isas & isa):
+        pytest.skip(f"no path for {dtype} activations on stored weights here")
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=512)
     model = random_model(cfg, seed=3, dtype=dtype)
@@ -269,6 +271,7 @@ def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_st
         for name, child in list(parent.named_children()):
             raw = quantize(child.weight.detach().float().numpy(), qtype)
             setattr(parent, name, linear := QuantLinear(raw, qtype, child.in_features, dtype))
+            linear.isa = isa or linear.isa
             if dense_from is not None:
                 linear.keep_dense(bf16_copy(raw, qtype, child.in_features), dense_from)
     if not model.use_native_decode():

@@ -314,9 +314,9 @@ class DecodeForward:
                  cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor | None,
                  context_lens: torch.Tensor | None, prefill_attention: PrefillAttention | None = None) -> torch.Tensor:
-        """x: [tokens, hidden] embeddings, bf16 (float32 with shape.f32), overwritten. Returns the final norm's output. The
-        first shape.decode_tokens rows attend through block_tables; prefill_attention attends for
-        the others, layer by layer."""
+        """x: [tokens, hidden] embeddings, bf16 (float32 with shape.f32), overwritten. Returns the
+        final norm's output. The first shape.decode_tokens rows attend through block_tables;
+        prefill_attention attends for the others, layer by layer."""
         out = torch.empty_like(x)
         scratch = torch.empty(self._scratch(ctypes.byref(shape)), dtype=x.dtype)
         failures: list[BaseException] = []

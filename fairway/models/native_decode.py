@@ -7,8 +7,9 @@ new token read through the native attention kernel or a row of a prefill chunk, 
 cache are bf16 and every linear runs on one native kernel for this many rows: AMX or AVX512-BF16
 on bf16 panels, or the quantized-weight kernel on GGUF blocks of one type (quant_linear.py); or
 the model and its cache are float32 (a CPU without bf16 arithmetic) and the linears are GGUF
-blocks, which the quantized kernel takes with float32 activations. Prefill chunks attend through a callback into the layer-by-layer path's own
-attention (paged_attention.attend_prefills), once a layer. The C side calls the same kernels in
+blocks, which the quantized kernel takes with float32 activations. Prefill chunks attend through
+a callback into the layer-by-layer path's own attention (paged_attention.attend_prefills), once a
+layer. The C side calls the same kernels in
 the same order, so hidden states are bit-identical to the layer-by-layer path; anything else
 keeps that path.
 """

@@ -72,10 +72,10 @@ int64_t decode_forward_scratch(const decode_shape *s) {
     return (int64_t)s->tokens * (2 * (int64_t)s->hidden + (q + 2 * kv) + 2 * q + 3 * (int64_t)s->inter);
 }
 
-/* x: [tokens, hidden] bf16 (float32 with f32), the embedded tokens, overwritten; out: [tokens, hidden], the final norm
- * of the last layer's stream (what LlamaModel.forward returns). Each token sits at `positions`,
- * written to `slots`; the first decode_tokens attend through their block tables, the others
- * through prefill_attention (NULL when there are none). Returns 0, or the failing kernel's code
+/* x: [tokens, hidden] bf16 (float32 with f32), the embedded tokens, overwritten; out: [tokens,
+ * hidden], the final norm of the last layer's stream (what LlamaModel.forward returns). Each
+ * token sits at `positions`, written to `slots`; the first decode_tokens attend through their
+ * block tables, the others through prefill_attention (NULL when there are none). Returns 0, or the failing kernel's code
  * (1 norm, 2 linear, 3 RoPE, 4 attention, 5 SiLU, 6 prefill attention) times -1. */
 int decode_forward(void *x, void *out, const decoder_weights *layers, const void *final_norm, const decode_shape *s,
                    const void *cos_table, const void *sin_table, const int64_t *positions, const int64_t *slots,
