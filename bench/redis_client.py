@@ -3,8 +3,9 @@
 1. Commands: the CPU this process spends per command, with `--in-flight` commands outstanding
    at a time, through redis-py's asyncio client (its pool) and through fairway.redis_client's
    multiplexed connection (RedisClient.execute), against the same server.
-2. Packing a token's append call: scripts.pack_call (generic, per argument by type) against
-   scripts.pack_call_bytes (the replica's per-token path), the same bytes.
+2. Packing a token's append call: the generic scripts.pack_call (per argument by type, as every
+   other event's call) against the replica's per-token path (the call's scripts.call_format
+   filled in one step), the same bytes.
 
     .venv/bin/python bench/redis_client.py [--redis redis://127.0.0.1:6379/0] [--commands 20000]
 
@@ -23,8 +24,8 @@ from pathlib import Path
 import machine  # bench/machine.py: this script's folder is on the path
 import redis.asyncio as aioredis
 
-from fairway.redis_client import RedisClient, Script, pack_call
-from fairway.redis_client.scripts import pack_call_bytes
+from fairway.redis_client import RedisClient
+from fairway.relay import TokenEvent, make_relay
 
 RESULTS = Path(__file__).parent / "results" / "redis_client.json"
 
@@ -58,17 +59,15 @@ async def commands_part(url: str, commands: int, in_flight: int, repeats: int) -
     return {name: {"runs_us": runs, "median_us": statistics.median(runs)} for name, runs in figures.items()}
 
 
-def packing_part(calls: int) -> dict:
-    script = Script("return 1")
-    keys = ["fairway:reply:{rep_0123456789abcdef}", "fairway:reply:{rep_0123456789abcdef}:listened",
-            "fairway:reply:{rep_0123456789abcdef}:live"]
-    text, ids = " word", "1234"
-    generic = [*keys, 17, 1800000, f"t{ids}\x1f{text}", "t", "text", text, "ids", ids]
-    as_bytes = [a.encode() if isinstance(a, str) else str(a).encode() for a in generic]
-    assert pack_call(script, keys, generic[3:]) == pack_call_bytes(script, as_bytes, 3)
+def packing_part(redis_url: str, calls: int) -> dict:
+    """A token's append call as the replica packs it (RedisTokenLog._token_call: the call's format
+    filled in one step) and as every other event's is (_append_call: the generic pack_call)."""
+    log = make_relay(redis_url).log  # (no connection is made: packing only)
+    event = TokenEvent(17, " word", [1234])
+    assert log._token_call("rep_0123456789abcdef", event) == log._append_call("rep_0123456789abcdef", event)
     out = {}
-    for name, fn in (("pack_call", lambda: pack_call(script, keys, generic[3:])),
-                     ("pack_call_bytes", lambda: pack_call_bytes(script, as_bytes, 3))):
+    for name, fn in (("pack_call", lambda: log._append_call("rep_0123456789abcdef", event)),
+                     ("call_format filled", lambda: log._token_call("rep_0123456789abcdef", event))):
         start = time.process_time()
         for _ in range(calls):
             fn()
@@ -84,7 +83,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     commands = asyncio.run(commands_part(args.redis, args.commands, args.in_flight, args.repeats))
-    packing = packing_part(200_000)
+    packing = packing_part(args.redis, 200_000)
     ratio = commands["redis-py"]["median_us"] / commands["fairway"]["median_us"]
     print(f"{'CPU per command, ' + str(args.in_flight) + ' in flight':<40} {'median us':>10}  runs")
     for name, fig in commands.items():

@@ -53,17 +53,21 @@ def test_pack_writes_each_argument_as_its_text() -> None:
     assert pack(["X", *values]) == b"*%d\r\n" % (len(values) + 1) + expected
 
 
-def test_a_call_packed_from_bytes_is_the_generic_packers() -> None:
-    """The replica's per-token packer (its head packed once per script and shape) writes the bytes
-    pack_call writes, for scripts and argument counts in turn (a head cached for one shape must
-    not serve another)."""
-    from fairway.redis_client.scripts import Script, pack_call, pack_call_bytes
+def test_a_call_filled_into_its_format_is_the_generic_packers() -> None:
+    """The replica's per-token packer (a call's format, some arguments packed in once, the others
+    filled per call) writes the bytes pack_call writes, for scripts, argument counts and fixed
+    arguments in turn."""
+    from fairway.redis_client.scripts import Script, call_format, pack_call
 
     for source in ("return 1", "return 2"):
         script = Script(source)
-        for keys, args in ((["a", "b", "c"], ["5", "1000", "t1\x1fé", "", "ids", "1,2"]), (["k"], ["x"]), (["k"], [])):
+        for keys, args in ((["a", "b", "c"], ["5", "1000", "t1\x1fé", "", "ids", "1,2"]), (["k"], ["x"]), (["k"], []),
+                           (["%s"], ["100%", "%d%%", "%b"])):  # (a format's own character, fixed or filled)
             as_bytes = [v.encode() for v in (*keys, *args)]
-            assert pack_call_bytes(script, as_bytes, len(keys)) == pack_call(script, keys, args)
+            for fixed in (set(), {0}, set(range(1, len(as_bytes), 2)), set(range(len(as_bytes)))):
+                template = call_format(script, len(keys), [v if i in fixed else None for i, v in enumerate(as_bytes)])
+                filled = template % tuple(x for i, v in enumerate(as_bytes) if i not in fixed for x in (len(v), v))
+                assert filled == pack_call(script, keys, args), (keys, args, fixed)
 
 
 async def test_concurrent_callers_each_get_their_own_reply(mux: RedisMux) -> None:

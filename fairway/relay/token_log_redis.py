@@ -31,7 +31,7 @@ from typing import Any
 from redis.exceptions import NoScriptError, ResponseError
 
 from fairway.redis_client import Command, RedisClient, Script, field_pairs, pack, pack_call
-from fairway.redis_client.scripts import pack_call_bytes
+from fairway.redis_client.scripts import call_format
 from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields
 from fairway.relay.redis_guard import guard
@@ -212,6 +212,8 @@ class RedisTokenLog(TokenLog):
         self._heartbeats = _Heartbeats(self, heartbeat_s)
         self._create = Script(_CREATE)
         self._append = Script(_APPEND)
+        # A token's append call: its keys, n, ttl and live payload, then its fields (kind t, text, ids).
+        self._token_format = call_format(self._append, 3, [None] * 6 + [b"t", b"text", None, b"ids", None])
         self._heartbeat = Script(_HEARTBEAT)
         self._listeners = Script(_LISTENERS)
         self._stop = Script(_STOP)
@@ -286,14 +288,15 @@ class RedisTokenLog(TokenLog):
         return pack_call(self._append, keys, [event.n, self._ttl_ms, live_payload(event), kind, *flat])
 
     def _token_call(self, reply_id: str, event: TokenEvent) -> bytes:
-        """_append_call for a token, packed by hand (the same bytes): a replica sends one a token,
-        and building the fields dict and packing each argument by type was most of its cost."""
+        """_append_call for a token, filled into _token_format (the same bytes): a replica sends one
+        a token, and building the fields dict and packing each argument by type was most of its cost."""
         ids = ",".join(map(str, event.token_ids)).encode()
         text = event.text.encode()
-        args = (self._key(reply_id).encode(), self._key(reply_id, "listened").encode(),
-                self._key(reply_id, "live").encode(), str(event.n).encode(),
-                str(self._ttl_ms).encode(), b"t%b\x1f%b" % (ids, text), b"t", b"text", text, b"ids", ids)
-        return pack_call_bytes(self._append, args, 3)
+        key = self._key(reply_id)
+        log, listened, live = key.encode(), (key + ":listened").encode(), (key + ":live").encode()
+        n, ttl, payload = b"%d" % event.n, b"%d" % self._ttl_ms, b"t%b\x1f%b" % (ids, text)
+        return self._token_format % (len(log), log, len(listened), listened, len(live), live, len(n), n, len(ttl), ttl,
+                                     len(payload), payload, len(text), text, len(ids), ids)
 
     async def _snapshot(self, reply_id: str, after: int, join: str | None = None) -> tuple[list[Event], bool]:
         """Validated events after `after` and whether the log has ended, read atomically
