@@ -95,8 +95,7 @@ class RedisRelay(Relay):
         with guard():
             posted, *acked = await self.client.batch([self.inbox.post_command(inbox, item),
                                                       *self.jobs.ack_commands(done, queue)], ordered=True)
-        if isinstance(posted, Exception):
-            raise posted
+        raise_if_error(posted)
         self.jobs.raise_if_not_acked(acked)
 
     async def ping(self) -> None:

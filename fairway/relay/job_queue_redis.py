@@ -115,8 +115,10 @@ class RedisJobQueue(JobQueue):
         streams = [_STREAMS.index((lane, front)) for lane in lanes for front in (True, False)]
         keys = [every[i] for i in streams]
         deadline = None if timeout is None else time.monotonic() + timeout
-        read_to = self._read_to.pop(tuple(keys), None)
-        last = read_to if timeout != 0 else None
+        shape = tuple(keys)
+        last = self._read_to.pop(shape, None)  # (taken either way: a claim that does not wait looks itself)
+        if timeout == 0:
+            last = None
         with guard():
             while True:
                 if last is None:
@@ -126,18 +128,18 @@ class RedisJobQueue(JobQueue):
                     index, found, *emptied = result
                     if index:
                         if emptied:
-                            self._read_to[tuple(keys)] = emptied[0]
+                            self._read_to[shape] = emptied[0]
                         return [_claimed(every, streams[index - 1], entry) for entry in found]
                     last = found
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    self._read_to[tuple(keys)] = last  # (nothing came in: still where to wait from)
+                    self._read_to[shape] = last  # (nothing came in: still where to wait from)
                     return []
                 woke = await self._client.blocking(
                     lambda wait, ids=last: ["XREAD", "BLOCK", max(1, int(wait * 1000)), "STREAMS", *keys, *ids],
                     remaining)
                 if woke is None:
-                    self._read_to[tuple(keys)] = last
+                    self._read_to[shape] = last
                     return []
                 last = None
 

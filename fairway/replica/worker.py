@@ -895,9 +895,10 @@ class ReplicaWorker:
             )
         if final is None:  # "started" only marks the reply running, and generation waits for it: one try
             await post_report(self.relay.inbox.post, report, ())
-        elif claimed is None:
-            await post_report(self.relay.inbox.post, report)
-        elif not await post_report(partial(self.relay.conclude, done=[claimed], queue=self.queue), report):
+            return
+        done = [] if claimed is None else [claimed]
+        posted = await post_report(partial(self.relay.conclude, done=done, queue=self.queue), report)
+        if not posted and claimed is not None:
             await self._ack(claimed)  # (the report never got through: the reply's job is still done with)
 
 
