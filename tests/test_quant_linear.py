@@ -114,7 +114,7 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
     if layer.path(1) == QuantKernels.VNNI:
         token = STEP_ROWS.set(1)  # one sequence's decode row and its drafts
         try:
-            for rows in (2, 5, 9, 16, 48):
+            for rows in (2, 3, 4, 5, 9, 11, 16, 48):  # AMX int8 tiles from 4 where there are some
                 assert torch.equal(layer(x[:rows]).float(), alone[:rows]), rows
         finally:
             STEP_ROWS.reset(token)
@@ -124,6 +124,31 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
         assert torch.equal(layer(x[:rows]).float(), alone[:rows]), rows
     if amx and qtype != "Q8_0":
         assert torch.equal(batch, alone)
+
+
+@pytest.mark.skipif(kernel is None or not kernel.isas & QuantKernels.VNNI, reason="no AVX512-VNNI here")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_a_verifications_rows_are_its_decode_rows_at_every_digit_edge(qtype):
+    """Activations whose integer digits reach every edge of their bytes and words (each block's
+    largest is just under 2, the rest exact multiples of its grid step: low words of -32768 and 32640,
+    bytes of 0, 128 and 255, carries into the high digit): one sequence's verification rows, at
+    every row count (integer products below quant_vnni.c's AMX_FROM_ROWS, AMX int8 tiles from it
+    where there are some), are its decode rows to the bit."""
+    k = 256
+    layer = QuantLinear(case(qtype, 48, k, 1)[0], qtype, k, torch.bfloat16)
+    rng = np.random.default_rng(7)
+    rows = 24
+    x = (rng.choice([-1.0, 1.0], (rows, k)) * rng.integers(128, 256, (rows, k)) / 128
+         * 2.0 ** -rng.integers(0, 22, (rows, k)))
+    x[:, ::32] = 255 / 128  # the largest bf16 below 2: digits up to the top of their range
+    x = torch.from_numpy(x).to(torch.bfloat16)
+    token = STEP_ROWS.set(1)  # one sequence's decode row and its drafts
+    try:
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
+        for m in (*range(2, 13), 16, 24):
+            assert torch.equal(layer(x[:m]), alone[:m]), m
+    finally:
+        STEP_ROWS.reset(token)
 
 
 @needs_kernel

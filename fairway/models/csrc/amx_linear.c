@@ -60,15 +60,14 @@ void amx_configure(int rows) {
     _tile_loadconfig(&cfg);
 }
 
-/* quant_vnni.c's integer tiles: C 0-2 and A 3-5 `rows` high (A: 32 bytes of k a row), B 6 eight
- * rows of 4 k's (64 bytes). */
-void amx_configure_int8(int rows) {
+/* quant_vnni.c's integer tiles: each tile's rows and bytes a row, as its passes lay them out. */
+void amx_configure_tiles(const uint8_t rows[8], const uint8_t colsb[8]) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette_id = 1;
-    for (int t = 0; t < 7; t++) {
-        cfg.colsb[t] = t >= 3 && t < 6 ? 32 : 64;
-        cfg.rows[t] = (uint8_t)(t == 6 ? 8 : rows);
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = colsb[t];
+        cfg.rows[t] = rows[t];
     }
     __asm__ __volatile__("" : : "r"(&cfg) : "memory"); /* as in amx_configure */
     _tile_loadconfig(&cfg);
