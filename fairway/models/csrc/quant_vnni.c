@@ -61,8 +61,6 @@ static inline int min_int(int a, int b) { return a < b ? a : b; }
 #define TVNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx512bf16,fma,f16c")))
 #define INLINE static inline __attribute__((always_inline))
 
-int amx_linear_available(void); /* amx_linear.c: 1 where this process may use AMX tiles */
-
 int quant_vnni_available(void) {
     static int known = -1;
     if (known < 0) {
@@ -158,6 +156,13 @@ TVNNI INLINE void q4_block_total(__m512 *acc, __m512i l, __m512i m, __m512i h, c
     finish_block(acc, _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(unit)), blkp, sx, QT);
 }
 
+/* Rows' float32 totals of one panel out as bf16 (nearest even, as the other paths round), `cols`
+ * of its columns. */
+TVNNI INLINE void store_panel(uint16_t *y, int64_t ldy, const __m512 *acc, int rows, int cols) {
+    const __mmask16 mask = cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
+    for (int r = 0; r < rows; r++) _mm256_mask_storeu_epi16(y + r * ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+}
+
 /* A Q8_0 block's two word-digit sums (exact) scaled into a row's total; both paths' one place. */
 TVNNI INLINE void q8_block_total(__m512 *acc, __m512i s0, __m512i s1, const uint8_t *blkp, float unit) {
     const __m512 sum = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_set1_ps(65536.0f), _mm512_cvtepi32_ps(s0));
@@ -213,9 +218,7 @@ TVNNI INLINE void vnni_tile(const vnni_args *a, const int MR, const int QT) {
             q4_block_total(&acc[r], d[0], d[1], d[2], blkp, a->unit[rb], a->vsum[rb], QT == Q4_1 ? a->sx[rb] : 0, QT);
         }
     }
-    const __mmask16 mask = a->cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << a->cols) - 1);
-    for (int r = 0; r < MR; r++) /* nearest even, as the other paths round */
-        _mm256_mask_storeu_epi16(a->y + (int64_t)r * a->ldy, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
+    store_panel(a->y, a->ldy, acc, MR, a->cols);
 }
 
 typedef void (*vnni_fn)(const vnni_args *a);
@@ -229,6 +232,7 @@ static const vnni_fn VNNI_TABLE[VNNI_MR][3] = {BY_TYPE(vnni_1), BY_TYPE(vnni_2),
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
 void amx_configure_tiles(const uint8_t rows[8], const uint8_t colsb[8]);
+int amx_linear_available(void); /* amx_linear.c: 1 where this process may use AMX tiles */
 
 /* A block's weights as an int8 tile's B operand, 8 rows of 4 k's a column. Q4: each group's low and
  * high nibbles (the k order of the digits, as VPDPBUSD takes them); Q8_0: k-pairs 2j and 2j + 1's
@@ -277,6 +281,8 @@ TVNNI INLINE void digits_scale(const digits_args *a, __m512 *acc, const int32_t 
     const int64_t p = s / a->nb;
     const int b = (int)(s - p * a->nb);
     const uint8_t *blkp = a->packed + s * block_bytes(QT);
+    /* Q8_0: what the digits' offsets added to the planes' sums, 32768 sum w and Q8_H_OFFSET sum w */
+    const __m512i low_off = _mm512_slli_epi32(wsum, 15), high_off = _mm512_mullo_epi32(wsum, _mm512_set1_epi32(Q8_H_OFFSET));
     if (b == 0)
         for (int r = 0; r < a->rows; r++) acc[r] = _mm512_setzero_ps();
     for (int r = 0; r < a->rows; r++) {
@@ -284,17 +290,12 @@ TVNNI INLINE void digits_scale(const digits_args *a, __m512 *acc, const int32_t 
         const int32_t *c = sums + r * Q4_PLANES * 16; /* the row's three planes' tile rows */
         const __m512i l = _mm512_load_si512(c), m = _mm512_load_si512(c + 16), h = _mm512_load_si512(c + 32);
         if (QT == Q8_0) /* the word planes' sums: 256 mu + lu - 32768 sum w, hu - Q8_H_OFFSET sum w */
-            q8_block_total(&acc[r], _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(m, 8), l), _mm512_slli_epi32(wsum, 15)),
-                           _mm512_sub_epi32(h, _mm512_mullo_epi32(wsum, _mm512_set1_epi32(Q8_H_OFFSET))), blkp, a->unit[rb]);
+            q8_block_total(&acc[r], _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(m, 8), l), low_off),
+                           _mm512_sub_epi32(h, high_off), blkp, a->unit[rb]);
         else q4_block_total(&acc[r], l, m, h, blkp, a->unit[rb], QT == Q4_0 ? a->vsum[rb] : 0,
                             QT == Q4_1 ? a->sx[rb] : 0, QT);
     }
-    if (b == a->nb - 1) {
-        const int cols = min_int(PANEL, a->n - (int)p * PANEL);
-        const __mmask16 mask = cols >= PANEL ? (__mmask16)0xFFFF : (__mmask16)((1u << cols) - 1);
-        for (int r = 0; r < a->rows; r++)
-            _mm256_mask_storeu_epi16(a->y + (int64_t)r * a->n + p * PANEL, mask, (__m256i)_mm512_cvtneps_pbh(acc[r]));
-    }
+    if (b == a->nb - 1) store_panel(a->y + p * PANEL, a->n, acc, a->rows, min_int(PANEL, a->n - (int)p * PANEL));
 }
 
 /* Stage u of the pipeline over the thread's blocks [0, total) (panel-major from its first):
@@ -393,12 +394,12 @@ static void configure_pass(int rows) {
     amx_configure_tiles(r, cb);
 }
 
-/* Rows on AMX int8 tiles, passes of up to AMX_PASS rows; the digits block by block (quant_vnni).
- * Returns 0, -1 where the process has no AMX tile state, -2 out of memory (quant_vnni then takes
- * the rows itself). */
+/* Where amx_digits_available(): rows on AMX int8 tiles, passes of up to AMX_PASS rows; the digits
+ * block by block (quant_vnni). Returns 0, -2 out of memory (quant_vnni then takes the rows itself). */
+static int amx_digits_available(void) { return amx_linear_available(); }
+
 static int amx_digits(const uint8_t *digits, const float *unit, const int32_t *vsum, const float *sx,
                       const uint8_t *packed, uint16_t *y, int m, int n, int nb, int qt, int num_threads) {
-    if (!amx_linear_available()) return -1;
     const int panels = (n + PANEL - 1) / PANEL, threads = panels < 2 ? 1 : num_threads;
     const int passes = (m + AMX_PASS - 1) / AMX_PASS, per_pass = (m + passes - 1) / passes;
     int failed = 0;
@@ -426,6 +427,7 @@ static int amx_digits(const uint8_t *digits, const float *unit, const int32_t *v
     return failed ? -2 : 0;
 }
 #else
+static int amx_digits_available(void) { return 0; } /* a build without AMX int8 */
 static int amx_digits(const uint8_t *digits, const float *unit, const int32_t *vsum, const float *sx,
                       const uint8_t *packed, uint16_t *y, int m, int n, int nb, int qt, int num_threads) {
     (void)digits, (void)unit, (void)vsum, (void)sx, (void)packed, (void)y, (void)m, (void)n, (void)nb, (void)qt,
@@ -447,7 +449,7 @@ int quant_vnni(const uint16_t *x, const float *sx, const uint8_t *packed, uint16
     if (digits == NULL) return -2;
     float *unit = (float *)(digits + blocks * db);
     int32_t *vsum = (int32_t *)(unit + blocks);
-    if (m >= AMX_FROM_ROWS && amx_linear_available()) { /* the digits block by block */
+    if (m >= AMX_FROM_ROWS && amx_digits_available()) { /* the digits block by block */
         for (int r = 0; r < m; r++)
             for (int b = 0; b < nb; b++)
                 to_digits(x + ((int64_t)r * nb + b) * QK, qt, 1, digits + ((int64_t)b * m + r) * AMX_DIGIT_BYTES,
