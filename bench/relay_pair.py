@@ -16,6 +16,9 @@ medians of the rounds' ratios are printed, and those of the two sides' synthetic
 each round (the same streams: the replica's cost per token, which on a shared machine is CPU the
 gateway lacks). Results go to bench/results/relay_pair.json.
 
+--in-turn runs each round's sides one after the other instead (the first alternating), each with
+the machine to itself as in relay.py, at relay.py's N: bench/results/relay_pair_in_turn.json.
+
     .venv/bin/python bench/relay_pair.py --base 0ab41d4 --streams 400 --rounds 5 \\
         --this-arg=--no-memory --this-arg=--no-input-check
 """
@@ -110,16 +113,38 @@ async def run(args: argparse.Namespace, base_root: Path, tmp: Path) -> list[dict
             await side.start(args, database, workdir)
         try:
             for r in range(args.rounds):
-                base, this = await asyncio.gather(*(side.round(args.streams, tokens) for side in sides))
+                if args.in_turn:  # one side at a time, the first of a round alternating (ABBA)
+                    done = {}
+                    for side in (sides if r % 2 == 0 else sides[::-1]):
+                        before = await redis_cpu_s(args.redis)
+                        done[side.name] = await side.round(args.streams, tokens)
+                        # Redis serves only this side meanwhile: its CPU is this side's too.
+                        done[side.name]["redis_cpu_s"] = round(await redis_cpu_s(args.redis) - before, 2)
+                    base, this = done["base"], done["this"]
+                else:
+                    base, this = await asyncio.gather(*(side.round(args.streams, tokens) for side in sides))
                 rounds.append({"base": base, "this": this})
                 cells = "   ".join(f"{k} {base['us_per_event'][k]} / {this['us_per_event'][k]}" for k in FIGURES)
+                redis_cpu = f"   Redis' CPU {base['redis_cpu_s']} / {this['redis_cpu_s']} s" if args.in_turn else ""
                 print(f"  round {r + 1}: us per event, base / this: {cells}   replicas' CPU {base['replicas_cpu_s']} / "
-                      f"{this['replicas_cpu_s']} s   (p99 ms {base['p99_ms']} / {this['p99_ms']}; errors "
+                      f"{this['replicas_cpu_s']} s{redis_cpu}   (p99 ms {base['p99_ms']} / {this['p99_ms']}; errors "
                       f"{base['errors']} / {this['errors']})", flush=True)
         finally:
             for side in sides:
                 await relay._clean_redis(args.redis, side.namespace)
     return rounds
+
+
+async def redis_cpu_s(url: str) -> float:
+    """The Redis server's CPU so far (user + system), from INFO."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        info = await client.info("cpu")
+    finally:
+        await client.aclose()
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def ratio(values: dict[str, Any], figure: str) -> float | None:
@@ -132,7 +157,8 @@ async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="fairway-relay-pair-") as tmp, \
             worktree(args.base, Path(tmp) / "base") as base:
         this = this_tree()
-        print(f"gateway CPU per relayed event, {args.streams} streams a side, both at once: {base} vs this tree "
+        print(f"gateway CPU per relayed event, {args.streams} streams a side, "
+              f"{'in turn' if args.in_turn else 'both at once'}: {base} vs this tree "
               f"({this}{' ' + ' '.join(args.this_arg) if args.this_arg else ''})", flush=True)
         rounds = await run(args, Path(tmp) / "base", Path(tmp))
     summary = {}
@@ -148,16 +174,24 @@ async def main(args: argparse.Namespace) -> None:
               f"{', '.join(f'{x:.3f}' for x in ratios)}; median {summary[figure]['median_of_ratios']}")
     replicas = [round(r["this"]["replicas_cpu_s"] / r["base"]["replicas_cpu_s"], 3) for r in rounds
                 if r["base"]["replicas_cpu_s"]]
+    if args.in_turn:
+        redis_ratios = [round(r["this"]["redis_cpu_s"] / r["base"]["redis_cpu_s"], 3) for r in rounds
+                        if r["base"]["redis_cpu_s"]]
+        summary["redis_cpu"] = {"this_over_base_by_round": redis_ratios,
+                                "median_of_ratios": statistics.median(redis_ratios)}
+        print(f"Redis' CPU, this / base by round {', '.join(f'{x:.3f}' for x in redis_ratios)}; "
+              f"median {statistics.median(redis_ratios)}")
     if replicas:
         summary["replicas_cpu"] = {"this_over_base_by_round": replicas, "median_of_ratios": statistics.median(replicas)}
         print(f"the synthetic replicas' CPU, this / base by round {', '.join(f'{x:.3f}' for x in replicas)}; "
               f"median {statistics.median(replicas)}")
     report = {"benchmark": "relay_pair", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
               "machine": machine.describe(), "base": base, "this": this, "this_args": args.this_arg,
-              "streams_per_side": args.streams, "duration_s": args.duration, "producers_per_side": args.producers,
+              "streams_per_side": args.streams, "in_turn": args.in_turn, "duration_s": args.duration, "producers_per_side": args.producers,
               "store": args.database, "rounds": rounds, "summary": summary}
     relay.RESULTS.mkdir(parents=True, exist_ok=True)
-    (relay.RESULTS / "relay_pair.json").write_text(json.dumps(report, indent=2) + "\n")
+    name = "relay_pair_in_turn.json" if args.in_turn else "relay_pair.json"
+    (relay.RESULTS / name).write_text(json.dumps(report, indent=2) + "\n")
 
 
 def parse_args() -> argparse.Namespace:
@@ -167,6 +201,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--producers", type=int, default=2, help="synthetic replica processes a side")
     parser.add_argument("--database", default="postgres", help="postgres (a temporary database a side) or sqlite")
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/14")
+    parser.add_argument("--in-turn", action="store_true",
+                        help="each round's two sides one after the other (first side alternating), not at once: "
+                             "what each gateway costs with the machine to itself, as relay.py measures it")
     return parser.parse_args()
 
 

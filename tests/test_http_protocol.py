@@ -48,7 +48,7 @@ class App:
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*headers, (b"transfer-encoding", b"chunked")]})  # as EventStream declares it
         writer_class = token_writer.native_module().TokenWriter if self.kind == "native" else token_writer.PyTokenWriter
-        writer = self.seen["writer"] = writer_class(TEMPLATE, [], connection)
+        writer = self.seen["writer"] = writer_class(TEMPLATE, connection)
         written = 0
         while written < 2000 and writer(written, ""):  # (~4 MB of kernel buffers on loopback)
             written += 1

@@ -99,13 +99,13 @@ def test_dispatcher_hands_tokens_to_the_gateways_writer_until_the_connection_has
     and declines once the connection has bytes waiting, which the Python path then takes."""
     tap_class, dispatcher_class = classes(kind)
     transport = RecordingTransport(lambda: int(len(transport.written) >= 3))  # backlogged after 3 writes
-    texts: list[str] = []
     sink = token_writer.native_module().TokenWriter if writer == "native" else token_writer.PyTokenWriter
-    tap = tap_class(sink(token_template(VIEW), texts, transport))
+    tap = tap_class(sink(token_template(VIEW), transport))
     assert tap.native is (kind == writer == "native")
     rest = dispatcher_class({"ch": tap}, ResponseError).feed(
         b"".join(token_message("ch", n, f"<{n}> é") for n in range(1, 6)), 3.0)
-    assert transport.tokens() == [(n, f"<{n}> é") for n in range(1, 4)] and texts == ["<1> é", "<2> é", "<3> é"]
+    assert transport.tokens() == [(n, f"<{n}> é") for n in range(1, 4)] and tap.sink.text() == "<1> é<2> é<3> é"
+    assert tap.sink.chars == len(tap.sink.text())  # counted from the bytes on the C path
     assert tap.cursor == 3 and [message[2] for message in rest] == ["4 t4\x1f<4> é", "5 t5\x1f<5> é"]
 
 

@@ -351,9 +351,8 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
         return int(offered() in refuse)
 
     transport = RecordingTransport(backlog)
-    texts: list[str] = []
     transport.write = lambda data: order.append(("direct", token_of(dechunk(data)[0])[0]))  # type: ignore[method-assign]
-    writer = token_writer.make_writer(token_template(VIEW), texts, transport)
+    writer = token_writer.make_writer(token_template(VIEW), transport)
 
     async def listen() -> None:
         async with aclosing(gateway.subscribe_batches(r, 0, None, direct if sink == "function" else writer)) as stream:
@@ -381,7 +380,7 @@ async def test_a_direct_sink_takes_live_tokens_in_order_and_hands_back_what_it_r
         assert taken >= set(range(2, 6)) | set(range(9, total + 1))
     else:  # the in-process backend yields everything
         assert not taken
-    assert texts == ([] if sink == "function" else [f"<{n}>" for n in sorted(taken)])
+    assert writer.text() == ("" if sink == "function" else "".join(f"<{n}>" for n in sorted(taken)))
 
 
 async def test_two_writers_on_one_reply_in_one_gateway_each_get_every_event_once(redis_backend: Backend) -> None:
@@ -395,7 +394,7 @@ async def test_two_writers_on_one_reply_in_one_gateway_each_get_every_event_once
     async def listen(name: str) -> None:
         transport = RecordingTransport()
         transport.write = lambda data: seen[name].append(token_of(dechunk(data)[0])[0])  # type: ignore[method-assign]
-        writer = token_writer.make_writer(token_template(VIEW), [], transport)
+        writer = token_writer.make_writer(token_template(VIEW), transport)
         async with aclosing(gateway.subscribe_batches(r, 0, None, writer)) as stream:
             async for batch in stream:
                 seen[name].extend(e.n for e in batch)

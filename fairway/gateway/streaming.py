@@ -243,14 +243,14 @@ class ReplyRelay:
         server's, see http_protocol), a plain token chunk that arrives while this waits is written
         from the token log's callback, with no task wake at all. A keepalive comment goes out after
         keepalive_s without events. on_final runs at the final event, before [DONE]."""
-        text: list[str] = []
         tools: list[CallRecord] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
-        # Plain token chunks; with connection, also the sink that writes them to it as HTTP chunks
-        # while this waits (appending their text to `text`), which it may not do before the first
-        # chunk is out. (This runs once EventStream started the response, and its sends happen only
-        # while this is not waiting: the writer's bytes land between them, in order.)
-        writer = make_writer(token_template(view), text, connection, open=not fresh)
+        # Plain token chunks, and the reply's text as this stream sent it; with connection, also
+        # the sink that writes them to it as HTTP chunks while this waits (keeping their text),
+        # which it may not do before the first chunk is out. (This runs once EventStream started
+        # the response, and its sends happen only while this is not waiting: the writer's bytes
+        # land between them, in order.)
+        writer = make_writer(token_template(view), connection, open=not fresh)
         try:
             async with contextlib.aclosing(self.event_batches(reply, after, self.keepalive_s,
                                                               writer if connection is not None else None)) as batches:
@@ -261,19 +261,19 @@ class ReplyRelay:
                     out: list[bytes] = []
                     for event in batch:
                         if isinstance(event, FinalEvent):
-                            await self._save(reply.id, "".join(text) if after == 0 else None, event, tools)
+                            await self._save(reply.id, writer.text() if after == 0 else None, event, tools)
                             await _run(on_final, event)
                             out += self._final_frames(view, event, fresh, include_usage)
                             yield b"".join(out) + DONE  # one write, which EventStream makes the last
                             return
                         if isinstance(event, ToolEvent):
-                            add_event(tools, event, sum(map(len, text)))
+                            add_event(tools, event, writer.chars)
                             out.append(self._tool_frame(view, event, fresh))
                             fresh = False
                             writer.open = True
                             continue
                         token = event.event if isinstance(event, Snapshot) else event
-                        text.append(token.text)
+                        writer.add_text(token.text)
                         if fresh or isinstance(event, Snapshot):
                             out.append(self._first_or_snapshot(view, event, fresh))
                             fresh = False

@@ -25,25 +25,34 @@ _SOURCE = Path(__file__).parent / "csrc" / "token_writer.c"
 class PyTokenWriter:
     """chunk(n, text) is token n's SSE event; writer(n, text) writes it to transport as one HTTP
     chunk, only while the writer is open and the transport open with nothing buffered (so it never
-    reorders bytes nor writes past flow control), and then keeps the text in texts. False: not
-    written (the stream's task sends it through the server)."""
+    reorders bytes nor writes past flow control), and then keeps the text: text() is the reply's
+    text so far, the tokens written here and those the stream's task sent itself (add_text), and
+    chars its length. False: not written (the stream's task sends it through the server)."""
 
-    def __init__(self, template: TokenTemplate, texts: list[str], transport: asyncio.WriteTransport | None = None,
+    def __init__(self, template: TokenTemplate, transport: asyncio.WriteTransport | None = None,
                  open: bool = True) -> None:
         self.template = template
-        self.texts = texts
         self.transport = transport
         self.open = open
+        self.chars = 0
+        self._texts: list[str] = []
 
     def chunk(self, n: int, text: str) -> bytes:
         return self.template.event(n, text)
+
+    def add_text(self, text: str) -> None:
+        self._texts.append(text)
+        self.chars += len(text)
+
+    def text(self) -> str:
+        return "".join(self._texts)
 
     def __call__(self, n: int, text: str) -> bool:
         transport = self.transport
         if not self.open or transport is None or transport.is_closing() or transport.get_write_buffer_size():
             return False
         transport.write(http_chunk(self.chunk(n, text)))
-        self.texts.append(text)
+        self.add_text(text)
         return True
 
 
@@ -58,6 +67,5 @@ def writer_class() -> type:
     return module.TokenWriter if module is not None else PyTokenWriter
 
 
-def make_writer(template: TokenTemplate, texts: list[str], transport: asyncio.WriteTransport | None = None,
-                open: bool = True) -> Any:
-    return writer_class()(template, texts, transport, open)
+def make_writer(template: TokenTemplate, transport: asyncio.WriteTransport | None = None, open: bool = True) -> Any:
+    return writer_class()(template, transport, open)

@@ -1,7 +1,7 @@
 /* A streamed reply's token writer in C: token n's SSE event, in an HTTP/1.1 chunk, straight to
  * the response's connection.
  *
- * TokenWriter(template, texts, transport=None, open=True) is the C twin of
+ * TokenWriter(template, transport=None, open=True) is the C twin of
  * fairway/gateway/token_writer.py's PyTokenWriter (tests hold the two to the same bytes). Its
  * event for token n is parts[0] + n + parts[1] + <text as a JSON string> + parts[2] + n + parts[3],
  * the parts of a sse.TokenTemplate (cut from the gateway's one rendering of a chunk, so no chunk
@@ -10,7 +10,10 @@
  * Python object built, it writes the event to the transport as one HTTP chunk, only while the
  * writer is open and the transport is open with nothing buffered (so it never reorders bytes, nor
  * writes past flow control: a transport with a backlog declines, and the stream's task sends
- * through the server), and then appends the text to texts (the reply's text so far).
+ * through the server), and then appends the text's bytes to the reply's text so far, which it keeps
+ * as one UTF-8 buffer (add_text() appends what the stream's task sent itself; text() is the whole):
+ * no str object and list slot an event, which hundreds of streams' events pay in allocations and
+ * cache misses, and a few bytes a token instead of a str's ~50.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,23 +67,26 @@ enum { PARTS = 4 };
 typedef struct {
     PyObject_HEAD
     PyObject *template;  /* the sse.TokenTemplate */
-    PyObject *parts[PARTS];  /* its parts, bytes */
-    PyObject *texts;  /* list of str */
     PyObject *transport;  /* or NULL */
     PyObject *is_closing, *buffered, *write;  /* its bound methods, looked up once */
     int open;
+    /* The template's parts, copied in, then the event being written: an event reads and writes
+       one block, not its own plus four bytes objects of its own (a stream's are cold between
+       events, each a cache miss when hundreds of streams take turns). Part i is
+       scratch.data[part_at[i] .. part_at[i + 1]); the event starts at part_at[PARTS]. */
+    Py_ssize_t part_at[PARTS + 1];
     Buf scratch;
+    Buf text;  /* the reply's text so far, UTF-8 */
+    Py_ssize_t chars;  /* its length in code points */
 } TokenWriter;
 
 static PyTypeObject TokenWriterType;
 
 static int TokenWriter_init(TokenWriter *self, PyObject *args, PyObject *kwds) {
-    static char *names[] = {"template", "texts", "transport", "open", NULL};
-    PyObject *template, *texts, *transport = Py_None;
+    static char *names[] = {"template", "transport", "open", NULL};
+    PyObject *template, *transport = Py_None;
     int open = 1;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OO!|Op", names, &template, &PyList_Type, &texts, &transport,
-                                     &open))
-        return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O|Op", names, &template, &transport, &open)) return -1;
     PyObject *parts = PyObject_GetAttrString(template, "parts");
     if (!parts) return -1;
     if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) != PARTS) {
@@ -88,6 +94,7 @@ static int TokenWriter_init(TokenWriter *self, PyObject *args, PyObject *kwds) {
         PyErr_SetString(PyExc_TypeError, "a token template has 4 parts");
         return -1;
     }
+    self->scratch.len = 0;
     for (int i = 0; i < PARTS; i++) {
         PyObject *part = PyTuple_GET_ITEM(parts, i);
         if (!PyBytes_Check(part)) {
@@ -95,12 +102,17 @@ static int TokenWriter_init(TokenWriter *self, PyObject *args, PyObject *kwds) {
             PyErr_SetString(PyExc_TypeError, "a token template's parts are bytes");
             return -1;
         }
-        Py_INCREF(part);
-        Py_XSETREF(self->parts[i], part);
+        self->part_at[i] = self->scratch.len;
+        if (buf_put(&self->scratch, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part)) < 0) {
+            Py_DECREF(parts);
+            return -1;
+        }
     }
+    self->part_at[PARTS] = self->scratch.len;
     Py_DECREF(parts);
     Py_INCREF(template); Py_XSETREF(self->template, template);
-    Py_INCREF(texts); Py_XSETREF(self->texts, texts);
+    self->text.len = 0;
+    self->chars = 0;
     Py_XSETREF(self->transport, transport == Py_None ? NULL : Py_NewRef(transport));
     Py_CLEAR(self->is_closing);
     Py_CLEAR(self->buffered);
@@ -115,8 +127,6 @@ static int TokenWriter_init(TokenWriter *self, PyObject *args, PyObject *kwds) {
 
 static int TokenWriter_traverse(TokenWriter *self, visitproc visit, void *arg) {
     Py_VISIT(self->template);
-    for (int i = 0; i < PARTS; i++) Py_VISIT(self->parts[i]);
-    Py_VISIT(self->texts);
     Py_VISIT(self->transport);
     Py_VISIT(self->is_closing);
     Py_VISIT(self->buffered);
@@ -126,8 +136,6 @@ static int TokenWriter_traverse(TokenWriter *self, visitproc visit, void *arg) {
 
 static int TokenWriter_clear(TokenWriter *self) {
     Py_CLEAR(self->template);
-    for (int i = 0; i < PARTS; i++) Py_CLEAR(self->parts[i]);
-    Py_CLEAR(self->texts);
     Py_CLEAR(self->transport);
     Py_CLEAR(self->is_closing);
     Py_CLEAR(self->buffered);
@@ -139,21 +147,32 @@ static void TokenWriter_dealloc(TokenWriter *self) {
     PyObject_GC_UnTrack(self);
     TokenWriter_clear(self);
     PyMem_Free(self->scratch.data);
+    PyMem_Free(self->text.data);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static int put_part(Buf *b, PyObject *part) {
-    return buf_put(b, PyBytes_AS_STRING(part), PyBytes_GET_SIZE(part));
+static char *put_part(const TokenWriter *self, char *out, int i) {
+    Py_ssize_t n = self->part_at[i + 1] - self->part_at[i];
+    memcpy(out, self->scratch.data + self->part_at[i], n);
+    return out + n;
 }
 
-/* Token n's SSE event in self->scratch from offset `at`; -1 with an error set on failure. */
+/* Token n's SSE event in self->scratch, `at` bytes into its event area; -1 with an error set on
+   failure. Room for the whole event (and the HTTP chunk's trailing CRLF) is made first, so the
+   parts are copied from the same block without its moving underneath. */
 static int writer_format(TokenWriter *self, Py_ssize_t at, long long n, const char *text, Py_ssize_t len) {
     Buf *b = &self->scratch;
-    b->len = at;
-    if (put_part(b, self->parts[0]) < 0 || buf_int(b, n) < 0 || put_part(b, self->parts[1]) < 0
-        || buf_json_string(b, text, len) < 0 || put_part(b, self->parts[2]) < 0 || buf_int(b, n) < 0
-        || put_part(b, self->parts[3]) < 0)
-        return -1;
+    Py_ssize_t start = self->part_at[PARTS] + at;
+    b->len = start;
+    if (buf_reserve(b, self->part_at[PARTS] + 2 * 24 + len * 6 + 2 + 2) < 0) return -1;
+    char *out = put_part(self, b->data + start, 0);
+    b->len = out - b->data;
+    buf_int(b, n);
+    b->len = put_part(self, b->data + b->len, 1) - b->data;
+    buf_json_string(b, text, len);
+    b->len = put_part(self, b->data + b->len, 2) - b->data;
+    buf_int(b, n);
+    b->len = put_part(self, b->data + b->len, 3) - b->data;
     return 0;
 }
 
@@ -171,8 +190,8 @@ static int writer_send(TokenWriter *self, long long n, const char *text, Py_ssiz
     /* "<hex size>\r\n" + event + "\r\n": the size line is written once the size is known */
     enum { SIZE_LINE = 18 };
     if (writer_format(self, SIZE_LINE, n, text, len) < 0 || buf_put(&self->scratch, "\r\n", 2) < 0) return -1;
-    size_t size = (size_t)(self->scratch.len - SIZE_LINE - 2);
-    char *start = self->scratch.data + SIZE_LINE;
+    char *start = self->scratch.data + self->part_at[PARTS] + SIZE_LINE;
+    size_t size = (size_t)(self->scratch.data + self->scratch.len - 2 - start);
     *--start = '\n';
     *--start = '\r';
     do { *--start = "0123456789abcdef"[size & 15]; size >>= 4; } while (size);
@@ -185,23 +204,29 @@ static int writer_send(TokenWriter *self, long long n, const char *text, Py_ssiz
     return 1;
 }
 
-/* Write token n: 1 written (text kept), 0 declined, -1 error. text_obj: the text as str, if the
-   caller has it. */
-static int writer_take(TokenWriter *self, long long n, const char *text, Py_ssize_t len, PyObject *text_obj) {
+/* Append len bytes of UTF-8 to the reply's text: chars code points, or counted if negative. */
+static int keep_text(TokenWriter *self, const char *text, Py_ssize_t len, Py_ssize_t chars) {
+    if (chars < 0) {
+        chars = 0;
+        for (Py_ssize_t i = 0; i < len; i++) chars += ((unsigned char)text[i] & 0xC0) != 0x80;
+    }
+    if (buf_put(&self->text, text, len) < 0) return -1;
+    self->chars += chars;
+    return 0;
+}
+
+/* Write token n: 1 written (text kept), 0 declined, -1 error. chars: the text's length in code
+   points if the caller knows it, else -1. */
+static int writer_take(TokenWriter *self, long long n, const char *text, Py_ssize_t len, Py_ssize_t chars) {
     if (!self->open || !self->transport) return 0;
     int wrote = writer_send(self, n, text, len);
     if (wrote <= 0) return wrote;
-    PyObject *str = text_obj;
-    if (str) Py_INCREF(str);
-    else if (!(str = PyUnicode_DecodeUTF8(text, len, "replace"))) return -1;
-    int failed = PyList_Append(self->texts, str);
-    Py_DECREF(str);
-    return failed ? -1 : 1;
+    return keep_text(self, text, len, chars) < 0 ? -1 : 1;
 }
 
 /* The C-level token sink protocol (token_sink.h): the relay's dispatcher calls this. */
 static int sink_take(PyObject *self, long long n, const char *text, Py_ssize_t len) {
-    return writer_take((TokenWriter *)self, n, text, len, NULL);
+    return writer_take((TokenWriter *)self, n, text, len, -1);
 }
 
 static const FairwayTokenSink SINK = {sink_take};
@@ -212,7 +237,8 @@ static PyObject *TokenWriter_chunk(TokenWriter *self, PyObject *args) {
     Py_ssize_t len;
     if (!PyArg_ParseTuple(args, "Ls#", &n, &text, &len)) return NULL;
     if (writer_format(self, 0, n, text, len) < 0) return NULL;
-    return PyBytes_FromStringAndSize(self->scratch.data, self->scratch.len);
+    return PyBytes_FromStringAndSize(self->scratch.data + self->part_at[PARTS],
+                                     self->scratch.len - self->part_at[PARTS]);
 }
 
 /* writer(n, text) -> bool: the relay.TokenSink call (no order check: the caller orders events). */
@@ -223,20 +249,38 @@ static PyObject *TokenWriter_call(TokenWriter *self, PyObject *args, PyObject *k
     Py_ssize_t len;
     const char *utf8 = PyUnicode_AsUTF8AndSize(text, &len);
     if (!utf8) return NULL;
-    int took = writer_take(self, n, utf8, len, text);
+    int took = writer_take(self, n, utf8, len, PyUnicode_GET_LENGTH(text));
     if (took < 0) return NULL;
     return PyBool_FromLong(took);
 }
 
+static PyObject *TokenWriter_add_text(TokenWriter *self, PyObject *text) {
+    if (!PyUnicode_Check(text)) {
+        PyErr_SetString(PyExc_TypeError, "add_text takes a str");
+        return NULL;
+    }
+    Py_ssize_t len;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(text, &len);
+    if (!utf8 || keep_text(self, utf8, len, PyUnicode_GET_LENGTH(text)) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *TokenWriter_text(TokenWriter *self, PyObject *Py_UNUSED(ignored)) {
+    return PyUnicode_DecodeUTF8(self->text.data ? self->text.data : "", self->text.len, "replace");
+}
+
 static PyMethodDef TokenWriter_methods[] = {
     {"chunk", (PyCFunction)TokenWriter_chunk, METH_VARARGS, "chunk(n, text) -> bytes: the SSE event of token n"},
+    {"add_text", (PyCFunction)TokenWriter_add_text, METH_O,
+     "add_text(text): a token's text the stream sent itself, onto the reply's text"},
+    {"text", (PyCFunction)TokenWriter_text, METH_NOARGS, "text() -> str: the reply's text so far"},
     {NULL}
 };
 
 static PyMemberDef TokenWriter_members[] = {
     {"open", T_BOOL, offsetof(TokenWriter, open), 0, "False: decline every token (the stream's task writes them)"},
     {"template", T_OBJECT, offsetof(TokenWriter, template), READONLY, "the sse.TokenTemplate it fills"},
-    {"texts", T_OBJECT, offsetof(TokenWriter, texts), READONLY, "the texts of the tokens written"},
+    {"chars", T_PYSSIZET, offsetof(TokenWriter, chars), READONLY, "the length of text(), in code points"},
     {"transport", T_OBJECT, offsetof(TokenWriter, transport), READONLY, "where it writes HTTP chunks, or None"},
     {NULL}
 };
@@ -246,7 +290,7 @@ static PyTypeObject TokenWriterType = {
     .tp_name = "fairway_token_writer.TokenWriter",
     .tp_basicsize = sizeof(TokenWriter),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,  /* (final: the sink protocol casts self) */
-    .tp_doc = "TokenWriter(template, texts, transport=None, open=True): a stream's token events to its connection",
+    .tp_doc = "TokenWriter(template, transport=None, open=True): a stream's token events to its connection",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)TokenWriter_init,
     .tp_dealloc = (destructor)TokenWriter_dealloc,
