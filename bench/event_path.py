@@ -60,7 +60,9 @@ try:  # after the re-cut: the dispatcher's taps hand events to the gateway's tok
     from fairway.gateway.sse import ReplyView, token_template
     from fairway.redis_client import dispatch
 
-    tap_class, dispatcher_class = dispatch.native_module().Tap, dispatch.native_module().Dispatcher
+    module = dispatch.native_module()
+    tap_class, dispatcher_class = module.Tap, module.Dispatcher
+    table_class = getattr(module, "TapTable", dict)  # (a dict before the TapTable)
     writer_class = token_writer.native_module().TokenWriter
     keeps_text = hasattr(writer_class, "add_text")
 
@@ -72,6 +74,7 @@ except ImportError:  # before it: fairway/relay/live_fast.py's taps write the ch
     from fairway.relay import live_fast
 
     tap_class, dispatcher_class = live_fast.native_module().Tap, live_fast.native_module().Dispatcher
+    table_class = dict
 
     def tap(i, transport):
         reply, conversation, message = ids(i)
@@ -81,7 +84,9 @@ except ImportError:  # before it: fairway/relay/live_fast.py's taps write the ch
         return tap_class(head, print, [], True, transport)
 
 keep = [Transport() for _ in range(streams)]
-taps = {f"{{{ids(i)[0]}}}:live": tap(i, keep[i]) for i in range(streams)}
+taps = table_class()
+for i in range(streams):
+    taps[f"fairway:reply:{{{ids(i)[0]}}}:live"] = tap(i, keep[i])
 
 
 def message(channel, n, text):
@@ -91,7 +96,7 @@ def message(channel, n, text):
 
 rng, reads = random.Random(1), []
 for n in range(1, rounds + 1):
-    order = list(taps)
+    order = [f"fairway:reply:{{{ids(i)[0]}}}:live" for i in range(streams)]
     rng.shuffle(order)
     events = [message(channel, n, " word") for channel in order]
     reads += [b"".join(events[i:i + per_read]) for i in range(0, streams, per_read)]

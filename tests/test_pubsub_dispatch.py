@@ -23,10 +23,18 @@ WRITERS = ["python"] + (["native"] if token_writer.native_module() is not None e
 VIEW = ReplyView("rep_1", "conv_1", "msg_1", "smollm2", 1796060482)
 
 
-def classes(kind: str) -> tuple[type, type]:
+def classes(kind: str) -> tuple[type, Any]:
+    """The tap class, and a dispatcher of these taps (channel -> tap) in the kind's own table."""
     if kind == "native":
         assert NATIVE is not None
-        return NATIVE.Tap, NATIVE.Dispatcher
+
+        def native_dispatcher(taps: dict[str, Any], error_class: type[Exception]) -> Any:
+            table = NATIVE.TapTable()
+            for channel, tap in taps.items():
+                table[channel] = tap
+            return NATIVE.Dispatcher(table, error_class)
+
+        return NATIVE.Tap, native_dispatcher
     return dispatch.PyTap, dispatch.PyDispatcher
 
 
@@ -139,9 +147,52 @@ def test_a_tap_needs_a_callable_sink(kind: str) -> None:
         tap_class("not a sink")
 
 
+@pytest.mark.parametrize("kind", IMPLEMENTATIONS)
+def test_many_interleaved_channels_each_reach_their_own_tap(kind: str) -> None:
+    """Channels as the relay names them (hash tags, ~50 bytes) and longer ones than a tap holds
+    inline, a socket read interleaving them: each event reaches its channel's tap, in order."""
+    tap_class, dispatcher_class = classes(kind)
+    channels = [f"fairway:reply:{{rep_{i:024x}}}:live" for i in range(300)] + [f"{'x' * 80}{i}" for i in range(5)]
+    sinks = {channel: Sink() for channel in channels}
+    dispatcher = dispatcher_class({channel: tap_class(sink) for channel, sink in sinks.items()}, ResponseError)
+    rest = dispatcher.feed(b"".join(token_message(c, n, f"{c[-8:]} {n}") for n in (1, 2) for c in channels), 1.0)
+    assert rest == [] and all(sink.took == [(n, f"{c[-8:]} {n}") for n in (1, 2)] for c, sink in sinks.items())
+
+
+@pytest.mark.skipif(NATIVE is None, reason="no C compiler")
+def test_the_tap_table_is_a_mapping_of_channels_to_taps() -> None:
+    """What the live events code does with its taps (set, get, pop, del, clear), through a table
+    that grows and drops deleted slots as taps come and go; a tap out of it is out of the
+    dispatcher's reach."""
+    table, sink = NATIVE.TapTable(), Sink()
+    dispatcher = NATIVE.Dispatcher(table, ResponseError)
+    taps = {f"ch{i}": NATIVE.Tap(Sink()) for i in range(2000)}
+    for _ in range(3):  # set, then half of them out, in again
+        for channel, tap in taps.items():
+            table[channel] = tap
+        for i in range(0, 2000, 2):
+            assert table.pop(f"ch{i}") is taps[f"ch{i}"]
+        assert len(table) == 1000 and "ch1" in table and "ch0" not in table and table.get("ch0") is None
+    assert table["ch1"] is taps["ch1"] and table.get("ch0", "none") == "none" and table.pop("ch0", None) is None
+    with pytest.raises(KeyError):
+        del table["ch0"]
+    with pytest.raises(ValueError):  # a tap is under one channel at a time
+        table["another"] = taps["ch1"]
+    with pytest.raises(TypeError):
+        table["ch0"] = sink  # only Taps
+    table["ch1"] = replacement = NATIVE.Tap(sink)
+    assert dispatcher.feed(token_message("ch1", 1, "a"), 1.0) == [] and sink.took == [(1, "a")]
+    table["another"] = taps["ch1"]  # out of the table when replaced: free to go under another channel
+    del table["ch1"]
+    assert dispatcher.feed(token_message("ch1", 2, "b"), 1.0) == [["smessage", "ch1", "2 t2\x1fb"]]
+    assert replacement.cursor == 1 and sink.took == [(1, "a")]
+    table.clear()
+    assert len(table) == 0 and dispatcher.feed(token_message("ch3", 1, "c"), 1.0) == [["smessage", "ch3", "1 t1\x1fc"]]
+
+
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler")
 def test_native_dispatcher_rejects_bytes_that_are_not_resp() -> None:
-    dispatcher = NATIVE.Dispatcher({}, ResponseError)
+    dispatcher = NATIVE.Dispatcher(NATIVE.TapTable(), ResponseError)
     with pytest.raises(ValueError, match="not RESP2"):
         dispatcher.feed(b"HTTP/1.1 400 Bad Request\r\n", 1.0)
 

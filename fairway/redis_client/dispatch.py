@@ -2,6 +2,9 @@
 messages, and hands each sequenced text message of a tapped channel, in order, to that channel's
 sink (Tap); the other messages it returns parsed.
 
+A dispatcher finds a channel's tap in its taps, which tap_table() makes (see csrc/dispatch.c's
+TapTable for why it is not a dict in C).
+
 A sequenced text message is the payload "<n> t<head>\x1f<text>" (sequenced_text() writes what
 follows "<n> "): n numbers the channel's messages, head is the publisher's (the relay puts a
 token's ids there), text may hold anything. A tap takes message cursor + 1 only, so a sink never
@@ -16,7 +19,7 @@ handed messages by the C dispatcher without a Python object per message.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -58,7 +61,7 @@ class PyDispatcher:
     """feed(data, now): the RESP2 messages in data, token messages for a tap handed to its sink,
     the rest returned parsed (error replies as error_class instances)."""
 
-    def __init__(self, taps: dict[str, Any], error_class: type[Exception]) -> None:
+    def __init__(self, taps: MutableMapping[str, Any], error_class: type[Exception]) -> None:
         self.taps = taps
         self._reader = hiredis.Reader(encoding="utf-8", errors="replace", replyError=error_class)
 
@@ -101,3 +104,10 @@ def tap_class() -> type:
 def dispatcher_class() -> type:
     module = native_module()
     return module.Dispatcher if module is not None else PyDispatcher
+
+
+def tap_table() -> MutableMapping[str, Any]:
+    """An empty channel -> tap mapping for a dispatcher_class() dispatcher: the C TapTable (a
+    dict's get, pop, del, clear and setting, found by the channel's bytes in C), or a dict."""
+    module = native_module()
+    return module.TapTable() if module is not None else {}

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from contextlib import suppress
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +35,14 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from fairway.redis_client import RawConnection, RedisClient
-from fairway.redis_client.dispatch import HEAD_END, TEXT, dispatcher_class, sequenced_text, tap_class
+from fairway.redis_client.dispatch import (
+    HEAD_END,
+    TEXT,
+    dispatcher_class,
+    sequenced_text,
+    tap_class,
+    tap_table,
+)
 from fairway.relay.errors import RelayUnavailable, ReplyNotFound
 from fairway.relay.events import Event, TokenEvent, event_from_fields
 from fairway.relay.token_log import TokenSink
@@ -79,7 +86,7 @@ class LiveSubscriber:
     channel: str
     idle_s: float | None  # next_batch() returns [] after this long without events
     quiet_since: float  # loop time of its last batch (or of joining)
-    taps: dict[str, Any]  # the connection's dispatcher's: channel -> the Tap whose sink it hands events to
+    taps: MutableMapping[str, Any]  # the connection's dispatcher's: channel -> the Tap whose sink it hands events to
     entry: _Channel
     inbox: list[Event] = field(default_factory=list)
     error: Exception | None = None
@@ -189,7 +196,7 @@ class LiveEvents:
         self._sweep_s = sweep_s
         self._exists = exists
         self._channels: dict[str, _Channel] = {}
-        self._taps: dict[str, Any] = {}  # channel -> Tap, fed by the dispatcher (see LiveSubscriber)
+        self._taps: MutableMapping[str, Any] = tap_table()  # channel -> Tap, fed by the dispatcher (see LiveSubscriber)
         self._confirming: dict[str, deque[asyncio.Future[None]]] = {}  # per channel, in sending order
         self._outbox: list[tuple[str, str]] = []
         self._flushing = False  # a flush of the outbox is scheduled for this loop iteration

@@ -7,7 +7,7 @@
  *
  *   Dispatcher.feed(data, now) parses the RESP2 messages in data (keeping a partial one for the
  *   next call). A sequenced text message ("smessage", channel, "<n> t<head>\x1f<text>") whose
- *   channel has a Tap in the dispatcher's taps dict, and whose n is the tap's cursor + 1, goes to
+ *   channel has a Tap in the dispatcher's TapTable, and whose n is the tap's cursor + 1, goes to
  *   the tap's sink right here. Every other message comes back, parsed as hiredis would (a list
  *   of str / int / None; error replies as instances of the error class given), for the Python
  *   side to handle.
@@ -17,10 +17,17 @@
  *   through a function pointer, with no Python object built; any other sink is called as
  *   sink(n, text). When the sink takes the message, the tap moves its cursor to n and notes `now`
  *   in last.
+ *
+ *   TapTable() maps channels (str) to Taps for Python as a dict would (t[channel] = tap, get, pop,
+ *   del, clear), and for the dispatcher by the channel's bytes as they arrived: a slot of hash and
+ *   tap, the channel's bytes kept in the tap itself. A dict lookup built a str a message and
+ *   touched the dict's index, its entry and the key, each a cache miss once hundreds of streams
+ *   took turns (bench/README.md, event_path.py); here a message touches its slot and its tap.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <stdint.h>
 #include <string.h>
 
 #include "buf.h"
@@ -28,12 +35,19 @@
 
 /* -- Tap ----------------------------------------------------------------------------------- */
 
+enum { TAP_INLINE_CHANNEL = 64 };
+
 typedef struct {
     PyObject_HEAD
     PyObject *sink;
     const FairwayTokenSink *api;  /* the sink type's C-level protocol, or NULL: call it */
     long long cursor;
     double last;
+    /* The channel's UTF-8 while the tap is in a TapTable (channel_len < 0: in none), inline up to
+       TAP_INLINE_CHANNEL bytes, past the fields a message reads first. */
+    Py_ssize_t channel_len;
+    char *channel;
+    char inline_channel[TAP_INLINE_CHANNEL];
 } Tap;
 
 static PyTypeObject TapType;
@@ -67,10 +81,35 @@ static int Tap_clear(Tap *self) {
     return 0;
 }
 
+static void tap_forget_channel(Tap *self) {
+    if (self->channel != self->inline_channel) PyMem_Free(self->channel);
+    self->channel = NULL;
+    self->channel_len = -1;
+}
+
+static int tap_set_channel(Tap *self, const char *s, Py_ssize_t n) {
+    char *at = self->inline_channel;
+    if (n > TAP_INLINE_CHANNEL && !(at = PyMem_Malloc(n))) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    memcpy(at, s, n);
+    self->channel = at;
+    self->channel_len = n;
+    return 0;
+}
+
 static void Tap_dealloc(Tap *self) {
     PyObject_GC_UnTrack(self);
     Tap_clear(self);
+    tap_forget_channel(self);
     Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *Tap_new(PyTypeObject *type, PyObject *args, PyObject *kwds) {
+    Tap *self = (Tap *)PyType_GenericNew(type, args, kwds);
+    if (self) self->channel_len = -1;
+    return (PyObject *)self;
 }
 
 /* Hand message n to the sink: 1 taken, 0 declined, -1 error. */
@@ -108,13 +147,256 @@ static PyTypeObject TapType = {
     .tp_basicsize = sizeof(Tap),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
     .tp_doc = "Tap(sink): a channel tapped into its sink",
-    .tp_new = PyType_GenericNew,
+    .tp_new = Tap_new,
     .tp_init = (initproc)Tap_init,
     .tp_dealloc = (destructor)Tap_dealloc,
     .tp_traverse = (traverseproc)Tap_traverse,
     .tp_clear = (inquiry)Tap_clear,
     .tp_members = Tap_members,
     .tp_getset = Tap_getset,
+};
+
+/* -- TapTable ------------------------------------------------------------------------------ */
+
+enum { SLOT_EMPTY = 0, SLOT_DELETED = 1, TABLE_MIN = 8 };
+
+typedef struct {
+    uint64_t hash;  /* SLOT_EMPTY, SLOT_DELETED, or its tap's channel's hash (never either) */
+    Tap *tap;       /* owned; its channel is the key */
+} Slot;
+
+typedef struct {
+    PyObject_HEAD
+    Slot *slots;
+    Py_ssize_t mask;    /* slots - 1 (a power of two; no slots at all while empty) */
+    Py_ssize_t used;    /* taps */
+    Py_ssize_t filled;  /* taps and deleted slots: at most half the slots, so a probe ends */
+} TapTable;
+
+static PyTypeObject TapTableType;
+
+/* The channel names are the relay's own (a reply id's), not chosen by a client: a fast multiply
+   mix, 8 bytes a step, is enough; equal hashes are told apart by the bytes. */
+static uint64_t channel_hash(const char *s, Py_ssize_t n) {
+    uint64_t h = 0x9E3779B97F4A7C15ULL ^ (uint64_t)n, w;
+    for (; n >= 8; s += 8, n -= 8) {
+        memcpy(&w, s, 8);
+        h = (h ^ w) * 0xFF51AFD7ED558CCDULL;
+        h ^= h >> 32;
+    }
+    w = 0;
+    memcpy(&w, s, (size_t)n);
+    h = (h ^ w) * 0xC4CEB9FE1A85EC53ULL;
+    h ^= h >> 29;
+    return h > SLOT_DELETED ? h : h + 2;
+}
+
+/* The slot holding channel s (n bytes, hash h), or -1. */
+static Py_ssize_t table_find(const TapTable *t, const char *s, Py_ssize_t n, uint64_t h) {
+    if (!t->slots) return -1;
+    for (Py_ssize_t i = (Py_ssize_t)(h & (uint64_t)t->mask);; i = (i + 1) & t->mask) {
+        const Slot *slot = &t->slots[i];
+        if (slot->hash == SLOT_EMPTY) return -1;
+        if (slot->hash == h && slot->tap->channel_len == n && memcmp(slot->tap->channel, s, n) == 0) return i;
+    }
+}
+
+static void table_place(Slot *slots, Py_ssize_t mask, uint64_t h, Tap *tap) {
+    Py_ssize_t i = (Py_ssize_t)(h & (uint64_t)mask);
+    while (slots[i].hash > SLOT_DELETED) i = (i + 1) & mask;
+    slots[i].hash = h;
+    slots[i].tap = tap;
+}
+
+/* Room for one more tap: the slots rebuilt (deleted ones dropped) once taps and deleted slots
+   would pass half of them. */
+static int table_reserve(TapTable *t) {
+    Py_ssize_t size = t->slots ? t->mask + 1 : 0;
+    if ((t->filled + 1) * 2 <= size) return 0;
+    Py_ssize_t want = TABLE_MIN;
+    while (want < (t->used + 1) * 4) want *= 2;
+    Slot *slots = PyMem_Calloc((size_t)want, sizeof(Slot));
+    if (!slots) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < size; i++)
+        if (t->slots[i].hash > SLOT_DELETED) table_place(slots, want - 1, t->slots[i].hash, t->slots[i].tap);
+    PyMem_Free(t->slots);
+    t->slots = slots;
+    t->mask = want - 1;
+    t->filled = t->used;
+    return 0;
+}
+
+/* The key's UTF-8 and hash; -1 with TypeError if it is not a str. */
+static int table_key(PyObject *key, const char **s, Py_ssize_t *n, uint64_t *h) {
+    if (!PyUnicode_Check(key)) {
+        PyErr_SetString(PyExc_TypeError, "a TapTable's keys are channels (str)");
+        return -1;
+    }
+    if (!(*s = PyUnicode_AsUTF8AndSize(key, n))) return -1;
+    *h = channel_hash(*s, *n);
+    return 0;
+}
+
+/* Take slot i's tap out (a new reference for the caller). */
+static Tap *table_take(TapTable *t, Py_ssize_t i) {
+    Tap *tap = t->slots[i].tap;
+    t->slots[i].hash = SLOT_DELETED;
+    t->slots[i].tap = NULL;
+    t->used--;
+    tap_forget_channel(tap);
+    return tap;
+}
+
+static int table_set(TapTable *t, PyObject *key, PyObject *value) {
+    const char *s;
+    Py_ssize_t n;
+    uint64_t h;
+    if (table_key(key, &s, &n, &h) < 0) return -1;
+    Py_ssize_t i = table_find(t, s, n, h);
+    if (!value) {  /* del t[key] */
+        if (i < 0) {
+            PyErr_SetObject(PyExc_KeyError, key);
+            return -1;
+        }
+        Py_DECREF(table_take(t, i));
+        return 0;
+    }
+    if (!PyObject_TypeCheck(value, &TapType)) {
+        PyErr_SetString(PyExc_TypeError, "a TapTable holds Taps");
+        return -1;
+    }
+    Tap *tap = (Tap *)value;
+    if (i >= 0 && t->slots[i].tap == tap) return 0;
+    if (tap->channel_len >= 0) {
+        PyErr_SetString(PyExc_ValueError, "a tap is under one channel of one table at a time");
+        return -1;
+    }
+    Tap *old = i >= 0 ? table_take(t, i) : NULL;
+    if (table_reserve(t) < 0 || tap_set_channel(tap, s, n) < 0) {
+        Py_XDECREF(old);
+        return -1;
+    }
+    Py_INCREF(tap);
+    table_place(t->slots, t->mask, h, tap);
+    t->used++;
+    t->filled++;
+    Py_XDECREF(old);
+    return 0;
+}
+
+static Py_ssize_t TapTable_length(TapTable *t) { return t->used; }
+
+static Py_ssize_t table_lookup(TapTable *t, PyObject *key) {
+    const char *s;
+    Py_ssize_t n;
+    uint64_t h;
+    if (table_key(key, &s, &n, &h) < 0) return -2;
+    return table_find(t, s, n, h);
+}
+
+static PyObject *TapTable_subscript(TapTable *t, PyObject *key) {
+    Py_ssize_t i = table_lookup(t, key);
+    if (i == -2) return NULL;
+    if (i < 0) {
+        PyErr_SetObject(PyExc_KeyError, key);
+        return NULL;
+    }
+    return Py_NewRef((PyObject *)t->slots[i].tap);
+}
+
+static int TapTable_contains(TapTable *t, PyObject *key) {
+    Py_ssize_t i = table_lookup(t, key);
+    return i == -2 ? -1 : i >= 0;
+}
+
+static int one_or_two(const char *name, Py_ssize_t nargs) {
+    if (nargs == 1 || nargs == 2) return 1;
+    PyErr_Format(PyExc_TypeError, "%s takes a channel and an optional default", name);
+    return 0;
+}
+
+static PyObject *TapTable_get(TapTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (!one_or_two("get", nargs)) return NULL;
+    Py_ssize_t i = table_lookup(t, args[0]);
+    if (i == -2) return NULL;
+    return Py_NewRef(i >= 0 ? (PyObject *)t->slots[i].tap : nargs > 1 ? args[1] : Py_None);
+}
+
+static PyObject *TapTable_pop(TapTable *t, PyObject *const *args, Py_ssize_t nargs) {
+    if (!one_or_two("pop", nargs)) return NULL;
+    Py_ssize_t i = table_lookup(t, args[0]);
+    if (i == -2) return NULL;
+    if (i >= 0) return (PyObject *)table_take(t, i);
+    if (nargs > 1) return Py_NewRef(args[1]);
+    PyErr_SetObject(PyExc_KeyError, args[0]);
+    return NULL;
+}
+
+static int TapTable_clear(TapTable *t) {
+    Slot *slots = t->slots;
+    Py_ssize_t size = slots ? t->mask + 1 : 0;
+    t->slots = NULL;
+    t->mask = t->used = t->filled = 0;
+    for (Py_ssize_t i = 0; i < size; i++) {
+        if (slots[i].hash > SLOT_DELETED) {
+            tap_forget_channel(slots[i].tap);
+            Py_DECREF(slots[i].tap);
+        }
+    }
+    PyMem_Free(slots);
+    return 0;
+}
+
+static PyObject *TapTable_clear_method(TapTable *t, PyObject *Py_UNUSED(ignored)) {
+    TapTable_clear(t);
+    Py_RETURN_NONE;
+}
+
+static int TapTable_traverse(TapTable *t, visitproc visit, void *arg) {
+    for (Py_ssize_t i = 0; t->slots && i <= t->mask; i++)
+        if (t->slots[i].hash > SLOT_DELETED) Py_VISIT(t->slots[i].tap);
+    return 0;
+}
+
+static void TapTable_dealloc(TapTable *t) {
+    PyObject_GC_UnTrack(t);
+    TapTable_clear(t);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyMappingMethods TapTable_mapping = {
+    .mp_length = (lenfunc)TapTable_length,
+    .mp_subscript = (binaryfunc)TapTable_subscript,
+    .mp_ass_subscript = (objobjargproc)table_set,
+};
+
+static PySequenceMethods TapTable_sequence = {
+    .sq_contains = (objobjproc)TapTable_contains,
+};
+
+static PyMethodDef TapTable_methods[] = {
+    {"get", (PyCFunction)(void (*)(void))TapTable_get, METH_FASTCALL, "get(channel, default=None)"},
+    {"pop", (PyCFunction)(void (*)(void))TapTable_pop, METH_FASTCALL, "pop(channel[, default])"},
+    {"clear", (PyCFunction)TapTable_clear_method, METH_NOARGS, "clear(): every tap out"},
+    {NULL}
+};
+
+static PyTypeObject TapTableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "fairway_redis_dispatch.TapTable",
+    .tp_basicsize = sizeof(TapTable),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_doc = "TapTable(): channel (str) -> Tap, for a Dispatcher",
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)TapTable_dealloc,
+    .tp_traverse = (traverseproc)TapTable_traverse,
+    .tp_clear = (inquiry)TapTable_clear,
+    .tp_as_mapping = &TapTable_mapping,
+    .tp_as_sequence = &TapTable_sequence,
+    .tp_methods = TapTable_methods,
 };
 
 /* -- RESP2 --------------------------------------------------------------------------------- */
@@ -231,7 +513,7 @@ static const char *bulk(const char *p, const char *end, const char **s, Py_ssize
 
 typedef struct {
     PyObject_HEAD
-    PyObject *taps;         /* dict: channel (str) -> Tap */
+    PyObject *taps;         /* TapTable: channel -> Tap */
     PyObject *error_class;  /* what an error reply becomes */
     Buf pending;            /* bytes of a message not complete yet */
 } Dispatcher;
@@ -239,7 +521,7 @@ typedef struct {
 static int Dispatcher_init(Dispatcher *self, PyObject *args, PyObject *kwds) {
     static char *names[] = {"taps", "error_class", NULL};
     PyObject *taps, *error_class;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O", names, &PyDict_Type, &taps, &error_class)) return -1;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!O", names, &TapTableType, &taps, &error_class)) return -1;
     Py_INCREF(taps); Py_XSETREF(self->taps, taps);
     Py_INCREF(error_class); Py_XSETREF(self->error_class, error_class);
     self->pending.len = 0;
@@ -280,18 +562,13 @@ static int try_tap(Dispatcher *self, const char *p, const char *next, double now
     if (s == payload || end - s < 2 || s[0] != ' ' || s[1] != 't') return 0;
     const char *sep = memchr(s + 2, '\x1f', end - s - 2);
     if (!sep) return 0;
-    PyObject *key = PyUnicode_DecodeUTF8(channel, channel_len, "strict");
-    if (!key) {
-        PyErr_Clear();
-        return 0;
-    }
-    PyObject *tap = PyDict_GetItemWithError(self->taps, key);  /* borrowed */
-    Py_DECREF(key);
-    if (!tap) return PyErr_Occurred() ? -1 : 0;
-    if (!PyObject_TypeCheck(tap, &TapType)) return 0;
-    Tap *t = (Tap *)tap;
+    const TapTable *table = (const TapTable *)self->taps;
+    Py_ssize_t slot = table_find(table, channel, channel_len, channel_hash(channel, channel_len));
+    if (slot < 0) return 0;
+    Tap *t = table->slots[slot].tap;
+    PyObject *tap = (PyObject *)t;
     if (n != t->cursor + 1) return 0;
-    Py_INCREF(tap);  /* the sink may drop it from the dict */
+    Py_INCREF(tap);  /* the sink may drop it from the table */
     int took = tap_take(t, n, sep + 1, end - sep - 1);
     if (took == 1) {
         t->cursor = n;
@@ -354,7 +631,7 @@ static PyMethodDef Dispatcher_methods[] = {
 };
 
 static PyMemberDef Dispatcher_members[] = {
-    {"taps", T_OBJECT, offsetof(Dispatcher, taps), READONLY, "channel -> Tap"},
+    {"taps", T_OBJECT, offsetof(Dispatcher, taps), READONLY, "its TapTable: channel -> Tap"},
     {NULL}
 };
 
@@ -363,7 +640,7 @@ static PyTypeObject DispatcherType = {
     .tp_name = "fairway_redis_dispatch.Dispatcher",
     .tp_basicsize = sizeof(Dispatcher),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
-    .tp_doc = "Dispatcher(taps, error_class): RESP2 Pub/Sub bytes to taps, the rest parsed",
+    .tp_doc = "Dispatcher(taps, error_class): RESP2 Pub/Sub bytes to the taps of a TapTable, the rest parsed",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)Dispatcher_init,
     .tp_dealloc = (destructor)Dispatcher_dealloc,
@@ -378,12 +655,15 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit_fairway_redis_dispatch(void) {
-    if (PyType_Ready(&TapType) < 0 || PyType_Ready(&DispatcherType) < 0) return NULL;
+    if (PyType_Ready(&TapType) < 0 || PyType_Ready(&TapTableType) < 0 || PyType_Ready(&DispatcherType) < 0)
+        return NULL;
     PyObject *m = PyModule_Create(&module);
     if (!m) return NULL;
     Py_INCREF(&TapType);
+    Py_INCREF(&TapTableType);
     Py_INCREF(&DispatcherType);
     if (PyModule_AddObject(m, "Tap", (PyObject *)&TapType) < 0
+        || PyModule_AddObject(m, "TapTable", (PyObject *)&TapTableType) < 0
         || PyModule_AddObject(m, "Dispatcher", (PyObject *)&DispatcherType) < 0) {
         Py_DECREF(m);
         return NULL;
