@@ -34,7 +34,6 @@ class PyTokenWriter:
         self.template = template
         self.transport = transport
         self.open = open
-        self.chars = 0
         self._texts: list[str] = []
 
     def chunk(self, n: int, text: str) -> bytes:
@@ -42,7 +41,10 @@ class PyTokenWriter:
 
     def add_text(self, text: str) -> None:
         self._texts.append(text)
-        self.chars += len(text)
+
+    @property
+    def chars(self) -> int:
+        return sum(map(len, self._texts))
 
     def text(self) -> str:
         return "".join(self._texts)

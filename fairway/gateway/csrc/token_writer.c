@@ -77,7 +77,6 @@ typedef struct {
     Py_ssize_t part_at[PARTS + 1];
     Buf scratch;
     Buf text;  /* the reply's text so far, UTF-8 */
-    Py_ssize_t chars;  /* its length in code points */
 } TokenWriter;
 
 static PyTypeObject TokenWriterType;
@@ -112,7 +111,6 @@ static int TokenWriter_init(TokenWriter *self, PyObject *args, PyObject *kwds) {
     Py_DECREF(parts);
     Py_INCREF(template); Py_XSETREF(self->template, template);
     self->text.len = 0;
-    self->chars = 0;
     Py_XSETREF(self->transport, transport == Py_None ? NULL : Py_NewRef(transport));
     Py_CLEAR(self->is_closing);
     Py_CLEAR(self->buffered);
@@ -151,10 +149,12 @@ static void TokenWriter_dealloc(TokenWriter *self) {
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
-static char *put_part(const TokenWriter *self, char *out, int i) {
+/* Part i onto the event (room made by writer_format: nothing moves the block meanwhile). */
+static void put_part(TokenWriter *self, int i) {
+    Buf *b = &self->scratch;
     Py_ssize_t n = self->part_at[i + 1] - self->part_at[i];
-    memcpy(out, self->scratch.data + self->part_at[i], n);
-    return out + n;
+    memcpy(b->data + b->len, b->data + self->part_at[i], n);
+    b->len += n;
 }
 
 /* Token n's SSE event in self->scratch, `at` bytes into its event area; -1 with an error set on
@@ -162,17 +162,16 @@ static char *put_part(const TokenWriter *self, char *out, int i) {
    parts are copied from the same block without its moving underneath. */
 static int writer_format(TokenWriter *self, Py_ssize_t at, long long n, const char *text, Py_ssize_t len) {
     Buf *b = &self->scratch;
-    Py_ssize_t start = self->part_at[PARTS] + at;
-    b->len = start;
+    b->len = self->part_at[PARTS] + at;
     if (buf_reserve(b, self->part_at[PARTS] + 2 * 24 + len * 6 + 2 + 2) < 0) return -1;
-    char *out = put_part(self, b->data + start, 0);
-    b->len = out - b->data;
+    /* (the reserve above is all the room these take: they cannot fail) */
+    put_part(self, 0);
     buf_int(b, n);
-    b->len = put_part(self, b->data + b->len, 1) - b->data;
+    put_part(self, 1);
     buf_json_string(b, text, len);
-    b->len = put_part(self, b->data + b->len, 2) - b->data;
+    put_part(self, 2);
     buf_int(b, n);
-    b->len = put_part(self, b->data + b->len, 3) - b->data;
+    put_part(self, 3);
     return 0;
 }
 
@@ -204,29 +203,17 @@ static int writer_send(TokenWriter *self, long long n, const char *text, Py_ssiz
     return 1;
 }
 
-/* Append len bytes of UTF-8 to the reply's text: chars code points, or counted if negative. */
-static int keep_text(TokenWriter *self, const char *text, Py_ssize_t len, Py_ssize_t chars) {
-    if (chars < 0) {
-        chars = 0;
-        for (Py_ssize_t i = 0; i < len; i++) chars += ((unsigned char)text[i] & 0xC0) != 0x80;
-    }
-    if (buf_put(&self->text, text, len) < 0) return -1;
-    self->chars += chars;
-    return 0;
-}
-
-/* Write token n: 1 written (text kept), 0 declined, -1 error. chars: the text's length in code
-   points if the caller knows it, else -1. */
-static int writer_take(TokenWriter *self, long long n, const char *text, Py_ssize_t len, Py_ssize_t chars) {
+/* Write token n: 1 written (text kept), 0 declined, -1 error. */
+static int writer_take(TokenWriter *self, long long n, const char *text, Py_ssize_t len) {
     if (!self->open || !self->transport) return 0;
     int wrote = writer_send(self, n, text, len);
     if (wrote <= 0) return wrote;
-    return keep_text(self, text, len, chars) < 0 ? -1 : 1;
+    return buf_put(&self->text, text, len) < 0 ? -1 : 1;
 }
 
 /* The C-level token sink protocol (token_sink.h): the relay's dispatcher calls this. */
 static int sink_take(PyObject *self, long long n, const char *text, Py_ssize_t len) {
-    return writer_take((TokenWriter *)self, n, text, len, -1);
+    return writer_take((TokenWriter *)self, n, text, len);
 }
 
 static const FairwayTokenSink SINK = {sink_take};
@@ -249,7 +236,7 @@ static PyObject *TokenWriter_call(TokenWriter *self, PyObject *args, PyObject *k
     Py_ssize_t len;
     const char *utf8 = PyUnicode_AsUTF8AndSize(text, &len);
     if (!utf8) return NULL;
-    int took = writer_take(self, n, utf8, len, PyUnicode_GET_LENGTH(text));
+    int took = writer_take(self, n, utf8, len);
     if (took < 0) return NULL;
     return PyBool_FromLong(took);
 }
@@ -261,13 +248,26 @@ static PyObject *TokenWriter_add_text(TokenWriter *self, PyObject *text) {
     }
     Py_ssize_t len;
     const char *utf8 = PyUnicode_AsUTF8AndSize(text, &len);
-    if (!utf8 || keep_text(self, utf8, len, PyUnicode_GET_LENGTH(text)) < 0) return NULL;
+    if (!utf8 || buf_put(&self->text, utf8, len) < 0) return NULL;
     Py_RETURN_NONE;
 }
 
 static PyObject *TokenWriter_text(TokenWriter *self, PyObject *Py_UNUSED(ignored)) {
     return PyUnicode_DecodeUTF8(self->text.data ? self->text.data : "", self->text.len, "replace");
 }
+
+/* The text's length in code points, counted when asked (a tool event's offset: rare), not per
+   token: every byte but a UTF-8 continuation byte starts one. */
+static PyObject *TokenWriter_get_chars(TokenWriter *self, void *Py_UNUSED(closure)) {
+    Py_ssize_t chars = 0;
+    for (Py_ssize_t i = 0; i < self->text.len; i++) chars += ((unsigned char)self->text.data[i] & 0xC0) != 0x80;
+    return PyLong_FromSsize_t(chars);
+}
+
+static PyGetSetDef TokenWriter_getset[] = {
+    {"chars", (getter)TokenWriter_get_chars, NULL, "the length of text(), in code points", NULL},
+    {NULL}
+};
 
 static PyMethodDef TokenWriter_methods[] = {
     {"chunk", (PyCFunction)TokenWriter_chunk, METH_VARARGS, "chunk(n, text) -> bytes: the SSE event of token n"},
@@ -280,7 +280,6 @@ static PyMethodDef TokenWriter_methods[] = {
 static PyMemberDef TokenWriter_members[] = {
     {"open", T_BOOL, offsetof(TokenWriter, open), 0, "False: decline every token (the stream's task writes them)"},
     {"template", T_OBJECT, offsetof(TokenWriter, template), READONLY, "the sse.TokenTemplate it fills"},
-    {"chars", T_PYSSIZET, offsetof(TokenWriter, chars), READONLY, "the length of text(), in code points"},
     {"transport", T_OBJECT, offsetof(TokenWriter, transport), READONLY, "where it writes HTTP chunks, or None"},
     {NULL}
 };
@@ -299,6 +298,7 @@ static PyTypeObject TokenWriterType = {
     .tp_call = (ternaryfunc)TokenWriter_call,
     .tp_methods = TokenWriter_methods,
     .tp_members = TokenWriter_members,
+    .tp_getset = TokenWriter_getset,
 };
 
 static struct PyModuleDef module = {

@@ -566,9 +566,8 @@ static int try_tap(Dispatcher *self, const char *p, const char *next, double now
     Py_ssize_t slot = table_find(table, channel, channel_len, channel_hash(channel, channel_len));
     if (slot < 0) return 0;
     Tap *t = table->slots[slot].tap;
-    PyObject *tap = (PyObject *)t;
     if (n != t->cursor + 1) return 0;
-    Py_INCREF(tap);  /* the sink may drop it from the table */
+    Py_INCREF(t);  /* the sink may drop it from the table */
     int took = tap_take(t, n, sep + 1, end - sep - 1);
     if (took == 1) {
         t->cursor = n;
@@ -579,7 +578,7 @@ static int try_tap(Dispatcher *self, const char *p, const char *next, double now
         PyErr_Clear();
         took = 0;
     }
-    Py_DECREF(tap);
+    Py_DECREF(t);
     return took;
 }
 
