@@ -147,6 +147,11 @@ async def redis_cpu_s(url: str) -> float:
     return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
+def side_ratios(rounds: list[dict[str, dict[str, Any]]], key: str) -> list[float]:
+    """this / base of a per-side figure (CPU seconds), round by round."""
+    return [round(r["this"][key] / r["base"][key], 3) for r in rounds if r["base"][key]]
+
+
 def ratio(values: dict[str, Any], figure: str) -> float | None:
     base, this = values["base"]["us_per_event"][figure], values["this"]["us_per_event"][figure]
     return round(this / base, 3) if base and this else None
@@ -172,11 +177,9 @@ async def main(args: argparse.Namespace) -> None:
                            "median_of_ratios": statistics.median(ratios)}
         print(f"{figure}: median {medians['base']:.2f} vs {medians['this']:.2f} us per event; this / base by round "
               f"{', '.join(f'{x:.3f}' for x in ratios)}; median {summary[figure]['median_of_ratios']}")
-    replicas = [round(r["this"]["replicas_cpu_s"] / r["base"]["replicas_cpu_s"], 3) for r in rounds
-                if r["base"]["replicas_cpu_s"]]
+    replicas = side_ratios(rounds, "replicas_cpu_s")
     if args.in_turn:
-        redis_ratios = [round(r["this"]["redis_cpu_s"] / r["base"]["redis_cpu_s"], 3) for r in rounds
-                        if r["base"]["redis_cpu_s"]]
+        redis_ratios = side_ratios(rounds, "redis_cpu_s")
         summary["redis_cpu"] = {"this_over_base_by_round": redis_ratios,
                                 "median_of_ratios": statistics.median(redis_ratios)}
         print(f"Redis' CPU, this / base by round {', '.join(f'{x:.3f}' for x in redis_ratios)}; "
