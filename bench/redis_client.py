@@ -3,9 +3,9 @@
 1. Commands: the CPU this process spends per command, with `--in-flight` commands outstanding
    at a time, through redis-py's asyncio client (its pool) and through fairway.redis_client's
    multiplexed connection (RedisClient.execute), against the same server.
-2. Packing a token's append call: the generic scripts.pack_call (per argument by type, as every
-   other event's call) against the replica's per-token path (the call's scripts.call_format
-   filled in one step), the same bytes.
+2. Packing a token's part of an append call: the generic scripts.pack_args (per argument by
+   type, as every other event's part) against the replica's per-token path (the part's
+   scripts.args_format filled in one step), the same bytes.
 
     .venv/bin/python bench/redis_client.py [--redis redis://127.0.0.1:6379/0] [--commands 20000]
 
@@ -60,14 +60,15 @@ async def commands_part(url: str, commands: int, in_flight: int, repeats: int) -
 
 
 def packing_part(redis_url: str, calls: int) -> dict:
-    """A token's append call as the replica packs it (RedisTokenLog._token_call: the call's format
-    filled in one step) and as every other event's is (_append_call: the generic pack_call)."""
+    """A token's part of an append call as the replica packs it (RedisTokenLog._token_part: the
+    part's formats filled in one step each) and as every other event's is (_event_part: the
+    generic pack_args)."""
     log = make_relay(redis_url).log  # (no connection is made: packing only)
     event = TokenEvent(17, " word", [1234])
-    assert log._token_call("rep_0123456789abcdef", event) == log._append_call("rep_0123456789abcdef", event)
+    assert log._token_part("rep_0123456789abcdef", event) == log._event_part("rep_0123456789abcdef", event)
     out = {}
-    for name, fn in (("pack_call", lambda: log._append_call("rep_0123456789abcdef", event)),
-                     ("call_format filled", lambda: log._token_call("rep_0123456789abcdef", event))):
+    for name, fn in (("pack_args", lambda: log._event_part("rep_0123456789abcdef", event)),
+                     ("args_format filled", lambda: log._token_part("rep_0123456789abcdef", event))):
         start = time.process_time()
         for _ in range(calls):
             fn()

@@ -53,21 +53,30 @@ def test_pack_writes_each_argument_as_its_text() -> None:
     assert pack(["X", *values]) == b"*%d\r\n" % (len(values) + 1) + expected
 
 
-def test_a_call_filled_into_its_format_is_the_generic_packers() -> None:
-    """The replica's per-token packer (a call's format, some arguments packed in once, the others
-    filled per call) writes the bytes pack_call writes, for scripts, argument counts and fixed
-    arguments in turn."""
-    from fairway.redis_client.scripts import Script, call_format, pack_call
+def test_a_call_assembled_from_parts_is_the_generic_packers() -> None:
+    """A script call assembled from its items' parts (script_call), each part packed generically
+    (pack_args) or filled into its format (args_format: some arguments packed in once, the others
+    filled per call, as the replica packs a token), writes the bytes pack_call writes, for
+    scripts, argument counts and fixed arguments in turn."""
+    from fairway.redis_client.scripts import Script, args_format, pack_args, pack_call, script_call
+
+    def filled(values: list[bytes], fixed: set[int]) -> bytes:
+        template = args_format([v if i in fixed else None for i, v in enumerate(values)])
+        return template % tuple(x for i, v in enumerate(values) if i not in fixed for x in (len(v), v))
 
     for source in ("return 1", "return 2"):
         script = Script(source)
         for keys, args in ((["a", "b", "c"], ["5", "1000", "t1\x1fé", "", "ids", "1,2"]), (["k"], ["x"]), (["k"], []),
                            (["%s"], ["100%", "%d%%", "%b"])):  # (a format's own character, fixed or filled)
-            as_bytes = [v.encode() for v in (*keys, *args)]
-            for fixed in (set(), {0}, set(range(1, len(as_bytes), 2)), set(range(len(as_bytes)))):
-                template = call_format(script, len(keys), [v if i in fixed else None for i, v in enumerate(as_bytes)])
-                filled = template % tuple(x for i, v in enumerate(as_bytes) if i not in fixed for x in (len(v), v))
-                assert filled == pack_call(script, keys, args), (keys, args, fixed)
+            key_bytes, arg_bytes = [k.encode() for k in keys], [a.encode() for a in args]
+            expected = pack_call(script, keys, args)
+            assert script_call(script, [pack_args(keys)], [pack_args(args)], len(keys), len(args)) == expected
+            for fixed in (set(), {0}, set(range(1, 8, 2)), set(range(8))):
+                parts = [filled(key_bytes, fixed), filled(arg_bytes, fixed)]
+                assert script_call(script, parts[:1], parts[1:], len(keys), len(args)) == expected, (keys, args, fixed)
+            # Several items' parts, one after the other: their keys first, then their arguments.
+            halves = [pack_args(keys[:1]), pack_args(keys[1:])], [pack_args(args[:2]), pack_args(args[2:])]
+            assert script_call(script, *halves, len(keys), len(args)) == expected
 
 
 async def test_concurrent_callers_each_get_their_own_reply(mux: RedisMux) -> None:

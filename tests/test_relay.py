@@ -229,6 +229,29 @@ async def test_append_many_appends_each_and_puts_errors_in_place(backend: Backen
         await log.append_many([(a, final())])  # type: ignore[list-item]
 
 
+async def test_a_step_bigger_than_one_append_call_lands_in_order_with_errors_in_place(backend: Backend) -> None:
+    """A replica's step of 201 events over five replies (more than one append call takes: on Redis
+    they go in several, on a cluster by slot): each reply's events land numbered in order, a
+    duplicate and a finished reply's tokens fail alone, in their places."""
+    from fairway.relay.token_log_redis import APPENDS_PER_CALL
+
+    log, replies = backend.log(), [rid() for _ in range(5)]
+    for r in replies:
+        await log.create(r)
+    await log.finish(replies[4], final())
+    items = [(r, TokenEvent(0, f"{k}", [k])) for k in range(40) for r in replies]
+    items.insert(77, (replies[0], TokenEvent(1, "dup")))  # replies[0] has 16 events by then
+    assert len(items) > 3 * APPENDS_PER_CALL
+    results = await log.append_many(items)
+    assert isinstance(results[77], EventOutOfOrder) and results[77].last_n == 16
+    rest = results[:77] + results[78:]
+    assert len(rest[4::5]) == 40 and all(isinstance(x, ReplyFinished) for x in rest[4::5])
+    for j, r in enumerate(replies[:4]):
+        assert rest[j::5] == list(range(1, 41))
+        assert [(e.n, e.text) for e in await log.read(r)] == [(k + 1, f"{k}") for k in range(40)]
+    assert [e.n for e in await log.read(replies[4])] == [1]
+
+
 async def test_unknown_reply_and_bad_cursor_errors(backend: Backend) -> None:
     log, r = backend.log(), rid()
     assert not await log.exists(r)
@@ -794,12 +817,12 @@ async def test_redis_listener_of_a_dead_gateway_ages_out(redis_backend: Backend)
     await events.aclose()
 
 
-def test_a_tokens_append_call_packed_by_hand_is_the_generic_one() -> None:
-    """The replica's per-token append call, packed by hand for speed, is byte for byte what the
-    generic packing of the append script's call makes (which final events still use)."""
+def test_a_tokens_append_part_packed_by_hand_is_the_generic_one() -> None:
+    """The replica's per-token part of an append call, packed by hand for speed, is byte for byte
+    what the generic packing of an event's part makes (which final events still use)."""
     log = make_relay(REDIS_URL, prefix="t:").log
     for event in (TokenEvent(5, "héllo \x1f\n\"", [1, 2]), TokenEvent(1, "", []), TokenEvent(300, "x" * 5000, [7])):
-        assert log._token_call("rep_1", event) == log._append_call("rep_1", event)
+        assert log._token_part("rep_1", event) == log._event_part("rep_1", event)
 
 
 async def test_redis_listener_that_saw_the_end_is_not_refreshed(redis_backend: Backend) -> None:

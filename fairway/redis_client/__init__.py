@@ -26,9 +26,17 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 
-from fairway.redis_client.cluster import ClusterMux, command_key
+from fairway.redis_client.cluster import ClusterMux, command_key, slot_groups
 from fairway.redis_client.mux import Command, RawConnection, RedisMux, pack
-from fairway.redis_client.scripts import Script, pack_call, run_packed_scripts, run_scripts
+from fairway.redis_client.scripts import (
+    Script,
+    args_format,
+    pack_args,
+    pack_call,
+    run_packed_scripts,
+    run_scripts,
+    script_call,
+)
 
 Mux = RedisMux | ClusterMux
 
@@ -118,6 +126,15 @@ class RedisClient:
     async def run_packed_scripts(self, script: Script, calls: Sequence[bytes]) -> list[Any]:
         return await run_packed_scripts(self._mux if self._known else await self.mux(), script, calls)
 
+    async def script_groups(self, keys: Sequence[str], size: int) -> list[list[int]]:
+        """The indices of keys in groups of at most size, in order, for one call per group of a
+        script over several items (keys[i] item i's first key): on a single server runs of size;
+        on a cluster, whose calls' keys must share a slot, the items of one slot together."""
+        mux = self._mux if self._known else await self.mux()
+        if isinstance(mux, ClusterMux):
+            return slot_groups(keys, size)
+        return [list(range(start, min(start + size, len(keys)))) for start in range(0, len(keys), size)]
+
     async def blocking(self, command: Callable[[float], list[Any]], timeout: float | None) -> Any:
         """Run a blocking command (command(seconds to wait) builds it) until it returns something
         or the timeout (None: no limit) runs out; None then. It waits on a connection of its own
@@ -171,4 +188,5 @@ class RedisClient:
 
 __all__ = ["ClusterMux", "Command", "RawConnection", "RedisClient", "RedisMux", "Script", "command_key",
            "field_pairs",
-           "is_redis_url", "pack", "pack_call", "redis_py", "run_packed_scripts", "run_scripts"]
+           "args_format", "is_redis_url", "pack", "pack_args", "pack_call", "redis_py", "run_packed_scripts",
+           "run_scripts", "script_call"]

@@ -31,20 +31,28 @@ def pack_call(script: Script, keys: Sequence[str], args: Sequence[Any]) -> bytes
 _SLOT = b"$%d\r\n%b\r\n"  # one argument: its length, then its bytes
 
 
-def call_format(script: Script, numkeys: int, args: Sequence[bytes | None]) -> bytes:
-    """A call of script as one bytes format, for a call made once per token (keys first in args):
-    the arguments given are packed in once, each None is a slot the caller fills with the
-    argument's length and bytes, call_format(...) % (len(a), a, len(b), b, ...), in order. The
-    same bytes as pack_call(), in one formatting step instead of one per argument."""
-    return _call_head(script.sha, len(args), numkeys) + b"".join(
-        _SLOT if arg is None else (_SLOT % (len(arg), arg)).replace(b"%", b"%%") for arg in args)
+def pack_args(args: Sequence[Any]) -> bytes:
+    """Arguments packed as a command packs them, without the command's header: a part of a call
+    that script_call() assembles."""
+    packed = pack(list(args)) if args else b"*0\r\n"
+    return packed[packed.index(b"\r\n") + 2:]
 
 
-def _call_head(sha: str, num_args: int, numkeys: int) -> bytes:
-    """EVALSHA, the sha and numkeys, packed."""
-    count = b"%d" % numkeys
-    return (b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n" % (num_args + 3, sha.encode())
-            + b"$%d\r\n%b\r\n" % (len(count), count))
+def args_format(args: Sequence[bytes | None]) -> bytes:
+    """pack_args() as one bytes format, for a part packed once per token: the arguments given are
+    packed in once, each None is a slot the caller fills with the argument's length and bytes,
+    args_format(...) % (len(a), a, len(b), b, ...), in order."""
+    return b"".join(_SLOT if arg is None else (_SLOT % (len(arg), arg)).replace(b"%", b"%%") for arg in args)
+
+
+def script_call(script: Script, keys: Sequence[bytes], args: Sequence[bytes], num_keys: int, num_args: int) -> bytes:
+    """One call of script assembled from packed parts (pack_args(), or args_format() filled in):
+    the keys' parts, then the other arguments' parts, and how many arguments each holds. The same
+    bytes as pack_call(); a call over several items (a script that appends many events) is one
+    part per item, packed as each item comes."""
+    count = b"%d" % num_keys
+    return (b"*%d\r\n$7\r\nEVALSHA\r\n$40\r\n%b\r\n$%d\r\n%b\r\n"
+            % (num_keys + num_args + 3, script.sha.encode(), len(count), count)) + b"".join(keys) + b"".join(args)
 
 
 async def run_scripts(mux: RedisMux, script: Script,

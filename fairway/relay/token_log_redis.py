@@ -14,8 +14,9 @@ Explicit stream ids make n the id: a replay "after n" is an exact range, and Red
 a second event n, so a duplicate can never be stored. Live events reach all of a process's
 subscribers through one sharded Pub/Sub connection (redis_live.LiveEvents), the append script
 publishing each event in the same atomic step that logs it. Per-process batching keeps the
-round trips per event small: append_many() sends one engine step's events for all of a replica's
-replies in one pipeline, and the heartbeats of all of a gateway's listeners go in one pipeline
+round trips and calls per event small: append_many() sends one engine step's events for all of a
+replica's replies in one round trip, APPENDS_PER_CALL events to a call of the append script (on a
+cluster, those of one slot together), and the heartbeats of all of a gateway's listeners go in one pipeline
 per tick (_Heartbeats). Every key carries a TTL refreshed by the writes that matter, so retention
 needs no sweeper.
 """
@@ -30,8 +31,17 @@ from typing import Any
 
 from redis.exceptions import NoScriptError, ResponseError
 
-from fairway.redis_client import Command, RedisClient, Script, field_pairs, pack, pack_call
-from fairway.redis_client.scripts import call_format
+from fairway.redis_client import (
+    Command,
+    RedisClient,
+    Script,
+    args_format,
+    field_pairs,
+    pack,
+    pack_args,
+    pack_call,
+    script_call,
+)
 from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields
 from fairway.relay.redis_guard import guard
@@ -65,27 +75,43 @@ return 1
 """
 )
 
-# KEYS: stream, listened, live channel. ARGV: n (0 = next), ttl_ms, live payload, kind,
-# field/value pairs... Atomic check-append-publish: the numbering rule holds even with two
-# producers racing (failover), and an event is published exactly when it is logged.
+# KEYS: per event, its stream, listened and live channel. ARGV: ttl_ms, then per event its n (0 =
+# next), live payload, kind, how many field/value items follow, and those items. Returns per event
+# its n or its error. Atomic check-append-publish for each: the numbering rule holds even with two
+# producers racing (failover), and an event is published exactly when it is logged. One call takes
+# many events (a replica's step), so Redis pays its per-call cost once for them, not per token.
 _APPEND = """
-local top = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-local last = 0
-if #top > 0 then
-  last = tonumber(string.match(top[1][1], '^(%d+)-'))
-  if top[1][2][2] == 'f' then return redis.error_reply('FAIRWAY_FINISHED ' .. last) end
-else
-  """ + _NOW + """
-  redis.call('SET', KEYS[2], string.format('%.6f', now), 'PX', ARGV[2], 'NX')
+local ttl = ARGV[1]
+local function append(log, listened, live, a, last_arg)
+  local top = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
+  local last = 0
+  if #top > 0 then
+    last = tonumber(string.match(top[1][1], '^(%d+)-'))
+    if top[1][2][2] == 'f' then return redis.error_reply('FAIRWAY_FINISHED ' .. last) end
+  else
+    """ + _NOW + """
+    redis.call('SET', listened, string.format('%.6f', now), 'PX', ttl, 'NX')
+  end
+  local n = tonumber(ARGV[a])
+  if n == 0 then n = last + 1 end
+  if n ~= last + 1 then return redis.error_reply('FAIRWAY_ORDER ' .. last) end
+  -- pcall: a write Redis refuses (out of memory) fails this event alone, not the events after it
+  local added = redis.pcall('XADD', log, n .. '-0', 'k', ARGV[a + 2], 'n', n, unpack(ARGV, a + 4, last_arg))
+  if type(added) == 'table' and added.err then return added end
+  redis.call('PEXPIRE', log, ttl)
+  redis.call('SPUBLISH', live, n .. ' ' .. ARGV[a + 1])
+  return n
 end
-local n = tonumber(ARGV[1])
-if n == 0 then n = last + 1 end
-if n ~= last + 1 then return redis.error_reply('FAIRWAY_ORDER ' .. last) end
-redis.call('XADD', KEYS[1], n .. '-0', 'k', ARGV[4], 'n', n, unpack(ARGV, 5))
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-redis.call('SPUBLISH', KEYS[3], n .. ' ' .. ARGV[3])
-return n
+local results, a = {}, 2
+for i = 1, #KEYS, 3 do
+  local last_arg = a + 3 + tonumber(ARGV[a + 3])
+  results[#results + 1] = append(KEYS[i], KEYS[i + 1], KEYS[i + 2], a, last_arg)
+  a = last_arg + 1
+end
+return results
 """
+# Events per append call: Redis runs a call whole, the other clients' commands waiting meanwhile.
+APPENDS_PER_CALL = 64
 
 # KEYS: listeners, listened. ARGV: token, ttl_ms, leaving ('1'/'0'), stale_s.
 # The score is the deadline for the next heartbeat, set by the listener's own process, so how
@@ -212,8 +238,9 @@ class RedisTokenLog(TokenLog):
         self._heartbeats = _Heartbeats(self, heartbeat_s)
         self._create = Script(_CREATE)
         self._append = Script(_APPEND)
-        # A token's append call: its keys, n, ttl and live payload, then its fields (kind t, text, ids).
-        self._token_format = call_format(self._append, 3, [None] * 6 + [b"t", b"text", None, b"ids", None])
+        # A token's part of an append call: its keys; its n, live payload, kind t and its fields.
+        self._token_keys = args_format([None] * 3)
+        self._token_args = args_format([None, None, b"t", b"4", b"text", None, b"ids", None])
         self._heartbeat = Script(_HEARTBEAT)
         self._listeners = Script(_LISTENERS)
         self._stop = Script(_STOP)
@@ -271,32 +298,45 @@ class RedisTokenLog(TokenLog):
         return raise_if_error((await self._add([(reply_id, final)]))[0])
 
     async def _add(self, items: Sequence[tuple[str, Event]]) -> list[int | Exception]:
-        calls = [self._token_call(reply_id, event) if isinstance(event, TokenEvent) else self._append_call(reply_id, event)
+        """The events appended, a step's worth in few calls of the append script (script_groups:
+        APPENDS_PER_CALL a call, those of one slot together on a cluster)."""
+        parts = [self._token_part(reply_id, event) if isinstance(event, TokenEvent) else self._event_part(reply_id, event)
                  for reply_id, event in items]
+        ttl = pack_args([self._ttl_ms])
         with guard():
-            results = await self._client.run_packed_scripts(self._append, calls)
-        return [_script_error(result, reply_id, event.n) if isinstance(result, ResponseError) else int(result)
-                for (reply_id, event), result in zip(items, results, strict=True)]
+            groups = await self._client.script_groups([part[0] for part in parts], APPENDS_PER_CALL)
+            calls = [script_call(self._append, [parts[i][1] for i in group], [ttl, *(parts[i][2] for i in group)],
+                                 3 * len(group), 1 + sum(parts[i][3] for i in group)) for group in groups]
+            replies = await self._client.run_packed_scripts(self._append, calls)
+        results: list[int | Exception] = [0] * len(items)
+        for group, reply in zip(groups, replies, strict=True):
+            # A call that failed whole (no script ran) fails each of its events.
+            for i, result in zip(group, reply if isinstance(reply, list) else [reply] * len(group), strict=True):
+                reply_id, event = items[i]
+                results[i] = _script_error(result, reply_id, event.n) if isinstance(result, ResponseError) else int(result)
+        return results
 
-    def _append_call(self, reply_id: str, event: Event) -> bytes:
-        """The append script's call for any event."""
+    def _event_part(self, reply_id: str, event: Event) -> tuple[str, bytes, bytes, int]:
+        """An event's part of an append call: its stream's key, the packed keys, the packed
+        arguments and how many they are."""
         fields = event.to_fields()
         kind = fields.pop("k")
         fields.pop("n")  # the script writes the n it assigned or validated
         flat = [item for pair in fields.items() for item in pair]
-        keys = [self._key(reply_id), self._key(reply_id, "listened"), self._key(reply_id, "live")]
-        return pack_call(self._append, keys, [event.n, self._ttl_ms, live_payload(event), kind, *flat])
+        key = self._key(reply_id)
+        args = [event.n, live_payload(event), kind, len(flat), *flat]
+        return key, pack_args([key, key + ":listened", key + ":live"]), pack_args(args), len(args)
 
-    def _token_call(self, reply_id: str, event: TokenEvent) -> bytes:
-        """_append_call for a token, filled into _token_format (the same bytes): a replica sends one
-        a token, and building the fields dict and packing each argument by type was most of its cost."""
+    def _token_part(self, reply_id: str, event: TokenEvent) -> tuple[str, bytes, bytes, int]:
+        """_event_part for a token, filled into formats (the same bytes): a replica packs one a
+        token, and building the fields dict and packing each argument by type was most of its cost."""
         ids = ",".join(map(str, event.token_ids)).encode()
         text = event.text.encode()
         key = self._key(reply_id)
         log, listened, live = key.encode(), (key + ":listened").encode(), (key + ":live").encode()
-        n, ttl, payload = b"%d" % event.n, b"%d" % self._ttl_ms, b"t%b\x1f%b" % (ids, text)
-        return self._token_format % (len(log), log, len(listened), listened, len(live), live, len(n), n, len(ttl), ttl,
-                                     len(payload), payload, len(text), text, len(ids), ids)
+        n, payload = b"%d" % event.n, b"t%b\x1f%b" % (ids, text)
+        return (key, self._token_keys % (len(log), log, len(listened), listened, len(live), live),
+                self._token_args % (len(n), n, len(payload), payload, len(text), text, len(ids), ids), 8)
 
     async def _snapshot(self, reply_id: str, after: int, join: str | None = None) -> tuple[list[Event], bool]:
         """Validated events after `after` and whether the log has ended, read atomically
