@@ -203,8 +203,10 @@ async def test_append_creates_missing_log_and_enforces_numbering(backend: Backen
         await log.append(r, TokenEvent(1, "dup"))  # a duplicate (zombie producer) is refused
     with pytest.raises(EventOutOfOrder):
         await log.append(r, TokenEvent(3, "gap"))
+    zombie = rid()
     with pytest.raises(EventOutOfOrder):
-        await log.append(rid(), TokenEvent(5, "zombie"))  # no log, and 5 is not a first event
+        await log.append(zombie, TokenEvent(5, "zombie"))  # no log, and 5 is not a first event
+    assert not await log.exists(zombie)  # (nor does the refusal leave one behind)
     await log.finish(r, final())
     with pytest.raises(ReplyFinished):
         await log.append(r, TokenEvent(0, "late"))

@@ -103,6 +103,8 @@ class InProcessTokenLog(TokenLog):
     def _add(self, reply_id: str, event: Event) -> int:
         log = self._get(reply_id)
         if log is None:
+            if event.n > 1:  # not a first event: refused, as by Redis, without leaving a log
+                raise EventOutOfOrder(reply_id, event.n, 0)
             log = self._logs[reply_id] = self._open()
         if log.finished:
             raise ReplyFinished(reply_id, log.last_n)

@@ -80,24 +80,36 @@ return 1
 # its n or its error. Atomic check-append-publish for each: the numbering rule holds even with two
 # producers racing (failover), and an event is published exactly when it is logged. One call takes
 # many events (a replica's step), so Redis pays its per-call cost once for them, not per token.
+#
+# A log is its header (0-1) and events 1..last, never trimmed, so its length says last; its final
+# event sets the stream's last id past any event's, so Redis itself refuses any XADD after it.
+# Only an append that does not fit reads the log's top entry (what XLEN saves: most of a token's
+# script time went to converting that entry into Lua).
 _APPEND = """
 local ttl = ARGV[1]
+local function refused(log, n, added)
+  local top = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)[1]
+  local last = tonumber(string.match(top[1], '^(%d+)-'))
+  if top[2][2] == 'f' then return redis.error_reply('FAIRWAY_FINISHED ' .. last) end
+  return added or redis.error_reply('FAIRWAY_ORDER ' .. last)
+end
 local function append(log, listened, live, a, last_arg)
-  local top = redis.call('XREVRANGE', log, '+', '-', 'COUNT', 1)
-  local last = 0
-  if #top > 0 then
-    last = tonumber(string.match(top[1][1], '^(%d+)-'))
-    if top[1][2][2] == 'f' then return redis.error_reply('FAIRWAY_FINISHED ' .. last) end
-  else
+  local size = redis.call('XLEN', log)
+  local n = tonumber(ARGV[a])
+  if size == 0 then  -- a log create() never made (or one expired): its header first
+    if n > 1 then return redis.error_reply('FAIRWAY_ORDER 0') end
     """ + _NOW + """
     redis.call('SET', listened, string.format('%.6f', now), 'PX', ttl, 'NX')
+    redis.call('XADD', log, '0-1', 'k', 'open')
+    redis.call('PEXPIRE', log, ttl)
+    size = 1
   end
-  local n = tonumber(ARGV[a])
-  if n == 0 then n = last + 1 end
-  if n ~= last + 1 then return redis.error_reply('FAIRWAY_ORDER ' .. last) end
-  -- pcall: a write Redis refuses (out of memory) fails this event alone, not the events after it
+  if n == 0 then n = size end
+  if n ~= size then return refused(log, n, nil) end
+  -- pcall: a write Redis refuses (after the final event; out of memory) fails this event alone
   local added = redis.pcall('XADD', log, n .. '-0', 'k', ARGV[a + 2], 'n', n, unpack(ARGV, a + 4, last_arg))
-  if type(added) == 'table' and added.err then return added end
+  if type(added) == 'table' and added.err then return refused(log, n, added) end
+  if ARGV[a + 2] == 'f' then redis.call('XSETID', log, '18446744073709551615-18446744073709551615') end
   redis.call('PEXPIRE', log, ttl)
   redis.call('SPUBLISH', live, n .. ' ' .. ARGV[a + 1])
   return n
