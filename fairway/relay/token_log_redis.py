@@ -4,6 +4,7 @@ Layout (the {reply id} hash tag keeps a reply's keys in one Redis Cluster slot, 
 scripts below stay single-slot):
 
   {prefix}reply:{<id>}            Stream: header 0-1 from create(), event n at stream id n-0
+                                  (once the final event is in, its last id set to the largest)
   {prefix}reply:{<id>}:live       shard channel: each event as it is appended (SPUBLISH)
   {prefix}reply:{<id>}:listeners  ZSET listener token -> heartbeat deadline (server time)
   {prefix}reply:{<id>}:listened   when a listener was last seen (server time)
@@ -16,8 +17,8 @@ subscribers through one sharded Pub/Sub connection (redis_live.LiveEvents), the 
 publishing each event in the same atomic step that logs it. Per-process batching keeps the
 round trips and calls per event small: append_many() sends one engine step's events for all of a
 replica's replies in one round trip, APPENDS_PER_CALL events to a call of the append script (on a
-cluster, those of one slot together), and the heartbeats of all of a gateway's listeners go in one pipeline
-per tick (_Heartbeats). Every key carries a TTL refreshed by the writes that matter, so retention
+cluster, those of one slot together), and the heartbeats of all of a gateway's listeners go in one
+pipeline per tick (_Heartbeats). Every key carries a TTL refreshed by the writes that matter, so retention
 needs no sweeper.
 """
 
