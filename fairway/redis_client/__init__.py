@@ -26,7 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.retry import Retry
 
-from fairway.redis_client.cluster import ClusterMux, command_key, slot_groups
+from fairway.redis_client.cluster import ClusterMux, command_key, runs, slot_groups
 from fairway.redis_client.mux import Command, RawConnection, RedisMux, pack
 from fairway.redis_client.scripts import (
     Script,
@@ -133,7 +133,7 @@ class RedisClient:
         mux = self._mux if self._known else await self.mux()
         if isinstance(mux, ClusterMux):
             return slot_groups(keys, size)
-        return [list(range(start, min(start + size, len(keys)))) for start in range(0, len(keys), size)]
+        return runs(range(len(keys)), size)
 
     async def blocking(self, command: Callable[[float], list[Any]], timeout: float | None) -> Any:
         """Run a blocking command (command(seconds to wait) builds it) until it returns something

@@ -27,12 +27,17 @@ from fairway.redis_client.mux import Command, RawConnection, RedisMux, pack
 _KEYLESS = {"MULTI", "EXEC", "PING", "SCRIPT", "INFO", "CLUSTER", "TIME"}
 
 
+def runs(indices: Sequence[int], size: int) -> list[list[int]]:
+    """indices cut into runs of at most size, in order."""
+    return [list(indices[start:start + size]) for start in range(0, len(indices), size)]
+
+
 def slot_groups(keys: Sequence[str], size: int) -> list[list[int]]:
     """The indices of keys grouped by hash slot, each group in order and cut into runs of size."""
     by_slot: dict[int, list[int]] = {}
     for i, key in enumerate(keys):
         by_slot.setdefault(key_slot(key.encode()), []).append(i)
-    return [group[start:start + size] for group in by_slot.values() for start in range(0, len(group), size)]
+    return [run for group in by_slot.values() for run in runs(group, size)]
 
 
 def command_key(command: Sequence[Any]) -> str | None:

@@ -34,7 +34,7 @@ _SLOT = b"$%d\r\n%b\r\n"  # one argument: its length, then its bytes
 def pack_args(args: Sequence[Any]) -> bytes:
     """Arguments packed as a command packs them, without the command's header: a part of a call
     that script_call() assembles."""
-    packed = pack(list(args)) if args else b"*0\r\n"
+    packed = pack(list(args))
     return packed[packed.index(b"\r\n") + 2:]
 
 
