@@ -50,7 +50,7 @@ def plain_engine(model) -> LLMEngine:
 def always_speculate(eng: LLMEngine, monkeypatch) -> LLMEngine:
     """Draft at every step, whatever the step-time model says (a tiny model's draft costs as much as
     its target, so the policy would rightly switch speculation off): the tests are of exactness."""
-    monkeypatch.setattr(eng.speculator.policy, "threshold", lambda *args: 0.0)
+    monkeypatch.setattr(eng.speculator.policy, "draft_pays", lambda *args: True)
     return eng
 
 
@@ -264,6 +264,25 @@ def _decoding(acceptance: float, drafts: int = 5) -> Sequence:
     record.accepted, record.tried, record.num_drafts = acceptance * 10, 10.0, drafts
     return seq
 
+
+
+def test_policy_drafts_fewer_where_each_further_row_costs_more():
+    """Steps priced as measured on a CPU whose extra rows are dear (one row 4.2 ms, each further
+    draft row ~0.2 ms dearer than the one before): a sure cue gets the few drafts that raise the
+    step's tokens per second, not as many as each alone would pay for against a one-row step."""
+    config = SpeculativeConfig(num_speculative_tokens=8, pause_steps=8)
+    linear = SpecPolicy(config, _Fixed(StepCost(0.0036, 0.0006, 0.0003)), 4096)
+    bending = SpecPolicy(config, _Fixed(StepCost(0.0036, 0.0004, 0.0003, per_draft_row_squared=0.0001)), 4096)
+    def tokens_per_second(policy: SpecPolicy, k: int, rate: float = 0.8) -> float:
+        return sum(rate ** i for i in range(k + 1)) / policy.step_time.cost.predict(1 + k, 0, k)
+
+    for policy, best in ((linear, 5), (bending, 3)):  # each the k of the most tokens per second
+        assert policy.plan([_decoding(0.8)], step=0, prefill_tokens=0, seconds_per_draft=0.0) == [best]
+        assert tokens_per_second(policy, best) == max(tokens_per_second(policy, k) for k in range(9))
+    # Across a batch the surest drafts go first: the sure sequence gets more than the fair one.
+    sure, fair = _decoding(0.9), _decoding(0.5)
+    ks = bending.plan([fair, sure], step=0, prefill_tokens=0, seconds_per_draft=0.0)
+    assert ks[1] > ks[0] >= 1
 
 def test_policy_drafts_as_many_tokens_as_pay_and_none_for_big_batches():
     cheap_rows = _Fixed(StepCost(fixed=0.012, per_decode_row=0.0006, per_prefill_token=0.0003))

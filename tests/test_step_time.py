@@ -26,6 +26,27 @@ def test_step_time_model_learns_costs_it_sees_and_keeps_its_prior_for_the_rest()
     assert model.cost.per_prefill_token == pytest.approx(0.0002, rel=0.05)
 
 
+
+def test_step_time_model_learns_that_draft_rows_grow_dearer():
+    """A single stream's verification steps, rows 1 + d, priced as on a CPU where the first extra
+    rows ride along with reading the weights and later ones pay their products: the fit bends, and
+    the d-th draft row's price follows the measured growth."""
+    model = StepTimeModel()
+    rng = np.random.default_rng(1)
+    true = StepCost(fixed=0.0038, per_decode_row=0.0004, per_prefill_token=0.0003, per_draft_row_squared=0.0001)
+    for _ in range(400):
+        drafts = int(rng.integers(0, 9))
+        model.observe(1 + drafts, 0, true.predict(1 + drafts, 0, drafts) + rng.normal(0, 5e-5), drafts)
+    for d in (1, 4, 8):
+        assert model.cost.draft_row(d) == pytest.approx(true.draft_row(d), rel=0.15)
+    assert model.cost.draft_row(8) > 3 * model.cost.draft_row(1)
+    # Plain steps of many sequences (no drafts) leave the draft term as it was learned.
+    bend = model.cost.per_draft_row_squared
+    for _ in range(50):
+        rows = int(rng.integers(1, 33))
+        model.observe(rows, 0, true.predict(rows, 0) + rng.normal(0, 5e-5))
+    assert model.cost.per_draft_row_squared == pytest.approx(bend, rel=0.1)
+
 def _frozen(eng: LLMEngine, cost: StepCost, monkeypatch) -> LLMEngine:
     """The engine's step-time model fixed at `cost` (a tiny model's real steps would teach it others)."""
     eng.step_time.cost = cost

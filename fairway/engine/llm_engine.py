@@ -152,6 +152,7 @@ class LLMEngine:
         if not batch.empty:
             decode_rows = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
                               if n == 1 or seq.is_decoding)
+            draft_rows = sum(n - 1 for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if seq.is_decoding)
             tokens = self.runner.execute(batch)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 self._advance(seq, n, tokens.get(seq))
@@ -162,8 +163,10 @@ class LLMEngine:
                     if seq.is_finished:  # a stop among accepted draft tokens: the rest are dropped
                         break
             self.num_steps += 1
-            # The step-time model learns from the step's decode rows (draft rows included) and prefill tokens.
-            self.step_time.observe(decode_rows, sum(batch.num_new_tokens) - decode_rows, time.perf_counter() - t1)
+            # The step-time model learns from the step's decode rows (draft rows included, and how many
+            # of them were drafts) and prefill tokens.
+            self.step_time.observe(decode_rows, sum(batch.num_new_tokens) - decode_rows, time.perf_counter() - t1,
+                                   draft_rows)
         self.step_seconds += time.perf_counter() - t0
         return outputs
 
