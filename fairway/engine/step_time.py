@@ -42,8 +42,12 @@ class StepCost:
 # The prior: what the bundled 135M model costs in bf16 on 2 AVX512-BF16 cores, in seconds. Any
 # machine's own steps outweigh it within a few dozen steps wherever the batch varies.
 PRIOR = StepCost(fixed=0.012, per_decode_row=0.0006, per_prefill_token=0.0003)
-# The prior counts as this many steps of each kind (a decode row, a 64-token prefill, 4 draft rows) ...
-PRIOR_WEIGHT = 2.0
+# The prior counts as this many steps of each kind (a decode row, a 64-token prefill, 4 draft rows):
+# a fraction of one, so that what the steps do show is theirs. At 2 steps its price of a prompt
+# token held against the few prompt steps in memory, their cost went into the fixed term, and the
+# fit over-predicted decode steps (+14% for one stream) and under-priced later draft rows; the
+# scheduler's step bound then let steps run long (bench/README.md, itl.py) ...
+PRIOR_WEIGHT = 0.2
 # ... and each measured step's weight decays by this much per step (~100 steps remembered).
 DECAY = 0.99
 
