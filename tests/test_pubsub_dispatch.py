@@ -188,6 +188,16 @@ def test_the_tap_table_is_a_mapping_of_channels_to_taps() -> None:
     assert replacement.cursor == 1 and sink.took == [(1, "a")]
     table.clear()
     assert len(table) == 0 and dispatcher.feed(token_message("ch3", 1, "c"), 1.0) == [["smessage", "ch3", "1 t1\x1fc"]]
+    # A replacement when the table is full enough to grow first: the slots move under it, and the
+    # key still ends up with one tap, the new one.
+    few = {f"k{i}": NATIVE.Tap(Sink()) for i in range(4)}
+    for channel, tap in few.items():
+        table[channel] = tap
+    table["k0"] = newer = NATIVE.Tap(Sink())
+    assert len(table) == 4 and table["k0"] is newer
+    assert all(table[f"k{i}"] is few[f"k{i}"] for i in range(1, 4))
+    table["elsewhere"] = few["k0"]  # the replaced tap is out of the table
+    assert table.pop("k0") is newer and "k0" not in table and len(table) == 4
 
 
 @pytest.mark.skipif(NATIVE is None, reason="no C compiler")

@@ -274,11 +274,11 @@ static int table_set(TapTable *t, PyObject *key, PyObject *value) {
         PyErr_SetString(PyExc_ValueError, "a tap is under one channel of one table at a time");
         return -1;
     }
+    /* What can fail comes first, so a failed t[key] = tap leaves the key's tap in place, as a
+       dict's does; the room made may move the slots, so the key's is found again after it. */
+    if (table_reserve(t) < 0 || tap_set_channel(tap, s, n) < 0) return -1;
+    i = table_find(t, s, n, h);
     Tap *old = i >= 0 ? table_take(t, i) : NULL;
-    if (table_reserve(t) < 0 || tap_set_channel(tap, s, n) < 0) {
-        Py_XDECREF(old);
-        return -1;
-    }
     Py_INCREF(tap);
     table_place(t->slots, t->mask, h, tap);
     t->used++;
