@@ -152,7 +152,7 @@ class LLMEngine:
         if not batch.empty:
             decode_rows = sum(n for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True)
                               if n == 1 or seq.is_decoding)
-            draft_rows = sum(n - 1 for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True) if seq.is_decoding)
+            draft_rows = batch.draft_rows  # (before the step moves its sequences on)
             tokens = self.runner.execute(batch)
             for seq, n in zip(batch.seqs, batch.num_new_tokens, strict=True):
                 self._advance(seq, n, tokens.get(seq))

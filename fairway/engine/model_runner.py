@@ -43,8 +43,7 @@ class ModelRunner:
         ids, positions, meta, sample_rows, samplers, num_rows = self._prepare(batch)
         t0 = time.perf_counter()
         # The step's weights are chosen by its rows without the draft tokens (quant_linear.STEP_ROWS).
-        drafts = sum(len(seq.spec_token_ids) for seq in batch.seqs if seq.is_decoding)
-        rows = STEP_ROWS.set(len(ids) - drafts)
+        rows = STEP_ROWS.set(len(ids) - batch.draft_rows)
         try:
             hidden = self.model(ids, positions, self.kv, meta)
             tokens: dict[Sequence, list[int]] = {}

@@ -50,6 +50,11 @@ class ScheduledBatch:
     def empty(self) -> bool:
         return not self.seqs
 
+    @property
+    def draft_rows(self) -> int:
+        """The step's speculative draft tokens: a decoding sequence's rows after its last real token."""
+        return sum(n - 1 for seq, n in zip(self.seqs, self.num_new_tokens, strict=True) if seq.is_decoding)
+
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, step_time: StepTimeModel | None = None) -> None:

@@ -48,17 +48,15 @@ class SpecPolicy:
         if not self.drafts_at(len(seqs)):
             return [0] * len(seqs)
         cost, step_seconds = self._cost(len(seqs), prefill_tokens)
-        ks = [0] * len(seqs)
-        limits: list[int] = []
-        records: list[Acceptance | None] = []
-        surest: list[tuple[float, int]] = []  # (-chance of a sequence's next draft, its index)
+        # The sequences that may get drafts this step: each one's acceptance record and room.
+        open_to: dict[int, tuple[Acceptance, int]] = {}
         for i, seq in enumerate(seqs):
             record = self._record(seq, step, 0 if cues is None else cues[i])
-            limits.append(0 if record is None else self._room(seq))
-            records.append(record)
-            if record is not None and limits[i] > 0:
-                surest.append((-record.rate, i))
+            if record is not None and (room := self._room(seq)) > 0:
+                open_to[i] = (record, room)
+        surest = [(-record.rate, i) for i, (record, _) in open_to.items()]  # (-chance of i's next draft, i)
         heapq.heapify(surest)
+        ks = [0] * len(seqs)
         tokens, drafts = float(len(seqs)), 0
         while surest:
             chance, i = -surest[0][0], surest[0][1]
@@ -70,10 +68,11 @@ class SpecPolicy:
             drafts += 1
             tokens += chance
             step_seconds += extra
-            if ks[i] < limits[i]:
-                heapq.heappush(surest, (-chance * records[i].rate, i))
-        for i, record in enumerate(records):
-            if record is not None and limits[i] > 0 and ks[i] == 0:  # not worth it now: pause, then probe
+            record, room = open_to[i]
+            if ks[i] < room:
+                heapq.heappush(surest, (-chance * record.rate, i))
+        for i, (record, _) in open_to.items():
+            if ks[i] == 0:  # not worth it now: pause, then probe
                 record.paused_until = step + self.config.pause_steps
                 ks[i] = 1 if record.num_drafts else 0
         return ks
