@@ -254,15 +254,23 @@ def test_float32_activations_on_stored_weights_take_the_native_decode_pass_too(n
 
 
 @needs_kernel
-def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_path, real_tokenizer):
+def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_path, real_tokenizer, monkeypatch):
+    """The default load (bf16; on a CPU without bf16 arithmetic computed in float32 over a bf16 KV
+    cache): every step of a reply goes through the one-call pass."""
+    from fairway.models.native_decode import NativeDecode
+
     model = load_model(model_path, torch.bfloat16)  # native: the default
     assert isinstance(model.layers[0].mlp.gate_up_proj, QuantLinear) and isinstance(model.lm_head, QuantLinear)
     if model.native_decode is None:
         pytest.skip("no whole-step decode pass in this build")
-    eng = LLMEngine(model, EngineConfig(num_kv_blocks=64), tokenizer=real_tokenizer)
+    passes: list[int] = []
+    call = NativeDecode.__call__
+    monkeypatch.setattr(NativeDecode, "__call__", lambda self, x, *rest: passes.append(x.shape[0]) or call(self, x, *rest))
+    eng = LLMEngine(model, EngineConfig(num_kv_blocks=64, speculative=None), tokenizer=real_tokenizer)
     prompt = real_tokenizer.chat_prompt_ids([{"role": "user", "content": PARIS_PROMPT}])
     got = eng.generate([prompt], SamplingParams(temperature=0, max_tokens=20))
     assert "Paris" in real_tokenizer.decode(got[0])
+    assert len(passes) == eng.num_steps and passes[1:] == [1] * (eng.num_steps - 1)  # the prompt, then 1 row a step
     with pytest.raises(ValueError, match="weights"):
         load_model(model_path, torch.bfloat16, weights="bf16")
     dequantized = build_engine(model_path, "bfloat16", weights="dequantized").model  # --weights dequantized
@@ -270,18 +278,21 @@ def test_bf16_activations_on_stored_weights_take_the_native_decode_pass(model_pa
 
 
 @needs_kernel
-@pytest.mark.parametrize(("dtype", "isa"), [pytest.param(torch.bfloat16, None, marks=needs_bf16),
-                                           (torch.float32, None), (torch.float32, QuantKernels.AVX2)],
-                         ids=["bf16", "float32", "float32-avx2"])
+@pytest.mark.parametrize(("dtype", "isa", "cache"), [pytest.param(torch.bfloat16, None, None, marks=needs_bf16),
+                                                    (torch.float32, None, None),
+                                                    (torch.float32, QuantKernels.AVX2, None),
+                                                    (torch.float32, QuantKernels.AVX2, torch.bfloat16)],
+                         ids=["bf16", "float32", "float32-avx2", "float32-avx2-bf16-cache"])
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q8_0"])
 @pytest.mark.parametrize("dense_from", [None, 6], ids=["as-stored", "bf16-copy-from-6-rows"])
-def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(dtype, isa, qtype, dense_from):
+def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_states(dtype, isa, cache, qtype,
+                                                                                      dense_from):
     """A tiny random model (bf16, or float32 as on a CPU without bf16 arithmetic, there on the AVX2
-    path) with its linears quantized here: every step's one-call pass (decode_forward.c calling the
-    quantized kernel; prefill chunks, alone or beside decode rows, through its attention callback)
-    against the layer-by-layer path, bit for bit; with bf16 copies for steps of 6 rows or more,
-    those steps run on the copies on both paths (bf16 only: a float32 model with copies keeps the
-    layer path)."""
+    path, its cache float32 or bf16: the bf16 model loaded there) with its linears quantized here:
+    every step's one-call pass (decode_forward.c calling the quantized kernel; prefill chunks, alone
+    or beside decode rows, through its attention callback) against the layer-by-layer path, bit for
+    bit; with bf16 copies for steps of 6 rows or more, those steps run on the copies on both paths
+    (bf16 only: a float32 model with copies keeps the layer path)."""
     from fairway.models.config import LlamaConfig
     from fairway.models.llama import random_model
 
@@ -292,6 +303,7 @@ def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_st
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=16, max_position_embeddings=512)
     model = random_model(cfg, seed=3, dtype=dtype)
+    model.kv_cache_dtype = cache
     for parent in [m for layer in model.layers for m in (layer.self_attn, layer.mlp)]:
         for name, child in list(parent.named_children()):
             raw = quantize(child.weight.detach().float().numpy(), qtype)

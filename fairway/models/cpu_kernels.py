@@ -285,7 +285,8 @@ class DecodeShape(ctypes.Structure):
                                                     "num_layers")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float), ("cache_slots", ctypes.c_int64)]
                 + [(name, ctypes.c_int) for name in ("block_size", "max_blocks", "table_bf16", "amx", "nv", "mr",
-                                                      "prefetch", "num_threads", "quant", "isa", "decode_tokens", "f32")])
+                                                      "prefetch", "num_threads", "quant", "isa", "decode_tokens", "f32",
+                                                      "cache_bf16")])
 
 
 # decode_forward.c's prefill_attention_fn: called with a layer's index.

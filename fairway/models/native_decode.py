@@ -6,8 +6,9 @@ kernels (bench/README.md, "CPU kernels"). A step qualifies when every row is eit
 new token read through the native attention kernel or a row of a prefill chunk, the model and its
 cache are bf16 and every linear runs on one native kernel for this many rows: AMX or AVX512-BF16
 on bf16 panels, or the quantized-weight kernel on GGUF blocks of one type (quant_linear.py); or
-the model and its cache are float32 (a CPU without bf16 arithmetic) and the linears are GGUF
-blocks, which the quantized kernel takes with float32 activations. Prefill chunks attend through
+the model is float32 (a CPU without bf16 arithmetic), its cache float32 or bf16 (the bf16 model
+run there), and the linears are GGUF blocks, which the quantized kernel takes with float32
+activations. Prefill chunks attend through
 a callback into the layer-by-layer path's own attention (paged_attention.attend_prefills), once a
 layer. The C side calls the same kernels in
 the same order, so hidden states are bit-identical to the layer-by-layer path; anything else
@@ -41,7 +42,7 @@ class NativeDecode:
         """linears: pick(each of _linears(model)), each a PackedLinear with a native kernel or a
         QuantLinear (for_model checks); pick: the module whose weights a model's linear lends."""
         self.model = model
-        self.dtype = model.embed_tokens.weight.dtype  # the activations', norms' and KV cache's
+        self.dtype = model.embed_tokens.weight.dtype  # the activations' and norms' (the KV cache: this or bf16)
         self.kernel = decode_forward()
         first = linears[0]
         self.quant = first.qtype_id if isinstance(first, QuantLinear) else 0
@@ -98,7 +99,7 @@ class NativeDecode:
         return (meta.backend is None and not meta.decodes and tokens > 0
                 and _decode_rows(meta) + prefill_rows == tokens
                 and (max_rows is None or tokens <= max_rows)
-                and kv.k.dtype == self.dtype and kv.k.is_contiguous() and kv.v.is_contiguous())
+                and kv.k.dtype in (self.dtype, torch.bfloat16) and kv.k.is_contiguous() and kv.v.is_contiguous())
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKVCache,
                  meta: AttentionMetadata) -> torch.Tensor:
@@ -116,7 +117,7 @@ class NativeDecode:
                             0 if tables is None else tables.shape[1], rotary.cos.dtype == torch.bfloat16,
                             self.amx, nv, mr, prefetch, torch.get_num_threads(), self.quant,
                             self.quant_linear.path(tokens) if self.quant_linear is not None else 0,
-                            _decode_rows(meta), self.dtype == torch.float32)
+                            _decode_rows(meta), self.dtype == torch.float32, kv.k.dtype == torch.bfloat16)
         return self.kernel(x.contiguous(), self.layers, self.model.norm.weight, shape, rotary.cos, rotary.sin,
                            positions, meta.slot_mapping, kv.k, kv.v, tables, lens,
                            self._prefill_attention(kv, meta) if meta.prefills else None)

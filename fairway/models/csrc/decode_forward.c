@@ -13,8 +13,10 @@
  * a step that carries a prompt does not fall back to nine Python calls a layer.
  *
  * Activations, norms and KV cache all bf16, the linears' weights bf16 panels or GGUF blocks of one
- * type for quant_linear.c; or all float32 (shape->f32: a CPU without bf16 arithmetic), the linears
- * GGUF blocks. Built with the other kernels by cpu_kernels.py.
+ * type for quant_linear.c; or activations and norms float32 (shape->f32: a CPU without bf16
+ * arithmetic), the linears GGUF blocks, over a float32 or bf16 KV cache (shape->cache_bf16: the
+ * bf16 model's cache, which the RoPE store rounds to and attention widens from, as the
+ * layer-by-layer path does). Built with the other kernels by cpu_kernels.py.
  */
 #include <stdint.h>
 #include <string.h>
@@ -52,7 +54,8 @@ typedef struct {
     int num_threads;
     int quant, isa; /* quant: the linears' GGUF type for quant_linear() on this path, or 0: bf16 panels */
     int decode_tokens; /* the first rows, each attending through its block table; the rest are prefill rows */
-    int f32;           /* activations, norms and KV cache float32 (quant only), else bf16 */
+    int f32;           /* activations and norms float32 (quant only), else bf16 */
+    int cache_bf16;    /* the KV cache bf16 (always, without f32) */
 } decode_shape;
 
 /* Writes layer l's attention output of the prefill rows (scratch's attn rows decode_tokens..tokens)
@@ -87,7 +90,8 @@ int decode_forward(void *x, void *out, const decoder_weights *layers, const void
     char *residual = scratch, *h = residual + (int64_t)T * H * es, *qkv = h + (int64_t)T * H * es;
     char *q = qkv + (int64_t)T * qkv_width * es, *attn = q + (int64_t)T * q_width * es;
     char *gate_up = attn + (int64_t)T * q_width * es, *act = gate_up + (int64_t)T * 2 * s->inter * es;
-    const int64_t layer_cache = (int64_t)s->heads_kv * s->cache_slots * D * es; /* bytes */
+    const int cache_bf = bf || s->cache_bf16;
+    const int64_t layer_cache = (int64_t)s->heads_kv * s->cache_slots * D * (cache_bf ? 2 : 4); /* bytes */
     if (T < 1) return 0;
     memcpy(residual, x, (size_t)(T * H * es)); /* layer 0's residual stream is the embedding */
     for (int l = 0; l < s->num_layers; l++) {
@@ -96,13 +100,13 @@ int decode_forward(void *x, void *out, const decoder_weights *layers, const void
         if (rms_norm(x, l ? residual : NULL, w->input_norm, h, residual, T, H, s->eps, bf, s->num_threads)) return -1;
         if (linear(s, h, w->qkv, qkv, qkv_width, H)) return -2;
         if (rope_store(qkv, T, s->heads_q, s->heads_kv, D, cos_table, sin_table, positions, slots, kc, vc,
-                       s->cache_slots, bf, s->table_bf16, bf, s->num_threads)) return -3;
+                       s->cache_slots, bf, s->table_bf16, cache_bf, s->num_threads)) return -3;
         for (int t = 0; t < T; t++)
             memcpy(q + (int64_t)t * q_width * es, qkv + (int64_t)t * qkv_width * es, (size_t)(q_width * es));
         if (s->decode_tokens > 0 &&
             paged_decode_attention(q, kc, vc, block_tables, context_lens, attn, s->decode_tokens, s->heads_kv,
                                    s->heads_q / s->heads_kv, D, s->cache_slots, s->block_size, s->max_blocks,
-                                   s->scale, bf, bf, s->num_threads)) return -4;
+                                   s->scale, bf, cache_bf, s->num_threads)) return -4;
         if (s->decode_tokens < T && (prefill_attention == NULL || prefill_attention(l))) return -6;
         if (linear(s, attn, w->o, h, H, q_width)) return -2;
         /* In place: a row is read whole before its norm and sum are written. */
