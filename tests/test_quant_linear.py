@@ -126,6 +126,20 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
         assert torch.equal(batch, alone)
 
 
+@pytest.mark.skipif(kernel is None or not kernel.isas & QuantKernels.AVX2, reason="no AVX2 here")
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+def test_on_the_avx2_path_a_rows_outputs_are_the_same_bits_among_any_rows(qtype):
+    """The AVX2 path (float32 activations; what an AVX2-only CPU runs) sums each row's chains in
+    one order whether its tile runs them together (1-2 rows) or even k before odd k (3-4 rows), so
+    a sequence's tokens do not change with the rows beside it in a step."""
+    layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, torch.float32)
+    layer.isa = QuantKernels.AVX2
+    x = case(qtype, 100, 128, 48, seed=1)[1]
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(48)])
+    for rows in (2, 3, 4, 5, 6, 7, 9, 13, 48):
+        assert torch.equal(layer(x[:rows]), alone[:rows]), rows
+
+
 @pytest.mark.skipif(kernel is None or not kernel.isas & QuantKernels.VNNI, reason="no AVX512-VNNI here")
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 def test_a_verifications_rows_are_its_decode_rows_at_every_digit_edge(qtype):

@@ -32,6 +32,7 @@
  * quant_isas() is 0 and Python keeps the dequantized weights. Built with the other kernels by
  * cpu_kernels.py.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -338,11 +339,57 @@ static void block_sums(const void *x, int x_bf16, int64_t blocks, float *sx, flo
 }
 
 /* float32 activations on AVX2: a panel as two halves of 8 columns; Q4_0's offset of 8 is taken
- * from the block sums (sum x (q - 8) = sum x q - 8 sum x). Each k multiplies both halves, so a
- * row runs two FMA chains at once: the halves one after the other left one row's chain bound by
- * the FMA's latency (bench/README.md, "AVX2"). Each half still sums its k in order, the same
- * order for every row count, so a row's outputs do not depend on the rows beside it. */
+ * from the block sums (sum x (q - 8) = sum x q - 8 sum x). A row's block sum is two chains, its
+ * even k and its odd k (each in order, added at the block's end), for each half: four chains a row,
+ * since one or two at one row leave it bound by the FMA's latency (bench/README.md, "AVX2"). Up to
+ * AVX2_FUSED rows run the chains together; more rows (whose accumulators would not fit the 16
+ * registers) run the even chains, then the odd: each k's weights unpack once either way, and a
+ * row's outputs are the same bits whatever rows are beside it. */
 #define AVX2_MR 4
+#define AVX2_FUSED 2
+/* A Q4 code at k = 8g + j is read in place, as its value times 2^AVX2_PLACE[j] (a mask, no shift
+ * back: one operation fewer a vector), and multiplied by x scaled by 2^-AVX2_PLACE[j], exactly the
+ * same product; the top nibble (bit 28, whose place would make it negative) is shifted down. */
+static const int AVX2_PLACE[8] = {0, 16, 4, 20, 8, 24, 12, 0};
+
+/* The chains of parity `par` (0: even k, 1: odd k; 2: both) of every row: s[r][o][h] += x w over a
+ * block's k = 2i + o. */
+T256 INLINE void avx2_chains(const uint8_t *q, const float *xb, int64_t ldx, __m256 s[AVX2_MR][2][2], const int MR,
+                             const int QT, const int par) {
+    if (QT == Q8_0) {
+        for (int g = 0; g < 16; g++) { /* k = 2g (the low byte of a word) and 2g + 1 */
+            for (int h = 0; h < 2; h++) {
+                const __m256i raw = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + h * 16)));
+                for (int o = 0; o < 2; o++) {
+                    if (par != 2 && o != par) continue;
+                    const __m256 w = _mm256_cvtepi32_ps(o ? _mm256_srai_epi32(raw, 8)
+                                                          : _mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
+                    for (int r = 0; r < MR; r++)
+                        s[r][o][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[r * ldx + 2 * g + o]), s[r][o][h]);
+                }
+            }
+        }
+        return;
+    }
+    for (int g = 0; g < 4; g++) { /* dword c of a group's half h: column 8h + c */
+        const __m256i raw0 = _mm256_loadu_si256((const __m256i *)(q + g * 64));
+        const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(q + g * 64 + 32));
+        for (int j = 0; j < 8; j++) { /* k = 8g + j at bit 4 (j / 2) + 16 (j % 2) */
+            const int o = j & 1, shift = 4 * (j >> 1) + 16 * o;
+            if (par != 2 && o != par) continue;
+            /* the code times 2^AVX2_PLACE[j] (x was scaled by its inverse); the top one shifted down */
+            const __m256i mask = _mm256_set1_epi32(0xF << shift);
+            const __m256 w0 = _mm256_cvtepi32_ps(j == 7 ? _mm256_srli_epi32(raw0, 28) : _mm256_and_si256(raw0, mask));
+            const __m256 w1 = _mm256_cvtepi32_ps(j == 7 ? _mm256_srli_epi32(raw1, 28) : _mm256_and_si256(raw1, mask));
+            for (int r = 0; r < MR; r++) {
+                const __m256 xv = _mm256_set1_ps(xb[r * ldx + 8 * g + j]);
+                s[r][o][0] = _mm256_fmadd_ps(w0, xv, s[r][o][0]);
+                s[r][o][1] = _mm256_fmadd_ps(w1, xv, s[r][o][1]);
+            }
+        }
+    }
+}
+
 T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
     const float *x = a->x;
     __m256 acc[AVX2_MR][2];
@@ -350,48 +397,23 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
         for (int h = 0; h < 2; h++) acc[r][h] = _mm256_setzero_ps();
     for (int b = 0; b < a->nb; b++) {
         const uint8_t *blkp = a->w + (int64_t)b * block_bytes(QT);
-        __m256 blk[AVX2_MR][2];
-        for (int r = 0; r < MR; r++)
-            for (int h = 0; h < 2; h++) blk[r][h] = _mm256_setzero_ps();
         const float *xb = x + (int64_t)b * QK;
-        if (QT == Q8_0) {
-            for (int g = 0; g < 16; g++) { /* k = 2g (the low byte of a word) and 2g + 1 */
-                for (int h = 0; h < 2; h++) {
-                    const uint8_t *q = blkp + quants_at(QT) + g * 32 + h * 16;
-                    const __m256i raw = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)q));
-                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
-                    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 8));
-                    for (int r = 0; r < MR; r++) {
-                        const float *xr = xb + (int64_t)r * a->ldx + 2 * g;
-                        blk[r][h] = _mm256_fmadd_ps(w0, _mm256_set1_ps(xr[0]), blk[r][h]);
-                        blk[r][h] = _mm256_fmadd_ps(w1, _mm256_set1_ps(xr[1]), blk[r][h]);
-                    }
-                }
-            }
+        __m256 s[AVX2_MR][2][2];
+        for (int r = 0; r < MR; r++)
+            for (int o = 0; o < 2; o++)
+                for (int h = 0; h < 2; h++) s[r][o][h] = _mm256_setzero_ps();
+        if (MR <= AVX2_FUSED) {
+            avx2_chains(blkp + quants_at(QT), xb, a->ldx, s, MR, QT, 2);
         } else {
-            const __m256i low = _mm256_set1_epi32(0x0F);
-            for (int g = 0; g < 4; g++) { /* dword c of a group's half h: column 8h + c */
-                const uint8_t *q = blkp + quants_at(QT) + g * 64;
-                const __m256i raw0 = _mm256_loadu_si256((const __m256i *)q);
-                const __m256i raw1 = _mm256_loadu_si256((const __m256i *)(q + 32));
-                for (int j = 0; j < 8; j++) { /* k = 8g + j at bit 4 (j / 2) + 16 (j % 2) */
-                    const int shift = 4 * (j >> 1) + 16 * (j & 1);
-                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw0, shift), low));
-                    const __m256 w1 = _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(raw1, shift), low));
-                    for (int r = 0; r < MR; r++) {
-                        const __m256 xv = _mm256_set1_ps(xb[(int64_t)r * a->ldx + 8 * g + j]);
-                        blk[r][0] = _mm256_fmadd_ps(w0, xv, blk[r][0]);
-                        blk[r][1] = _mm256_fmadd_ps(w1, xv, blk[r][1]);
-                    }
-                }
-            }
+            avx2_chains(blkp + quants_at(QT), xb, a->ldx, s, MR, QT, 0);
+            avx2_chains(blkp + quants_at(QT), xb, a->ldx, s, MR, QT, 1);
         }
         for (int h = 0; h < 2; h++) {
             const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + h * 16)));
             const __m256 m = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + 32 + h * 16)))
                              : QT == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
             for (int r = 0; r < MR; r++) {
-                acc[r][h] = _mm256_fmadd_ps(blk[r][h], d, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_add_ps(s[r][0][h], s[r][1][h]), d, acc[r][h]);
                 if (QT != Q8_0) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sx[(int64_t)r * a->nb + b]), acc[r][h]);
             }
         }
@@ -496,7 +518,18 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
         free(scratch);
         return rc;
     }
-    const void *xin = xf ? (const void *)xf : x;
+    float *placed = NULL; /* x scaled for the Q4 codes read in place (AVX2_PLACE) */
+    if (path == 2 && qt != Q8_0) {
+        placed = malloc(sizeof(float) * (size_t)m * k);
+        if (!placed) {
+            free(scratch);
+            return -2;
+        }
+        float unplace[8]; /* 2^-AVX2_PLACE: exact products */
+        for (int j = 0; j < 8; j++) unplace[j] = ldexpf(1.0f, -AVX2_PLACE[j]);
+        for (int64_t i = 0; i < (int64_t)m * k; i++) placed[i] = ((const float *)x)[i] * unplace[i % 8];
+    }
+    const void *xin = placed ? (const void *)placed : xf ? (const void *)xf : x;
     const int ldx = path == 1 ? k / 2 : k; /* float32 values, or bf16 pairs: 4 bytes either way */
     /* Waking the second thread costs microseconds: a small weight (< 32 KB) is read by one. */
     const int threads = (int64_t)panels * nb * block_bytes(qt) < 32 * 1024 ? 1 : num_threads;
@@ -506,6 +539,7 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
         run_panels(path, xin, ldx, sx, packed, y, x_bf16, m, n, nb, qt, (int)((int64_t)panels * t / nt),
                    (int)((int64_t)panels * (t + 1) / nt));
     }
+    free(placed);
     free(scratch);
     return 0;
 }
