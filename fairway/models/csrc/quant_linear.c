@@ -27,7 +27,7 @@
  * for the order of the float32 additions, and integer dot products (quant_vnni.c, ISA_VNNI: the
  * path Python picks for steps of one or two sequences, QuantLinear.path). Past QUANT_EXACT_ROWS
  * rows (a prefill) the AVX512-BF16 and AMX paths multiply the weights dequantized to bf16 panel by
- * panel (quant_bf16_wide, quant_amx_wide). The file is built with -march=native but each path carries its own target
+ * panel (quant_bf16_wide, quant_amx_wide), the AVX2 path to float32 (quant_avx2_wide). The file is built with -march=native but each path carries its own target
  * attribute, so it compiles on any x86-64 compiler that knows the instructions. Elsewhere
  * quant_isas() is 0 and Python keeps the dequantized weights. Built with the other kernels by
  * cpu_kernels.py.
@@ -427,6 +427,99 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
     }
 }
 
+/* More than QUANT_EXACT_ROWS rows (a prefill) on AVX2: the exact sums unpack every block again
+ * for each 4 rows and pay the block's scales per row. Instead each thread unpacks a panel at a
+ * time to the dequantized float32 weights, [k][16 columns], and multiplies them by tiles of
+ * AVX2_WIDE_MR rows x 16 columns (12 accumulators, two weight vectors and a broadcast: 15 of the
+ * 16 registers), as quant_bf16_wide does with bf16 panels. */
+#define AVX2_WIDE_MR 6
+
+T256 static void avx2_unpack_panel(const uint8_t *panel, int qt, int nb, float *W) {
+    const int bb = block_bytes(qt);
+    for (int b = 0; b < nb; b++) {
+        const uint8_t *blk = panel + (int64_t)b * bb, *q = blk + quants_at(qt);
+        float *Wb = W + (int64_t)b * QK * PANEL;
+        for (int h = 0; h < 2; h++) {
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + h * 16)));
+            const __m256 mn = qt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + h * 16)))
+                              : qt == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+            if (qt == Q8_0) {
+                for (int g = 0; g < 16; g++) {
+                    const __m256i raw = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + h * 16)));
+                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
+                    _mm256_storeu_ps(Wb + (2 * g) * PANEL + h * 8, _mm256_mul_ps(w0, d));
+                    _mm256_storeu_ps(Wb + (2 * g + 1) * PANEL + h * 8,
+                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 8)), d));
+                }
+                continue;
+            }
+            for (int g = 0; g < 4; g++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + g * 64 + h * 32));
+                for (int j = 0; j < 8; j++) { /* d q + m (Q4_0: d q - 8 d), one rounding, as the sums scale */
+                    const __m256i code = _mm256_and_si256(_mm256_srli_epi32(raw, 4 * (j >> 1) + 16 * (j & 1)),
+                                                          _mm256_set1_epi32(0x0F));
+                    _mm256_storeu_ps(Wb + (8 * g + j) * PANEL + h * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), d, mn));
+                }
+            }
+        }
+    }
+}
+
+T256 INLINE void avx2_wide_tile(const float *x, int64_t ldx, const float *W, int k, float *y, int64_t ldy, int cols,
+                                const int MR) {
+    __m256 acc[AVX2_WIDE_MR][2];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int kk = 0; kk < k; kk++) {
+        const __m256 w0 = _mm256_loadu_ps(W + (int64_t)kk * PANEL), w1 = _mm256_loadu_ps(W + (int64_t)kk * PANEL + 8);
+#pragma GCC unroll 6
+        for (int r = 0; r < MR; r++) {
+            const __m256 xv = _mm256_broadcast_ss(x + r * ldx + kk);
+            acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
+        }
+    }
+    float out[PANEL];
+#pragma GCC unroll 6
+    for (int r = 0; r < MR; r++) {
+        _mm256_storeu_ps(out, acc[r][0]);
+        _mm256_storeu_ps(out + 8, acc[r][1]);
+        memcpy(y + r * ldy, out, sizeof(float) * (size_t)min_int(cols, PANEL));
+    }
+}
+
+#define AVX2_WIDE(MR) \
+    T256 static void avx2_wide_##MR(const float *x, int64_t ldx, const float *W, int k, float *y, int64_t ldy, int cols) { \
+        avx2_wide_tile(x, ldx, W, k, y, ldy, cols, MR); }
+AVX2_WIDE(1) AVX2_WIDE(2) AVX2_WIDE(3) AVX2_WIDE(4) AVX2_WIDE(5) AVX2_WIDE(6)
+typedef void (*avx2_wide_fn)(const float *x, int64_t ldx, const float *W, int k, float *y, int64_t ldy, int cols);
+static const avx2_wide_fn AVX2_WIDE_TABLE[AVX2_WIDE_MR] = {avx2_wide_1, avx2_wide_2, avx2_wide_3, avx2_wide_4,
+                                                           avx2_wide_5, avx2_wide_6};
+
+static int quant_avx2_wide(const float *x, const uint8_t *packed, float *y, int m, int n, int k, int qt,
+                           int num_threads) {
+    const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
+    const int64_t panel_bytes = (int64_t)nb * block_bytes(qt);
+    int failed = 0;
+#pragma omp parallel num_threads(panels < 2 ? 1 : num_threads) reduction(| : failed)
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int p0 = (int)((int64_t)panels * t / nt), p1 = (int)((int64_t)panels * (t + 1) / nt);
+        float *W = aligned_alloc(64, sizeof(float) * (size_t)k * PANEL);
+        for (int p = p0; W != NULL && p < p1; p++) {
+            avx2_unpack_panel(packed + p * panel_bytes, qt, nb, W);
+            for (int r = 0; r < m; r += AVX2_WIDE_MR) {
+                const int rows = min_int(AVX2_WIDE_MR, m - r);
+                AVX2_WIDE_TABLE[rows - 1](x + (int64_t)r * k, k, W, k, y + (int64_t)r * n + p * PANEL, n,
+                                          n - p * PANEL);
+            }
+        }
+        failed |= W == NULL;
+        free(W);
+    }
+    return failed ? -2 : 0;
+}
+
 /* Every MR up to MAX_MR (the accumulators and block sums fit the 32 registers). */
 #define TILE3(KIND, T, MR)                                                                                \
     T static void KIND##_##MR##_q40(const tile_args *a) { KIND##_tile(a, MR, Q4_0); }                    \
@@ -496,6 +589,7 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
     const int path = isa == ISA_AVX512BF16 ? 1 : isa == ISA_AVX512 ? 0 : isa == ISA_AVX2 ? 2 : -1;
     if (path < 0 || (path == 1 && !x_bf16) || (path == 2 && x_bf16)) return -1; /* AVX2 stores float32 only */
     if (path == 1 && m > QUANT_EXACT_ROWS) return quant_bf16_wide(x, packed, y, m, n, k, qt, num_threads);
+    if (path == 2 && m > QUANT_EXACT_ROWS) return quant_avx2_wide(x, packed, y, m, n, k, qt, num_threads);
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
     const int widen = x_bf16 && !amx && !vnni && path != 1;
     /* sx [m][nb]: the block sums of x (Q4_1's offset term, and Q4_0's on AVX2); widened x [m][k] */
