@@ -27,7 +27,8 @@
  * for the order of the float32 additions, and integer dot products (quant_vnni.c, ISA_VNNI: the
  * path Python picks for steps of one or two sequences, QuantLinear.path). Past QUANT_EXACT_ROWS
  * rows (a prefill) the AVX512-BF16 and AMX paths multiply the weights dequantized to bf16 panel by
- * panel (quant_bf16_wide, quant_amx_wide), the AVX2 path to float32 (quant_avx2_wide). The file is built with -march=native but each path carries its own target
+ * panel (quant_bf16_wide, quant_amx_wide), the AVX2 path to float32 (quant_avx2_wide). The file
+ * is built with -march=native but each path carries its own target
  * attribute, so it compiles on any x86-64 compiler that knows the instructions. Elsewhere
  * quant_isas() is 0 and Python keeps the dequantized weights. Built with the other kernels by
  * cpu_kernels.py.
@@ -70,13 +71,6 @@ static int block_bytes(int qt) { return qt == Q8_0 ? 16 * 34 : qt == Q4_1 ? 16 *
 static int quants_at(int qt) { return qt == Q4_1 ? 64 : 32; }
 static int known_type(int qt) { return qt == Q8_0 || qt == Q4_0 || qt == Q4_1; }
 static inline int min_int(int a, int b) { return a < b ? a : b; }
-
-static float bf16_to_f32(uint16_t v) {
-    const uint32_t u = (uint32_t)v << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -324,17 +318,29 @@ T512 static void block_sums512(const void *x, int x_bf16, int64_t blocks, float 
     }
 }
 
-/* block_sums512 without AVX512 (an AVX2 core). */
-static void block_sums(const void *x, int x_bf16, int64_t blocks, float *sx, float *xf) {
+/* A Q4 code at k = 8g + j is read in place, as its value times 2^AVX2_PLACE[j] (a mask, no shift
+ * back: one operation fewer a vector), and multiplied by x scaled by 2^-AVX2_PLACE[j], exactly the
+ * same product; the top nibble (bit 28, whose place would make it negative) is shifted down. */
+static const int AVX2_PLACE[8] = {0, 16, 4, 20, 8, 24, 12, 0};
+
+/* The AVX2 path's x, once a call: each block's sum into sx (NULL: none; four vectors added in
+ * pairs, then the lanes, the same order for every row count) and, for Q4 (placed not NULL), x
+ * scaled by 2^-AVX2_PLACE for the codes read in place. */
+T256 static void avx2_prepare(const float *x, int64_t blocks, float *sx, float *placed) {
+    float unplace[8];
+    for (int j = 0; j < 8; j++) unplace[j] = ldexpf(1.0f, -AVX2_PLACE[j]);
+    const __m256 scale = _mm256_loadu_ps(unplace);
     for (int64_t b = 0; b < blocks; b++) {
-        float s = 0;
-        for (int i = 0; i < QK; i++) {
-            const int64_t at = b * QK + i;
-            const float v = x_bf16 ? bf16_to_f32(((const uint16_t *)x)[at]) : ((const float *)x)[at];
-            if (xf) xf[at] = v;
-            s += v;
+        __m256 v[4];
+        for (int i = 0; i < 4; i++) {
+            v[i] = _mm256_loadu_ps(x + b * QK + 8 * i);
+            if (placed) _mm256_storeu_ps(placed + b * QK + 8 * i, _mm256_mul_ps(v[i], scale)); /* exact */
         }
-        if (sx) sx[b] = s;
+        if (!sx) continue;
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+        __m128 h = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+        h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+        sx[b] = _mm_cvtss_f32(_mm_add_ss(h, _mm_shuffle_ps(h, h, 1)));
     }
 }
 
@@ -347,10 +353,6 @@ static void block_sums(const void *x, int x_bf16, int64_t blocks, float *sx, flo
  * row's outputs are the same bits whatever rows are beside it. */
 #define AVX2_MR 4
 #define AVX2_FUSED 2
-/* A Q4 code at k = 8g + j is read in place, as its value times 2^AVX2_PLACE[j] (a mask, no shift
- * back: one operation fewer a vector), and multiplied by x scaled by 2^-AVX2_PLACE[j], exactly the
- * same product; the top nibble (bit 28, whose place would make it negative) is shifted down. */
-static const int AVX2_PLACE[8] = {0, 16, 4, 20, 8, 24, 12, 0};
 
 /* The chains of parity `par` (0: even k, 1: odd k; 2: both) of every row: s[r][o][h] += x w over a
  * block's k = 2i + o. */
@@ -455,7 +457,7 @@ T256 static void avx2_unpack_panel(const uint8_t *panel, int qt, int nb, float *
             }
             for (int g = 0; g < 4; g++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + g * 64 + h * 32));
-                for (int j = 0; j < 8; j++) { /* d q + m (Q4_0: d q - 8 d), one rounding, as the sums scale */
+                for (int j = 0; j < 8; j++) { /* d q + m (Q4_0: d q - 8 d), rounded once */
                     const __m256i code = _mm256_and_si256(_mm256_srli_epi32(raw, 4 * (j >> 1) + 16 * (j & 1)),
                                                           _mm256_set1_epi32(0x0F));
                     _mm256_storeu_ps(Wb + (8 * g + j) * PANEL + h * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(code), d, mn));
@@ -593,15 +595,15 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
     const int nb = k / QK, panels = (n + PANEL - 1) / PANEL;
     const int widen = x_bf16 && !amx && !vnni && path != 1;
     /* sx [m][nb]: the block sums of x (Q4_1's offset term, and Q4_0's on AVX2); widened x [m][k] */
-    const size_t blocks = (size_t)m * nb, extra = widen ? (size_t)m * k : 0;
+    /* AVX2 reads Q4 codes in place (AVX2_PLACE): x scaled for them, [m][k] */
+    const int placing = path == 2 && qt != Q8_0;
+    const size_t blocks = (size_t)m * nb, extra = widen || placing ? (size_t)m * k : 0;
     float *scratch = malloc(sizeof(float) * (blocks + extra));
     if (!scratch) return -2;
-    float *sx = scratch, *xf = widen ? sx + blocks : NULL;
+    float *sx = scratch, *xf = widen ? sx + blocks : NULL, *placed = placing ? sx + blocks : NULL;
     const int need_sx = qt == Q4_1 || (path == 2 && qt == Q4_0);
-    if (need_sx || xf) {
-        if (quant_isas() & ISA_AVX512) block_sums512(x, x_bf16, (int64_t)blocks, need_sx ? sx : NULL, xf);
-        else block_sums(x, x_bf16, (int64_t)blocks, need_sx ? sx : NULL, xf);
-    }
+    if (path == 2) avx2_prepare(x, (int64_t)blocks, need_sx ? sx : NULL, placed);
+    else if (need_sx || xf) block_sums512(x, x_bf16, (int64_t)blocks, need_sx ? sx : NULL, xf); /* AVX512 paths */
     if (vnni) {
         const int rc = quant_vnni(x, sx, packed, y, m, n, k, qt, num_threads);
         free(scratch);
@@ -611,17 +613,6 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
         const int rc = quant_amx_sums(x, sx, packed, y, m, n, k, qt, num_threads);
         free(scratch);
         return rc;
-    }
-    float *placed = NULL; /* x scaled for the Q4 codes read in place (AVX2_PLACE) */
-    if (path == 2 && qt != Q8_0) {
-        placed = malloc(sizeof(float) * (size_t)m * k);
-        if (!placed) {
-            free(scratch);
-            return -2;
-        }
-        float unplace[8]; /* 2^-AVX2_PLACE: exact products */
-        for (int j = 0; j < 8; j++) unplace[j] = ldexpf(1.0f, -AVX2_PLACE[j]);
-        for (int64_t i = 0; i < (int64_t)m * k; i++) placed[i] = ((const float *)x)[i] * unplace[i % 8];
     }
     const void *xin = placed ? (const void *)placed : xf ? (const void *)xf : x;
     const int ldx = path == 1 ? k / 2 : k; /* float32 values, or bf16 pairs: 4 bytes either way */
@@ -633,7 +624,6 @@ int quant_linear(const void *x, const uint8_t *packed, void *y, int m, int n, in
         run_panels(path, xin, ldx, sx, packed, y, x_bf16, m, n, nb, qt, (int)((int64_t)panels * t / nt),
                    (int)((int64_t)panels * (t + 1) / nt));
     }
-    free(placed);
     free(scratch);
     return 0;
 }
