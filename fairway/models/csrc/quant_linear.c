@@ -353,6 +353,7 @@ T256 static void avx2_prepare(const float *x, int64_t blocks, float *sx, float *
  * row's outputs are the same bits whatever rows are beside it. */
 #define AVX2_MR 4
 #define AVX2_FUSED 2
+#define AVX2_PF_AHEAD 8 /* blocks ahead whose bytes are prefetched */
 
 /* The chains of parity `par` (0: even k, 1: odd k; 2: both) of every row: s[r][o][h] += x w over a
  * block's k = 2i + o. */
@@ -400,6 +401,9 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
     for (int b = 0; b < a->nb; b++) {
         const uint8_t *blkp = a->w + (int64_t)b * block_bytes(QT);
         const float *xb = x + (int64_t)b * QK;
+        if (QT == Q8_0) /* blocks ahead, as quant_vnni.c does (the next panel's lie right after this one's) */
+            for (int l = 0; l < block_bytes(QT); l += 64)
+                _mm_prefetch((const char *)blkp + AVX2_PF_AHEAD * block_bytes(QT) + l, _MM_HINT_T0);
         __m256 s[AVX2_MR][2][2];
         for (int r = 0; r < MR; r++)
             for (int o = 0; o < 2; o++)
