@@ -33,7 +33,6 @@
  * quant_isas() is 0 and Python keeps the dequantized weights. Built with the other kernels by
  * cpu_kernels.py.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -327,9 +326,9 @@ static const int AVX2_PLACE[8] = {0, 16, 4, 20, 8, 24, 12, 0};
  * pairs, then the lanes, the same order for every row count) and, for Q4 (placed not NULL), x
  * scaled by 2^-AVX2_PLACE for the codes read in place. */
 T256 static void avx2_prepare(const float *x, int64_t blocks, float *sx, float *placed) {
-    float unplace[8];
-    for (int j = 0; j < 8; j++) unplace[j] = ldexpf(1.0f, -AVX2_PLACE[j]);
-    const __m256 scale = _mm256_loadu_ps(unplace);
+    /* 2^-AVX2_PLACE[j], built as exponent bits */
+    const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_sub_epi32(_mm256_set1_epi32(127), _mm256_loadu_si256((const __m256i *)AVX2_PLACE)), 23));
     for (int64_t b = 0; b < blocks; b++) {
         __m256 v[4];
         for (int i = 0; i < 4; i++) {
@@ -355,6 +354,21 @@ T256 static void avx2_prepare(const float *x, int64_t blocks, float *sx, float *
 #define AVX2_FUSED 2
 #define AVX2_PF_AHEAD 8 /* blocks ahead whose bytes are prefetched */
 
+/* A block's scales d for half h's 8 columns, and the offset a block sum of x is multiplied by
+ * (Q4_1: its mins; Q4_0: -8 d, its codes' offset; Q8_0: none). */
+T256 INLINE __m256 avx2_scales(const uint8_t *blk, int h) {
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + h * 16)));
+}
+T256 INLINE __m256 avx2_offsets(const uint8_t *blk, int h, __m256 d, const int QT) {
+    return QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + h * 16)))
+           : QT == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+}
+
+/* Q8_0's value at byte o (0: low, 1: high) of each of 8 words widened to dwords, as a float. */
+T256 INLINE __m256 avx2_q8_values(__m256i words, int o) {
+    return _mm256_cvtepi32_ps(o ? _mm256_srai_epi32(words, 8) : _mm256_srai_epi32(_mm256_slli_epi32(words, 24), 24));
+}
+
 /* The chains of parity `par` (0: even k, 1: odd k; 2: both) of every row: s[r][o][h] += x w over a
  * block's k = 2i + o. */
 T256 INLINE void avx2_chains(const uint8_t *q, const float *xb, int64_t ldx, __m256 s[AVX2_MR][2][2], const int MR,
@@ -365,8 +379,7 @@ T256 INLINE void avx2_chains(const uint8_t *q, const float *xb, int64_t ldx, __m
                 const __m256i raw = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + h * 16)));
                 for (int o = 0; o < 2; o++) {
                     if (par != 2 && o != par) continue;
-                    const __m256 w = _mm256_cvtepi32_ps(o ? _mm256_srai_epi32(raw, 8)
-                                                          : _mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
+                    const __m256 w = avx2_q8_values(raw, o);
                     for (int r = 0; r < MR; r++)
                         s[r][o][h] = _mm256_fmadd_ps(w, _mm256_set1_ps(xb[r * ldx + 2 * g + o]), s[r][o][h]);
                 }
@@ -381,7 +394,7 @@ T256 INLINE void avx2_chains(const uint8_t *q, const float *xb, int64_t ldx, __m
             const int o = j & 1, shift = 4 * (j >> 1) + 16 * o;
             if (par != 2 && o != par) continue;
             /* the code times 2^AVX2_PLACE[j] (x was scaled by its inverse); the top one shifted down */
-            const __m256i mask = _mm256_set1_epi32(0xF << shift);
+            const __m256i mask = _mm256_set1_epi32((int)(0xFu << shift));
             const __m256 w0 = _mm256_cvtepi32_ps(j == 7 ? _mm256_srli_epi32(raw0, 28) : _mm256_and_si256(raw0, mask));
             const __m256 w1 = _mm256_cvtepi32_ps(j == 7 ? _mm256_srli_epi32(raw1, 28) : _mm256_and_si256(raw1, mask));
             for (int r = 0; r < MR; r++) {
@@ -415,9 +428,7 @@ T256 INLINE void avx2_tile(const tile_args *a, const int MR, const int QT) {
             avx2_chains(blkp + quants_at(QT), xb, a->ldx, s, MR, QT, 1);
         }
         for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + h * 16)));
-            const __m256 m = QT == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blkp + 32 + h * 16)))
-                             : QT == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+            const __m256 d = avx2_scales(blkp, h), m = avx2_offsets(blkp, h, d, QT);
             for (int r = 0; r < MR; r++) {
                 acc[r][h] = _mm256_fmadd_ps(_mm256_add_ps(s[r][0][h], s[r][1][h]), d, acc[r][h]);
                 if (QT != Q8_0) acc[r][h] = _mm256_fmadd_ps(m, _mm256_set1_ps(a->sx[(int64_t)r * a->nb + b]), acc[r][h]);
@@ -446,19 +457,16 @@ T256 static void avx2_unpack_panel(const uint8_t *panel, int qt, int nb, float *
         const uint8_t *blk = panel + (int64_t)b * bb, *q = blk + quants_at(qt);
         float *Wb = W + (int64_t)b * QK * PANEL;
         for (int h = 0; h < 2; h++) {
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + h * 16)));
-            const __m256 mn = qt == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32 + h * 16)))
-                              : qt == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+            const __m256 d = avx2_scales(blk, h);
             if (qt == Q8_0) {
                 for (int g = 0; g < 16; g++) {
                     const __m256i raw = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(q + g * 32 + h * 16)));
-                    const __m256 w0 = _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(raw, 24), 24));
-                    _mm256_storeu_ps(Wb + (2 * g) * PANEL + h * 8, _mm256_mul_ps(w0, d));
-                    _mm256_storeu_ps(Wb + (2 * g + 1) * PANEL + h * 8,
-                                     _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_srai_epi32(raw, 8)), d));
+                    for (int o = 0; o < 2; o++)
+                        _mm256_storeu_ps(Wb + (2 * g + o) * PANEL + h * 8, _mm256_mul_ps(avx2_q8_values(raw, o), d));
                 }
                 continue;
             }
+            const __m256 mn = avx2_offsets(blk, h, d, qt);
             for (int g = 0; g < 4; g++) {
                 const __m256i raw = _mm256_loadu_si256((const __m256i *)(q + g * 64 + h * 32));
                 for (int j = 0; j < 8; j++) { /* d q + m (Q4_0: d q - 8 d), rounded once */
