@@ -33,7 +33,7 @@ from fairway.safety import (
     make_moderator,
 )
 from fairway.safety.classifier import FastClassifier
-from fairway.safety.normalize import fold, unleet
+from fairway.safety.normalize import fold, squeeze, unleet
 from fairway.safety.profanity import ProfanityModel, available
 
 DATA = Path(__file__).parent / "data"
@@ -145,11 +145,35 @@ def test_word_boundaries_keep_ordinary_text_apart(policy: PolicyClassifier, ordi
     assert not any(policy.matches(ordinary).values()), policy.matches(ordinary)
 
 
+# Runs that two neighbouring parts of a term (or the l33t reading) can each take: before the terms'
+# runs were bounded, each of these took minutes to hours at this length (quadratic or cubic).
+RUNS = ["kil" + "|" * 20_000 + "x", "1" * 100_000, "kil" + "l|" * 20_000 + "x", "i want to " + "*-" * 20_000,
+        "y" + "0" * 50_000 + "u", "s$" * 20_000, "one " + "e" * 50_000 + "ye", "go" + " -" * 20_000 + "die"]
+
+
+@pytest.mark.parametrize("text", RUNS, ids=[f"{r[:5]!r}..." for r in RUNS])
+def test_a_long_run_is_checked_in_linear_time(policy: PolicyClassifier, text: str) -> None:
+    """A request body may be 1 MiB: no run in it may make the policy's regexes backtrack for long.
+    Each of these 40-100k character texts is matched in well under a second (10 s allows for a
+    loaded machine; before, the first took ~10 minutes)."""
+    started = time.perf_counter()
+    policy.matches(text)
+    assert time.perf_counter() - started < 10
+
+
+@pytest.mark.parametrize("stretched", ["kiiiiiiiiiiiiill yourself", "kill            yourself",
+                                       "killlllllllllll yourself", "k!!!!!!!!ll yourself"])
+def test_a_stretched_term_still_matches(policy: PolicyClassifier, stretched: str) -> None:
+    assert policy.matches(stretched)["harassment/threatening"], stretched
+
+
 def test_fold_and_unleet() -> None:
     assert fold("Ｋ I L L") == "kill"
     assert fold("ѕtrаnge") == "strange"  # Cyrillic ѕ, а
     assert fold("Straße") == "strasse"
     assert unleet(fold("$h1t h3@d")) == "shit head"
+    assert unleet("k" + "1" * 10 + " " + "1" * 10) == "k" + "i" * 10 + " " + "1" * 10  # a number stays
+    assert squeeze("kiiiiill |||||||||| 1!1!1!1!1!") == "kiiill ||| 1!1!1!"
 
 
 def test_patterns_also_see_l33t_read_as_letters(policy: PolicyClassifier) -> None:

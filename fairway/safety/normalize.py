@@ -37,8 +37,9 @@ _HOMOGLYPH_TABLE = str.maketrans(_HOMOGLYPHS)
 # L33t symbols, each read as the letter it most often stands for.
 _LEET = {"0": "o", "1": "i", "3": "e", "4": "a", "5": "s", "7": "t", "@": "a", "$": "s", "|": "l", "€": "e"}
 _LEET_TABLE = str.maketrans(_LEET)
-# Only inside a word, next to a letter: "k1ll", "$hit", not "7-year-old" or "2000".
-_LEET_IN_WORD = re.compile(r"(?<=[^\W\d_])[013457@$|€]+|[013457@$|€]+(?=[^\W\d_])")
+# Only inside a word, next to a letter: "k1ll", "$hit", not "7-year-old" or "2000". A run is tried
+# from its start only: tried from each of its characters, a long run of digits took quadratic time.
+_LEET_IN_WORD = re.compile(r"(?<=[^\W\d_])[013457@$|€]+|(?<![013457@$|€])[013457@$|€]++(?=[^\W\d_])")
 
 # A run of at least three single letters (or l33t symbols), each standing alone between
 # separators: spelled out to dodge a word list. Ordinary text rarely has three in a row.
@@ -83,3 +84,20 @@ for _vowel in "aeiou":  # a masked vowel: f*ck, sh!t
 LEET_FORMS["i"] += "!"
 LEET_FORMS["l"] += "1"
 LEET_FORMS["t"] += "+"
+
+
+# The view a policy's terms are matched in: a term's letters are each one or more of their forms,
+# so where two neighbours can take the same characters (a letter run "llll", the l33t symbols two
+# letters share or a letter shares with the separators between words: 1 for i and l, * for the
+# vowels, | $ @ ...) a backtracking regex tries every split of a run: a few thousand such
+# characters took minutes. No word spells a letter with more than three of the same character,
+# nor more than six of those symbols in a row: longer runs are cut to that, and every split is short.
+_SAME_RUN = re.compile(r"(.)\1{3,}", re.DOTALL)
+_SHARED = sorted({c for forms in LEET_FORMS.values() for c in forms if not c.isalpha()
+                  and (not (c.isalnum() or c == "_") or sum(c in f for f in LEET_FORMS.values()) > 1)})
+_SHARED_RUN = re.compile("[" + "".join(re.escape(c) for c in _SHARED) + "]{7,}")
+
+
+def squeeze(folded: str) -> str:
+    """A folded text with runs of one character cut to three and runs of shared l33t symbols to six."""
+    return _SHARED_RUN.sub(lambda m: m.group()[:6], _SAME_RUN.sub(lambda m: m.group(1) * 3, folded))

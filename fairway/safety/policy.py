@@ -10,13 +10,15 @@ from pathlib import Path
 
 from fairway.safety.categories import CATEGORIES, Scores, check_category
 from fairway.safety.classifier import FastClassifier
-from fairway.safety.normalize import LEET_FORMS, fold, unleet
+from fairway.safety.normalize import LEET_FORMS, fold, squeeze, unleet
 
 DEFAULT_POLICY = Path(__file__).with_name("policy.toml")
 _LIST_REF = re.compile(r"\{([a-z_]+)\}")  # {name}; a quantifier {2,5} has digits, never letters
 # Not preceded / followed by a letter or digit: whole words, even when a term starts or ends with
 # a l33t symbol ($hit).
 _START, _END = r"(?<![^\W_])", r"(?![^\W_])"
+# How many more characters than a term spells a letter's run may have, and the most between words.
+_LONGER, _SEPARATOR = 5, 6
 
 
 @dataclass(frozen=True)
@@ -30,7 +32,8 @@ class ProfanitySettings:
 class Policy:
     thresholds: dict[str, float]
     profanity: ProfanitySettings = field(default_factory=ProfanitySettings)
-    matchers: dict[str, tuple[re.Pattern[str] | None, bool]] = field(default_factory=dict)  # (regex, has patterns)
+    # per category: its terms as one regex (whole words, in the squeezed view) and its patterns as one
+    matchers: dict[str, tuple[re.Pattern[str] | None, re.Pattern[str] | None]] = field(default_factory=dict)
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> Policy:
@@ -62,10 +65,9 @@ class Policy:
             patterns = [_expand(p, lists, f"{source}: {category}") for p in section.get("patterns", ())]
             _check_each(terms, f"{source}: {category} terms")
             _check_each(patterns, f"{source}: {category} patterns")
-            # One regex per category: the terms (whole words) or any pattern, one search a text.
-            either = ([_START + "(?:" + "|".join(terms) + ")" + _END] if terms else []) + patterns
-            matchers[category] = (re.compile("|".join(f"(?:{a})" for a in either)) if either else None,
-                                  bool(patterns))
+            # Two regexes per category: its terms (whole words) and any of its patterns.
+            matchers[category] = (re.compile(_START + "(?:" + "|".join(terms) + ")" + _END) if terms else None,
+                                  re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None)
         return cls(thresholds, profanity, matchers)
 
 
@@ -83,34 +85,42 @@ class PolicyClassifier(FastClassifier):
     def matches(self, text: str) -> dict[str, str | None]:
         """Per category, the first text that matched (or None): what an operator looks at."""
         folded = fold(text)
-        plain = unleet(folded)
+        plain, squeezed = unleet(folded), squeeze(folded)
         found: dict[str, str | None] = {}
-        for category, (regex, has_patterns) in self.policy.matchers.items():
-            hit = regex.search(folded) if regex else None
-            if hit is None and has_patterns and plain != folded:
-                hit = regex.search(plain)  # (terms match l33t forms themselves; patterns need this view)
+        for category, (terms, patterns) in self.policy.matchers.items():
+            hit = terms.search(squeezed) if terms else None  # (terms match l33t forms themselves)
+            if hit is None and patterns:
+                hit = patterns.search(folded)
+                if hit is None and plain != folded:
+                    hit = patterns.search(plain)  # patterns need l33t read as letters
             found[category] = hit.group() if hit else None
         return found
 
 
 def _term_pattern(term: str) -> str:
-    """A term as a regex: each letter in its l33t forms, repeated or not; words separated by
-    anything that is not a letter (or nothing); a trailing * takes any ending."""
+    """A term as a regex: each letter in its l33t forms, repeated or not (a doubled letter one run);
+    words separated by anything that is not a letter (or nothing); a trailing * takes any ending.
+    Each letter's run and each separator is at most a few characters long: unbounded, a long run
+    that two neighbours can both take (l|l|l... for l, -*-*-... for a separator and a vowel) is
+    split every way from each place a term could start, in quadratic time. Runs the text spells
+    longer are cut in the view terms see (normalize.squeeze)."""
     words = []
     for word in fold(term).split():
         prefix = word.endswith("*")
         parts = []
-        for ch in word.rstrip("*"):
+        for run in re.finditer(r"(.)\1*", word.rstrip("*")):
+            ch, n = run.group(1), len(run.group())
+            at_least = f"{{{n},{n + _LONGER}}}"
             if ch in LEET_FORMS:
-                parts.append("[" + "".join(re.escape(c) for c in LEET_FORMS[ch]) + "]+")
+                parts.append("[" + "".join(re.escape(c) for c in LEET_FORMS[ch]) + "]" + at_least)
             elif ch == "'":
-                parts.append("'?")
+                parts.append("'?" * n)
             elif ch.isalnum():
-                parts.append(re.escape(ch) + "+")
+                parts.append(re.escape(ch) + at_least)
             else:
-                parts.append(re.escape(ch))
+                parts.append(re.escape(ch) * n)
         words.append("".join(parts) + (r"\w*" if prefix else ""))
-    return r"[\W_]*".join(words)
+    return rf"[\W_]{{0,{_SEPARATOR}}}".join(words)
 
 
 def _expand(pattern: str, lists: dict[str, str], where: str) -> str:
