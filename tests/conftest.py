@@ -42,11 +42,19 @@ def real_model_fp32(model_path):
 
 @pytest.fixture(scope="session")
 def hf_model(model_path):
-    """transformers' own Llama on the same GGUF: the reference for greedy tokens."""
+    """transformers' own Llama on the same GGUF: the reference for greedy tokens. (Its loader parses
+    the file's metadata twice and builds gguf's tensor-name table afresh for each of ~400 modules,
+    most of its ~24 s here: both are pure, so this one load remembers them.)"""
+    import functools
+
+    import gguf
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
-                                                dtype=torch.float32).eval()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
+        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        return AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
+                                                    dtype=torch.float32).eval()
 
 
 @pytest.fixture
