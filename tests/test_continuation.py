@@ -510,6 +510,36 @@ async def test_a_replica_drained_before_it_started_never_starts(real_model_fp32,
         engine.shutdown()
 
 
+async def test_a_replica_drained_while_it_starts_ends(real_model_fp32, real_tokenizer):
+    """SIGTERM just after the replica announced itself, while it still starts (a fleet's replacement
+    told to go at once): the drain found no loops to end; the worker must not start them after it
+    and serve for ever (a local fleet's replica once did), but end, withdrawn."""
+    relay, registry = make_relay(None), InProcessRegistry()
+    engine = AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer))
+    worker = ReplicaWorker(engine, relay, registry, ReplicaSettings(model="m", replica_id="starting"))
+    resuming, go_on = asyncio.Event(), asyncio.Event()
+    resume_own = worker._resume_own
+
+    async def slow_resume() -> None:  # the start's last step before its loops, held open
+        resuming.set()
+        await go_on.wait()
+        await resume_own()
+
+    worker._resume_own = slow_resume
+    try:
+        running = asyncio.create_task(worker.run())
+        await asyncio.wait_for(resuming.wait(), 5)
+        assert [r.id for r in await registry.live()] == ["starting"]  # announced: a fleet sees it live
+        draining = asyncio.create_task(worker.drain())
+        await asyncio.sleep(0.05)
+        go_on.set()
+        await asyncio.wait_for(draining, 5)
+        await asyncio.wait_for(running, 5)
+        assert await registry.live() == [] and worker._loops == []
+    finally:
+        engine.shutdown()
+
+
 async def test_a_drain_hands_on_what_it_cannot_finish_in_its_grace(real_model_fp32, real_tokenizer):
     """SIGTERM's drain: the reply that outlives the grace period gets no final event from the
     draining replica, its job stays in the queue, and the failover's replica finishes it whole."""

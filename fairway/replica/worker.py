@@ -329,6 +329,15 @@ class ReplicaWorker:
         metrics.ENGINES.track(self.id, self.settings.model, self.engine)
         await self.registry.announce(self.info())
         await self._resume_own()
+        if self.draining or self._stopping:
+            # Drained (or stopped) while it started: a SIGTERM just after the announcement, as a
+            # fleet's replacement meets. stop() found no loops to end; started now, they would serve
+            # for ever. None start, and an announcement that landed after stop()'s withdrawal goes.
+            with contextlib.suppress(Exception):
+                await self.registry.withdraw(self.id)
+            if self._drain_task is not None:  # (POST /drain's: run() returns once drained)
+                await self._drain_task
+            return
         for loop in (self._claim_loop, self._stop_loop, self._idle_loop, self._heartbeat_loop):
             self._loops.append(asyncio.create_task(self._supervised(loop), name=f"{self.id}:{loop.__name__}"))
 
