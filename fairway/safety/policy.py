@@ -110,13 +110,13 @@ def _term_pattern(term: str) -> str:
         parts = []
         for run in re.finditer(r"(.)\1*", word.rstrip("*")):
             ch, n = run.group(1), len(run.group())
-            at_least = f"{{{n},{n + _LONGER}}}"
+            repeats = f"{{{n},{n + _LONGER}}}"
             if ch in LEET_FORMS:
-                parts.append("[" + "".join(re.escape(c) for c in LEET_FORMS[ch]) + "]" + at_least)
+                parts.append("[" + "".join(re.escape(c) for c in LEET_FORMS[ch]) + "]" + repeats)
             elif ch == "'":
                 parts.append("'?" * n)
             elif ch.isalnum():
-                parts.append(re.escape(ch) + at_least)
+                parts.append(re.escape(ch) + repeats)
             else:
                 parts.append(re.escape(ch) * n)
         words.append("".join(parts) + (r"\w*" if prefix else ""))
