@@ -83,6 +83,19 @@ def test_health_ready_models(http):
     assert models["data"][0]["context_window"] == WINDOW
 
 
+def test_the_sdk_retrieves_a_served_model_and_a_missing_one_is_404(client, http):
+    model = client.models.retrieve(MODEL)  # GET /v1/models/{model}
+    assert model.id == MODEL and model.object == "model" and model.owned_by == "fairway"
+    assert model.model_extra["context_window"] == WINDOW
+    assert http.get(f"/v1/models/{MODEL}").json() == http.get("/v1/models").json()["data"][0]
+    with pytest.raises(openai.NotFoundError) as err:
+        client.models.retrieve("no-such-model")
+    assert err.value.body["code"] == "model_not_found" and err.value.body["param"] == "model"
+    assert "no-such-model" in err.value.body["message"]
+    missing = http.get("/v1/models/org/no-such-model")  # a Hugging Face style id: one id, not a route below
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+
+
 def test_sdk_streaming(client, http):
     raw = client.chat.completions.with_raw_response.create(
         model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=6, temperature=0,

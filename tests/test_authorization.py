@@ -85,6 +85,7 @@ UNOWNED = [
     Route("DELETE", "/v1/user/memory"),
     Route("PUT", "/v1/user/memory/settings", json={"enabled": True}),
     Route("POST", "/v1/moderations", json={"input": "hello"}),
+    Route("GET", "/v1/models/{model}"),
 ]
 
 
@@ -144,7 +145,8 @@ def server(request, engine, tmp_path_factory):
 def _owned_by_user_1(server) -> dict[str, str]:
     body = {**CHAT, "messages": [{"role": "user", "content": "My name is Alice. Say hi."}], "message_id": MESSAGE_ID}
     completion = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers(), timeout=60).json()
-    ids = {"conversation_id": completion["conversation_id"], "reply_id": completion["id"], "message_id": MESSAGE_ID}
+    ids = {"conversation_id": completion["conversation_id"], "reply_id": completion["id"], "message_id": MESSAGE_ID,
+           "model": MODEL}
     # A file and a memory of theirs.
     uploaded = httpx.post(f"{server.url}/v1/files/upload", files={"file": ("mine.txt", b"Alice's notes.", "text/plain")},
                           headers=headers(), timeout=60)

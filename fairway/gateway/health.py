@@ -1,4 +1,4 @@
-"""Liveness, readiness and the model list."""
+"""Liveness, readiness and the served models."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated
-from fairway.gateway.errors import error_responses
+from fairway.gateway.errors import ApiError, error_responses
 
 router = APIRouter()
 
@@ -56,6 +56,22 @@ async def ready(request: Request) -> JSONResponse:
 
 @router.get("/v1/models", dependencies=[Depends(authenticated)], responses=error_responses(401, 503))
 async def models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": await _served(request)}
+
+
+# {model:path}: a model named like a Hugging Face folder ("org/name") is one id with a slash in it.
+@router.get("/v1/models/{model:path}", dependencies=[Depends(authenticated)], responses=error_responses(401, 404, 503))
+async def model(request: Request, model: str) -> dict[str, Any]:
+    """One served model (the SDK's models.retrieve), as the list shows it; 404 if none serves it."""
+    for entry in await _served(request):
+        if entry["id"] == model:
+            return entry
+    raise ApiError(404, f"The model {model!r} does not exist or no replica serves it: GET /v1/models lists "
+                        "the ones served.", param="model", code="model_not_found")
+
+
+async def _served(request: Request) -> list[dict[str, Any]]:
+    """The models some live replica serves, each as OpenAI's model object with what it runs on."""
     gw = gateway(request)
     live = await gw.router.live()
     data = []
@@ -68,4 +84,4 @@ async def models(request: Request) -> dict[str, Any]:
                      # The built-in tool ({"type": "code_interpreter"}): whether a replica runs it, else why not.
                      "code_interpreter": {"available": bool(coding),
                                           "reason": None if coding else replicas[0].sandbox_off}})
-    return {"object": "list", "data": data}
+    return data
