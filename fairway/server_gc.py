@@ -8,18 +8,25 @@ flight waited, which set the relay's p99 delay.
 
 settle_heap(), once the process has started (modules imported, app and model loaded): what exists
 then lives as long as the process, so it is frozen out of collections for good; and collections
-of what comes later are made rarer (the youngest generation collected every YOUNG_THRESHOLD
-allocations instead of 700, a full collection once per OLD_THRESHOLD middle ones instead of 10).
-Cyclic garbage waits a little longer to be freed; nothing else changes.
+of what comes later are set for short pauses that come rarely enough:
+* the youngest generation every YOUNG_THRESHOLD allocations (net of frees) instead of 700;
+* the middle one every MIDDLE_THRESHOLD young collections. A middle collection walks everything
+  that survived the young ones since the last, at hundreds of streams mostly their live objects,
+  so it is the process's longest regular pause, long enough at 10 young ones of 20,000 to set
+  the relay's p99 delay; 2 young ones' survivors keep it short, at the same CPU in all
+  (bench/README.md, relay.py, "Garbage collection pauses");
+* a full collection once per OLD_THRESHOLD middle ones instead of 10 (about as rarely as before).
+Each collection's time is the `fairway:gc_pause_seconds` metric (usage/metrics.py). Cyclic
+garbage waits a little longer to be freed; nothing else changes.
 """
 
 from __future__ import annotations
 
 import gc
 
-YOUNG_THRESHOLD = 20_000
-MIDDLE_THRESHOLD = 10
-OLD_THRESHOLD = 100
+YOUNG_THRESHOLD = 10_000
+MIDDLE_THRESHOLD = 2
+OLD_THRESHOLD = 1000
 
 
 def settle_heap() -> None:

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import gc
 import subprocess
 import sys
 import uuid
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 from serving import (
     API_KEY,
     HERD_MAX_TOKENS,
@@ -333,10 +335,22 @@ def test_metrics_in_prometheus_text(server, http):
                  "fairway:num_preemptions_total", "fairway:num_requests_running", "fairway:num_requests_waiting",
                  "fairway:spec_decode_num_drafts_total", "fairway:spec_decode_num_draft_tokens_total",
                  "fairway:spec_decode_num_accepted_tokens_total", "fairway:spec_decode_draft_acceptance_rate",
-                 "fairway:active_streams", "fairway:rate_limited_total"):
+                 "fairway:active_streams", "fairway:rate_limited_total", "fairway:gc_pause_seconds_bucket"):
         assert name in text, name
     assert f'fairway:prompt_tokens_total{{model="{MODEL}",tier="paid"}}' in text
     assert 'fairway:rate_limited_total{type="tokens"}' in text  # from the quota test (same process)
+
+
+def test_metrics_time_each_garbage_collection(server):
+    def collections(generation: str) -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        pauses = next(f for f in text_string_to_metric_families(text) if f.name == "fairway:gc_pause_seconds")
+        return next(s.value for s in pauses.samples
+                    if s.name.endswith("_count") and s.labels["generation"] == generation)
+
+    before = collections("1")
+    gc.collect(1)  # this process is the server's (ThreadServer)
+    assert collections("1") >= before + 1
 
 
 # -- bad input ---------------------------------------------------------------------------------------

@@ -17,7 +17,9 @@ port (fairway/replica/health.py); Prometheus scrapes them all and sums.
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -147,3 +149,29 @@ def observe_safety(stage: str, seconds: float, flagged_categories: list[str]) ->
     SAFETY_CHECK_SECONDS.labels(stage).observe(seconds)
     for category in flagged_categories:
         SAFETY_FLAGGED.labels(stage, category).inc()
+
+
+# The cyclic garbage collector stops the whole process while it runs (every stream's events wait):
+# each collection's time, by generation, in every process that imports this module.
+# fairway/server_gc.py sets how often each generation is collected, which sets these pauses.
+GC_PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+GC_PAUSE = Histogram("fairway:gc_pause_seconds", "Time the process stood still in one cyclic garbage collection.",
+                     ["generation"], buckets=GC_PAUSE_BUCKETS)
+
+
+class _GcTimer:
+    """Times each collection: gc.callbacks calls it as one starts and as it stops (collections never
+    overlap: they run under the GIL, and nothing a callback allocates starts another)."""
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        self.pauses = [GC_PAUSE.labels(str(generation)) for generation in range(3)]
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.started = time.perf_counter()
+        else:
+            self.pauses[info["generation"]].observe(time.perf_counter() - self.started)
+
+
+gc.callbacks.append(_GcTimer())
