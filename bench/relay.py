@@ -21,7 +21,8 @@ Each N runs two ways. Steady arrivals (the headline): N streams at all times, as
 carrying N streams sees them: N client slots run streams back to back, their first starts spread
 over one stream's length, so requests arrive at N / 10 s a second; measured over one stream's
 length once all slots run (every event's delay, and the gateway's CPU for everything it did
-meanwhile, per event), and the time from a request to its first event (where fewer than 97% of
+meanwhile, per event, and its garbage collections: each stops every stream's events), and the
+time from a request to its first event (where fewer than 97% of
 the window's events came, it tells slow starts from replicas that fell behind their step clock,
 as they do on a machine out of CPU). All in 1 s: the N streams start within one second (a flash
 crowd on top of the streaming), measured as above (all in, and steady). The answer on this machine is the largest
@@ -128,6 +129,41 @@ def create_key(database: str, root: Path = ROOT) -> str:
 
 
 API_KEY = {"value": ""}  # set once the gateway's store has a key
+
+
+async def gc_pauses(port: int) -> dict[str, float] | None:
+    """The gateway's garbage collections so far, from its fairway:gc_pause_seconds histogram (all
+    generations): how many, how many stopped it over 25 and 50 ms, their seconds; None from a
+    gateway without the metric."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with httpx.AsyncClient() as client:
+        text = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=10)).text
+    totals = {"count": 0.0, "within_25ms": 0.0, "within_50ms": 0.0, "seconds": 0.0}
+    found = False
+    for family in text_string_to_metric_families(text):
+        if family.name != "fairway:gc_pause_seconds":
+            continue
+        found = True
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                totals["count"] += sample.value
+            elif sample.name.endswith("_sum"):
+                totals["seconds"] += sample.value
+            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) in (0.025, 0.05):
+                totals["within_25ms" if float(sample.labels["le"]) == 0.025 else "within_50ms"] += sample.value
+    if not found:
+        return None
+    return {"count": totals["count"], "over_25ms": totals["count"] - totals["within_25ms"],
+            "over_50ms": totals["count"] - totals["within_50ms"], "seconds": totals["seconds"]}
+
+
+def gc_window(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, float] | None:
+    """The collections between two gc_pauses() readings."""
+    if start is None or end is None:
+        return None
+    return {k: round(end[k] - start[k], 3) for k in end}
 
 
 async def wait_ready(url: str, timeout: float = 180.0, path: str = "/ready") -> None:
@@ -442,11 +478,15 @@ async def churn_level(port: int, gateway_pid: int, n: int, tokens: int, api_key:
             if seen and window[0] <= loop.time() < window[1]:  # a slot's time between streams eats its events
                 first_event.append(seen[0] - sent)
 
+    gc: dict[str, dict[str, float] | None] = {}
+
     async def measure() -> None:
         await asyncio.sleep(window[0] - loop.time())
         cpu["start"] = cpu_seconds(gateway_pid)
+        gc["start"] = await gc_pauses(port)
         await asyncio.sleep(window[1] - loop.time())
         cpu["end"] = cpu_seconds(gateway_pid)
+        gc["end"] = await gc_pauses(port)
 
     await asyncio.gather(measure(), *(slot(i) for i in range(n)))
     errors = sum(1 for s in statuses if s != 200)
@@ -466,6 +506,8 @@ async def churn_level(port: int, gateway_pid: int, n: int, tokens: int, api_key:
         "delay_max_ms": round(max(delays, default=float("nan")) * 1000, 2),
         "first_event_p50_ms": round(percentile(first_event, 0.50) * 1000, 1),
         "first_event_p99_ms": round(percentile(first_event, 0.99) * 1000, 1),
+        # The gateway's garbage collections in the window: each stops every stream's events.
+        "gc_pauses": gc_window(gc.get("start"), gc.get("end")),
         # Everything the gateway did while N streams ran and N / length requests a second came
         # and went: per event relayed.
         "gateway_cpu_s_per_1000_events": per_1000,
@@ -585,7 +627,14 @@ def print_steady(level: dict[str, Any], label: str) -> None:
           f"{level['delay_p99_ms']:7.1f} ms  events {level['events_measured']}/{level['events_expected']}  errors "
           f"{level['errors']}  first event p50/p99 {level['first_event_p50_ms']}/{level['first_event_p99_ms']} ms  "
           f"gateway {level['gateway_cpu_s_per_1000_events']} CPU-s/1000 events "
-          f"(~{level['implied_streams_per_gateway_core']} streams/core)", flush=True)
+          f"(~{level['implied_streams_per_gateway_core']} streams/core){_gc_note(level.get('gc_pauses'))}", flush=True)
+
+
+def _gc_note(pauses: dict[str, float] | None) -> str:
+    if not pauses:
+        return ""
+    return (f"  gc {int(pauses['count'])} pauses ({int(pauses['over_25ms'])} over 25 ms, "
+            f"{int(pauses['over_50ms'])} over 50 ms, {pauses['seconds'] * 1000:.0f} ms in all)")
 
 
 async def _clean_redis(url: str, namespace: str) -> None:
