@@ -131,32 +131,33 @@ def create_key(database: str, root: Path = ROOT) -> str:
 API_KEY = {"value": ""}  # set once the gateway's store has a key
 
 
+async def scrape(client: Any, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """A /metrics page as {(sample name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = (await client.get(f"{url}/metrics", timeout=10)).text
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def total(metrics: dict, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in metrics.items() if n == name and all((k, v_) in ls for k, v_ in labels.items()))
+
+
 async def gc_pauses(port: int) -> dict[str, float] | None:
     """The gateway's garbage collections so far, from its fairway:gc_pause_seconds histogram (all
     generations): how many, how many stopped it over 25 and 50 ms, their seconds; None from a
     gateway without the metric."""
     import httpx
-    from prometheus_client.parser import text_string_to_metric_families
 
     async with httpx.AsyncClient() as client:
-        text = (await client.get(f"http://127.0.0.1:{port}/metrics", timeout=10)).text
-    totals = {"count": 0.0, "within_25ms": 0.0, "within_50ms": 0.0, "seconds": 0.0}
-    found = False
-    for family in text_string_to_metric_families(text):
-        if family.name != "fairway:gc_pause_seconds":
-            continue
-        found = True
-        for sample in family.samples:
-            if sample.name.endswith("_count"):
-                totals["count"] += sample.value
-            elif sample.name.endswith("_sum"):
-                totals["seconds"] += sample.value
-            elif sample.name.endswith("_bucket") and float(sample.labels["le"]) in (0.025, 0.05):
-                totals["within_25ms" if float(sample.labels["le"]) == 0.025 else "within_50ms"] += sample.value
-    if not found:
+        metrics = await scrape(client, f"http://127.0.0.1:{port}")
+    name = "fairway:gc_pause_seconds"
+    if not any(sample.startswith(name) for sample, _ in metrics):
         return None
-    return {"count": totals["count"], "over_25ms": totals["count"] - totals["within_25ms"],
-            "over_50ms": totals["count"] - totals["within_50ms"], "seconds": totals["seconds"]}
+    count = total(metrics, f"{name}_count")
+    return {"count": count, "over_25ms": count - total(metrics, f"{name}_bucket", le="0.025"),
+            "over_50ms": count - total(metrics, f"{name}_bucket", le="0.05"), "seconds": total(metrics, f"{name}_sum")}
 
 
 def gc_window(start: dict[str, float] | None, end: dict[str, float] | None) -> dict[str, float] | None:

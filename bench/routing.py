@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 import machine  # noqa: E402
-import relay  # noqa: E402  (helpers: processes, ports, keys, the temporary database, percentiles)
+import relay  # noqa: E402  (helpers: processes, ports, keys, the temporary database, percentiles, /metrics)
 
 RESULTS = ROOT / "bench" / "results" / "routing.json"
 ROUTINGS = ("affinity", "round-robin")
@@ -144,19 +144,6 @@ async def conversation(client: Any, url: str, key: str, i: int, args: argparse.N
         await asyncio.sleep(args.think)
 
 
-async def scrape(client: Any, url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """A /metrics page as {(sample name, labels): value}."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    text = (await client.get(f"{url}/metrics", timeout=10)).text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def total(metrics: dict, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in metrics.items() if n == name and all((k, v_) in ls for k, v_ in labels.items()))
-
-
 async def routing_phase(routing: str, args: argparse.Namespace, workdir: Path, system: str) -> dict[str, Any]:
     """One routing on fresh replicas and gateway: the workload, and its figures."""
     import httpx
@@ -187,12 +174,12 @@ async def routing_phase(routing: str, args: argparse.Namespace, workdir: Path, s
                             "max_tokens": 2, "stream": True}
                     await chat(client, url, key, warm, {"X-Fairway-Region": region})
                 replicas = [f"http://127.0.0.1:{p}" for p in health_ports]
-                before = [await scrape(client, r) for r in replicas]
+                before = [await relay.scrape(client, r) for r in replicas]
                 run = Run(started=time.perf_counter())
                 await asyncio.gather(*(conversation(client, url, key, i, args, system, run)
                                        for i in range(args.conversations)))
-                after = [await scrape(client, r) for r in replicas]
-                gateway = await scrape(client, url)
+                after = [await relay.scrape(client, r) for r in replicas]
+                gateway = await relay.scrape(client, url)
         finally:
             for p in procs:
                 p.terminate()
@@ -207,7 +194,7 @@ async def routing_phase(routing: str, args: argparse.Namespace, workdir: Path, s
 
 def figures(run: Run, before: list[dict], after: list[dict], gateway: dict) -> dict[str, Any]:
     def delta(name: str) -> list[float]:
-        return [total(a, name) - total(b, name) for b, a in zip(before, after, strict=True)]
+        return [relay.total(a, name) - relay.total(b, name) for b, a in zip(before, after, strict=True)]
 
     queries, hits = delta("fairway:prefix_cache_queries_total"), delta("fairway:prefix_cache_hits_total")
     ttfts = [t.ttft_s for t in run.turns if t.ttft_s is not None]
