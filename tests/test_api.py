@@ -3,6 +3,8 @@ in-process token log, SQLite) over real HTTP, driven with the official openai SD
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
 import time
 
 import httpx
@@ -218,6 +220,82 @@ def test_stop_keeps_the_text_and_says_so(http):
     assert message["usage"]["completion_tokens"] < 100
     # Stopping again: it already ended.
     assert http.post(f"/v1/replies/{reply_id}/stop").json()["stop_requested"] is False
+
+
+def test_a_message_sent_while_the_conversation_is_answering_is_409_until_the_reply_ends(client, http):
+    """One turn at a time: a second message to a conversation whose reply is still being written
+    would be answered without the first answer, and the history would hold both questions before
+    both answers. It is refused (409 conversation_busy, naming the reply) until that reply ends:
+    right after its [DONE] the next message goes through."""
+    with http.stream("POST", "/v1/chat/completions", json=chat_body(
+            "Write a long story about a dragon.", max_tokens=LONG_REPLY, ignore_eos=True)) as r:
+        reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
+        events = sse_events(r)
+        next(events)  # it runs
+        with pytest.raises(openai.ConflictError) as busy:
+            client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "And?"}],
+                                           extra_body={"conversation_id": conversation_id})
+        assert (busy.value.code, busy.value.param) == ("conversation_busy", "conversation_id")
+        assert busy.value.response.headers["x-reply-id"] == reply_id and reply_id in busy.value.message
+        raw = http.post("/v1/chat/completions", json=chat_body("And?", conversation_id=conversation_id))
+        assert raw.status_code == 409 and raw.json()["error"]["code"] == "conversation_busy"
+        assert http.post(f"/v1/replies/{reply_id}/stop").json()["stop_requested"] is True
+        rest = list(events)
+    assert rest[-1].data == "[DONE]"
+    after = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "And?"}],
+                                           extra_body={"conversation_id": conversation_id})
+    stored = http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+    assert [(m["role"], m["status"]) for m in stored] == [
+        ("user", "complete"), ("assistant", "stopped"), ("user", "complete"), ("assistant", "complete")]
+    assert stored[1]["reply_id"] == reply_id and stored[3]["reply_id"] == after.id
+
+
+def test_messages_racing_into_one_conversation_never_interleave(client, http):
+    """Four clients send the next message of one conversation at once: each is answered (200) or
+    refused as busy (409), and the history stays question, answer, question, answer."""
+    first = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                           messages=[{"role": "user", "content": "Hi."}])
+    conversation_id = first.model_extra["conversation_id"]
+    gate = threading.Barrier(4)
+
+    def send(i: int) -> int:
+        with httpx.Client(base_url=http.base_url, headers=headers(), timeout=120) as c:
+            gate.wait()
+            return c.post("/v1/chat/completions", json=chat_body(f"Question {i}?", max_tokens=4, stream=False,
+                                                                 conversation_id=conversation_id)).status_code
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        statuses = list(pool.map(send, range(4)))
+    assert set(statuses) <= {200, 409} and 200 in statuses, statuses
+    stored = http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"] * (1 + statuses.count(200))
+    assert len({m["content"] for m in stored[2::2]}) == statuses.count(200)
+
+
+def test_stopping_an_orphaned_reply_frees_its_conversation(server, http):
+    """A reply stored but never run (its gateway died between storing the turn and starting it)
+    holds its conversation: the next message is 409. Stopping it ends it in the store, and the
+    conversation takes the next message."""
+    from fairway.conversation import Role
+    from fairway.conversation.entities import Conversation, new_id, now
+    from fairway.conversation.store import NewTurn
+
+    async def orphan() -> tuple[str, str]:
+        ts = now()
+        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, "Hello?", ts, ts)
+        _, reply = await server.gateway.store.store_turn(NewTurn(conversation, True, [(Role.USER, "Hello?")]))
+        return conversation.id, reply.id
+
+    conversation_id, reply_id = server.call(orphan())
+    body = chat_body("Anyone there?", stream=False, conversation_id=conversation_id)
+    refused = http.post("/v1/chat/completions", json=body)
+    assert refused.status_code == 409 and refused.headers["x-reply-id"] == reply_id
+    stop = http.post(f"/v1/replies/{reply_id}/stop").json()
+    assert (stop["stop_requested"], stop["state"]) == (False, "STOPPED")
+    assert http.post("/v1/chat/completions", json=body).status_code == 200
+    stored = http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+    assert [(m["role"], m["status"]) for m in stored] == [
+        ("user", "complete"), ("assistant", "stopped"), ("user", "complete"), ("assistant", "complete")]
 
 
 def test_reply_nobody_listens_to_is_cancelled(http):

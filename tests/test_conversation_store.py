@@ -23,6 +23,7 @@ from pg_admin import PG_HOST, pg_admin, temporary_database, terminate_lock_waite
 from sqlalchemy.exc import IntegrityError
 
 from fairway.conversation import (
+    ConversationBusy,
     ConversationStore,
     DuplicateClientKey,
     MessageStatus,
@@ -90,10 +91,11 @@ async def _turn(store: ConversationStore, user: str = "u1", text: str = "hi", co
 
 async def test_conversation_crud_and_paging(store: ConversationStore) -> None:
     a = _new_conversation(tier="free", title="first")
-    await store.store_turn(NewTurn(a, True, [(Role.USER, "hi")]))
-    b, _, _ = await _turn(store)
+    _, first = await store.store_turn(NewTurn(a, True, [(Role.USER, "hi")]))
     got = await store.get_conversation(a.id, "u1")
     assert got == a and got.title == "first" and got.tier == "free"
+    await store.finish_reply(first.id, "hello", MessageStatus.COMPLETE)
+    b, _, _ = await _turn(store)
 
     assert [c.id for c in await store.list_conversations("u1")] == [b.id, a.id]
     # A new message moves a conversation to the top.
@@ -118,8 +120,9 @@ async def test_messages_in_order_and_client_keys(store: ConversationStore) -> No
     conv = _new_conversation()
     texts = [f"turn {i}" for i in range(5)]
     for i, text in enumerate(texts):
-        await store.store_turn(NewTurn(conv, i == 0, [(Role.USER, text)], f"m{i}"))
-    listed = await store.list_messages(conv.id)
+        _, reply = await store.store_turn(NewTurn(conv, i == 0, [(Role.USER, text)], f"m{i}"))
+        await store.finish_reply(reply.id, f"answer {i}", MessageStatus.COMPLETE)
+    listed = [m for m in await store.list_messages(conv.id) if m.role == Role.USER]
     assert [m.text for m in listed] == texts
     assert listed[3].status is MessageStatus.COMPLETE and listed[3].client_key == "m3"
 
@@ -130,13 +133,15 @@ async def test_messages_in_order_and_client_keys(store: ConversationStore) -> No
     with pytest.raises(DuplicateClientKey) as dup:
         await store.store_turn(NewTurn(conv, False, [(Role.USER, "resent")], "m2"))
     assert dup.value.existing.id == found.id
-    assert len(await store.list_messages(conv.id)) == 5
+    assert len(await store.list_messages(conv.id)) == 10
 
     # Client keys are per conversation; messages without one never collide.
     other = _new_conversation()
-    await store.store_turn(NewTurn(other, True, [(Role.SYSTEM, "a"), (Role.USER, "same key elsewhere")], "m2"))
+    _, reply = await store.store_turn(NewTurn(other, True, [(Role.SYSTEM, "a"), (Role.USER, "same key elsewhere")],
+                                              "m2"))
+    await store.finish_reply(reply.id, "ok", MessageStatus.COMPLETE)
     await store.store_turn(NewTurn(other, False, [(Role.SYSTEM, "a"), (Role.SYSTEM, "b"), (Role.USER, "c")]))
-    assert [m.text for m in await store.list_messages(other.id)] == ["a", "same key elsewhere", "a", "b", "c"]
+    assert [m.text for m in await store.list_messages(other.id)] == ["a", "same key elsewhere", "ok", "a", "b", "c"]
 
 
 def _new_conversation(user: str = "u1", id: str | None = None, tier: str = "paid", title: str = "a title") -> Conversation:
@@ -160,6 +165,7 @@ async def test_a_turn_is_stored_whole_or_not_at_all(store: ConversationStore) ->
     # The next turn of the same conversation moves it to the top of the list.
     other = _new_conversation()
     await store.store_turn(NewTurn(other, True, [(Role.USER, "elsewhere")]))
+    await store.finish_reply(reply.id, "hello", MessageStatus.COMPLETE)
     second, _ = await store.store_turn(NewTurn(conv, False, [(Role.USER, "again")], "k2"))
     assert [c.id for c in await store.list_conversations("u1")] == [conv.id, other.id]
     assert (await store.get_conversation(conv.id, "u1")).updated_at == second.created_at
@@ -172,9 +178,8 @@ async def test_a_turn_is_stored_whole_or_not_at_all(store: ConversationStore) ->
     with pytest.raises(DuplicateClientKey) as dup:
         await store.store_turn(NewTurn(_new_conversation(id=conv.id), True, [(Role.USER, "hi")], "k1"))
     assert dup.value.existing.id == msg.id
-    assert len(await store.list_messages(conv.id)) == 3
-    assert [r.id for r in await store.list_unfinished_replies()].count(reply.id) == 1
-    assert len(await store.list_unfinished_replies()) == 3
+    assert len(await store.list_messages(conv.id)) == 4
+    assert len(await store.list_unfinished_replies()) == 2
 
     # The reply fails to store (here, a job that is not JSON): its conversation and message go too.
     doomed = _new_conversation()
@@ -188,7 +193,65 @@ async def test_a_turn_is_stored_whole_or_not_at_all(store: ConversationStore) ->
     with pytest.raises(NotFound):
         await store.store_turn(NewTurn(other, False, [(Role.USER, "too late")]))
     assert await store.list_messages(other.id) == []
-    assert len(await store.list_unfinished_replies()) == 2
+    assert len(await store.list_unfinished_replies()) == 1
+
+
+async def test_a_conversation_takes_no_new_turn_while_a_reply_to_it_runs(store: ConversationStore) -> None:
+    conv, first, running = await _turn(store, text="first question")
+    with pytest.raises(ConversationBusy) as busy:
+        await _turn(store, conv=conv, text="second question")
+    assert (busy.value.conversation_id, busy.value.reply_id) == (conv.id, running.id)
+    assert [m.text for m in await store.list_messages(conv.id)] == ["first question"]
+    # A resend of the running reply's own message is a duplicate, not a second turn.
+    with pytest.raises(DuplicateClientKey) as dup:
+        await store.store_turn(NewTurn(conv, False, [(Role.USER, "first question")], first.client_key))
+    assert dup.value.existing.id == first.id
+    # A flagged message starts no reply: it is kept (no context holds it) and claims nothing.
+    flagged, none = await store.store_turn(NewTurn(conv, False, [(Role.USER, "bad words")], "k-flagged",
+                                                   flagged=True, flagged_categories=["harassment"]))
+    assert none is None and flagged.status is MessageStatus.FLAGGED
+
+    # Once the reply has ended (any final state), the next turn is stored after its answer.
+    await store.update_reply(running.id, state=ReplyState.RUNNING)
+    await store.finish_reply(running.id, "first answer", MessageStatus.STOPPED, "stop")
+    _, second, queued = await _turn(store, conv=conv, text="second question")
+    assert [m.text for m in await store.list_messages(conv.id)] == [
+        "first question", "bad words", "first answer", "second question"]
+    # A shed reply is final at once; a resend of its message gets a reply of its own, which claims too.
+    await store.finish_reply(queued.id, "second answer", MessageStatus.COMPLETE)
+    _, third, shed = await _turn(store, conv=conv, text="third", shed=True)
+    again = await store.add_reply(conv.id, third.id, [1], "r1", {})
+    with pytest.raises(ConversationBusy) as busy:
+        await store.add_reply(conv.id, third.id, [1], "r1", {})
+    assert busy.value.reply_id == again.id
+    with pytest.raises(NotFound):
+        await store.add_reply("conv_gone", third.id, [1], "r1", {})
+    with pytest.raises(NotFound):
+        await _turn(store, conv=_new_conversation(id="conv_gone"))
+
+
+async def test_of_turns_racing_into_one_conversation_one_is_stored(open_store: StoreFactory) -> None:
+    """Eight turns at once, from two stores (two gateways' pools): one claims the conversation,
+    the others are told it is busy, and nothing of theirs is stored."""
+    stores = [open_store(), open_store()]
+    for s in stores:
+        await s.init()
+    try:
+        conv, _, first = await _turn(stores[0])
+        await stores[0].finish_reply(first.id, "answer", MessageStatus.COMPLETE)
+        for attempt in range(3):
+            results = await asyncio.gather(*(_turn(stores[i % 2], conv=conv, text=f"racer {attempt}.{i}")
+                                             for i in range(8)), return_exceptions=True)
+            stored = [r for r in results if not isinstance(r, BaseException)]
+            assert len(stored) == 1, results
+            assert all(isinstance(r, ConversationBusy) and r.reply_id == stored[0][2].id
+                       for r in results if isinstance(r, BaseException))
+            await stores[1].finish_reply(stored[0][2].id, f"answer {attempt}", MessageStatus.COMPLETE)
+        texts = [m.text for m in await stores[0].list_messages(conv.id)]
+        assert len(texts) == 8 and texts[1::2] == ["answer", "answer 0", "answer 1", "answer 2"]
+    finally:
+        for s in stores:
+            await s.close()
 
 
 async def test_sqlite_writers_of_one_process_queue_instead_of_colliding(tmp_path) -> None:
@@ -389,9 +452,9 @@ async def test_unfinished_replies_keep_their_context(open_store: StoreFactory) -
     conv, _, running = await _turn(store, prompt_token_ids=prompt)
     await store.update_reply(running.id, state=ReplyState.RUNNING, replica_id="r17", last_event_id=212,
                              context_text="ctx")
-    _, _, finished = await _turn(store, conv=conv, prompt_token_ids=[1])
+    _, _, finished = await _turn(store, prompt_token_ids=[1])
     await store.finish_reply(finished.id, "ok", MessageStatus.COMPLETE)
-    _, _, queued = await _turn(store, conv=conv)
+    _, _, queued = await _turn(store)
     await store.update_reply(queued.id, context_text="only text")
     await store.close()
 

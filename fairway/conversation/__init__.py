@@ -9,6 +9,7 @@ from sqlalchemy.engine import make_url
 from .entities import ApiKey, Conversation, Message, MessageStatus, Reply, ReplyState, Role, UsageRecord
 from .sql_store import SqlConversationStore
 from .store import (
+    ConversationBusy,
     ConversationStore,
     DuplicateClientKey,
     DuplicateKey,
@@ -21,6 +22,7 @@ from .store import (
 __all__ = [
     "ApiKey",
     "Conversation",
+    "ConversationBusy",
     "ConversationStore",
     "DuplicateClientKey",
     "DuplicateKey",

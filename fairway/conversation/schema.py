@@ -22,6 +22,9 @@ conversations = sa.Table(
     sa.Column("title", sa.Text, nullable=False),
     sa.Column("created_at", sa.Double, nullable=False),
     sa.Column("updated_at", sa.Double, nullable=False),
+    # Its newest reply: until that one has ended the conversation takes no new turn (the store's
+    # claim, sql_store.py), so each turn's context holds every reply before it.
+    sa.Column("active_reply_id", sa.String(64), nullable=True),
     sa.Index("ix_conversations_user_updated", "user_id", "updated_at"),
 )
 

@@ -42,6 +42,7 @@ from .hot_path import PostgresHotPath
 from .schema import api_keys, conversations, messages, replies, usage_records
 from .store import (
     REPLY_UPDATABLE,
+    ConversationBusy,
     ConversationStore,
     DuplicateClientKey,
     DuplicateKey,
@@ -49,6 +50,7 @@ from .store import (
     NewTurn,
     NotFound,
     ReplyFinished,
+    StoreError,
     StoreUnavailable,
 )
 
@@ -195,7 +197,17 @@ _TOUCH = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_i
 _REPLY_BY_ID = sa.select(replies).where(replies.c.id == sa.bindparam("b_id"))
 _JOB_OF_REPLY = sa.select(replies.c.id, replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
 _PLACED = frozenset({"state", "replica_id"})  # where a reply runs or waits
-_CONVERSATION_OF_USER = sa.select(conversations).where(conversations.c.id == sa.bindparam("b_id"),
+# A Conversation's columns: active_reply_id is the store's claim, not part of the entity.
+_CONVERSATION_COLUMNS = [c for c in conversations.c if c.name != "active_reply_id"]
+# A conversation may take a new reply: it has none yet, or its newest has ended. On PostgreSQL a
+# turn racing another waits for the other's claim to commit and then re-reads the row, whose new
+# active_reply_id names a reply this statement's snapshot cannot see: not ended, so not claimed.
+_FREE = sa.or_(conversations.c.active_reply_id.is_(None),
+               sa.exists().where(replies.c.id == conversations.c.active_reply_id, replies.c.finished_at.is_not(None)))
+_CLAIM = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_id"), _FREE)
+          .values(updated_at=sa.bindparam("b_ts"), active_reply_id=sa.bindparam("b_reply")))
+_ACTIVE_REPLY = sa.select(conversations.c.active_reply_id).where(conversations.c.id == sa.bindparam("b_id"))
+_CONVERSATION_OF_USER = sa.select(*_CONVERSATION_COLUMNS).where(conversations.c.id == sa.bindparam("b_id"),
                                                        conversations.c.user_id == sa.bindparam("b_user"))
 _MESSAGES_OF = (sa.select(messages).where(messages.c.conversation_id == sa.bindparam("b_conversation"))
                 .order_by(messages.c.created_at, messages.c.id))
@@ -248,11 +260,16 @@ def _finish_statement(columns: frozenset[str]) -> sa.Select:
 def _turn_statement(new_conversation: bool, num_messages: int, with_reply: bool = True) -> sa.Select:
     """PostgreSQL: store_turn's writes as one statement (data-modifying CTEs). The anchor inserts
     the conversation (c_<column>) or bumps an existing one (t_id, t_ts); the messages (m<i>_<column>)
-    and the reply (r_<column>) are inserted FROM it, so a conversation gone meanwhile gets nothing
-    (and the statement returns no row). One round trip instead of five."""
+    and the reply (r_<column>) are inserted FROM it, so a conversation gone meanwhile, or one still
+    answering (_FREE; a turn with a reply claims it), gets nothing (and the statement returns no
+    row). One round trip instead of five."""
     if new_conversation:
         anchor = (sa.insert(conversations).values({c.name: sa.bindparam(f"c_{c.name}", type_=c.type)
                                                    for c in conversations.c})
+                  .returning(conversations.c.id).cte("conversation"))
+    elif with_reply:
+        anchor = (sa.update(conversations).where(conversations.c.id == sa.bindparam("t_id"), _FREE)
+                  .values(updated_at=sa.bindparam("t_ts"), active_reply_id=sa.bindparam("r_id"))
                   .returning(conversations.c.id).cte("conversation"))
     else:
         anchor = (sa.update(conversations).where(conversations.c.id == sa.bindparam("t_id"))
@@ -401,7 +418,7 @@ class SqlConversationStore(ConversationStore):
     async def list_conversations(
         self, user_id: str, limit: int = 50, before: float | None = None
     ) -> list[Conversation]:
-        query = sa.select(conversations).where(conversations.c.user_id == user_id)
+        query = sa.select(*_CONVERSATION_COLUMNS).where(conversations.c.user_id == user_id)
         if before is not None:
             query = query.where(conversations.c.updated_at < before)
         query = query.order_by(conversations.c.updated_at.desc(), conversations.c.id.desc()).limit(limit)
@@ -450,17 +467,19 @@ class SqlConversationStore(ConversationStore):
                       created_at=now(), job=turn.job)
         if turn.shed:
             reply.finished_at = reply.created_at
+        claim = None if turn.flagged else reply.id
         try:
             if self._dialect == "postgresql":
-                await self._store_turn_at_once(turn, msgs, reply)
+                if not await self._store_turn_at_once(turn, msgs, reply):
+                    raise await self._not_stored(conv.id, turn.client_key)
                 return msgs[-1], None if turn.flagged else reply
             async with self._writing() as conn:
                 if turn.new_conversation:
-                    await conn.execute(_INSERT["conversations"], _values(conv))
+                    await conn.execute(_INSERT["conversations"], {**_values(conv), "active_reply_id": claim})
                 # The update takes SQLite's write lock before the inserts, and tells a missing
-                # conversation apart.
-                elif not await self._touch(conn, conv.id, msgs[0].created_at):
-                    raise NotFound(f"conversation {conv.id}")
+                # (or busy) conversation apart.
+                elif not await self._claim(conn, conv.id, msgs[0].created_at, claim):
+                    raise await self._not_stored(conv.id, turn.client_key, conn)
                 rows = [_values(m) for m in msgs]
                 await conn.execute(_INSERT["messages"], rows if len(rows) > 1 else rows[0])
                 if not turn.flagged:
@@ -475,17 +494,40 @@ class SqlConversationStore(ConversationStore):
             raise DuplicateClientKey(existing) from None
         return msgs[-1], None if turn.flagged else reply
 
-    async def _store_turn_at_once(self, turn: NewTurn, msgs: list[Message], reply: Reply) -> None:
+    async def _store_turn_at_once(self, turn: NewTurn, msgs: list[Message], reply: Reply) -> bool:
+        """PostgreSQL: the turn in one statement; False if nothing was stored (_not_stored says why)."""
         conv = turn.conversation
         values = {} if turn.flagged else {f"r_{k}": v for k, v in _values(reply).items()}
         for i, msg in enumerate(msgs):
             values.update({f"m{i}_{k}": v for k, v in _values(msg).items()})
         if turn.new_conversation:
             values.update({f"c_{k}": v for k, v in _values(conv).items()})
+            values["c_active_reply_id"] = None if turn.flagged else reply.id
         else:
             values.update(t_id=conv.id, t_ts=msgs[0].created_at)
-        if not await self._rows(_turn_statement(turn.new_conversation, len(msgs), not turn.flagged), values, write=True):
-            raise NotFound(f"conversation {conv.id}")
+        return bool(await self._rows(_turn_statement(turn.new_conversation, len(msgs), not turn.flagged), values,
+                                     write=True))
+
+    async def _claim(self, conn: AsyncConnection, conversation_id: str, ts: float, reply_id: str | None) -> bool:
+        """Bump updated_at and, for a turn with a reply, make it the conversation's newest if the
+        one before has ended; False if that failed (or the conversation does not exist)."""
+        if reply_id is None:
+            return await self._touch(conn, conversation_id, ts)
+        result = await conn.execute(_CLAIM, {"b_id": conversation_id, "b_ts": ts, "b_reply": reply_id})
+        return result.rowcount > 0
+
+    async def _not_stored(self, conversation_id: str, client_key: str | None,
+                          conn: AsyncConnection | None = None) -> StoreError:
+        """Why a turn for an existing conversation stored nothing: its client key is taken (the same
+        message raced in twice), the conversation is busy, or it is gone."""
+        if client_key and (existing := await self.get_message_by_client_key(conversation_id, client_key, conn)):
+            return DuplicateClientKey(existing)
+        params = {"b_id": conversation_id}
+        rows = ((await conn.execute(_ACTIVE_REPLY, params)).mappings().all() if conn is not None
+                else await self._rows(_ACTIVE_REPLY, params))
+        if not rows:
+            return NotFound(f"conversation {conversation_id}")
+        return ConversationBusy(conversation_id, rows[0]["active_reply_id"])
 
     async def add_reply(self, conversation_id: str, message_id: str, prompt_token_ids: Sequence[int] | None,
                         replica_id: str | None, job: dict[str, Any], shed: bool = False) -> Reply:
@@ -494,16 +536,23 @@ class SqlConversationStore(ConversationStore):
                       prompt_token_ids=list(prompt_token_ids) if prompt_token_ids is not None else None,
                       created_at=now(), job=job)
         reply.finished_at = reply.created_at if shed else None
-        await self._rows(_INSERT["replies"].returning(replies.c.id), _values(reply), write=True)
+        async with self._writing() as conn:
+            if not await self._claim(conn, conversation_id, reply.created_at, reply.id):
+                raise await self._not_stored(conversation_id, None, conn)
+            await conn.execute(_INSERT["replies"], _values(reply))
         return reply
 
     async def list_messages(self, conversation_id: str) -> list[Message]:
         return [_message(r) for r in await self._rows(_MESSAGES_OF, {"b_conversation": conversation_id})]
 
-    async def get_message_by_client_key(self, conversation_id: str, client_key: str) -> Message | None:
+    async def get_message_by_client_key(self, conversation_id: str, client_key: str,
+                                        conn: AsyncConnection | None = None) -> Message | None:
         query = sa.select(messages).where(
             messages.c.conversation_id == conversation_id, messages.c.client_key == client_key
         )
+        if conn is not None:  # inside a transaction of the caller's
+            row = (await conn.execute(query)).mappings().first()
+            return _message(row) if row else None
         async with self._one_statement() as conn:
             row = (await conn.execute(query)).mappings().first()
         return _message(row) if row else None

@@ -24,6 +24,17 @@ class DuplicateClientKey(StoreError):
         self.existing = existing
 
 
+class ConversationBusy(StoreError):
+    """A reply to the conversation is still being written. A new turn waits until it has ended
+    (or been stopped): two turns at once would each be answered without the other, and the
+    history would hold both questions before both answers."""
+
+    def __init__(self, conversation_id: str, reply_id: str | None):
+        super().__init__(f"conversation {conversation_id} is still answering (reply {reply_id})")
+        self.conversation_id = conversation_id
+        self.reply_id = reply_id
+
+
 class ReplyFinished(StoreError):
     """The reply already reached a final state; final states never change, so a late writer
     (a Stop racing the last token, a dead replica's straggler) cannot overwrite the outcome."""
@@ -144,12 +155,15 @@ class ConversationStore(ABC):
         finds its message without the reply to it. Raises NotFound if an existing conversation is
         gone, DuplicateClientKey (with the stored message) if the client key is already there,
         as when the same request raced in twice (for a new conversation, under the same derived
-        id)."""
+        id), and ConversationBusy if the conversation's newest reply has not ended: a turn with a
+        reply claims the conversation atomically (of two racing turns one is stored). A flagged
+        turn claims nothing: no reply answers it, and no context holds it."""
 
     @abstractmethod
     async def add_reply(self, conversation_id: str, message_id: str, prompt_token_ids: Sequence[int] | None,
                         replica_id: str | None, job: dict[str, Any], shed: bool = False) -> Reply:
-        """Another reply (QUEUED, or SHED) to a stored user message: a resend of one whose reply was shed."""
+        """Another reply (QUEUED, or SHED) to a stored user message: a resend of one whose reply was
+        shed. It claims the conversation as store_turn does (ConversationBusy, NotFound)."""
 
     @abstractmethod
     async def list_messages(self, conversation_id: str) -> list[Message]:

@@ -21,7 +21,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from fairway.conversation import NotFound, Reply
+from fairway.conversation import ConversationBusy, NotFound, Reply
 from fairway.conversation.context_builder import ContextTooLong
 from fairway.conversation.service import (
     Admitted,
@@ -416,6 +416,11 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
     except NothingToResume as exc:
         raise not_found(f"There is no reply to resume: {exc}.", "last_received_token_index",
                         "reply_not_found") from None
+    except ConversationBusy as exc:
+        raise ApiError(409, f"The conversation is still answering an earlier message (reply {exc.reply_id}). Send "
+                       "the next message once that reply has ended, or stop it first (POST "
+                       f"/v1/replies/{exc.reply_id}/stop).", param="conversation_id", code="conversation_busy",
+                       headers={"X-Reply-Id": exc.reply_id or ""}) from None
     except NotFound:
         raise not_found(f"No conversation {turn_request.conversation_id!r}.", "conversation_id",
                         "conversation_not_found") from None

@@ -38,7 +38,9 @@ _MEANINGS = {
     400: "Bad request: a field is missing, of the wrong type or out of range (`param` names it).",
     401: "No API key, or one that is malformed, unknown or revoked (code invalid_api_key).",
     404: "Not found: no such model, or no such conversation, reply or event for this user.",
-    409: "A conflict: the idempotency key was used with another body or its first request is still starting, or the file is not ready yet.",
+    409: "A conflict: the conversation is still answering an earlier message (code conversation_busy), the "
+         "idempotency key was used with another body or its first request is still starting, or the file is not "
+         "ready yet.",
     413: "The request body is larger than the gateway accepts.",
     429: "Over the user's request rate or token quota; Retry-After says when to retry.",
     431: "The request headers are too large.",
