@@ -514,6 +514,12 @@ def test_body_over_1_mib_is_413(http):
     chunks = (b"x" * 65536 for _ in range(20))
     response = http.post("/v1/chat/completions", content=chunks, headers={"content-type": "application/json"})
     assert response.status_code == 413
+    # The same where the framework parses the body into a model (it answers any error reading a
+    # body with a 400 of its own): 413.
+    for method, path in (("PUT", "/v1/user/memory/settings"), ("POST", "/v1/user/memory/extract")):
+        chunks = (b"x" * 65536 for _ in range(20))
+        response = http.request(method, path, content=chunks, headers={"content-type": "application/json"})
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large", path
 
 
 def test_unknown_replies_conversations_and_event_ids_are_404(http, client):

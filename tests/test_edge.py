@@ -287,6 +287,10 @@ def test_usage_per_model_per_day(server, http):
     assert theirs["user"] == "test-user-2" and usage["user"] == "test-user-1"
     assert http.get(f"/v1/replies/{completion['id']}", headers=auth(OTHER_KEY)).status_code == 404
     assert http.get("/v1/usage", params={"from": "yesterday"}).status_code == 400
+    # Days at the calendar's ends are refused, not a 500 from the range's arithmetic.
+    for params in ({"to": "9999-12-31"}, {"to": "0001-01-01"}, {"from": "0001-01-01", "to": "0001-01-02"}):
+        edge = http.get("/v1/usage", params=params)
+        assert edge.status_code == 400 and edge.json()["error"]["param"] in params, (params, edge.text)
 
 
 def test_a_reply_this_gateway_relayed_is_recorded_without_reading_it_back_or_saving_it_again(

@@ -37,19 +37,28 @@ class BodySizeLimit:
             await self._error(limit).response()(scope, receive, send)
             return
         received = 0
-        started = False
+        started = over = replaced = False
 
         async def limited_receive() -> Message:
-            nonlocal received
+            nonlocal received, over
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
+                    over = True
                     raise BodyTooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
-            nonlocal started
+            nonlocal started, replaced
+            if replaced:
+                return
+            if over and not started and message["type"] == "http.response.start":
+                # The app caught BodyTooLarge itself (FastAPI's form and JSON parsing turn any
+                # error reading the body into a 400): the answer is the 413 all the same.
+                replaced = True
+                await self._error(limit).response()(scope, receive, send)
+                return
             started = started or message["type"] == "http.response.start"
             await send(message)
 

@@ -22,6 +22,7 @@ router = APIRouter()
 
 DEFAULT_DAYS = 30
 MAX_DAYS = 366
+FIRST_DAY, LAST_DAY = dt.date(2, 1, 1), dt.date(9998, 12, 31)  # the days a range may name
 
 
 def _day(raw: str | None, param: str) -> dt.date | None:
@@ -30,11 +31,16 @@ def _day(raw: str | None, param: str) -> dt.date | None:
     raw = raw.strip()
     try:
         if raw.replace(".", "", 1).isdigit():
-            return dt.datetime.fromtimestamp(float(raw), dt.UTC).date()
-        return dt.date.fromisoformat(raw)
+            day = dt.datetime.fromtimestamp(float(raw), dt.UTC).date()
+        else:
+            day = dt.date.fromisoformat(raw)
     except (ValueError, OverflowError, OSError):
         raise invalid(f"'{param}' must be a date (YYYY-MM-DD) or Unix seconds, got {raw!r}.", param,
                       "invalid_value") from None
+    if not FIRST_DAY <= day <= LAST_DAY:  # room for the default range before it and the day after it
+        raise invalid(f"'{param}' must be between {FIRST_DAY} and {LAST_DAY}, got {raw!r}.", param,
+                      "invalid_value")
+    return day
 
 
 @router.get("/v1/usage", dependencies=[Depends(authenticated)], responses=error_responses(400, 401, 404, 503))
