@@ -400,6 +400,8 @@ def test_conversation_continues_from_the_store(client, http):
     assert body["messages"][2]["content"] == first.choices[0].message.content
     listed = http.get("/v1/conversations", params={"limit": 100}).json()
     assert conversation_id in [c["id"] for c in listed["data"]]
+    for before in ("nan", "inf"):  # not a time to page from
+        assert http.get("/v1/conversations", params={"before": before}).json()["error"]["param"] == "before"
     # Another user sees none of it.
     other = http.get(f"/v1/conversations/{conversation_id}", headers=headers(OTHER_KEY))
     assert other.status_code == 404
@@ -520,6 +522,10 @@ def test_body_over_1_mib_is_413(http):
         chunks = (b"x" * 65536 for _ in range(20))
         response = http.request(method, path, content=chunks, headers={"content-type": "application/json"})
         assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large", path
+    # A body that is not JSON there: a 400 saying so, no field named (it was the error's offset).
+    response = http.post("/v1/user/memory/extract", content=b"not json", headers={"content-type": "application/json"})
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] is None and "not valid JSON" in error["message"]
 
 
 def test_unknown_replies_conversations_and_event_ids_are_404(http, client):

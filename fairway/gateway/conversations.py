@@ -47,7 +47,7 @@ def _message(m: Message) -> dict[str, Any]:
 
 @router.get("/v1/conversations", responses=error_responses(400))
 async def list_conversations(
-    request: Request, limit: int = Query(20, ge=1, le=100), before: float | None = None
+    request: Request, limit: int = Query(20, ge=1, le=100), before: float | None = Query(None, allow_inf_nan=False)
 ) -> dict[str, Any]:
     """Newest activity first; pass the last one's updated_at as `before` for the next page."""
     found = await gateway(request).store.list_conversations(user_id(request), limit + 1, before)

@@ -152,6 +152,9 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":  # its loc is the offset of the error, not a field
+            return invalid(f"The request body is not valid JSON: {first.get('ctx', {}).get('error', 'invalid')}.",
+                           None).response()
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return invalid(f"{param or 'request'}: {first.get('msg', 'invalid')}", param).response()
 
