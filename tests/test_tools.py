@@ -426,6 +426,41 @@ def test_a_follow_up_in_a_stored_conversation(http, scripted):
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
 
 
+def test_a_tool_result_must_answer_a_call_waiting_for_it(http, sdk):
+    """OpenAI's rule: a tool message answers a call of the assistant message before it, once. A
+    result for no call (or a second one) was stored and went into every later prompt."""
+    first = http.post("/v1/chat/completions", json=chat_body("weather?", stream=False, max_tokens=100,
+                                                             tools=[WEATHER])).json()
+    cid, (call,) = first["conversation_id"], first["choices"][0]["message"]["tool_calls"]
+
+    def result(call_id: str) -> httpx.Response:
+        return http.post("/v1/chat/completions", json={
+            "model": MODEL, "conversation_id": cid, "tools": [WEATHER], "max_tokens": 100, "stream": False,
+            "messages": [{"role": "tool", "tool_call_id": call_id, "content": "rain"}]})
+
+    for call_id in ("call_nope", call["id"], "call_nope"):
+        response = result(call_id)
+        if call_id == call["id"]:  # the one waiting result: answered
+            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"] == \
+                "The result is rain."
+            response = result(call_id)  # the same result again: its call has one already
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["code"], error["type"]) == (
+            "messages[0].tool_call_id", "invalid_value", "invalid_request_error"), error
+        assert "must be a response to a preceding message with 'tool_calls'" in error["message"]
+    stored = http.get(f"/v1/conversations/{cid}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant", "tool", "assistant"]  # nothing refused was kept
+    # The whole history, with a result that no assistant message before it asked for: the SDK's 400.
+    for history in ([{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "call_x", "content": "Sunny"}],
+                    [{"role": "user", "content": "weather?"}, first["choices"][0]["message"],
+                     {"role": "tool", "tool_call_id": call["id"], "content": "rain"},
+                     {"role": "tool", "tool_call_id": call["id"], "content": "rain"}]):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], max_tokens=10)
+        assert refused.value.body["param"] == f"messages[{len(history) - 1}].tool_call_id"
+
+
 @pytest.mark.parametrize(("change", "param", "code"), [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "unknown"}}}, "tool_choice",
      "invalid_tools"),

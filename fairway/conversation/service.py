@@ -36,6 +36,7 @@ from fairway.router import Router, region_fallback
 from fairway.safety import ModerationResult, Moderator
 from fairway.tools import ToolSet
 from fairway.tools.prompt import expand_assistant, prompt_messages, system_block
+from fairway.tools.results import check_results, waiting_calls
 from fairway.usage import metrics
 
 
@@ -211,7 +212,8 @@ class ConversationService:
         mini pool, or with fewer max tokens; one whose user's quota for the model is spent
         (admit raised OverQuota) is served by the mini pool when one runs.
 
-        Raises UnknownModel, NotFound (conversation), InputFlagged, ContextTooLong, NoReplica, Shed."""
+        Raises UnknownModel, NotFound (conversation), ToolError (a tool result for no waiting call),
+        InputFlagged, ContextTooLong, NoReplica, Shed."""
         self.check_model(req.model)
         if req.resume_only:
             return await self._resume(req)
@@ -224,6 +226,9 @@ class ConversationService:
             if turn is not None:
                 shed_before = turn.message  # stored with what came before it: the context is the store's
         new = _new_messages(req.messages, stored) if shed_before is None else []
+        if shed_before is None:  # each tool result answers a call still waiting for it (else ToolError)
+            check_results(req.messages, waiting_calls([(m.role, m.tools) for m in stored
+                                                       if m.status != MessageStatus.FLAGGED]))
         if self.moderator is not None and shed_before is None:
             await self._check_input(req, conversation, new)
         lane = lane_of_tier(conversation.tier if conversation else req.tier or self.settings.default_tier)

@@ -69,6 +69,7 @@ from fairway.limits import (
 from fairway.relay import FinalEvent, RelayUnavailable
 from fairway.replica.registry import REGION
 from fairway.router import RETRY_AFTER_S, NoReplica
+from fairway.tools import ToolError
 from fairway.usage import metrics
 from fairway.usage.accounting import reservation_meta
 
@@ -430,6 +431,8 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
         raise flagged_input(exc) from None
     except ToolUnavailable as exc:
         raise invalid(str(exc), "tools", "tool_unavailable") from None
+    except ToolError as exc:  # a tool result for no call of the stored conversation's waiting ones
+        raise invalid(str(exc), exc.param, "invalid_value") from None
     except NoReplica as exc:
         raise ApiError(503, str(exc), code="no_replica", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except Shed as exc:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from fairway.gateway.errors import ApiError, invalid
 from fairway.models.bundled import BUNDLED_MODEL_NAME
 from fairway.tools import ToolError, ToolSet, parse_tools
+from fairway.tools.results import check_results
 from fairway.tools.spec import check_arguments, schema_error
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
@@ -193,7 +194,6 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
     """The messages as {"role", "content": str} (an assistant's with its tool_calls, a tool's with
     its tool_call_id), checked; the last one must be the user's, or a tool result."""
     out: list[dict[str, Any]] = []
-    calls: set[str] = set()  # the call ids the request's own assistant messages made
     for i, message in enumerate(request.messages):
         param = f"messages[{i}]"
         if message.role in UNSUPPORTED_ROLES:
@@ -212,16 +212,16 @@ def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
                 raise invalid(f"Only an assistant message has tool_calls ({param} is {role}'s).",
                               f"{param}.tool_calls", "invalid_value")
             item["tool_calls"] = [_tool_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(message.tool_calls)]
-            calls.update(call["id"] for call in item["tool_calls"])
         if role == "tool":
             if not message.tool_call_id:
                 raise invalid(f"'{param}.tool_call_id' is required: the id of the call this result answers.",
                               f"{param}.tool_call_id", "missing_required_parameter")
-            if calls and message.tool_call_id not in calls:
-                raise invalid(f"'{param}.tool_call_id' {message.tool_call_id!r} answers no tool call of the "
-                              "assistant messages before it.", f"{param}.tool_call_id", "invalid_value")
             item["tool_call_id"] = message.tool_call_id
         out.append(item)
+    try:  # a conversation's stored calls are the service's to check (fairway/tools/results.py)
+        check_results(out, None if request.conversation_id else ())
+    except ToolError as exc:
+        raise invalid(str(exc), exc.param, "invalid_value") from None
     if out[-1]["role"] not in ("user", "tool"):
         raise invalid("The last message must be the user's (or a tool result): it is the one the reply answers.",
                       "messages")
