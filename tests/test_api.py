@@ -656,3 +656,25 @@ def test_a_schema_llguidance_cannot_use_is_a_400(http):
     response = http.post("/v1/chat/completions", json=bad)
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "response_format.json_schema.schema"
+
+@pytest.mark.parametrize(("max_tokens", "stream"), [(10, False), (3, False), (10, True)])
+def test_sdk_a_forced_call_cut_off_by_max_tokens_is_no_text(client, http, max_tokens, stream):
+    """A forced call that max_tokens cuts off ends with finish_reason length and neither a call nor
+    its markup: it was shown as content ('<tool_call>\\n{"name": "') and stored, so the next prompt
+    held it too."""
+    answer = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What's the weather in Paris?"}], max_tokens=max_tokens,
+        tools=[WEATHER_TOOL], tool_choice="required", stream=stream)
+    if stream:
+        chunks = [c for c in answer if c.choices]
+        content = "".join(c.choices[0].delta.content or "" for c in chunks)
+        calls = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or [])]
+        finish, conversation_id = chunks[-1].choices[0].finish_reason, chunks[-1].model_extra["conversation_id"]
+    else:
+        message = answer.choices[0].message
+        content, calls, finish = message.content, message.tool_calls or [], answer.choices[0].finish_reason
+        conversation_id = answer.model_extra["conversation_id"]
+    assert (content or "", calls, finish) == ("", [], "length")
+    stored = wait_for(lambda: [m for m in http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+                               if m["role"] == "assistant"])
+    assert stored[0]["content"] == "" and not stored[0].get("tool_calls")

@@ -93,9 +93,20 @@ def test_parser_holds_a_call_until_it_is_whole():
 def test_parser_bad_calls_and_an_unclosed_one():
     _, calls = _parse_in_pieces("<tool_call>{not json}</tool_call><tool_call name=\"f\">[1]</tool_call>", 0)
     assert [c.error is not None for c in calls] == [True, True]
-    # A model that stops right after its arguments: the call counts; an unparseable open one is text.
+    # A model that stops right after its arguments: the call counts; an unparseable open one is
+    # dropped, never text (README: no half-written call reaches the client).
     assert _parse_in_pieces('<tool_call>{"name": "f", "arguments": {}}', 1)[1][0].name == "f"
-    assert _parse_in_pieces("<tool_call> oops", 1) == ("<tool_call> oops", [])
+    assert _parse_in_pieces("Hm. <tool_call> oops", 1) == ("Hm. ", [])
+
+
+def test_parser_drops_a_call_cut_off_by_max_tokens():
+    for text in ('Let me check. <tool_call>\n{"name": "', "Let me check. <tool_call", "Let me check. <tool_"):
+        parser = CallParser()
+        released, calls = parser.feed(text)
+        assert parser.finish(cut=True) == ("", []) and released == "Let me check. " and not calls, text
+    # Where the model stopped by itself, what only may begin a tag was text.
+    parser = CallParser()
+    assert parser.feed("See <tool_") == ("See ", []) and parser.finish() == ("<tool_", [])
 
 
 def test_tool_specs_are_checked():

@@ -715,7 +715,7 @@ class ReplicaWorker:
                     continue
                 text, calls = tools.parser.feed(out.text) if out.text else ("", [])
                 if out.finished:
-                    rest, late = tools.parser.finish()
+                    rest, late = tools.parser.finish(cut=out.finish_reason == FinishReason.LENGTH)
                     text, calls = text + rest, calls + late
                 if running.client_called:
                     if text.strip():  # the model went on to other text after its calls: they are the answer

@@ -75,16 +75,18 @@ class CallParser:
             calls.append(parse_block(block))
         return "".join(released), calls
 
-    def finish(self) -> tuple[str, list[ParsedCall]]:
+    def finish(self, cut: bool = False) -> tuple[str, list[ParsedCall]]:
         """At the end of the output: an unclosed call that parses whole counts (a model may stop
-        right after its arguments); anything else held is released as the text it was."""
+        right after its arguments); one that does not is dropped, never released as text (a
+        half-written call is markup, not an answer: it would be shown, stored, and put in the next
+        prompt). What may begin a tag ("<tool_") is text where the model stopped, and dropped where
+        the output was cut (max_tokens: it was on its way to a call)."""
         pending, self._pending = self._pending, ""
         if self._in_call:
             self._in_call = False
             call = parse_block(pending + CLOSE)
-            if call.error is None:
-                return "", [call]
-        return pending, []
+            return ("", [call]) if call.error is None else ("", [])
+        return ("" if cut else pending), []
 
 
 def _partial_suffix(text: str, tag: str) -> int:
