@@ -4,6 +4,7 @@ real model: a PDF's page-3 fact reaches the context of a conversation that attac
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 
@@ -23,19 +24,22 @@ from serving import (
     wait_ready,
 )
 
+from fairway.conversation import database_url
 from fairway.conversation.extras import TurnInfo
 from fairway.files import sniff as kinds
 from fairway.files.extract import ExtractionFailed, ExtractLimits, chunk_pages, extract_pages
+from fairway.files.listing import FileQuery, UnknownCursor
 from fairway.files.objects import LocalObjectStore, S3ObjectStore
 from fairway.files.service import FileRejected, FileService, FileSettings
 from fairway.files.source import FileSource
 from fairway.files.speech import speech_available
-from fairway.files.store import FileStore
+from fairway.files.store import FileRecord, FileStore
 from fairway.retrieval import CONVERSATION_CHUNKS, FILE_CHUNKS, SqlVectorIndex
 
 pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
 
 DATA = Path(__file__).parent / "data"
+LISTER_KEY = "sk-test-files-lister"  # a user of the module's server with no other test's files
 FACT = "The access code for the Zebra warehouse is PURPLE-MONKEY-42."
 PAGES = ["Quarterly report. Sales grew in the north region and shrank in the south. " * 8,
          "Staffing. The team hired four engineers and one designer this quarter. " * 8,
@@ -167,6 +171,48 @@ async def test_deleting_a_file_or_a_conversation_leaves_no_chunks(files: FileSer
     assert await files.index.count(CONVERSATION_CHUNKS, "conv_b") == chunks
 
 
+@pytest.fixture
+async def file_store(vector_db):
+    url, connect_args = vector_db
+    store = FileStore(database_url(url), connect_args)
+    await store.init()
+    yield store
+    await store.close()
+
+
+async def test_files_are_paged_in_the_database_stably(file_store: FileStore):
+    """Pages by (created_at, id), on SQLite and PostgreSQL: files uploaded in the same instant still
+    come once each, in one order, whichever way and however small the pages."""
+    made = []
+    for i in range(7):
+        record = FileRecord(f"file_{i:02d}x", "u1", f"f{i}.txt", "user_data" if i % 3 else "assistants",
+                            "text/plain", 10, "ready", None, 1, f"u1/f{i}", 1000.0 + i // 3)  # ties of three
+        await file_store.add(record)
+        made.append(record.file_id)
+    await file_store.add(FileRecord("file_theirs", "u2", "x.txt", "user_data", "text/plain", 1, "ready", None, 1,
+                                    "u2/x", 1001.0))
+    newest_first = sorted(made, key=lambda f: (1000 + int(f[5:7]) // 3, f), reverse=True)
+
+    async def all_pages(limit: int, order: str, purpose: str | None = None) -> list[str]:
+        seen, after = [], None
+        while True:
+            page = await file_store.page("u1", FileQuery(limit, after, order, purpose))
+            seen += [r.file_id for r in page.records]
+            if not page.has_more:
+                return seen
+            after = seen[-1]
+
+    for limit in (1, 2, 3, 7, 100):
+        assert await all_pages(limit, "desc") == newest_first
+        assert await all_pages(limit, "asc") == newest_first[::-1]
+    assert await all_pages(2, "desc", "assistants") == [f for f in newest_first if int(f[5:7]) % 3 == 0]
+    whole = await file_store.page("u1", FileQuery())
+    assert [r.file_id for r in whole.records] == newest_first and not whole.has_more
+    for unknown in ("file_theirs", "file_never"):
+        with pytest.raises(UnknownCursor):
+            await file_store.page("u1", FileQuery(after=unknown))
+
+
 async def test_an_image_is_read_by_ocr(files: FileService):
     if files.ocr_off:
         pytest.skip(files.ocr_off)
@@ -251,7 +297,8 @@ def server(tmp_path_factory, embedder, s3_endpoint):
             env.setenv(name, value)
         boto3.client("s3").create_bucket(Bucket=bucket)
         options = ServerOptions(database=f"sqlite:///{root}/fairway.db", max_model_len=2048,
-                                api_keys=list(TEST_KEYS), files=f"s3://{bucket}",
+                                api_keys=[*TEST_KEYS, (LISTER_KEY, "files-lister", "paid")],
+                                files=f"s3://{bucket}",
                                 file_settings=FileSettings(max_file_bytes=512 << 10))
         app = embedded_app(options)
         server = ThreadServer(app).start()
@@ -367,3 +414,38 @@ def test_a_large_file_goes_from_the_client_straight_to_the_object_store(server):
     ready = wait_for(lambda: (r := http.get(f"/v1/files/{file_id}").json())["status"] == "ready" and r, 90)
     assert (ready["bytes"], ready["content_type"]) == (len(data), "text/markdown")  # sniffed after
     assert http.get(f"/v1/files/{file_id}/content").content == data
+
+
+def test_the_sdk_pages_through_files_and_stops(server):
+    """OpenAI's SDK auto-paginates files.list() by `after=<last id>` until has_more is false: each
+    file exactly once, then it stops. limit, order, purpose and after behave; another user's files
+    never appear, and their id is no cursor."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=LISTER_KEY, max_retries=0, timeout=60)
+    other = openai.OpenAI(base_url=f"{server.url}/v1", api_key=OTHER_KEY, max_retries=0, timeout=60)
+    theirs = other.files.create(file=("theirs.txt", b"not yours"), purpose="user_data").id
+    mine = [client.files.create(file=(f"note{i}.txt", f"note {i}".encode()),
+                                purpose="assistants" if i % 4 == 0 else "user_data").id for i in range(9)]
+    newest_first = mine[::-1]
+
+    assert [f.id for f in itertools.islice(client.files.list(limit=2), 500)] == newest_first
+    assert [f.id for f in itertools.islice(client.files.list(), 500)] == newest_first
+    first = client.files.list(limit=2)
+    assert [f.id for f in first.data] == newest_first[:2] and first.has_more
+    assert (first.first_id, first.last_id) == (newest_first[0], newest_first[1])
+    assert [f.id for f in client.files.list(order="asc", limit=4).data] == mine[:4]
+    assert [f.id for f in client.files.list(after=newest_first[2]).data] == newest_first[3:]
+    assert [f.id for f in client.files.list(purpose="assistants")] == [mine[8], mine[4], mine[0]]
+    last = client.files.list(after=mine[0])
+    assert (last.data, last.has_more, last.first_id) == ([], False, None)
+    assert theirs not in [f.id for f in client.files.list()]
+    with pytest.raises(openai.BadRequestError) as cursor:
+        client.files.list(after=theirs)
+    assert (cursor.value.body["param"], cursor.value.body["code"]) == ("after", "invalid_cursor")
+    http = httpx.Client(base_url=server.url, headers=headers(LISTER_KEY), timeout=30)
+    for params in ({"limit": 0}, {"limit": 10_001}, {"limit": "two"}, {"order": "sideways"}):
+        bad = http.get("/v1/files", params=params)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == next(iter(params)), bad.text
+    documented = httpx.get(f"{server.url}/openapi.json").json()["paths"]["/v1/files"]["get"]
+    assert {p["name"] for p in documented["parameters"]} == {"limit", "after", "order", "purpose"}
+    assert {"200", "400", "401", "503"} <= set(documented["responses"])
+

@@ -16,6 +16,7 @@ from fairway.retrieval import CONVERSATION_CHUNKS, FILE_CHUNKS, Embedder, Entry,
 
 from . import sniff as kinds
 from .extract import ExtractionFailed, ExtractLimits, chunk_pages, extract_pages, ocr_available
+from .listing import FilePage, FileQuery
 from .objects import ObjectStore
 from .speech import speech_available
 from .store import FileRecord, FileStore
@@ -208,8 +209,8 @@ class FileService:
     async def get(self, user_id: str, file_id: str) -> FileRecord | None:
         return await self.store.get(file_id, user_id)
 
-    async def list(self, user_id: str) -> list[FileRecord]:
-        return await self.store.list(user_id)
+    async def page(self, user_id: str, query: FileQuery) -> FilePage:
+        return await self.store.page(user_id, query)
 
     async def content(self, user_id: str, file_id: str) -> tuple[FileRecord, bytes] | None:
         record = await self.store.get(file_id, user_id)

@@ -11,6 +11,8 @@ import sqlalchemy as sa
 
 from fairway.retrieval.sql_index import SqlTables
 
+from .listing import FilePage, FileQuery, UnknownCursor
+
 metadata = sa.MetaData()
 
 files = sa.Table(
@@ -78,11 +80,26 @@ class FileStore(SqlTables):
             row = (await conn.execute(sa.select(files).where(*where))).first()
         return FileRecord(**row._mapping) if row else None
 
-    async def list(self, user_id: str, limit: int = 100) -> list[FileRecord]:
+    async def page(self, user_id: str, query: FileQuery) -> FilePage:
+        """One page of the user's files, ordered by (created_at, file_id): the id breaks ties, so
+        each file has one place and a cursor never skips or repeats one. UnknownCursor when
+        `after` is not one of the user's files."""
+        key = (files.c.created_at, files.c.file_id)
+        where = [files.c.user_id == user_id]
+        if query.purpose is not None:
+            where.append(files.c.purpose == query.purpose)
         async with self.engine.connect() as conn:
-            rows = (await conn.execute(sa.select(files).where(files.c.user_id == user_id)
-                                       .order_by(files.c.created_at.desc()).limit(limit))).all()
-        return [FileRecord(**r._mapping) for r in rows]
+            if query.after is not None:
+                cursor = (await conn.execute(sa.select(*key).where(
+                    files.c.file_id == query.after, files.c.user_id == user_id))).first()
+                if cursor is None:
+                    raise UnknownCursor(query.after)
+                row, at = sa.tuple_(*key), sa.tuple_(*cursor)
+                where.append(row > at if query.order == "asc" else row < at)
+            by = [c.asc() if query.order == "asc" else c.desc() for c in key]
+            rows = (await conn.execute(sa.select(files).where(*where).order_by(*by)
+                                       .limit(query.limit + 1))).all()  # one more says whether more follow
+        return FilePage([FileRecord(**r._mapping) for r in rows[:query.limit]], len(rows) > query.limit)
 
     async def usage(self, user_id: str) -> tuple[int, int]:
         """(files, bytes) the user holds."""

@@ -6,15 +6,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field
 
+from fairway.files.listing import MAX_LIMIT, FileQuery, Order, UnknownCursor
 from fairway.files.service import FileRejected, FileService
 from fairway.files.store import FileRecord
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
-from fairway.gateway.errors import ApiError, error_responses, not_found
+from fairway.gateway.errors import ApiError, error_responses, invalid, not_found
 
 router = APIRouter(dependencies=[Depends(authenticated)])
 
@@ -99,9 +100,22 @@ async def complete_upload(file_id: str, request: Request) -> dict[str, Any]:
     return record.openai()
 
 
-@router.get("/v1/files", responses=error_responses(401, 503))
-async def list_files(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [r.openai() for r in await _files(request).list(user_id(request))]}
+@router.get("/v1/files", responses=error_responses(401, 400, 503))
+async def list_files(
+    request: Request,
+    limit: Annotated[int, Query(ge=1, le=MAX_LIMIT, description="Files per page.")] = MAX_LIMIT,
+    after: Annotated[str | None, Query(max_length=64, description=(
+        "A file id from the previous page (its last_id): the page starts after it. Not one of your files: 400."))] = None,
+    order: Annotated[Order, Query(description="By created_at, newest first (desc) or oldest first.")] = "desc",
+    purpose: Annotated[str | None, Query(max_length=64, description="Only files of this purpose.")] = None,
+) -> dict[str, Any]:
+    """Your files, a page at a time (OpenAI's list: first_id, last_id, has_more)."""
+    query = FileQuery(limit, after, order, purpose)
+    try:
+        return (await _files(request).page(user_id(request), query)).openai()
+    except UnknownCursor:
+        raise invalid(f"after: no file {after!r} to list after (use a file id from a previous page).",
+                      "after", "invalid_cursor") from None
 
 
 @router.get("/v1/files/{file_id}", responses=error_responses(401, 404, 503))
