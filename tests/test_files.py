@@ -171,6 +171,28 @@ async def test_deleting_a_file_or_a_conversation_leaves_no_chunks(files: FileSer
     assert await files.index.count(CONVERSATION_CHUNKS, "conv_b") == chunks
 
 
+async def test_a_file_sent_without_a_question_is_shown_from_its_start(files: FileService):
+    """Files dropped in with no question: there is nothing to retrieve for, so the model gets each
+    file's opening chunks (taken in turns, so one long file does not crowd out the other, within the
+    retrieval budget), shown file by file in document order and named in the sources."""
+    source = FileSource(files)
+    long = await files.upload("u1", "long.txt", "\n\n".join(PAGES * 3).encode(), "multimodal_input")
+    short = await files.upload("u1", "short.txt", b"Shopping list: eggs, flour, sugar.", "multimodal_input")
+    await files.wait_processed()
+    extras = await source.extras(TurnInfo("u1", "conv_q", True, "  ", [long.file_id, short.file_id],
+                                          lambda text: len(text) // 4))
+    sources = [(s["filename"], s["chunk"]) for s in extras.info["sources"]]
+    long_chunks = [n for name, n in sources if name == "long.txt"]
+    assert sources == [("long.txt", n) for n in long_chunks] + [("short.txt", 0)]
+    assert long_chunks == list(range(len(long_chunks))) and len(long_chunks) > 1
+    assert (await files.get("u1", long.file_id)).chunks > len(long_chunks)  # the budget, not the whole file
+    (block,) = extras.retrieved
+    assert block["content"].index("[long.txt, chunk 0]") < block["content"].index("[short.txt, chunk 0]")
+    assert "Quarterly report" in block["content"] and "eggs, flour" in block["content"]
+    # a later turn without a question and without files of its own adds nothing
+    assert (await source.extras(TurnInfo("u1", "conv_q", False, "", []))).retrieved == []
+
+
 @pytest.fixture
 async def file_store(vector_db):
     url, connect_args = vector_db
@@ -449,3 +471,19 @@ def test_the_sdk_pages_through_files_and_stops(server):
     assert {p["name"] for p in documented["parameters"]} == {"limit", "after", "order", "purpose"}
     assert {"200", "400", "401", "503"} <= set(documented["responses"])
 
+
+def test_a_file_sent_alone_is_shown_to_the_model(server):
+    """A ChatGPT user drops a file in and sends it, no question: the model sees the file's start
+    (the prompt holds it) and the reply's context names the chunks, as a retrieved turn's does."""
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    file_id = http.post("/v1/files", files={"file": ("report.pdf", make_pdf(PAGES))},
+                        data={"purpose": "user_data"}).json()["id"]
+    wait_for(lambda: http.get(f"/v1/files/{file_id}").json()["status"] == "ready", timeout=90)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "file_url", "file_id": file_id}]}])
+    sources = reply.model_extra["context"]["sources"]
+    assert [(s["file_id"], s["chunk"]) for s in sources] == [(file_id, n) for n in range(len(sources))]
+    assert sources[0]["page"] == 1 and sources[0]["filename"] == "report.pdf"
+    assert reply.usage.prompt_tokens > 200  # the file's first pages, not only the chat template
+    assert http.get(f"/v1/replies/{reply.id}").json()["sources"] == sources
