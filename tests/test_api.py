@@ -657,6 +657,7 @@ def test_a_schema_llguidance_cannot_use_is_a_400(http):
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "response_format.json_schema.schema"
 
+
 @pytest.mark.parametrize(("max_tokens", "stream"), [(10, False), (3, False), (10, True)])
 def test_sdk_a_forced_call_cut_off_by_max_tokens_is_no_text(client, http, max_tokens, stream):
     """A forced call that max_tokens cuts off ends with finish_reason length and neither a call nor
@@ -678,3 +679,23 @@ def test_sdk_a_forced_call_cut_off_by_max_tokens_is_no_text(client, http, max_to
     stored = wait_for(lambda: [m for m in http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
                                if m["role"] == "assistant"])
     assert stored[0]["content"] == "" and not stored[0].get("tool_calls")
+
+
+@pytest.mark.parametrize(("messages", "param"), [
+    ([{"role": "system", "content": [{"type": "file_url", "file_id": "file-abc"}]}, {"role": "user", "content": "hi"}],
+     "messages[0].content[0].type"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+        {"type": "text", "text": "Here:"}, {"type": "file", "file": {"file_id": "file-abc"}}]},
+      {"role": "user", "content": "thanks"}], "messages[1].content[1].type"),
+    ([{"role": "developer", "content": [{"type": "input_file", "file_id": "file-abc"}]},
+      {"role": "user", "content": "hi"}], "messages[0].content[0].type"),
+])
+def test_sdk_a_file_part_outside_a_user_message_is_a_400(client, messages, param):
+    """Only a user message attaches files; a file part elsewhere was neither attached nor refused
+    (dropped in silence, the reply answering as if it had read the file)."""
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2)
+    error = refused.value.body
+    assert (error["param"], error["code"], error["type"]) == (param, "unsupported_content_type",
+                                                              "invalid_request_error"), error
+    assert "attach files in a user message" in error["message"]

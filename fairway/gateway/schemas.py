@@ -269,6 +269,9 @@ def _text(content: str | list[dict[str, Any]] | None, role: str, param: str) -> 
         where = f"{param}.content[{j}]"
         kind = part.get("type")
         if kind in FILE_PARTS:
+            if role != "user":  # only the user attaches files: ignored elsewhere, it would vanish unsaid
+                raise invalid(f"Content part type {kind!r} is not supported in a {role} message: attach files in "
+                              "a user message.", f"{where}.type", "unsupported_content_type")
             file_part_id(part, where)  # checked here; file_ids() collects them
             continue
         if kind != "text":
