@@ -65,6 +65,9 @@ async def test_replace_delete_threshold_and_copy(open_index):
     hit = (await index.search(MEMORIES, "u", v[2], k=1))[0]
     assert (hit.key, hit.text) == ("m1", "new") and hit.score == pytest.approx(1.0, abs=1e-4)
     assert [h.key for h in await index.search(MEMORIES, "u", v[2], k=5, min_score=0.9)] == ["m1"]
+    got = await index.get(MEMORIES, "u", ["m2", "nope", "m1"])  # by key, in the keys' order
+    assert [(g.key, g.text) for g in got] == [("m2", "two"), ("m1", "new")]
+    assert await index.get(MEMORIES, "elsewhere", ["m1"]) == [] and await index.get(MEMORIES, "u", []) == []
     assert await index.delete(MEMORIES, "u", ["m1", "nope"]) == 1
     assert [h.key for h in await index.search(MEMORIES, "u", v[2], k=5)] == ["m2"]
     await index.upsert(FILE_CHUNKS, "file_1", [Entry("file_1:0", v[3], "chunk", {"page": 3})])

@@ -68,7 +68,7 @@ class FileSource:
         if not records:
             return TurnExtras()  # no question and no file of its own: nothing to show
         most = s.retrieve_max_tokens // (LABEL_TOKENS + 1) + 1  # each costs more than LABEL_TOKENS: no more could fit
-        openings = [await opening_chunks(files.store.engine, r.file_id, min(r.chunks, most)) for r in records]
+        openings = [await opening_chunks(files.index, r.file_id, min(r.chunks, most)) for r in records]
         excerpts = _Excerpts(turn, s.retrieve_max_tokens)
         in_turns = ((record, chunks[n]) for n in range(max(map(len, openings)))
                     for record, chunks in zip(records, openings, strict=True) if n < len(chunks))

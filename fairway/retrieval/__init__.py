@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from .embedder import Embedder, EmbedderUnavailable, MiniLMEmbedder, embedder_available, shared_embedder
-from .index import CONVERSATION_CHUNKS, FILE_CHUNKS, MEMORIES, Entry, Hit, VectorIndex
+from .index import CONVERSATION_CHUNKS, FILE_CHUNKS, MEMORIES, Entry, Hit, Stored, VectorIndex
 from .sql_index import SqlVectorIndex
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "Hit",
     "MiniLMEmbedder",
     "SqlVectorIndex",
+    "Stored",
     "VectorIndex",
     "embedder_available",
     "make_index",

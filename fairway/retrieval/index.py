@@ -37,6 +37,15 @@ class Hit:
     meta: dict[str, Any]
 
 
+@dataclass(frozen=True)
+class Stored:
+    """An entry read back by its key (its vector left in the index)."""
+
+    key: str
+    text: str
+    meta: dict[str, Any]
+
+
 class VectorIndex(ABC):
     dim: int
     kind: str  # "exact" or "pgvector": how search runs on this backend
@@ -68,6 +77,10 @@ class VectorIndex(ABC):
     async def search(self, collection: str, partition: str, vector: np.ndarray, k: int,
                      min_score: float = -1.0) -> list[Hit]:
         """The partition's k entries most similar to vector (score >= min_score), best first."""
+
+    @abstractmethod
+    async def get(self, collection: str, partition: str, keys: Sequence[str]) -> list[Stored]:
+        """These keys' entries in the partition, in the order of keys; a key not there is left out."""
 
     @abstractmethod
     async def count(self, collection: str, partition: str) -> int: ...

@@ -25,7 +25,7 @@ from fairway.conversation.hot_path import shared_hot_path
 from fairway.conversation.sql_store import migrate
 
 from .exact import PartitionCache, PartitionMatrix, top_k
-from .index import Entry, Hit, VectorIndex, as_unit_vector
+from .index import Entry, Hit, Stored, VectorIndex, as_unit_vector
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +251,16 @@ class SqlVectorIndex(VectorIndex):
         return result.rowcount
 
     # -- reads -------------------------------------------------------------------------------
+
+    async def get(self, collection: str, partition: str, keys: Sequence[str]) -> list[Stored]:
+        if not keys:
+            return []
+        v = self.vectors.c
+        async with self.engine.connect() as conn:
+            rows = (await conn.execute(sa.select(v.key, v.text, v.meta).where(
+                self._in_partition(collection, partition), v.key.in_(list(keys))))).all()
+        found = {r.key: Stored(r.key, r.text, r.meta) for r in rows}
+        return [found[k] for k in keys if k in found]
 
     async def count(self, collection: str, partition: str) -> int:
         async with self.engine.connect() as conn:
