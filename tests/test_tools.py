@@ -350,6 +350,20 @@ def test_execute_code_without_streaming(http):
     assert answer["choices"][0]["finish_reason"] == "stop"
 
 
+def test_a_run_reads_the_same_streamed_stored_or_not(http):
+    """A run's fields have one name everywhere: the streamed chunk's (README's) `result` for what
+    the sandbox reported, and `code`; the non-streamed message and the stored one said `detail`."""
+    body = chat_body("compute it", max_tokens=200, tools=[CODE])
+    streamed = _executions(_stream(http, body))[-1]
+    answer = http.post("/v1/chat/completions", json={**body, "stream": False}).json()
+    (run,) = answer["choices"][0]["message"]["tool_executions"]
+    (stored,) = http.get(f"/v1/conversations/{answer['conversation_id']}").json()["messages"][-1]["tool_executions"]
+    for shown in (streamed, run, stored):
+        assert "detail" not in shown and set(streamed) <= set(shown), shown
+        assert (shown["status"], shown["code"], shown["output"], shown["result"]["stdout"],
+                shown["result"]["exit_code"]) == ("completed", "print(6 * 7)", "42", "42\n", 0)
+
+
 def test_a_bound_on_tool_rounds(scripted, http):
     events = _stream(http, chat_body("loop forever", max_tokens=500, tools=[CODE]))
     assert [x["status"] for x in _executions(events)] == ["running", "completed"] * 5  # the default bound

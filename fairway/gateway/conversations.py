@@ -11,6 +11,7 @@ from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import error_responses, not_found
 from fairway.tools.prompt import openai_call
+from fairway.tools.record import client_run
 
 router = APIRouter(dependencies=[Depends(authenticated)], responses=error_responses(401, 503))
 
@@ -32,7 +33,7 @@ def _message(m: Message) -> dict[str, Any]:
                              if c.get("status") == "call"]
     runs = [c for c in calls if c.get("status") != "call"]
     if runs:  # the built-in tool's runs, each at the offset in the content where it was made
-        out["tool_executions"] = runs
+        out["tool_executions"] = [client_run(r) for r in runs]  # the streamed chunk's names (result)
     if tools.get("tool_call_id"):
         out["tool_call_id"] = tools["tool_call_id"]
     if m.client_key:

@@ -50,7 +50,7 @@ from fairway.relay import (
 from fairway.router import NoReplica
 from fairway.tools import EXECUTE_CODE
 from fairway.tools.prompt import openai_call
-from fairway.tools.record import CallRecord, add_event, replayed
+from fairway.tools.record import CallRecord, add_event, client_run, replayed
 from fairway.uncancelled import finish_anyway
 
 log = logging.getLogger(__name__)
@@ -355,8 +355,7 @@ class ReplyRelay:
             message["content"] = message["content"] or None  # as OpenAI answers a reply of calls only
         runs = [r for r in tools if r["status"] != "call"]
         if runs:  # the built-in tool's runs, for clients that show them
-            message["tool_executions"] = [{k: r.get(k) for k in ("id", "name", "arguments", "status", "output",
-                                                                 "detail")} for r in runs]
+            message["tool_executions"] = [client_run(r) for r in runs]  # as GET /v1/conversations/{id} lists them
         choice: dict[str, Any] = {
             "index": 0,
             "message": message,

@@ -6,11 +6,14 @@ build them the same way, here."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 from collections.abc import Sequence
 from typing import Any
 
 from fairway.domain import ToolStatus
 from fairway.relay.events import Event, TokenEvent, ToolEvent
+from fairway.tools.spec import EXECUTE_CODE
 
 CallRecord = dict[str, Any]  # id, name, arguments, status, index, output, detail, at
 
@@ -68,6 +71,20 @@ def replayed(text: str, records: Sequence[CallRecord], outcomes_only: bool = Fal
     if pos < len(text) and not outcomes_only:
         events.append(TokenEvent(0, text[pos:]))
     return events
+
+
+def client_run(record: CallRecord) -> dict[str, Any]:
+    """A built-in call's run as a client reads it from the store (GET /v1/conversations/{id}, a
+    non-streamed reply's message.tool_executions): the record in the streamed `tool_execution`
+    chunk's words, so a client reads one shape streamed or not: the sandbox's detail as `result`
+    (README's name; the record keeps `detail`), execute_code's code as `code`."""
+    run = {k: v for k, v in record.items() if k != "detail"}
+    if record.get("name") == EXECUTE_CODE:
+        with contextlib.suppress(json.JSONDecodeError, AttributeError, TypeError):
+            run["code"] = json.loads(record.get("arguments", "")).get("code")
+    if record.get("detail"):
+        run["result"] = record["detail"]
+    return run
 
 
 def stored_tools(records: Sequence[CallRecord]) -> dict[str, Any] | None:
