@@ -45,15 +45,51 @@ async def test_a_restated_fact_replaces_the_old_one(memory: MemoryService):
 
 async def test_one_gateway_extracts_each_idle_conversation(memory: MemoryService):
     await memory.store.note_turn("u1", "conv_idle", [])
-    memory.settings.idle_s = 0.0
     idle = await memory.store.idle_conversations(0.0)
     assert [c for _, c, _ in idle] == ["conv_idle"]
-    at = idle[0][2] + 0.001
-    assert await memory.store.claim_extraction("conv_idle", at)
-    assert not await memory.store.claim_extraction("conv_idle", at)  # the second gateway skips it
+    assert await memory.store.claim_messages("u1", "conv_idle", 0, 2)
+    assert not await memory.store.claim_messages("u1", "conv_idle", 0, 2)  # the second gateway skips them
+    assert await memory.store.extracted_messages("conv_idle") == 2
     assert await memory.store.idle_conversations(0.0) == []
     await memory.store.note_turn("u1", "conv_idle")  # a new turn: extracted again later
     assert [c for _, c, _ in await memory.store.idle_conversations(0.0)] == ["conv_idle"]
+
+
+async def test_each_message_is_extracted_once_so_a_deleted_memory_stays_deleted(memory: MemoryService):
+    """On demand or when idle, extraction reads only the messages no extraction read before: a
+    deleted memory is not learnt again from the messages it came from, a new statement is."""
+    chat = [("user", "My name is Qorvath."), ("assistant", "Nice to meet you.")]
+    memory.messages_of = _messages_of({"conv_q": chat})
+    await memory.store.note_turn("u1", "conv_q", [])
+    (name,) = await memory.extract("u1", "conv_q", chat, use_model=False)
+    assert name.fact == "User's name is Qorvath."
+    assert await memory.store.idle_conversations(0.0) == []  # on demand counts as its extraction
+    assert await memory.forget("u1", name.memory_id)
+    assert await memory.extract("u1", "conv_q", chat) == []  # asked again: nothing new to read
+    chat += [("user", "I live in Zorbtown."), ("assistant", "Lovely.")]
+    await memory.store.note_turn("u1", "conv_q")
+    memory.settings.idle_s = 0.0
+    assert await memory.extract_idle() == 1
+    assert [m.fact for m in await memory.list("u1")] == ["User lives in Zorbtown."]
+    assert await memory.extract_idle() == 0
+    chat += [("user", "Again: my name is Qorvath.")]  # the user says it anew
+    assert [m.fact for m in await memory.extract("u1", "conv_q", chat)] == ["User's name is Qorvath."]
+
+
+def _messages_of(conversations: dict[str, list[tuple[str, str]]]):
+    async def messages_of(conversation_id: str) -> list[tuple[str, str]]:
+        return list(conversations[conversation_id])
+
+    return messages_of
+
+
+async def test_a_conversation_started_with_memory_off_keeps_no_block(memory: MemoryService):
+    await memory.remember("u1", ["User is allergic to peanuts."], "conv_a")
+    await memory.store.set_enabled("u1", False)
+    assert (await memory.block("u1", "conv_off", "Suggest a snack for my hike")).memories == []
+    await memory.store.set_enabled("u1", True)
+    assert (await memory.block("u1", "conv_off", "Suggest a snack for my hike")).memories == []
+    assert (await memory.block("u1", "conv_on", "Suggest a snack for my hike")).memories != []
 
 
 async def test_the_block_is_chosen_once_and_loses_deleted_memories(memory: MemoryService):
@@ -139,12 +175,16 @@ async def test_model_answers_are_validated_and_retried_within_a_bound():
 # -- end to end ------------------------------------------------------------------------------
 
 
+# Users of their own for the tests below, whose memories the tests above do not touch.
+MEMORY_KEYS = [("sk-test-memory-3", "test-memory-3", "paid"), ("sk-test-memory-4", "test-memory-4", "paid")]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, embedder):
     from fairway.assembly import ServerOptions, embedded_app
 
     db = tmp_path_factory.mktemp("memory") / "fairway.db"
-    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=1024, api_keys=list(TEST_KEYS),
+    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=1024, api_keys=[*TEST_KEYS, *MEMORY_KEYS],
                            memory_idle_s=1.0, memory_poll_s=0.5, memory_extract_tokens=48)
     app = embedded_app(options)
     server = ThreadServer(app).start()
@@ -219,3 +259,67 @@ def test_memory_switch_extract_on_demand_and_errors(server):
     assert httpx.get(f"{server.url}/v1/user/memory").status_code == 401
     paths = httpx.get(f"{server.url}/openapi.json").json()["paths"]
     assert {"404", "401"} <= set(paths["/v1/user/memory/{memory_id}"]["delete"]["responses"])
+
+
+def _clients(server, key: str) -> tuple[openai.OpenAI, httpx.Client]:
+    return (openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=0, timeout=120),
+            httpx.Client(base_url=server.url, headers=headers(key), timeout=120))
+
+
+def test_a_deleted_memory_is_not_learnt_again_from_its_messages(server):
+    """The exploratory pass's repro: a fact extracted on demand, then deleted, came back at the
+    next idle extraction of its conversation (a new id, injected into later chats again)."""
+    client, http = _clients(server, MEMORY_KEYS[0][0])
+
+    def facts() -> list[str]:
+        return [m["fact"] for m in http.get("/v1/user/memory").json()["memories"]]
+
+    first = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "My name is Qorvath."}])
+    cid = first.conversation_id
+    (name,) = http.post("/v1/user/memory/extract", json={"conversation_id": cid, "use_model": False}).json()["memories"]
+    assert name["fact"] == "User's name is Qorvath."
+    assert http.delete(f"/v1/user/memory/{name['memory_id']}").status_code == 200
+    assert facts() == []
+    # Idle extraction (1 s here) takes the conversations oldest first: once a later one's fact is
+    # learnt, the pass has been over the first (which an on-demand extraction counts for).
+    client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "I live in Zorbtown."}])
+    wait_for(lambda: "User lives in Zorbtown." in facts(), timeout=90)
+    assert "User's name is Qorvath." not in facts()
+    # on demand again: its messages were read already
+    again = http.post("/v1/user/memory/extract", json={"conversation_id": cid, "use_model": False})
+    assert again.status_code == 200 and again.json()["memories"] == []
+    # the user adds a turn: its new messages are extracted, not the old ones again
+    client.chat.completions.create(model=MODEL, max_tokens=4, extra_body={"conversation_id": cid},
+                                   messages=[{"role": "user", "content": "I work at Blorpcorp."}])
+    wait_for(lambda: "User works at Blorpcorp." in facts(), timeout=90)
+    assert "User's name is Qorvath." not in facts()
+    ask = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "What is my name?"}])
+    assert name["memory_id"] not in ask.model_extra["context"].get("memory_ids", [])
+    # a new message saying it again is the user's new statement: learnt again
+    client.chat.completions.create(model=MODEL, max_tokens=4, extra_body={"conversation_id": cid},
+                                   messages=[{"role": "user", "content": "Again: my name is Qorvath."}])
+    written = http.post("/v1/user/memory/extract", json={"conversation_id": cid, "use_model": False}).json()
+    assert [m["fact"] for m in written["memories"]] == ["User's name is Qorvath."]
+
+
+def test_a_conversation_started_with_memory_off_gets_no_block_later(server):
+    client, http = _clients(server, MEMORY_KEYS[1][0])
+    first = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "I'm allergic to peanuts."}])
+    (peanuts,) = http.post("/v1/user/memory/extract", json={"conversation_id": first.conversation_id,
+                                                            "use_model": False}).json()["memories"]
+    assert http.put("/v1/user/memory/settings", json={"enabled": False}).status_code == 200
+    off = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "Suggest a snack for my hike."}])
+    assert off.model_extra["context"]["memories"] == 0
+    assert http.put("/v1/user/memory/settings", json={"enabled": True}).status_code == 200
+    later = client.chat.completions.create(model=MODEL, max_tokens=4, extra_body={
+        "conversation_id": off.conversation_id}, messages=[{"role": "user", "content": "Suggest a snack for my hike."}])
+    assert later.model_extra["context"]["memories"] == 0
+    # a conversation started with memory on gets it
+    on = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
+        {"role": "user", "content": "Suggest a snack for my hike."}])
+    assert peanuts["memory_id"] in on.model_extra["context"]["memory_ids"]

@@ -65,7 +65,8 @@ async def memory_settings(body: MemorySettingsBody, request: Request) -> dict[st
 
 @router.post("/v1/user/memory/extract", responses=error_responses(401, 400, 404, 503))
 async def extract_memory(body: ExtractBody, request: Request) -> dict[str, Any]:
-    """Extract the conversation's facts now; answers with the memories written (new or updated)."""
+    """Extract the conversation's facts now, from the messages no extraction has read (the idle
+    one then skips them); answers with the memories written (new or updated)."""
     gw = gateway(request)
     memory = _memory(request)
     user = user_id(request)

@@ -5,6 +5,9 @@ system block.
 The block is chosen once, at the conversation's start, and its memory ids are kept: later turns
 repeat the same block (minus any memory deleted since), so turn N+1's prompt still begins with
 turn N's and the prefix cache keeps serving it.
+
+Each message is extracted once (idle or on demand: the store counts the messages read), so a
+memory the user deleted stays deleted: only a new message stating it again brings it back.
 """
 
 from __future__ import annotations
@@ -112,9 +115,16 @@ class MemoryService:
 
     async def extract(self, user_id: str, conversation_id: str, messages: Sequence[tuple[str, str]],
                       use_model: bool = True) -> list[Memory]:
-        """Facts from the conversation's messages ((role, text), oldest first): the user's
-        explicit statements, and the model's answer when a model is configured (and use_model)."""
-        if not await self.store.enabled(user_id):
+        """Facts from the conversation's messages ((role, text), all of them, oldest first) that
+        no extraction read before: the user's explicit statements, and the model's answer when a
+        model is configured (and use_model). Each message is read once, on demand or when idle,
+        so a memory the user deleted is not learnt again from the messages it came from. With
+        memory off they are read all the same, and nothing is learnt."""
+        seen = await self.store.extracted_messages(conversation_id)
+        if not await self.store.claim_messages(user_id, conversation_id, seen, max(seen, len(messages))):
+            return []  # another extraction is reading them
+        messages = messages[seen:]
+        if not messages or not await self.store.enabled(user_id):
             return []
         # The explicit statements first: stored at once, not after the background lane's wait.
         explicit = [f for role, text in messages if role == "user" for f in explicit_facts(text)]
@@ -133,9 +143,7 @@ class MemoryService:
         if self.messages_of is None:
             return 0
         done = 0
-        for user_id, conversation_id, last_turn_at in await self.store.idle_conversations(self.settings.idle_s):
-            if not await self.store.claim_extraction(conversation_id, max(last_turn_at, time.time())):
-                continue  # another gateway took it
+        for user_id, conversation_id, _ in await self.store.idle_conversations(self.settings.idle_s):
             try:
                 await self.extract(user_id, conversation_id, await self.messages_of(conversation_id))
             except Exception:
@@ -183,14 +191,15 @@ class MemoryService:
                     count_tokens: Callable[[str], int] | None = None) -> MemoryBlock:
         """The conversation's memory block: chosen for first_message when the conversation is
         new to memory, else the one chosen then, without memories deleted since. Notes the turn
-        (idle extraction starts from it). Empty while the user has memory off."""
+        (idle extraction starts from it). Empty while the user has memory off, and for good in a
+        conversation started with memory off."""
         state = await self.store.turn_state(user_id, conversation_id)
+        if state.block is None:  # its first turn: the block is chosen now, for good (memory off: none)
+            chosen = await self.recall(user_id, first_message, count_tokens) if state.enabled and state.has_memories else []
+            self.store.note_turn_soon(user_id, conversation_id, [m.memory_id for m in chosen])
+            return MemoryBlock(chosen)
+        self.store.note_turn_soon(user_id, conversation_id)  # while off too: extraction passes its messages over
         if not state.enabled:
             return MemoryBlock()
-        if state.block is not None:
-            found = await self.store.get_many(user_id, state.block)
-            self.store.note_turn_soon(user_id, conversation_id)
-            return MemoryBlock([found[i] for i in state.block if i in found])
-        chosen = await self.recall(user_id, first_message, count_tokens) if state.has_memories else []
-        self.store.note_turn_soon(user_id, conversation_id, [m.memory_id for m in chosen])
-        return MemoryBlock(chosen)
+        found = await self.store.get_many(user_id, state.block)
+        return MemoryBlock([found[i] for i in state.block if i in found])

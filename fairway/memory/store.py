@@ -40,13 +40,15 @@ memory_users = sa.Table(
 )
 
 # One row per conversation memory has seen: when its last turn started, when it was last
-# extracted, and the memories injected at its start (kept, so later turns repeat the same block).
+# extracted and how many of its messages (oldest first) extraction has read, and the memories
+# injected at its start (kept, so later turns repeat the same block).
 memory_conversations = sa.Table(
     "memory_conversations", metadata,
     sa.Column("conversation_id", sa.String(64), primary_key=True),
     sa.Column("user_id", sa.String(128), nullable=False),
     sa.Column("last_turn_at", sa.Double, nullable=False),
     sa.Column("extracted_at", sa.Double, nullable=True),
+    sa.Column("extracted_messages", sa.Integer, nullable=False, server_default="0"),
     sa.Column("block", Json, nullable=True),  # [memory_id, ...] injected at the start
     sa.Index("ix_memory_conversations_pending", "last_turn_at"),
 )
@@ -226,12 +228,25 @@ class MemoryStore(SqlTables):
                 .order_by(c.last_turn_at).limit(limit))).all()
         return [(r.user_id, r.conversation_id, r.last_turn_at) for r in rows]
 
-    async def claim_extraction(self, conversation_id: str, at: float) -> bool:
-        """Mark the conversation extracted as of `at`, if no one did since its last turn: of
-        several gateways running the idle pass, one extracts each conversation."""
+    async def extracted_messages(self, conversation_id: str) -> int:
+        """How many of the conversation's messages, oldest first, extraction has read."""
         c = memory_conversations.c
+        async with self.engine.connect() as conn:
+            count = (await conn.execute(sa.select(c.extracted_messages)
+                                        .where(c.conversation_id == conversation_id))).scalar()
+        return count or 0
+
+    async def claim_messages(self, user_id: str, conversation_id: str, seen: int, through: int) -> bool:
+        """Mark the conversation extracted now, through its first `through` messages, if `seen`
+        were read until now: of several extractions at once (the idle pass of several gateways, an
+        on-demand one) one reads each message. An extraction counts as the conversation's own even
+        before its first turn is noted (its last turn then is now: the idle pass skips it)."""
+        c, ts = memory_conversations.c, time.time()
+        claim = self.insert(memory_conversations).values(
+            conversation_id=conversation_id, user_id=user_id, last_turn_at=ts, extracted_at=ts,
+            extracted_messages=through, block=None)
+        claim = claim.on_conflict_do_update(
+            index_elements=["conversation_id"], where=c.extracted_messages == seen,
+            set_={"extracted_at": claim.excluded.extracted_at, "extracted_messages": claim.excluded.extracted_messages})
         async with self.engine.begin() as conn:
-            result = await conn.execute(sa.update(memory_conversations).where(
-                c.conversation_id == conversation_id,
-                sa.or_(c.extracted_at.is_(None), c.extracted_at < c.last_turn_at)).values(extracted_at=at))
-        return result.rowcount == 1
+            return (await conn.execute(claim.returning(c.conversation_id))).first() is not None
