@@ -29,7 +29,14 @@ from fairway.gateway import GatewayContext, create_app
 from fairway.gateway.keys import KeyChecker, ensure_key
 from fairway.gateway.streaming import KEEPALIVE_S, ReplyRelay
 from fairway.limits import LimitsConfig, make_limits
-from fairway.memory import BackgroundCompleter, MemoryService, MemorySettings, MemorySource, MemoryStore
+from fairway.memory import (
+    BackgroundCompleter,
+    MemoryService,
+    MemorySettings,
+    MemorySource,
+    MemoryStore,
+    readable,
+)
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
@@ -207,7 +214,7 @@ def open_memory(options: ServerOptions, relay: Relay, router: Router, store: Con
     model, tokenizer = next(iter(tokenizers.items()))
 
     async def messages_of(conversation_id: str) -> list[tuple[str, str]]:
-        return [(str(m.role), m.text) for m in await store.list_messages(conversation_id)]
+        return readable(await store.list_messages(conversation_id))
 
     return MemoryService(MemoryStore(index.engine), index, shared_embedder,
                          MemorySettings(idle_s=options.memory_idle_s, poll_s=options.memory_poll_s),

@@ -9,7 +9,17 @@ import asyncio
 import httpx
 import openai
 import pytest
-from serving import API_KEY, MODEL, OTHER_KEY, TEST_KEYS, ThreadServer, headers, wait_for, wait_ready
+from serving import (
+    API_KEY,
+    MODEL,
+    OTHER_KEY,
+    TEST_KEYS,
+    ThreadServer,
+    chat_body,
+    headers,
+    wait_for,
+    wait_ready,
+)
 
 from fairway.conversation import database_url
 from fairway.memory import MemoryService, MemoryStore
@@ -176,7 +186,8 @@ async def test_model_answers_are_validated_and_retried_within_a_bound():
 
 
 # Users of their own for the tests below, whose memories the tests above do not touch.
-MEMORY_KEYS = [("sk-test-memory-3", "test-memory-3", "paid"), ("sk-test-memory-4", "test-memory-4", "paid")]
+MEMORY_KEYS = [("sk-test-memory-3", "test-memory-3", "paid"), ("sk-test-memory-4", "test-memory-4", "paid"),
+               ("sk-test-memory-5", "test-memory-5", "paid")]
 
 
 @pytest.fixture(scope="module")
@@ -323,3 +334,19 @@ def test_a_conversation_started_with_memory_off_gets_no_block_later(server):
     on = client.chat.completions.create(model=MODEL, max_tokens=4, messages=[
         {"role": "user", "content": "Suggest a snack for my hike."}])
     assert peanuts["memory_id"] in on.model_extra["context"]["memory_ids"]
+
+
+def test_a_message_the_input_check_refused_is_not_learnt(server):
+    """A refused message is stored (flagged) but is no one's statement of fact: extraction passes
+    over its text, and the messages after it are still read."""
+    _, http = _clients(server, MEMORY_KEYS[2][0])
+    refused = http.post("/v1/chat/completions", json=chat_body(
+        "My name is Krazzle. I will kill you, I swear.", max_tokens=4, stream=False))
+    assert refused.status_code == 400 and refused.json()["error"]["code"] == "content_policy_violation"
+    cid = refused.headers["x-conversation-id"]
+    learnt = http.post("/v1/user/memory/extract", json={"conversation_id": cid, "use_model": False})
+    assert learnt.status_code == 200 and learnt.json()["memories"] == []
+    http.post("/v1/chat/completions", json=chat_body("I live in Quexton.", max_tokens=4, stream=False,
+                                                     conversation_id=cid))
+    learnt = http.post("/v1/user/memory/extract", json={"conversation_id": cid, "use_model": False}).json()
+    assert [m["fact"] for m in learnt["memories"]] == ["User lives in Quexton."]

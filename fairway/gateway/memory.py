@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import ApiError, error_responses, not_found
-from fairway.memory import MemoryService
+from fairway.memory import MemoryService, readable
 
 router = APIRouter(dependencies=[Depends(authenticated)])
 
@@ -73,6 +73,6 @@ async def extract_memory(body: ExtractBody, request: Request) -> dict[str, Any]:
     conversation = await gw.store.get_conversation(body.conversation_id, user)
     if conversation is None:
         raise not_found(f"No conversation {body.conversation_id!r}.", "conversation_id", "conversation_not_found")
-    messages = [(str(m.role), m.text) for m in await gw.store.list_messages(conversation.id)]
+    messages = readable(await gw.store.list_messages(conversation.id))
     written = await memory.extract(user, conversation.id, messages, use_model=body.use_model)
     return {"memories": [m.public() for m in written]}

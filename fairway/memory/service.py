@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from fairway.conversation.entities import new_id
+from fairway.conversation.entities import Message, MessageStatus, new_id
 from fairway.retrieval import MEMORIES, Embedder, Entry, VectorIndex
 
 from .extract import Complete, explicit_facts, model_facts
@@ -52,6 +52,13 @@ class MemoryBlock:
         if not self.memories:
             return None
         return {"role": "system", "content": "\n".join([BLOCK_HEADER, *(f"- {m.fact}" for m in self.memories)])}
+
+
+def readable(messages: Sequence[Message]) -> list[tuple[str, str]]:
+    """A conversation's stored messages as extract() reads them, (role, text) oldest first: a
+    flagged one (the input check refused it, or the output check stopped it) without its text, so
+    nothing the safety checks refused is learnt, and each keeps its place among the messages read."""
+    return [(str(m.role), "" if m.status == MessageStatus.FLAGGED else m.text) for m in messages]
 
 
 class MemoryService:
