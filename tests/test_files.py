@@ -381,6 +381,8 @@ def test_upload_errors_are_openai_shaped(server):
     mp3 = upload(b"ID3\x04\x00\x00" + b"\x00" * 32, "a.wav")
     assert mp3.status_code == 415 and mp3.json()["error"]["type"] == "invalid_request_error"
     assert "WAV" in mp3.json()["error"]["message"]
+    utf16 = upload("notes in UTF-16".encode("utf-16"))  # text, but not in the encoding read here
+    assert utf16.status_code == 415 and "UTF-8" in utf16.json()["error"]["message"]
     bad_purpose = upload(b"text", purpose="nonsense")
     assert bad_purpose.status_code == 400 and bad_purpose.json()["error"]["param"] == "purpose"
     malformed = http.post("/v1/files/upload", content=b"--xx\r\nContent-Disposition: form-data; name=\"file\"\r\n",

@@ -95,8 +95,8 @@ class FileService:
                 raise FileRejected(415, f"Only WAV (PCM) recordings can be transcribed here; convert this "
                                         f"{content_type} file to WAV first.", "unsupported_file_type")
             return
-        raise FileRejected(415, f"Files of type {content_type} are not supported: upload text, Markdown, PDF, "
-                                "an image or a WAV recording.", "unsupported_file_type")
+        raise FileRejected(415, f"Files of type {content_type} are not supported: upload text (UTF-8), Markdown, "
+                                "PDF, an image or a WAV recording.", "unsupported_file_type")
 
     async def check_room(self, user_id: str, size: int) -> None:
         s = self.settings
