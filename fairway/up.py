@@ -4,6 +4,10 @@ HTTP API, stateless) on one Redis and one PostgreSQL database, the gateways shar
 kernel spreads connections over them: SO_REUSEPORT), prints the URL and an API key, and on
 Ctrl-C (or SIGTERM) drains the replicas, stops the gateways and waits for all of them.
 
+Once up, it keeps them up: a process that dies (killed, out of memory) is started again with the
+same arguments, a replica under its own --replica-id, while the others serve (the replies it was
+writing carry on elsewhere: failover). One that keeps dying soon after its start stops it all.
+
 Before starting anything it checks both servers and says in one line which one is missing. The
 database is created if the server has no database of that name yet.
 """
@@ -98,13 +102,41 @@ async def make_key(database_url: str) -> str:
         await store.close()
 
 
+RESTART_WINDOW_S = 60.0  # exits this soon after a start count towards giving up
+MAX_QUICK_EXITS = 3  # that many in a row: it cannot run here (a bad argument, a port taken)
+
+
+@dataclass
+class Child:
+    """One process of the deployment and how to start it again."""
+
+    kind: str  # "replica" or "gateway"
+    args: list[str]  # `fairway KIND ARGS`
+    proc: subprocess.Popen
+    started_at: float = field(default_factory=time.monotonic)
+    quick_exits: int = 0  # exits in a row, each within RESTART_WINDOW_S of its start
+
+    @property
+    def name(self) -> str:
+        if "--replica-id" in self.args:
+            return f"{self.kind} {self.args[self.args.index('--replica-id') + 1]}"
+        return f"{self.kind} (pid {self.proc.pid})"
+
+
 class Deployment:
     """The processes of one `fairway up`."""
 
     def __init__(self, options: UpOptions) -> None:
         self.options = options
-        self.replicas: list[subprocess.Popen] = []
-        self.gateways: list[subprocess.Popen] = []
+        self.children: list[Child] = []
+
+    @property
+    def replicas(self) -> list[subprocess.Popen]:
+        return [c.proc for c in self.children if c.kind == "replica"]
+
+    @property
+    def gateways(self) -> list[subprocess.Popen]:
+        return [c.proc for c in self.children if c.kind == "gateway"]
 
     @property
     def url(self) -> str:
@@ -115,10 +147,13 @@ class Deployment:
         shared = ["--redis", o.redis, "--namespace", o.namespace]
         run = uuid.uuid4().hex[:6]
         for i in range(o.replicas):
-            self.replicas.append(fairway_process("replica", *shared, "--replica-id", f"local-{run}-{i}", *o.replica_args))
+            self._spawn("replica", [*shared, "--replica-id", f"local-{run}-{i}", *o.replica_args])
         for _ in range(o.gateways):
-            self.gateways.append(fairway_process("gateway", *shared, "--database", o.database, "--host", o.host, "--port",
-                                          str(o.port), "--reuse-port", *o.gateway_args))
+            self._spawn("gateway", [*shared, "--database", o.database, "--host", o.host, "--port", str(o.port),
+                                    "--reuse-port", *o.gateway_args])
+
+    def _spawn(self, kind: str, args: list[str]) -> None:
+        self.children.append(Child(kind, args, fairway_process(kind, *args)))
 
     def wait_ready(self, stopped: Callable[[], bool], timeout_s: float = 300.0) -> bool:
         """Until the port answers /ready (a gateway is up and some replica is live); False if
@@ -137,10 +172,25 @@ class Deployment:
         raise TimeoutError(f"{self.url} was not ready after {timeout_s:.0f} s")
 
     def check_alive(self) -> None:
-        for kind, procs in (("replica", self.replicas), ("gateway", self.gateways)):
-            for proc in procs:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"a {kind} process exited (status {proc.returncode})")
+        """Before the deployment is up: any process that exits is a reason to stop (it could not start)."""
+        for child in self.children:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"a {child.kind} process exited (status {child.proc.returncode})")
+
+    def keep_alive(self) -> None:
+        """Once up: start each process that exited again; RuntimeError for one that keeps exiting
+        soon after its start."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                continue
+            quick = time.monotonic() - child.started_at < RESTART_WINDOW_S
+            child.quick_exits = child.quick_exits + 1 if quick else 1
+            if child.quick_exits > MAX_QUICK_EXITS:
+                raise RuntimeError(f"the {child.name} process keeps exiting (status {child.proc.returncode}, "
+                                   f"{MAX_QUICK_EXITS} restarts within {RESTART_WINDOW_S:.0f} s of each start)")
+            print(f"fairway up: the {child.name} process exited (status {child.proc.returncode}); starting it again",
+                  file=sys.stderr, flush=True)
+            child.proc, child.started_at = fairway_process(child.kind, *child.args), time.monotonic()
 
     def stop(self, grace_s: float = 45.0) -> None:
         """Drain the replicas (SIGTERM), stop the gateways once the replicas are done (they
@@ -195,12 +245,13 @@ def up(options: UpOptions) -> int:
         deployment.start()
         if not deployment.wait_ready(lambda: bool(stopping)):
             return 0
-        print(f"Fairway is up at {deployment.url} ({options.gateways} gateways, {options.replicas} replicas)",
+        print(f"Fairway is up at {deployment.url} ({_count(options.gateways, 'gateway')}, "
+              f"{_count(options.replicas, 'replica')})",
               flush=True)
         print(f"API key: {key}", flush=True)
         print("Ctrl-C drains the replicas and stops everything.", flush=True)
         while not stopping:
-            deployment.check_alive()
+            deployment.keep_alive()
             time.sleep(0.5)
         return 0
     except (RuntimeError, TimeoutError) as exc:
@@ -211,3 +262,7 @@ def up(options: UpOptions) -> int:
         deployment.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")

@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 
+import httpx
 import openai
 import psutil
 import pytest
@@ -19,7 +20,7 @@ import redis
 from backends import missing
 from pg_admin import temporary_database
 from redis_keys import delete_prefixed
-from serving import MODEL, free_port, wait_for
+from serving import MODEL, free_port, sse_events, wait_for
 
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
@@ -81,10 +82,17 @@ def test_up_serves_through_two_gateways_and_stops_on_ctrl_c(tmp_path):
             registry = redis.Redis.from_url(REDIS_URL, decode_responses=True)
             wait_for(lambda: len(registry.smembers(f"{namespace}replicas")) == 2, timeout=120)
             registry.close()
+            killed = kill_the_replica_mid_reply(proc, url, key)
+            # Up started it again, under its own id, and stayed up; a new chat is served.
+            wait_for(lambda: len(replica_pids(proc, killed)) == 1, timeout=30)
+            reply = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                                   messages=[{"role": "user", "content": "Say hi."}])
+            assert reply.choices[0].finish_reason in ("stop", "length")
             began = time.monotonic()
             proc.send_signal(signal.SIGINT)
             assert proc.wait(timeout=90) == 0
             print(f"fairway up stopped in {time.monotonic() - began:.1f} s")
+            assert f"the replica {killed} process exited (status -9); starting it again" in proc.stderr.read()
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -95,6 +103,47 @@ def test_up_serves_through_two_gateways_and_stops_on_ctrl_c(tmp_path):
     # Every child is gone with it.
     left = subprocess.run(["pgrep", "-f", f"--namespace {namespace}"], capture_output=True, text=True)
     assert left.stdout.strip() == "", left.stdout
+
+
+def replica_pids(up: subprocess.Popen, replica_id: str) -> list[int]:
+    """The live replica processes of this `fairway up` started under replica_id."""
+    return [child.pid for child in psutil.Process(up.pid).children(recursive=True)
+            if replica_id in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE]
+
+
+def kill_the_replica_mid_reply(up: subprocess.Popen, url: str, key: str) -> str:
+    """SIGKILL the replica writing a long reply, mid-stream: the stream carries on to its end
+    (failover, or the replica up starts again), every event once. Returns the killed replica's id."""
+    http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 200,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    ids, killed = [], ""
+    with http.stream("POST", "/v1/chat/completions", json=body) as r:
+        for event in sse_events(r):
+            if event.id is not None:
+                ids.append(event.id)
+            if len(ids) == 10 and not killed:
+                killed = http.get(f"/v1/replies/{r.headers['x-reply-id']}").json()["replica_id"]
+                (pid,) = replica_pids(up, killed)
+                os.kill(pid, signal.SIGKILL)
+    assert killed and event.data == "[DONE]" and ids == list(range(1, len(ids) + 1)) and len(ids) == 201
+    return killed
+
+
+def test_a_process_that_keeps_exiting_after_up_stops_it_all(capsys):
+    """Up starts a process that died again, but not one that cannot run here: after a few quick
+    exits in a row it gives up (and `fairway up` stops everything, saying why)."""
+    from fairway.up import MAX_QUICK_EXITS, Child, Deployment, UpOptions, fairway_process
+
+    deployment = Deployment(UpOptions())
+    deployment.children.append(Child("replica", ["--replica-id", "r-bad", "--no-such-flag"],
+                                     fairway_process("replica", "--no-such-flag")))
+    with pytest.raises(RuntimeError, match="the replica r-bad process keeps exiting") as gave_up:
+        for _ in range(600):
+            deployment.keep_alive()
+            time.sleep(0.1)
+    assert "status 2" in str(gave_up.value)
+    assert capsys.readouterr().err.count("starting it again") == MAX_QUICK_EXITS
 
 
 @pytest.mark.parametrize("flag", ["--replicas=0", "--gateways=0"])
