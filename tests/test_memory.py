@@ -86,6 +86,30 @@ async def test_each_message_is_extracted_once_so_a_deleted_memory_stays_deleted(
     assert [m.fact for m in await memory.extract("u1", "conv_q", chat)] == ["User's name is Qorvath."]
 
 
+async def test_the_idle_pass_waits_for_the_extraction_model(memory: MemoryService):
+    """With no replica serving the model yet (a deployment starting), the idle pass reads nothing:
+    it would claim the messages and learn only their explicit statements, for good."""
+
+    class Model:
+        up = False
+
+        async def ready(self) -> bool:
+            return self.up
+
+        async def __call__(self, messages) -> str:
+            return '{"facts": ["User likes sailing."]}'
+
+    memory.complete = model = Model()
+    memory.messages_of = _messages_of({"conv_w": [("user", "I go sailing every weekend."), ("assistant", "Nice.")]})
+    memory.settings.idle_s = 0.0
+    await memory.store.note_turn("u1", "conv_w", [])
+    assert await memory.extract_idle() == 0
+    assert await memory.store.extracted_messages("conv_w") == 0
+    model.up = True
+    assert await memory.extract_idle() == 1
+    assert [m.fact for m in await memory.list("u1")] == ["User likes sailing."]
+
+
 def _messages_of(conversations: dict[str, list[tuple[str, str]]]):
     async def messages_of(conversation_id: str) -> list[tuple[str, str]]:
         return list(conversations[conversation_id])

@@ -28,6 +28,11 @@ class BackgroundCompleter:
         self.model = model
         self.max_tokens = max_tokens
 
+    async def ready(self) -> bool:
+        """Whether a live replica serves the model (the idle pass waits for one rather than read
+        messages it could only half extract)."""
+        return any(r.model == self.model and not r.draining for r in await self.router.live())
+
     async def __call__(self, messages: list[dict[str, Any]]) -> str:
         prompt = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
         job = GenerationJob(reply_id=new_id("memx"), model=self.model, prompt_token_ids=prompt,
