@@ -26,6 +26,7 @@ from fairway.conversation import (
     ConversationBusy,
     ConversationStore,
     DuplicateClientKey,
+    InvalidText,
     MessageStatus,
     NotFound,
     ReplyFinished,
@@ -59,6 +60,12 @@ async def open_store(request: pytest.FixtureRequest, tmp_path, pg_database: str 
     if request.param == "sqlite":
         url = f"sqlite+aiosqlite:///{tmp_path}/fairway.db"
         return lambda: SqlConversationStore(url)
+    settings = await _fresh_schema(pg_database)
+    return lambda: SqlConversationStore(database_url(pg_database), connect_args=settings)
+
+
+async def _fresh_schema(pg_database: str | None) -> dict[str, Any]:
+    """A new schema in the session's PostgreSQL database: the connect_args that use it."""
     if pg_database is None:
         missing("PostgreSQL", f"nothing answers at {PG_HOST}")
     schema = f"t_{uuid.uuid4().hex[:12]}"
@@ -67,8 +74,7 @@ async def open_store(request: pytest.FixtureRequest, tmp_path, pg_database: str 
         await conn.execute(f'CREATE SCHEMA "{schema}"')
     finally:
         await conn.close()
-    settings = {"server_settings": {"search_path": schema}}
-    return lambda: SqlConversationStore(database_url(pg_database), connect_args=settings)
+    return {"server_settings": {"search_path": schema}}
 
 
 @pytest.fixture
@@ -765,3 +771,34 @@ async def test_messages_keep_their_tool_calls(store: ConversationStore) -> None:
     assert [(str(m.role), m.text, m.tools) for m in stored] == [
         ("user", "q", None), ("assistant", "", calls), ("tool", "result", {"tool_call_id": "c1"}),
         ("assistant", "Done. It printed 1.", ran)]
+
+
+async def test_text_postgresql_refuses_is_invalid_text_on_every_path(pg_database: str | None) -> None:
+    """PostgreSQL refuses a NUL in any text (SQLSTATE 22021; SQLite stores it): the stores raise
+    InvalidText, which the gateway answers with a 400, whichever way the statement went (asyncpg's
+    pool on the chat path, the engine elsewhere; memory's and files' tables alike). It was an
+    asyncpg or SQLAlchemy error, a 500."""
+    from fairway.files.store import FileRecord, FileStore
+
+    settings = await _fresh_schema(pg_database)
+    store = SqlConversationStore(database_url(pg_database), connect_args=settings)
+    files = FileStore(database_url(pg_database), connect_args=settings)
+    await store.init()
+    try:
+        with pytest.raises(InvalidText):  # the chat path's one statement, on asyncpg's pool
+            await store.store_turn(NewTurn(_new_conversation(), True, [(Role.USER, "hi\x00there")], "k-nul"))
+        with pytest.raises(InvalidText):  # a read on the same pool
+            await store.get_conversation("conv\x00", "u1")
+        with pytest.raises(InvalidText):  # through the engine
+            await store.list_conversations("u\x00")
+        with pytest.raises(InvalidText):  # through the engine, in a transaction
+            await store.delete_conversation("conv\x00", "u1")
+        with pytest.raises(InvalidText):  # files' tables, through their engine
+            await files.add(FileRecord("file-nul", "u1", "a\x00.txt", "assistants", "text/plain", 1, "ready", None,
+                                       0, "key", now()))
+        with pytest.raises(InvalidText):  # and on their pool
+            await files.attached("conv\x00")
+        assert await store.list_conversations("u1") == []  # nothing was stored, and the store still works
+    finally:
+        await files.close()
+        await store.close()

@@ -5,6 +5,7 @@ gateways sharing Redis are in test_resume.py."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime as dt
 import gc
 import subprocess
@@ -13,6 +14,7 @@ import uuid
 
 import httpx
 import pytest
+from backends import missing
 from prometheus_client.parser import text_string_to_metric_families
 from serving import (
     API_KEY,
@@ -391,3 +393,89 @@ def test_idempotency_key_at_the_limit_is_fine(http):
     response = http.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=1, stream=False),
                          headers={"X-Idempotency-Key": "k" * 255})
     assert response.status_code == 200
+
+
+# -- NUL characters: the same 400 on both stores ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """One engine for both stores' servers (each runs it in its own AsyncEngine thread, one at a time)."""
+    from fairway.assembly import ServerOptions, build_engine
+
+    return build_engine(ServerOptions(max_model_len=512))
+
+
+@pytest.fixture(scope="module", params=["sqlite", "postgresql"])
+def on_each_store(request, engine, tmp_path_factory):
+    """The embedded server on SQLite, then on PostgreSQL (which refuses a NUL in any text, where
+    SQLite stores it: the API must not answer differently)."""
+    from pg_admin import PG_HOST, temporary_database
+
+    from fairway.assembly import ServerOptions, embedded_app
+
+    with temporary_database() if request.param == "postgresql" else contextlib.nullcontext() as pg_url:
+        if request.param == "postgresql" and pg_url is None:
+            missing("PostgreSQL", f"nothing answers at {PG_HOST}")
+        database = pg_url or f"sqlite:///{tmp_path_factory.mktemp('nul') / 'fairway.db'}"
+        app = embedded_app(ServerOptions(max_model_len=512, api_keys=list(TEST_KEYS), database=database), engine)
+        server = ThreadServer(app).start()
+        try:
+            wait_ready(server.url)
+            server.backend = request.param
+            yield server
+        finally:
+            server.stop()
+
+
+NUL = "hi\u0000there"
+TOOL = {"type": "function", "function": {"name": "f", "description": NUL, "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"messages": [{"role": "user", "content": NUL}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": NUL}, {"role": "user", "content": "hi"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": NUL}]}]}, "messages[0].content[0].text"),
+    ({"conversation_id": NUL}, "conversation_id"),
+    ({"message_id": NUL}, "message_id"),
+    ({"stop": ["ok", NUL]}, "stop[1]"),
+    ({"tools": [TOOL]}, "tools[0].function.description"),
+])
+def test_a_nul_in_a_body_field_is_400_invalid_text_on_both_stores(on_each_store, extra, param):
+    body = {**chat_body("hi", max_tokens=4, stream=False), **extra}
+    response = httpx.post(f"{on_each_store.url}/v1/chat/completions", json=body, headers=auth(), timeout=60)
+    assert response.status_code == 400, (on_each_store.backend, response.text)  # was a 500 on PostgreSQL
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("invalid_text", param, "invalid_request_error")
+    assert "NUL" in error["message"]
+
+
+@pytest.mark.parametrize(("method", "path", "params", "param"), [
+    ("GET", "/v1/conversations/%00", {}, None),
+    ("DELETE", "/v1/conversations/%00", {}, None),
+    ("GET", "/v1/replies/%00", {}, None),
+    ("GET", "/v1/replies/%00/stream", {}, None),
+    ("POST", "/v1/replies/%00/stop", {}, None),
+    ("GET", "/v1/files/%00", {}, None),
+    ("GET", "/v1/files", {"after": "\u0000"}, "after"),
+    ("GET", "/v1/conversations", {"before": "1\u0000"}, "before"),
+])
+def test_a_nul_in_the_url_is_400_at_the_edge_on_both_stores(on_each_store, method, path, params, param):
+    response = httpx.request(method, on_each_store.url + path, params=params, headers=auth(), timeout=60)
+    assert response.status_code == 400, (on_each_store.backend, response.text)  # a 500 on PostgreSQL, 404 on SQLite
+    error = response.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("invalid_request", param, "invalid_request_error")
+    assert "NUL" in error["message"]
+
+
+def test_text_the_database_refuses_past_the_checks_is_400_not_500(on_each_store):
+    """A body the framework parses (not the chat's checks) takes a NUL to the store: PostgreSQL's
+    refusal is the store's InvalidText, a 400 (it was a 500); SQLite finds no such conversation."""
+    response = httpx.post(f"{on_each_store.url}/v1/user/memory/extract", headers=auth(), timeout=60,
+                          json={"conversation_id": "conv\u0000", "use_model": False})
+    if on_each_store.backend == "sqlite":
+        assert response.status_code == 404, response.text
+        return
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["code"] == "invalid_text"
+

@@ -47,6 +47,7 @@ from .store import (
     DuplicateClientKey,
     DuplicateKey,
     Ending,
+    InvalidText,
     NewTurn,
     NotFound,
     ReplyFinished,
@@ -160,11 +161,49 @@ def _unreachable(exc: BaseException) -> bool:
     return isinstance(exc, _UNREACHABLE)
 
 
+# PostgreSQL's SQLSTATEs for text it cannot hold: 22021 character_not_in_repertoire (a NUL, which
+# no text value may contain) and 22P05 untranslatable_character (one the server's encoding lacks).
+_TEXT_REFUSED = frozenset({"22021", "22P05"})
+
+
+def refused_text(exc: BaseException) -> bool:
+    """Whether exc is PostgreSQL refusing a text value, as asyncpg raises it or as SQLAlchemy wraps
+    it (its adapter's error carries the SQLSTATE too)."""
+    if isinstance(exc, sa.exc.DBAPIError):
+        return exc.orig is not None and refused_text(exc.orig)
+    return getattr(exc, "sqlstate", None) in _TEXT_REFUSED
+
+
 @contextlib.contextmanager
-def _reaching_database() -> Iterator[None]:
-    """Errors of an unreachable database as StoreUnavailable; everything else as it is."""
+def refusing_text() -> Iterator[None]:
+    """PostgreSQL's refusal of a text value as InvalidText (a 400, the input's fault, where it
+    would otherwise be a 500); everything else as it is."""
     try:
         yield
+    except Exception as exc:
+        if refused_text(exc):
+            raise InvalidText(f"the database refused this text: {exc}") from exc
+        raise
+
+
+def invalid_text_on_engine(engine: AsyncEngine) -> None:
+    """Every statement of this engine raises InvalidText for text PostgreSQL refuses (the stores
+    that run theirs on the engine directly, in many places: one hook instead of a wrapper each)."""
+
+    def handle_error(context: Any) -> None:
+        if refused_text(context.original_exception):
+            raise InvalidText(f"the database refused this text: {context.original_exception}")
+
+    sa.event.listen(engine.sync_engine, "handle_error", handle_error)
+
+
+@contextlib.contextmanager
+def _reaching_database() -> Iterator[None]:
+    """Errors of an unreachable database as StoreUnavailable, text it refuses as InvalidText;
+    everything else as it is."""
+    try:
+        with refusing_text():
+            yield
     except Exception as exc:
         if _unreachable(exc):
             raise StoreUnavailable(f"the database is unavailable: {exc}") from exc

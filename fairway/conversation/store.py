@@ -56,6 +56,12 @@ class StoreUnavailable(StoreError):
     writer wins, one usage record per reply)."""
 
 
+class InvalidText(StoreError):
+    """The database refused text it cannot hold: on PostgreSQL a NUL character (U+0000), or a
+    character its encoding lacks; SQLite holds both. The caller's input, not the store's fault:
+    the gateway refuses such text before it gets here, and answers this one as a 400 too."""
+
+
 class DuplicateKey(StoreError):
     """An API key with this hash is already stored."""
 

@@ -1,7 +1,7 @@
-"""The outermost middleware: refuses oversized headers, puts the x-ratelimit-* headers on every
-response to an authenticated request (those a route prepared from the limits it applied, else
-the current state, read as the response starts), and runs per-request cleanups once the response
-is over.
+"""The outermost middleware: refuses oversized headers and a URL holding a NUL character, puts the
+x-ratelimit-* headers on every response to an authenticated request (those a route prepared from
+the limits it applied, else the current state, read as the response starts), and runs
+per-request cleanups once the response is over.
 
 It also keeps its send in the request's state (BODY_SEND) for streamed body chunks.
 
@@ -16,6 +16,7 @@ import inspect
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
+from urllib.parse import parse_qsl
 
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -65,6 +66,22 @@ async def _current_headers(scope: Scope, state: dict[str, Any]) -> dict[str, str
         return None
 
 
+def _nul_in_url(scope: Scope) -> ApiError | None:
+    """A 400 for a NUL character in the path (uvicorn has decoded it) or the query: no id or
+    parameter holds one, and PostgreSQL cannot even compare one (it was a 500 there, a 404 on SQLite)."""
+    query: bytes = scope.get("query_string") or b""
+    if "\x00" in scope.get("path", ""):
+        where, param = "path", None
+    elif b"%00" in query:  # the only way to write a NUL in a query ('%' is always an escape's start)
+        where = "query"
+        param = next((name for name, value in parse_qsl(query.decode("latin-1"), keep_blank_values=True)
+                      if "\x00" in name or "\x00" in value), None)
+    else:
+        return None
+    return ApiError(400, f"The request URL's {where} holds a NUL character (%00), which no id or parameter may "
+                         "contain.", param=param, code="invalid_request")
+
+
 class EdgeMiddleware:
     def __init__(self, app: ASGIApp, max_header_bytes: int = MAX_HEADER_BYTES,
                  max_header_value_bytes: int = MAX_HEADER_VALUE_BYTES) -> None:
@@ -88,7 +105,7 @@ class EdgeMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        error = self._check_headers(scope)
+        error = self._check_headers(scope) or _nul_in_url(scope)
         if error is not None:
             await error.response()(scope, receive, send)
             return

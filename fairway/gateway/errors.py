@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fairway.conversation import StoreUnavailable
+from fairway.conversation import InvalidText, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,8 @@ _TYPES = {
 
 # What each error status means here, for the OpenAPI schema.
 _MEANINGS = {
-    400: "Bad request: a field is missing, of the wrong type or out of range (`param` names it).",
+    400: "Bad request: a field is missing, of the wrong type or out of range (`param` names it), or text holds "
+         "a NUL character (code invalid_text; in the URL, code invalid_request).",
     401: "No API key, or one that is malformed, unknown or revoked (code invalid_api_key).",
     404: "Not found: no such model, or no such conversation, reply or event for this user.",
     409: "A conflict: the conversation is still answering an earlier message (code conversation_busy), the "
@@ -48,8 +49,9 @@ _MEANINGS = {
     503: "Temporarily unavailable (overloaded, no live replica serves the model, a backend down); Retry-After "
          "when known.",
 }
-# Every route can meet these: the body-size and header-size limits apply before any route runs.
-EDGE_STATUSES = (413, 431)
+# Every route can meet these: the URL's NUL check and the body-size and header-size limits apply
+# before any route runs.
+EDGE_STATUSES = (400, 413, 431)
 
 
 class ErrorObject(BaseModel):
@@ -143,6 +145,14 @@ def install(app: FastAPI) -> None:
         log.warning("conversation store unavailable: %s", exc)
         return ApiError(503, "The conversation store is unavailable right now; retry shortly.",
                         code="store_unavailable", headers={"Retry-After": "1"}).response()
+
+    @app.exception_handler(InvalidText)
+    async def _invalid_text(_: Request, exc: InvalidText) -> JSONResponse:
+        # Text PostgreSQL cannot hold (a NUL) that got past the request checks: still the input's
+        # fault, and SQLite would have stored it, so never a 500.
+        log.info("text the database refused: %s", exc)
+        return invalid("The request holds text the database cannot store, such as a NUL character (U+0000).",
+                       code="invalid_text").response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

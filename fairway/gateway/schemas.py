@@ -115,9 +115,13 @@ def parse_json(body: bytes) -> Any:
     if not body:
         raise invalid("The request body is empty; send a JSON object.")
     try:
-        return orjson.loads(body)
+        data = orjson.loads(body)
     except orjson.JSONDecodeError:  # or what only the standard parser takes: NaN, big ints, surrogates
-        pass
+        data = _parse_leniently(body)
+    return _refuse_nul(data, body)
+
+
+def _parse_leniently(body: bytes) -> Any:
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -129,6 +133,35 @@ def parse_json(body: bytes) -> Any:
             raise invalid("The request body holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
                           "which is not text.", code="invalid_text") from None
     return data
+
+
+def _refuse_nul(data: Any, body: bytes) -> Any:
+    """data, unless one of its strings holds a NUL (U+0000): JSON, but text PostgreSQL cannot store
+    or even compare (it was a 500 there, stored as sent on SQLite). A 400 naming the field."""
+    if b"\\u0000" not in body:  # the only way JSON writes a NUL (a raw one is refused by the parser)
+        return data
+    where = _nul_at(data)
+    if where is None:  # "\\u0000" was an escaped backslash's text
+        return data
+    named = f"'{where}'" if where else "The request body"
+    raise invalid(f"{named} holds a NUL character (\\u0000), which is not allowed in text.", where or None,
+                  "invalid_text")
+
+
+def _nul_at(node: Any, where: str = "") -> str | None:
+    """The path of the first string (value or key) in node holding a NUL, as _param writes one
+    ("messages[0].content"; "" for the top); None when there is none."""
+    if isinstance(node, str):
+        return where if "\x00" in node else None
+    items = (node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ())
+    for key, value in items:
+        inner = f"{where}[{key}]" if isinstance(key, int) else f"{where}.{key}" if where else str(key)
+        if isinstance(key, str) and "\x00" in key:  # named by where it is: the key itself is no name to print
+            return where
+        found = _nul_at(value, inner)
+        if found is not None:
+            return found
+    return None
 
 
 def event_id(raw: str | None, param: str = "Last-Event-ID") -> int:
