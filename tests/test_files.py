@@ -191,6 +191,12 @@ async def test_a_file_sent_without_a_question_is_shown_from_its_start(files: Fil
     assert "Quarterly report" in block["content"] and "eggs, flour" in block["content"]
     # a later turn without a question and without files of its own adds nothing
     assert (await source.extras(TurnInfo("u1", "conv_q", False, "", []))).retrieved == []
+    # A question no chunk of the files it sends is near ("summarise this"): their beginning too; a
+    # later one with no near chunk and no file of its own, nothing.
+    files.settings.retrieve_min_score = 0.99  # nothing is near
+    extras = await source.extras(TurnInfo("u1", "conv_s", True, "Summarise this.", [short.file_id], len))
+    assert [(s["filename"], s["chunk"], s["score"]) for s in extras.info["sources"]] == [("short.txt", 0, None)]
+    assert (await source.extras(TurnInfo("u1", "conv_s", False, "Summarise this.", [], len))).retrieved == []
 
 
 @pytest.fixture

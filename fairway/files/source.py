@@ -2,8 +2,8 @@
 chunks into the conversation's partition, and every turn of a conversation with files gets the
 chunks nearest its question (within a token budget) right before it, not the whole files; the
 reply's context info names each chunk used, so the answer can cite it. A turn that attaches files
-with no question (a file dropped in and sent) gets their opening chunks instead, within the same
-budget: the model sees what was sent and can say what it is about."""
+with no question (a file dropped in and sent), or with one no chunk is near ("summarise this"),
+gets their opening chunks instead, within the same budget: the model sees what was sent."""
 
 from __future__ import annotations
 
@@ -41,9 +41,13 @@ class FileSource:
         attached = await files.store.attached(turn.conversation_id)
         if not attached:
             return TurnExtras()
+        sent = [attached[f] for f in dict.fromkeys(turn.file_ids) if f in attached]  # attached by this turn
         if turn.question.strip():
-            return await self._nearest(turn, attached)
-        return await self._opening(turn, [attached[f] for f in dict.fromkeys(turn.file_ids) if f in attached])
+            nearest = await self._nearest(turn, attached)
+            if nearest.info["sources"] or not sent:
+                return nearest
+            # Nothing near the question in the files it sends ("summarise this"): their beginning.
+        return await self._opening(turn, sent)
 
     async def _nearest(self, turn: TurnInfo, attached: dict[str, FileRecord]) -> TurnExtras:
         """The attached chunks nearest the question, best first, within the budget."""
