@@ -359,6 +359,11 @@ def test_a_pdf_fact_on_page_3_reaches_the_conversation_that_attaches_it(server):
     assert sources[0]["filename"] == "report.pdf"
     stored = http.get(f"/v1/replies/{reply.id}").json()
     assert stored["sources"][0]["page"] == 3 and stored["sources"][0]["chunk"] == sources[0]["chunk"]
+    # and with the conversation, reopened later: each answer with the chunks it was given
+    history = http.get(f"/v1/conversations/{reply.conversation_id}").json()["messages"]
+    answer = next(m for m in history if m.get("reply_id") == reply.id)
+    assert answer["context"]["sources"] == stored["sources"]
+    assert "context" not in history[0]  # the user's message
     # a later turn of the conversation retrieves again for its own question, no file part needed
     later = client.chat.completions.create(model=MODEL, max_tokens=4, extra_body={
         "conversation_id": reply.conversation_id}, messages=[{"role": "user", "content": "Which region grew sales?"}])

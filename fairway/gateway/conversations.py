@@ -10,6 +10,7 @@ from fairway.conversation import Conversation, Message
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import error_responses, not_found
+from fairway.gateway.replies import reply_context
 from fairway.tools.prompt import openai_call
 from fairway.tools.record import client_run
 
@@ -21,7 +22,7 @@ def _conversation(c: Conversation) -> dict[str, Any]:
             "created_at": c.created_at, "updated_at": c.updated_at}
 
 
-def _message(m: Message) -> dict[str, Any]:
+def _message(m: Message, job: dict[str, Any] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": m.id, "object": "conversation.message", "role": str(m.role), "content": m.text,
                            "status": str(m.status), "created_at": m.created_at}
     if m.flagged_categories:
@@ -40,6 +41,8 @@ def _message(m: Message) -> dict[str, Any]:
         out["client_key"] = m.client_key
     if m.reply_id:
         out["reply_id"] = m.reply_id
+        if context := reply_context(job):  # the files' chunks it was given (sources), its memories
+            out["context"] = context
         out["usage"] = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
                         "total_tokens": m.prompt_tokens + m.completion_tokens,
                         "prompt_tokens_details": {"cached_tokens": m.cached_tokens}}
@@ -62,7 +65,8 @@ async def get_conversation(conversation_id: str, request: Request) -> dict[str, 
     if conversation is None:
         raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")
     messages = await store.list_messages(conversation.id)
-    return {**_conversation(conversation), "messages": [_message(m) for m in messages]}
+    jobs = await store.get_reply_jobs([m.reply_id for m in messages if m.reply_id])
+    return {**_conversation(conversation), "messages": [_message(m, jobs.get(m.reply_id or "")) for m in messages]}
 
 
 @router.delete("/v1/conversations/{conversation_id}", responses=error_responses(404))

@@ -58,6 +58,12 @@ async def stream_reply(
     return EventStream(stream, headers={**SSE_HEADERS, **view.headers()})
 
 
+def reply_context(job: dict[str, Any] | None) -> dict[str, Any]:
+    """What a reply's context held beyond the conversation, from its stored job: the number of
+    memories injected, the file chunks retrieved (sources)."""
+    return {k: v for k, v in ((job or {}).get("context") or {}).items() if k in ("memories", "sources")}
+
+
 @router.post("/v1/replies/{reply_id}/stop")
 async def stop_reply(reply_id: str, request: Request) -> dict[str, Any]:
     """Stop generating: the replica drops the sequence at its next step, the text so far is saved
@@ -95,8 +101,7 @@ async def get_reply(reply_id: str, request: Request) -> dict[str, Any]:
         "last_event_id": last,
         "replica_id": reply.replica_id,
         "created": int(reply.created_at),
-        # what its context held beyond the conversation: memories injected, file chunks retrieved
-        **{k: v for k, v in ((reply.job or {}).get("context") or {}).items() if k in ("memories", "sources")},
+        **reply_context(reply.job),
         "usage": None if record is None else {
             "model": record.model, "tier": record.tier, "prompt_tokens": record.prompt_tokens,
             "cached_tokens": record.cached_tokens, "completion_tokens": record.completion_tokens,
