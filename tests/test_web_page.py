@@ -346,10 +346,17 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     assert any("reconnecting" in s.lower() for s in page.evaluate("window.__statusTexts"))
     assert page.locator("#status").is_hidden()
 
-    # 2. Stop a long reply: the text so far stays, marked stopped, as the server stored it.
+    # 2. A reload mid-reply: the conversation comes back by itself (the URL names it) and its
+    # reply goes on streaming. Then Stop it: the text so far stays, marked stopped, as stored.
     send(page, "Now tell me a much longer story about a lighthouse keeper and the sea.", max_tokens=400)
     page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
-    wait_for_text(page, 30)
+    before_reload = wait_for_text(page, 30)
+    assert page.evaluate("location.hash") == f"#{conversation_id}"
+    page.reload()
+    page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
+    wait_for_text(page, len(before_reload) + 10)  # resumed, and still being written
+    assert page.locator("#conversations li.active").get_attribute("data-id") == conversation_id
+    assert page.locator("#stop").is_visible()
     page.click("#stop")
     page.wait_for_selector("#messages .msg.assistant[data-status=stopped] .badge.stopped")
     stopped = page.locator("#messages .msg.assistant").last
@@ -362,16 +369,23 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     page.screenshot(path=str(screenshot))
 
     # 3. A reload remembers the key; the conversation comes back from the API, stop included.
+    # New chat, then the browser's Back: the conversation again.
     page.reload()
-    page.wait_for_selector(f"#conversations li[data-id='{conversation_id}']")
+    page.wait_for_selector(f"#conversations li.active[data-id='{conversation_id}']")
     assert page.locator("#key-dialog").get_attribute("open") is None
-    page.click(f"#conversations li[data-id='{conversation_id}']")
-    page.wait_for_selector("#messages .msg.assistant >> nth=1")
-    roles = page.locator("#messages .msg").evaluate_all("els => els.map(e => e.classList[1])")
-    assert roles == ["user", "assistant", "user", "assistant"]
-    last = page.locator("#messages .msg").last
-    assert last.get_attribute("data-status") == "stopped" and last.locator(".badge.stopped").is_visible()
-    assert last.locator(".body").text_content() == stored["content"]
+    for step in ("reload", "back"):
+        page.wait_for_selector("#messages .msg.assistant >> nth=1")
+        roles = page.locator("#messages .msg").evaluate_all("els => els.map(e => e.classList[1])")
+        assert roles == ["user", "assistant", "user", "assistant"], step
+        last = page.locator("#messages .msg").last
+        assert last.get_attribute("data-status") == "stopped" and last.locator(".badge.stopped").is_visible()
+        assert last.locator(".body").text_content() == stored["content"]
+        if step == "reload":
+            page.click("#new-chat")
+            page.wait_for_selector("#messages .empty")
+            assert page.evaluate("location.hash") == "" and page.locator("#conversations li.active").count() == 0
+            page.go_back()
+    assert page.evaluate("location.hash") == f"#{conversation_id}"
 
     # The page's dedupe on its own: a replayed event (an n it already has) adds nothing.
     text = page.evaluate("""() => {

@@ -309,6 +309,8 @@ class ReplyStream {
     this.request.conversation_id = conversationId;
     if (state.current === this) {
       state.conversationId = conversationId;
+      // The new chat is now this conversation: the same history entry, not a new one.
+      showInUrl(conversationId, { replace: true });
       refreshConversations();
     }
   }
@@ -542,23 +544,61 @@ function detachCurrent() {
   showStatus(null);
 }
 
-function newChat() {
+// The open conversation lives in the URL's hash (#conv_...): a reload reopens it (and picks up
+// a reply still being written, before the server cancels it for want of a listener), and the
+// browser's back and forward move between conversations.
+
+/** The conversation the URL names, or null. */
+function conversationInUrl() {
+  try {
+    return decodeURIComponent(location.hash.slice(1)) || null;
+  } catch (_) {
+    return null; // a malformed hash (a bad %-escape) names nothing
+  }
+}
+
+/** Put a conversation (or none: a new chat) in the URL, as a new history entry unless replace. */
+function showInUrl(id, { replace = false } = {}) {
+  if (conversationInUrl() === id) return;
+  const url = id ? `#${encodeURIComponent(id)}` : `${location.pathname}${location.search}`;
+  if (replace) history.replaceState(null, '', url);
+  else history.pushState(null, '', url);
+}
+
+/** Back, forward, or a hash typed in: show what the URL names now. */
+function followUrl() {
+  const id = conversationInUrl();
+  if (id === state.conversationId) return;
+  if (id) openConversation(id, { fromUrl: true });
+  else newChat({ fromUrl: true });
+}
+
+function newChat({ fromUrl = false, replace = false } = {}) {
   detachCurrent();
   state.conversationId = null;
+  if (!fromUrl) showInUrl(null, { replace });
   $('conversation-title').textContent = 'New chat';
   showEmpty();
   for (const li of $('conversations').children) li.classList.remove('active');
   $('prompt').focus();
 }
 
-async function openConversation(id) {
+async function openConversation(id, { fromUrl = false } = {}) {
   detachCurrent();
   state.conversationId = id;
+  if (!fromUrl) showInUrl(id);
   for (const li of $('conversations').children) li.classList.toggle('active', li.dataset.id === id);
   let conversation;
   try {
     conversation = await apiJson(`/v1/conversations/${encodeURIComponent(id)}`);
   } catch (err) {
+    if (state.conversationId !== id) return;
+    if (err instanceof HttpError && err.status === 404) {
+      // Deleted (or another user's link): a new chat rather than a page stuck on an error.
+      newChat({ replace: true });
+      showStatus('That conversation no longer exists.');
+      return;
+    }
     showStatus(`Could not open the conversation: ${err.message}`);
     return;
   }
@@ -836,6 +876,10 @@ async function loadAll() {
   } catch (err) {
     $('model-name').textContent = `models: ${err.message}`;
   }
+  // The conversation the URL names (a reload, a link), once: a later loadAll (a new key...)
+  // leaves the one on screen alone.
+  const inUrl = conversationInUrl();
+  if (inUrl && !state.conversationId && !state.current) openConversation(inUrl, { fromUrl: true });
   await refreshConversations();
 }
 
@@ -875,7 +919,8 @@ function main() {
     }
   });
   $('stop').addEventListener('click', () => state.current && state.current.stop());
-  $('new-chat').addEventListener('click', newChat);
+  $('new-chat').addEventListener('click', () => newChat());
+  window.addEventListener('hashchange', followUrl);
   $('change-key').addEventListener('click', () => askForKey());
   $('attach').addEventListener('click', () => $('file-input').click());
   $('file-input').addEventListener('change', (event) => {
