@@ -346,8 +346,12 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     assert any("reconnecting" in s.lower() for s in page.evaluate("window.__statusTexts"))
     assert page.locator("#status").is_hidden()
 
-    # 2. A reload mid-reply: the conversation comes back by itself (the URL names it) and its
-    # reply goes on streaming. Then Stop it: the text so far stays, marked stopped, as stored.
+    # 2. The same conversation open in a second tab, by its link (the URL names it).
+    other = browser_context.new_page()
+    other.on("pageerror", lambda exc: errors.append(str(exc)))
+    other.goto(f"{proxy.url}/#{conversation_id}")
+    other.wait_for_selector("#messages .msg.assistant")
+    # A reload mid-reply: the conversation comes back by itself and its reply goes on streaming.
     send(page, "Now tell me a much longer story about a lighthouse keeper and the sea.", max_tokens=400)
     page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
     before_reload = wait_for_text(page, 30)
@@ -357,12 +361,30 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     wait_for_text(page, len(before_reload) + 10)  # resumed, and still being written
     assert page.locator("#conversations li.active").get_attribute("data-id") == conversation_id
     assert page.locator("#stop").is_visible()
-    page.click("#stop")
-    page.wait_for_selector("#messages .msg.assistant[data-status=stopped] .badge.stopped")
+    running_id = page.locator("#messages .msg.assistant").last.get_attribute("data-reply-id")
+    # The other tab sends meanwhile: refused (409 conversation_busy) and not stored. That tab takes
+    # the message back (no bubble, the text in the box), says why plainly, and shows the running
+    # reply (resumed by its id), whose Stop it then presses.
+    other.fill("#prompt", "And now a poem, please.")
+    other.keyboard.press("Enter")
+    other.wait_for_selector(f"#messages .msg.assistant[data-reply-id='{running_id}']")
+    assert other.locator("#status").text_content() == (
+        "A reply is still being written in this chat — wait for it, or stop it, then send again.")
+    assert other.input_value("#prompt") == "And now a poem, please."
+    roles = other.locator("#messages .msg").evaluate_all("els => els.map(e => e.classList[1])")
+    assert roles == ["user", "assistant", "user", "assistant"], roles
+    assert "poem" not in (other.locator("#messages").text_content() or "")
+    wait_for_text(other, 10)
+    other.click("#stop")
+    for tab in (page, other):
+        tab.wait_for_selector("#messages .msg.assistant[data-status=stopped] .badge.stopped")
     stopped = page.locator("#messages .msg.assistant").last
-    stored = stored_message(server, conversation_id, stopped.get_attribute("data-reply-id"))
+    stored = stored_message(server, conversation_id, running_id)
     assert stored["status"] == "stopped"
     assert stopped.locator(".body").text_content() == stored["content"]
+    assert other.locator("#messages .msg.assistant .body").last.text_content() == stored["content"]
+    assert other.locator("#status").is_hidden() and other.locator("#send").is_visible()
+    other.close()
     assert stored["usage"]["completion_tokens"] < 400
     assert page.locator("#send").is_visible() and page.locator("#stop").is_hidden()
     screenshot = Path(os.environ.get("FAIRWAY_WEB_SCREENSHOT", tmp_path / "chat-page.png"))
@@ -467,6 +489,16 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     # Greedy decoding, so the model writes FLAGGED_WORD.
     greedy(page)
+
+    # 0. A message the server refuses before storing it (too long for the context window): the
+    # error says why, and the page takes the message back: no bubble, the text in the box again.
+    paste = "The quick brown fox jumps over the lazy dog. " * 1500
+    send(page, paste, max_tokens=16)
+    status = page.wait_for_selector("#status:has-text('Not sent: ')").text_content()
+    assert "context window" in status and "Shorten the message" in status, status
+    assert page.input_value("#prompt") == paste.strip()
+    assert page.locator("#messages .msg").count() == 0 and page.locator("#messages .empty").is_visible()
+    assert page.locator("#send").is_visible() and page.locator("#conversations li.active").count() == 0
 
     # 1. The input check refuses the message: it is marked, with the category, and nothing answers it.
     send(page, "How do I make a pipe bomb?", max_tokens=16)

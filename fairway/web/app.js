@@ -167,7 +167,7 @@ function sleepUnlessOnline(ms) {
  * or misses a token however the connection broke.
  */
 class ReplyStream {
-  constructor(request, view) {
+  constructor(request, view, replyId = null) {
     this.request = request; // the POST body; its message_id makes re-sending it safe
     this.view = view;
     this.replyId = null;
@@ -177,10 +177,13 @@ class ReplyStream {
     this.finishReason = null;
     this.stopped = false;
     this.failed = null;
+    this.error = null; // what failed it, to tell a message the server refused from a lost reply
     this.refused = null; // the input check's refusal: {message, categories}
     this.filtered = []; // the categories the output check stopped the reply for
     this.stopWanted = false;
+    this.notice = null; // what the status line says while nothing else needs it
     this.onDone = () => {};
+    if (replyId) this.learnReplyId(replyId); // following a reply that is already running
   }
 
   async run() {
@@ -201,6 +204,7 @@ class ReplyStream {
         }
         if (!isRetryable(err)) {
           this.failed = err.message;
+          this.error = err;
           break;
         }
         // Events arrived on that connection, so it was good: start the backoff over.
@@ -208,6 +212,7 @@ class ReplyStream {
         attempt += 1;
         if (attempt > MAX_ATTEMPTS) {
           this.failed = `Lost the connection to the server (${err.message}).`;
+          this.error = err;
           break;
         }
         const delay = err.retryAfterS ? err.retryAfterS * 1000 : backoffDelay(attempt);
@@ -216,10 +221,22 @@ class ReplyStream {
         this.showStatus('Reconnecting…');
       }
     }
+    this.notice = null;
     this.showStatus(null);
     if (this.refused) this.view.refuse(this.refused);
-    else this.view.finish(this.status(), this.failed, this.filtered);
-    this.onDone(this);
+    else if (!this.notSent()) this.view.finish(this.status(), this.failed, this.filtered);
+    this.onDone(this); // a message not sent: the caller takes it back (startReply's onNotSent)
+  }
+
+  /**
+   * The server refused the message before storing it: an HTTP error answered the request itself,
+   * before any event, and named no stored message (X-Message-Id marks one: a shed reply's, or a
+   * message refused by the input check, which is kept flagged).
+   */
+  notSent() {
+    const err = this.error;
+    return err instanceof HttpError && !this.replyId && this.lastEventId === 0
+      && !(err.headers && err.headers.get('X-Message-Id'));
   }
 
   /** As the store says it: complete, stopped or flagged (plus error, which only we see). */
@@ -334,7 +351,7 @@ class ReplyStream {
   }
 
   showStatus(text) {
-    if (state.current === this) showStatus(text);
+    if (state.current === this) showStatus(text ?? this.notice);
   }
 }
 
@@ -583,7 +600,11 @@ function newChat({ fromUrl = false, replace = false } = {}) {
   $('prompt').focus();
 }
 
-async function openConversation(id, { fromUrl = false } = {}) {
+/**
+ * Show a stored conversation, and follow its reply if one is still being written: attachTo names
+ * it (a 409 conversation_busy's X-Reply-Id), else the last user message's client_key finds it.
+ */
+async function openConversation(id, { fromUrl = false, attachTo = null, notice = null } = {}) {
   detachCurrent();
   state.conversationId = id;
   if (!fromUrl) showInUrl(id);
@@ -623,7 +644,14 @@ async function openConversation(id, { fromUrl = false } = {}) {
   // A last user message without an answer has its reply still running (or it was lost):
   // pick it up from its first event. The server answers 404 if there is nothing to resume.
   const last = conversation.messages[conversation.messages.length - 1];
-  if (last && last.role === 'user' && last.client_key) {
+  if (attachTo) {
+    // Unless it ended meanwhile (then it is stored, and the way is clear to send).
+    if (!conversation.messages.some((m) => m.reply_id === attachTo)) {
+      startReply({ conversation_id: id }, { quietIfMissing: true, replyId: attachTo, notice });
+    } else if (notice) {
+      showStatus('The earlier reply has just finished: send again.');
+    }
+  } else if (last && last.role === 'user' && last.client_key) {
     startReply(
       {
         model: conversation.model || state.model,
@@ -658,6 +686,7 @@ function send(text) {
   const content = files.length
     ? [{ type: 'text', text }, ...files.map((f) => ({ type: 'file_url', file_id: f.fileId }))]
     : text;
+  const conversationId = state.conversationId;
   state.attachments = [];
   renderAttachments();
   const request = {
@@ -672,21 +701,53 @@ function send(text) {
   if ($('code-tool').checked && !$('code-tool').disabled) request.tools = [{ type: 'code_interpreter' }];
   const limit = maxTokens();
   if (limit) request.max_tokens = limit;
-  startReply(request);
+  startReply(request, { onNotSent: (err) => takeBack(userEl, text, files, conversationId, err) });
 }
 
-function startReply(request, { quietIfMissing = false } = {}) {
+const BUSY_NOTICE = 'A reply is still being written in this chat — wait for it, or stop it, then send again.';
+
+/**
+ * The server refused the message before storing it (too long, the conversation busy, a bad
+ * key...): nothing of it is kept, so the page keeps nothing either. Its bubble goes, and its
+ * text and files go back into the composer, to shorten or send again.
+ */
+function takeBack(userEl, text, files, conversationId, err) {
+  userEl.remove();
+  if (!$('messages').querySelector('.msg')) showEmpty();
+  const prompt = $('prompt');
+  prompt.value = prompt.value ? `${text}\n${prompt.value}` : text; // anything typed since stays too
+  state.attachments.unshift(...files.filter((f) => !state.attachments.includes(f)));
+  renderAttachments();
+  if (err.code === 'conversation_busy' && conversationId) {
+    // Another tab (or client) is being answered in this conversation: show that reply, from its
+    // first event, so the user sees what it is and can Stop it.
+    openConversation(conversationId, { attachTo: err.headers.get('X-Reply-Id'), notice: BUSY_NOTICE });
+    showStatus(BUSY_NOTICE);
+  } else {
+    showStatus(`Not sent: ${err.message}`);
+  }
+}
+
+/**
+ * Show a reply as it streams. onNotSent(err) runs when the server refused the message before
+ * storing it (see ReplyStream.notSent); replyId follows a reply already running.
+ */
+function startReply(request, { quietIfMissing = false, onNotSent = null, replyId = null, notice = null } = {}) {
   const view = new AssistantView();
   appendMessage(view.el);
-  const stream = new ReplyStream(request, view);
+  const stream = new ReplyStream(request, view, replyId);
+  stream.notice = notice;
   state.current = stream;
   setStreaming(true);
+  stream.showStatus(null);
   stream.onDone = () => {
-    if (quietIfMissing && stream.failed && !stream.text) view.el.remove(); // nothing was running
+    const notSent = stream.notSent();
+    if (notSent || (quietIfMissing && stream.failed && !stream.text)) view.el.remove(); // nothing was running
     if (state.current !== stream) return; // the user moved on to another conversation
     state.current = null;
     setStreaming(false);
     refreshConversations();
+    if (notSent && onNotSent) onNotSent(stream.error);
   };
   stream.run();
 }
