@@ -333,6 +333,9 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     stored = stored_message(server, conversation_id, reply_id)
     assert stored["status"] == "complete"
     assert shown == stored["content"], "the page's reply differs from the stored one"
+    # The story ran into max_tokens: stored complete, but the page says it was cut off.
+    assert stored["usage"]["completion_tokens"] == 120
+    assert assistant.locator(".badge").all_text_contents() == ["cut off at the token limit"]
     assert len(shown) > len(text_at_cut) and shown.startswith(text_at_cut)
     # Token by token: many intermediate states, each a prefix of the next (nothing repeated).
     states = page.evaluate("window.__replyTexts")
@@ -356,6 +359,7 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
     before_reload = wait_for_text(page, 30)
     assert page.evaluate("location.hash") == f"#{conversation_id}"
+    page.set_viewport_size({"width": 1100, "height": 400})  # the messages scroll
     page.reload()
     page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
     wait_for_text(page, len(before_reload) + 10)  # resumed, and still being written
@@ -378,6 +382,10 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     other.click("#stop")
     for tab in (page, other):
         tab.wait_for_selector("#messages .msg.assistant[data-status=stopped] .badge.stopped")
+    # Scrolled to the very bottom, the badge in view (not under the composer).
+    assert page.evaluate("(b => b.scrollHeight > b.clientHeight && b.scrollHeight - b.scrollTop - b.clientHeight < 2)"
+                         "(document.getElementById('messages'))")
+    page.set_viewport_size({"width": 1100, "height": 720})
     stopped = page.locator("#messages .msg.assistant").last
     stored = stored_message(server, conversation_id, running_id)
     assert stored["status"] == "stopped"

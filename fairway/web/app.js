@@ -224,7 +224,7 @@ class ReplyStream {
     this.notice = null;
     this.showStatus(null);
     if (this.refused) this.view.refuse(this.refused);
-    else if (!this.notSent()) this.view.finish(this.status(), this.failed, this.filtered);
+    else if (!this.notSent()) this.view.finish(this.status(), this.failed, this.filtered, this.finishReason);
     this.onDone(this); // a message not sent: the caller takes it back (startReply's onNotSent)
   }
 
@@ -358,6 +358,9 @@ class ReplyStream {
 // -- rendering ---------------------------------------------------------------------------------
 
 const BADGES = { stopped: 'stopped', flagged: 'stopped by the content filter', error: 'error' };
+// A reply that ran out of max_tokens is stored as complete; only the live stream says so (its
+// finish_reason), so a reopened conversation shows no badge for it.
+const CUT_OFF_BADGE = 'cut off at the token limit';
 const USER_BADGES = { flagged: 'refused by the content filter: not sent to the model' };
 
 /** What a badge says: which categories, when we know them (stored messages keep them too). */
@@ -426,12 +429,22 @@ function addBadge(el, kind, text) {
   el.append(badge);
 }
 
-function appendMessage(el) {
+/**
+ * Change what the messages show, and if they were scrolled to the bottom keep them there: the
+ * page follows a reply (and its badges) unless the user scrolled up to read.
+ */
+function keepingBottom(change) {
   const box = $('messages');
-  box.querySelector('.empty')?.remove();
   const atBottom = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
-  box.append(el);
+  change();
   if (atBottom) box.scrollTop = box.scrollHeight;
+}
+
+function appendMessage(el) {
+  keepingBottom(() => {
+    $('messages').querySelector('.empty')?.remove();
+    $('messages').append(el);
+  });
 }
 
 /** The assistant message a ReplyStream writes into. */
@@ -442,10 +455,7 @@ class AssistantView {
   }
 
   update(text) {
-    const box = this.el.parentElement;
-    const atBottom = box && box.scrollHeight - box.scrollTop - box.clientHeight < 40;
-    this.body.textContent = text;
-    if (atBottom) box.scrollTop = box.scrollHeight; // follow the reply unless the user scrolled up
+    keepingBottom(() => { this.body.textContent = text; });
   }
 
   setReplyId(replyId) {
@@ -467,11 +477,15 @@ class AssistantView {
     this.el.append(el);
   }
 
-  finish(status, error, categories) {
-    this.el.dataset.status = status;
-    if (status === 'error') addBadge(this.el, 'error', error || 'error');
-    else if (status === 'flagged') addBadge(this.el, status, filterText(BADGES.flagged, categories));
-    else if (BADGES[status]) addBadge(this.el, status, BADGES[status]);
+  finish(status, error, categories, finishReason) {
+    // The badge must not end up under the composer (an error's can be a few lines long).
+    keepingBottom(() => {
+      this.el.dataset.status = status;
+      if (status === 'error') addBadge(this.el, 'error', error || 'error');
+      else if (status === 'flagged') addBadge(this.el, status, filterText(BADGES.flagged, categories));
+      else if (BADGES[status]) addBadge(this.el, status, BADGES[status]);
+      else if (finishReason === 'length') addBadge(this.el, 'length', CUT_OFF_BADGE);
+    });
   }
 
   /** A tool run: a spinner while it runs, then its code and output, folded. */
@@ -483,7 +497,7 @@ class AssistantView {
       el.dataset.callId = run.id;
       this.toolsBox().append(el);
     }
-    el.replaceWith(toolElement(run));
+    keepingBottom(() => el.replaceWith(toolElement(run))); // a run's output can be long
   }
 
   toolsBox() {
@@ -499,12 +513,14 @@ class AssistantView {
   /** The input check refused the message: it is marked, and no reply follows it. */
   refuse(refused) {
     const user = this.el.previousElementSibling;
-    if (user && user.classList.contains('user')) {
-      user.dataset.status = 'flagged';
-      addBadge(user, 'flagged', filterText(USER_BADGES.flagged, refused.categories.filter(Boolean)));
-      user.title = refused.message;
-    }
-    this.el.remove();
+    keepingBottom(() => {
+      if (user && user.classList.contains('user')) {
+        user.dataset.status = 'flagged';
+        addBadge(user, 'flagged', filterText(USER_BADGES.flagged, refused.categories.filter(Boolean)));
+        user.title = refused.message;
+      }
+      this.el.remove();
+    });
   }
 }
 
