@@ -444,27 +444,49 @@ def test_chat_page_attaches_a_file_cites_it_and_manages_memory(server, browser_c
     page.click("#key-save")
     page.wait_for_function("document.getElementById('model-name').textContent.length > 0")
 
-    # Attach a PDF: it uploads (with progress), shows processing, then ready; the answer says
-    # which file and chunk it used.
+    page.evaluate(RECORDER)  # the status line's texts, in order
+
+    # A file of no readable type fails (415, saying why); its × takes it off the next message.
+    page.set_input_files("#file-input", files=[{"name": "blob.bin", "mimeType": "application/octet-stream",
+                                                "buffer": bytes(range(256)) * 8}])
+    failed = page.wait_for_selector("#attachments li[data-status=failed]")
+    assert failed.text_content().startswith("blob.bin: failed (")
+    page.click("#attachments li[data-status=failed] .remove-attachment")
+    page.wait_for_selector("#attachments li", state="detached")
+
+    # Attach a PDF and press Send at once: the page waits while it uploads (with progress) and is
+    # processed, then sends the message by itself; the answer says which file and chunk it used.
     page.evaluate("""() => {
       window.attachmentStates = [];  // each text the attachment showed, in order
       new MutationObserver(() => {
-        const li = document.querySelector('#attachments li');
-        if (li && window.attachmentStates.at(-1) !== li.textContent) window.attachmentStates.push(li.textContent);
+        const label = document.querySelector('#attachments li .label');
+        if (label && window.attachmentStates.at(-1) !== label.textContent) window.attachmentStates.push(label.textContent);
       }).observe(document.getElementById('attachments'), {childList: true, subtree: true});
     }""")
     page.set_input_files("#file-input", files=[{"name": "report.pdf", "mimeType": "application/pdf",
                                                 "buffer": make_pdf(PAGES)}])
-    page.wait_for_selector("#attachments li[data-status=ready]")
-    states = page.evaluate("window.attachmentStates")
-    assert states[0].startswith("report.pdf: uploading ") and states[0].endswith("%"), states
-    assert states.index("report.pdf: processing") > 0 and states[-1] == "report.pdf: ready", states
     send(page, "What is the access code for the Zebra warehouse?", max_tokens=8)
     page.wait_for_selector("#messages .msg.assistant[data-status=complete]")
+    states = page.evaluate("window.attachmentStates")
+    assert states[0].startswith("report.pdf: uploading ") and states[0].endswith("%"), states
+    assert "report.pdf: processing" in states, states
+    assert "Waiting for the attached file to be ready…" in page.evaluate("window.__statusTexts")
+    assert page.locator("#status").is_hidden()
     assert "report.pdf" in page.locator("#messages .msg.user .attached").last.text_content()
     sources = page.locator("#messages .msg.assistant .sources").last.text_content()
     assert "report.pdf, chunk" in sources and "page 3" in sources
     assert page.locator("#attachments li").count() == 0  # sent with that message
+
+    # A file with no text: sent as it is (the model gets the file's opening chunks).
+    page.set_input_files("#file-input", files=[{"name": "notes.md", "mimeType": "text/markdown",
+                                                "buffer": b"# Zebra warehouse\n\nThe access code is 4471.\n"}])
+    assert page.wait_for_selector("#attachments li[data-status=ready]").text_content() == "notes.md: ready×"
+    page.focus("#prompt")
+    page.keyboard.press("Enter")
+    page.wait_for_selector("#messages .msg.assistant[data-status=complete] >> nth=1")
+    user = page.locator("#messages .msg.user").last
+    assert user.locator(".body").text_content() == "" and "notes.md" in user.locator(".attached").text_content()
+    assert "notes.md, chunk" in page.locator("#messages .msg.assistant .sources").last.text_content()
 
     # The memory panel: lists what was learnt, deletes one, deletes all, turns memory off.
     auth = {"Authorization": f"Bearer {KEY}"}

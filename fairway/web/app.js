@@ -32,6 +32,7 @@ const state = {
   conversationId: null, // the conversation on screen; null for a new chat
   current: null, // the ReplyStream shown on screen, while it runs
   attachments: [], // files for the next message: {name, status, progress, fileId, detail}
+  sendWhenReady: false, // Send was pressed while a file was still uploading or processing
 };
 
 // -- errors ------------------------------------------------------------------------------------
@@ -573,6 +574,7 @@ async function refreshConversations() {
 /** Leave the reply on screen running in the background: a reply nobody listens to gets cancelled. */
 function detachCurrent() {
   state.current = null;
+  state.sendWhenReady = false; // it was meant for the conversation on screen
   setStreaming(false);
   showStatus(null);
 }
@@ -684,6 +686,36 @@ async function openConversation(id, { fromUrl = false, attachTo = null, notice =
 
 // -- sending -----------------------------------------------------------------------------------
 
+const isPending = (a) => a.status === 'uploading' || a.status === 'processing';
+
+/** Send what the composer holds (text, files or both), once it can be sent. */
+function trySend() {
+  const prompt = $('prompt');
+  const text = prompt.value.trim();
+  state.sendWhenReady = false;
+  if ((!text && !state.attachments.length) || state.current) return;
+  const failed = state.attachments.find((a) => a.status === 'failed');
+  if (failed) {
+    // Not sent without it, silently: the user meant to send it.
+    showStatus(`${failed.name} could not be attached: remove it (×) to send without it.`);
+    return;
+  }
+  if (state.attachments.some(isPending)) {
+    // Sent by renderAttachments once every file is ready: Send was pressed already.
+    state.sendWhenReady = true;
+    showStatus('Waiting for the attached file to be ready…');
+    return;
+  }
+  showStatus(null);
+  if (!state.model) {
+    showStatus('No model is available yet: try again in a moment.');
+    loadAll();
+    return;
+  }
+  prompt.value = '';
+  send(text);
+}
+
 function maxTokens() {
   const value = Number($('max-tokens').value);
   return Number.isInteger(value) && value > 0 ? value : null;
@@ -699,8 +731,9 @@ function send(text) {
     userEl.append(note);
   }
   appendMessage(userEl);
+  // Files alone are a message too: the server then gives the model the files' opening chunks.
   const content = files.length
-    ? [{ type: 'text', text }, ...files.map((f) => ({ type: 'file_url', file_id: f.fileId }))]
+    ? [...(text ? [{ type: 'text', text }] : []), ...files.map((f) => ({ type: 'file_url', file_id: f.fileId }))]
     : text;
   const conversationId = state.conversationId;
   state.attachments = [];
@@ -779,6 +812,7 @@ function attachFile(file) {
   form.append('file', file);
   form.append('purpose', 'multimodal_input');
   const xhr = new XMLHttpRequest();
+  item.xhr = xhr; // to abort the upload if the file is removed
   xhr.open('POST', '/v1/files/upload');
   xhr.setRequestHeader('Authorization', `Bearer ${apiKey()}`);
   xhr.upload.onprogress = (event) => {
@@ -800,6 +834,10 @@ function attachFile(file) {
     }
     item.fileId = body.file_id;
     item.status = body.status;
+    if (item.removed) {
+      removeAttachment(item); // removed while its answer was on the way: delete the file now
+      return;
+    }
     renderAttachments();
     pollFile(item);
   };
@@ -812,7 +850,7 @@ function attachFile(file) {
 }
 
 async function pollFile(item) {
-  while (item.status === 'processing') {
+  while (item.status === 'processing' && !item.removed) {
     await new Promise((resolve) => setTimeout(resolve, 500));
     try {
       const file = await apiJson(`/v1/files/${encodeURIComponent(item.fileId)}`);
@@ -828,17 +866,42 @@ async function pollFile(item) {
   }
 }
 
+/** A file taken off the next message: a failed one, or the wrong one. */
+function removeAttachment(item) {
+  item.removed = true; // its upload or polling may still report: nobody listens
+  state.attachments = state.attachments.filter((a) => a !== item);
+  if (item.status === 'uploading' && item.xhr) item.xhr.abort();
+  // Uploaded for this message only, and now for none: don't leave it in the user's files.
+  if (item.fileId) api(`/v1/files/${encodeURIComponent(item.fileId)}`, { method: 'DELETE' }).catch(() => {});
+  renderAttachments();
+}
+
+/** Show the files for the next message; and send it, if Send was waiting for them. */
 function renderAttachments() {
   $('attachments').replaceChildren(
     ...state.attachments.map((a) => {
       const li = document.createElement('li');
       li.dataset.status = a.status;
       if (a.fileId) li.dataset.fileId = a.fileId;
+      const label = document.createElement('span');
+      label.className = 'label';
       const what = a.status === 'uploading' ? `uploading ${a.progress}%` : a.status;
-      li.textContent = `${a.name}: ${what}${a.detail ? ` (${a.detail})` : ''}`;
+      label.textContent = `${a.name}: ${what}${a.detail ? ` (${a.detail})` : ''}`;
+      const remove = document.createElement('button');
+      remove.type = 'button';
+      remove.className = 'remove-attachment';
+      remove.textContent = '×';
+      remove.title = `Remove ${a.name}`;
+      remove.setAttribute('aria-label', `Remove ${a.name}`);
+      remove.addEventListener('click', () => removeAttachment(a));
+      li.append(label, remove);
       return li;
     }),
   );
+  if (state.sendWhenReady && !state.attachments.some(isPending)) {
+    showStatus(null); // the wait is over, whatever trySend says next
+    trySend();
+  }
 }
 
 // -- memory ------------------------------------------------------------------------------------
@@ -973,21 +1036,7 @@ function main() {
 
   $('composer').addEventListener('submit', (event) => {
     event.preventDefault();
-    const prompt = $('prompt');
-    const text = prompt.value.trim();
-    if (!text || state.current) return;
-    if (state.attachments.some((a) => a.status === 'uploading' || a.status === 'processing')) {
-      showStatus('Waiting for the attached file to be ready…');
-      return;
-    }
-    showStatus(null);
-    if (!state.model) {
-      showStatus('No model is available yet: try again in a moment.');
-      loadAll();
-      return;
-    }
-    prompt.value = '';
-    send(text);
+    trySend();
   });
   $('prompt').addEventListener('keydown', (event) => {
     if (event.key === 'Enter' && !event.shiftKey && !event.isComposing) {
