@@ -561,6 +561,20 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
                                             "(illicit, illicit/violent)"],
                         ["user", "complete", None],
                         ["assistant", "flagged", "stopped by the content filter (violence)"]]
+
+    # 4. Delete it from the sidebar: asked first (a No keeps it), then gone, and a new chat opens.
+    row = page.locator(f"#conversations li[data-id='{conversation_id}']")
+    page.once("dialog", lambda dialog: dialog.dismiss())
+    row.hover()
+    row.locator(".delete-conversation").click()
+    assert page.locator("#messages .msg").count() == 3 and row.count() == 1
+    page.once("dialog", lambda dialog: dialog.accept())
+    row.locator(".delete-conversation").click()
+    row.wait_for(state="detached")
+    assert page.locator("#conversation-title").text_content() == "New chat"
+    assert page.locator("#messages .empty").is_visible() and page.evaluate("location.hash") == ""
+    gone = httpx.get(f"{server}/v1/conversations/{conversation_id}", headers={"Authorization": f"Bearer {KEY}"})
+    assert gone.status_code == 404
     assert not errors, errors
 
 

@@ -559,16 +559,46 @@ async function refreshConversations() {
   ul.replaceChildren(
     ...list.data.map((c) => {
       const li = document.createElement('li');
-      li.textContent = c.title || 'Untitled';
       li.title = c.title || '';
       li.dataset.id = c.id;
       if (c.id === state.conversationId) li.classList.add('active');
       li.addEventListener('click', () => openConversation(c.id));
+      const title = document.createElement('span');
+      title.className = 'title';
+      title.textContent = c.title || 'Untitled';
+      const remove = document.createElement('button');
+      remove.type = 'button';
+      remove.className = 'delete-conversation';
+      remove.textContent = '×';
+      remove.title = 'Delete this conversation';
+      remove.setAttribute('aria-label', `Delete ${c.title || 'Untitled'}`);
+      remove.addEventListener('click', (event) => {
+        event.stopPropagation(); // not an open as well
+        deleteConversation(c);
+      });
+      li.append(title, remove);
       return li;
     }),
   );
   const active = list.data.find((c) => c.id === state.conversationId);
   if (active) $('conversation-title').textContent = active.title || 'Untitled';
+}
+
+/** Delete a conversation for good, once the user confirms; if it was open, a new chat replaces it. */
+async function deleteConversation(c) {
+  if (!confirm(`Delete "${c.title || 'Untitled'}"? This cannot be undone.`)) return;
+  if (state.conversationId === c.id && state.current) state.current.stop(); // nothing to keep it for
+  try {
+    await api(`/v1/conversations/${encodeURIComponent(c.id)}`, { method: 'DELETE' });
+  } catch (err) {
+    // 404: already gone (deleted in another tab), which is what the user wanted.
+    if (!(err instanceof HttpError && err.status === 404)) {
+      showStatus(`Could not delete the conversation: ${err.message}`);
+      return;
+    }
+  }
+  if (state.conversationId === c.id) newChat({ replace: true }); // Back must not lead to it
+  await refreshConversations();
 }
 
 /** Leave the reply on screen running in the background: a reply nobody listens to gets cancelled. */
