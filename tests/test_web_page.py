@@ -487,6 +487,11 @@ def test_chat_page_attaches_a_file_cites_it_and_manages_memory(server, browser_c
     user = page.locator("#messages .msg.user").last
     assert user.locator(".body").text_content() == "" and "notes.md" in user.locator(".attached").text_content()
     assert "notes.md, chunk" in page.locator("#messages .msg.assistant .sources").last.text_content()
+    # Reopened (the link in the URL), each answer still says what it used.
+    page.reload()
+    page.wait_for_selector("#messages .msg.assistant .sources >> nth=1")
+    used = page.locator("#messages .msg.assistant .sources").all_text_contents()
+    assert "report.pdf, chunk" in used[-2] and "notes.md, chunk" in used[-1], used
 
     # The memory panel: lists what was learnt, deletes one, deletes all, turns memory off.
     auth = {"Authorization": f"Bearer {KEY}"}

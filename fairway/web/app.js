@@ -385,6 +385,20 @@ function messageElement(role, text, status, categories) {
   return el;
 }
 
+/** What an answer's context held beyond the conversation (file chunks, memories), or null. */
+function sourcesElement(context) {
+  const parts = [];
+  for (const s of (context && context.sources) || []) {
+    parts.push(`${s.filename}, chunk ${s.chunk}${s.page ? `, page ${s.page}` : ''}`);
+  }
+  if (context && context.memories) parts.push(`${context.memories} ${context.memories === 1 ? 'memory' : 'memories'}`);
+  if (!parts.length) return null;
+  const el = document.createElement('div');
+  el.className = 'sources';
+  el.textContent = `Used: ${parts.join('; ')}`;
+  return el;
+}
+
 /** A tool run as the page shows it: running (name and a spinner), or done (folded code and output). */
 function toolElement(run) {
   const code = run.code ?? run.arguments ?? '';
@@ -465,17 +479,9 @@ class AssistantView {
 
   /** What the context held beyond the conversation: the file chunks the answer may cite. */
   setContext(context) {
-    if (!context || this.el.querySelector('.sources')) return;
-    const parts = [];
-    for (const s of context.sources || []) {
-      parts.push(`${s.filename}, chunk ${s.chunk}${s.page ? `, page ${s.page}` : ''}`);
-    }
-    if (context.memories) parts.push(`${context.memories} ${context.memories === 1 ? 'memory' : 'memories'}`);
-    if (!parts.length) return;
-    const el = document.createElement('div');
-    el.className = 'sources';
-    el.textContent = `Used: ${parts.join('; ')}`;
-    this.el.append(el);
+    if (this.el.querySelector('.sources')) return;
+    const el = sourcesElement(context);
+    if (el) this.el.append(el);
   }
 
   finish(status, error, categories, finishReason) {
@@ -685,6 +691,8 @@ async function openConversation(id, { fromUrl = false, attachTo = null, notice =
       tools.append(...runs.map(toolElement));
       el.querySelector('.body').after(tools);
     }
+    const used = sourcesElement(m.context); // the file chunks (and memories) the answer was given
+    if (used) el.append(used);
     box.append(el);
   }
   if (!conversation.messages.length) showEmpty();
