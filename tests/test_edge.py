@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import gc
+import logging
 import subprocess
 import sys
 import uuid
@@ -324,10 +325,11 @@ def test_a_reply_this_gateway_relayed_is_recorded_without_reading_it_back_or_sav
     assert usage["completion_tokens"] >= 1 and usage["cost"] > 0 and usage["tier"] == "paid"
     reply = http.get(f"/v1/replies/{reply_id}").json()
     assert reply["state"] == "FINISHED"
+    # The recorder's reads and saves, before the conversation's GET reads the jobs for itself.
+    assert reply_id not in read_back and reply_id not in saved_again
     stored = [m for m in http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
               if m.get("reply_id") == reply_id]
     assert [m["content"] for m in stored] == [text]
-    assert reply_id not in read_back and reply_id not in saved_again
     wait_for(lambda: reply_id not in server.gateway.service.launched)  # forgotten once recorded
 
 
@@ -479,3 +481,38 @@ def test_text_the_database_refuses_past_the_checks_is_400_not_500(on_each_store)
     assert response.status_code == 400, response.text
     assert response.json()["error"]["code"] == "invalid_text"
 
+
+# -- a 500 ------------------------------------------------------------------------------------------
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_a_500_closes_its_connection_and_is_logged_once(server, http, monkeypatch):
+    """Starlette answered the 500, then raised the error on to uvicorn, which logged it again and
+    reset the connection: a keep-alive client's next request on it failed. The 500 says
+    Connection: close, so the client opens a new one."""
+    async def broken(*_args, **_kwargs):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(server.gateway.store, "list_conversations", broken)
+    records = _Records()
+    loggers = [logging.getLogger(name) for name in ("uvicorn.error", "fairway.gateway.errors")]
+    for logger in loggers:
+        logger.addHandler(records)
+    try:
+        first = http.get("/v1/conversations")
+        second = http.get("/v1/models")  # the same client, keep-alive
+    finally:
+        for logger in loggers:
+            logger.removeHandler(records)
+    assert first.status_code == 500 and first.headers["connection"] == "close"
+    assert first.json()["error"]["type"] == "server_error"
+    assert second.status_code == 200
+    assert records.messages == ["unhandled error"]

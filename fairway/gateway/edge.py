@@ -1,7 +1,8 @@
-"""The outermost middleware: refuses oversized headers and a URL holding a NUL character, puts the
-x-ratelimit-* headers on every response to an authenticated request (those a route prepared from
-the limits it applied, else the current state, read as the response starts), and runs
-per-request cleanups once the response is over.
+"""The outermost middleware: refuses oversized headers and a URL holding a NUL character, answers
+an error no handler knew with a 500 that closes the connection, puts the x-ratelimit-* headers on
+every response to an authenticated request (those a route prepared from the limits it applied,
+else the current state, read as the response starts), and runs per-request cleanups once the
+response is over.
 
 It also keeps its send in the request's state (BODY_SEND) for streamed body chunks.
 
@@ -21,7 +22,7 @@ from urllib.parse import parse_qsl
 from fastapi import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from fairway.gateway.errors import ApiError
+from fairway.gateway.errors import ApiError, unexpected
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +113,12 @@ class EdgeMiddleware:
         state: dict[str, Any] = scope.setdefault("state", {})
         state[BODY_SEND] = send
 
+        started = False
+
         async def send_with_headers(message: Message) -> None:
+            nonlocal started
             if message["type"] == "http.response.start":
+                started = True
                 extra = state.get("ratelimit_headers")
                 if extra is None and state.get("principal") is not None:
                     extra = await _current_headers(scope, state)
@@ -127,6 +132,14 @@ class EdgeMiddleware:
 
         try:
             await self.app(scope, receive, send_with_headers)
+        except Exception as exc:
+            # Answered here, not raised on: Starlette's outer handler would answer, then raise it
+            # to the server, which logs it a second time and resets the connection, failing the
+            # client's next request on it. A response already started cannot become a 500: the
+            # server closes its connection.
+            if started:
+                raise
+            await unexpected(exc)(scope, receive, send_with_headers)
         finally:
             for cleanup in reversed(state.get("cleanups") or []):
                 try:

@@ -133,6 +133,15 @@ def unavailable(message: str, code: str | None = None) -> ApiError:
     return ApiError(503, message, code=code)
 
 
+def unexpected(exc: Exception) -> JSONResponse:
+    """The 500 for an error no handler knew, logged here once. It closes the connection: after an
+    unknown failure the connection's state is not to be trusted, and the client learns from the
+    header to open a new one rather than meet a reset on its next request."""
+    log.error("unhandled error", exc_info=exc)
+    return ApiError(500, "The server had an error while processing your request.",
+                    headers={"Connection": "close"}).response()
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
@@ -170,8 +179,10 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        log.exception("unhandled error")
-        return ApiError(500, "The server had an error while processing your request.").response()
+        # Starlette's outermost middleware runs this, then raises the error on to the server,
+        # which logs it again and resets the connection: the edge middleware answers first
+        # (edge.py); this is for an error outside it.
+        return unexpected(exc)
 
 
 class ErrorDetail(BaseModel):
