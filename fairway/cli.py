@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import faulthandler
 import logging
+import math
 import os
 import signal
 import socket
@@ -19,16 +20,77 @@ from fairway.models.bundled import ModelFileError
 from fairway.models.weights import WEIGHTS
 from fairway.server_gc import settle_heap
 
+# Option types: each refuses, at the command line, a value that would start a server that then
+# breaks (a 0 s keepalive floods every stream, port 70000 silently wraps to 4464, NaN passes every
+# `< 0` check). argparse prints their message as `argument --flag: ...` and exits 2.
+
+def _number(value: str, convert: type[int] | type[float] = float) -> float:
+    """value as a finite number (int or float)."""
+    try:
+        number = convert(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a {'whole number' if convert is int else 'number'}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"must be a finite number, not {value!r}")
+    return number
+
 
 def _count(value: str) -> int:
-    """A flag that counts something the process needs at least one of (runs at once, tool rounds):
-    0 would hang every run or silently mean the default."""
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a whole number") from None
+    """A positive whole number: something the process needs at least one of (runs at once, tool
+    rounds, tokens): 0 would hang every run or silently mean the default."""
+    number = int(_number(value, int))
     if number < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {number}")
+    return number
+
+
+def _non_negative_count(value: str) -> int:
+    number = int(_number(value, int))
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {number}")
+    return number
+
+
+def _positive_seconds(value: str) -> float:
+    """A positive float (a period, an interval: 0 would spin or expire everything at once)."""
+    seconds = _number(value)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {value!r}")
+    return seconds
+
+
+def _non_negative(value: str) -> float:
+    """A float where 0 has a meaning (no grace, do not wait, free) and below 0 has none."""
+    number = _number(value)
+    if number < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, not {value!r}")
+    return number
+
+
+def _port(value: str) -> int:
+    number = int(_number(value, int))
+    if not 1 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535, not {number}")
+    return number
+
+
+def _port_or_free(value: str) -> int:
+    """A port, or 0: a free one."""
+    number = int(_number(value, int))
+    if not 0 <= number <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1 to 65535 (or 0: a free one), not {number}")
+    return number
+
+
+MIN_MODEL_LEN = 128  # a chat template and a short message with room for a reply
+
+
+def _model_len(value: str) -> int:
+    number = int(_number(value, int))
+    if number < MIN_MODEL_LEN:
+        raise argparse.ArgumentTypeError(f"must be at least {MIN_MODEL_LEN} tokens (a prompt and a reply), "
+                                         f"got {number}")
     return number
 
 
@@ -104,8 +166,8 @@ def _pairs(values: list[str] | None, flag: str) -> dict[str, int]:
     out = {}
     for value in values or []:
         name, sep, number = value.partition("=")
-        if not sep or not number.strip().isdigit():
-            raise ValueError(f"{flag} takes TIER=NUMBER, got {value!r}")
+        if not sep or not number.strip().isdigit() or int(number) < 1:  # 0 would refuse the tier's every request
+            raise ValueError(f"{flag} takes TIER=NUMBER (at least 1), got {value!r}")
         out[name.strip()] = int(number)
     return out
 
@@ -361,9 +423,6 @@ def _database_url(args: argparse.Namespace) -> str | None:
 def cmd_up(args: argparse.Namespace) -> int:
     from fairway.up import UpOptions, up
 
-    if args.replicas < 1 or args.gateways < 1:
-        print("fairway up: --replicas and --gateways must be at least 1", file=sys.stderr)
-        return 2
     return up(UpOptions(args.replicas, args.gateways, args.redis, args.database, args.host, args.port,
                         args.namespace, args.replica_arg, args.gateway_arg))
 
@@ -478,7 +537,7 @@ def _time(ts: float) -> str:
 def _memory_files_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("memory and files")
     g.add_argument("--no-memory", action="store_true", help="no facts across conversations")
-    g.add_argument("--memory-idle", type=float, default=300.0, metavar="S",
+    g.add_argument("--memory-idle", type=_positive_seconds, default=300.0, metavar="S",
                    help="a conversation idle this long gets its facts extracted (default 300)")
     g.add_argument("--files", default=os.environ.get("FAIRWAY_FILES"),
                    help="uploads: a directory (default ./.fairway/files) or s3://bucket (endpoint from "
@@ -490,16 +549,17 @@ def _limits_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tpm", action="append", metavar="TIER=N", help="tokens per minute per user per model for a tier "
                    "(repeatable; defaults: free=40000 paid=400000 business=2000000 background=1000000)")
     g.add_argument("--rpm", action="append", metavar="TIER=N", help="requests per minute per user for a tier")
-    g.add_argument("--ip-rpm", dest="ip_requests_per_minute", type=int, default=None,
-                   help="requests per minute per client IP (default 1200)")
-    g.add_argument("--max-in-flight", type=int, default=None, help="chat requests this gateway serves at once (256)")
-    g.add_argument("--max-waiting", type=int, default=None, help="requests waiting for a slot before 503 (1024)")
-    g.add_argument("--admission-timeout", dest="admission_timeout_s", type=float, default=None,
-                   help="seconds a request waits for a slot before 503 (5)")
-    g.add_argument("--prompt-price-per-1k", type=float, default=None, help="usage cost per 1k prompt tokens "
+    g.add_argument("--ip-rpm", dest="ip_requests_per_minute", type=_count, default=None,
+                   help="requests per minute per client IP (default 1200; at least 1: there is no 'off')")
+    g.add_argument("--max-in-flight", type=_count, default=None, help="chat requests this gateway serves at once (256)")
+    g.add_argument("--max-waiting", type=_non_negative_count, default=None,
+                   help="requests waiting for a slot before 503 (1024; 0: none wait)")
+    g.add_argument("--admission-timeout", dest="admission_timeout_s", type=_non_negative, default=None,
+                   help="seconds a request waits for a slot before 503 (5; 0: it does not wait)")
+    g.add_argument("--prompt-price-per-1k", type=_non_negative, default=None, help="usage cost per 1k prompt tokens "
                    "(default 0.00015; completion 0.0006)")
-    g.add_argument("--completion-price-per-1k", type=float, default=None, help="... per 1k completion tokens")
-    g.add_argument("--cached-price-per-1k", type=float, default=None, help="... per 1k cached prompt tokens "
+    g.add_argument("--completion-price-per-1k", type=_non_negative, default=None, help="... per 1k completion tokens")
+    g.add_argument("--cached-price-per-1k", type=_non_negative, default=None, help="... per 1k cached prompt tokens "
                    "(default: half the prompt price)")
     g.add_argument("--model-price", action="append", metavar="MODEL=PROMPT,COMPLETION[,CACHED]",
                    help="one model's own prices per 1k tokens, e.g. the mini pool's (repeatable; other models: "
@@ -514,10 +574,10 @@ def _router_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing", default=default.routing, choices=ROUTINGS,
                    help="affinity: the replica with most of the prompt's prefix cached, unless overloaded; "
                         "round-robin: each replica in turn (for comparison)")
-    g.add_argument("--overflow-abs", type=int, default=default.overflow_abs, metavar="N",
+    g.add_argument("--overflow-abs", type=_non_negative_count, default=default.overflow_abs, metavar="N",
                    help="pass over the best-scoring replica when it has more than N replies more than the least "
                         "loaded ...")
-    g.add_argument("--overflow-rel", type=float, default=default.overflow_rel, metavar="X",
+    g.add_argument("--overflow-rel", type=_non_negative, default=default.overflow_rel, metavar="X",
                    help="... and more than X times the least loaded one's load more")
 
 
@@ -526,13 +586,13 @@ def _pressure_args(p: argparse.ArgumentParser) -> None:
 
     default = PressureSettings()
     g = p.add_argument_group("peak load: free requests at capacity, the mini pool (fairway/router/pressure.py)")
-    g.add_argument("--max-wait", type=float, default=default.max_wait_s, metavar="S",
+    g.add_argument("--max-wait", type=_non_negative, default=default.max_wait_s, metavar="S",
                    help="a free request predicted to wait longer than S seconds to start (the queue ahead of it "
                         "over the replica's measured drain rate) finds its model's pool at capacity")
     g.add_argument("--free-at-capacity", default=default.free_at_capacity, choices=AT_CAPACITY,
                    help="what it gets then: shed (503 + Retry-After, the reply stored SHED), mini (the model's mini "
                         "pool serves it), shorten (at most --shorter-max-tokens)")
-    g.add_argument("--shorter-max-tokens", type=int, default=default.shorter_max_tokens, metavar="N")
+    g.add_argument("--shorter-max-tokens", type=_count, default=default.shorter_max_tokens, metavar="N")
     g.add_argument("--mini-model", default=None, metavar="PATH",
                    help="the mini pool's model (a .gguf file or Hugging Face folder, or 'bundled'): its replicas "
                         "run `fairway replica --model PATH --mini-of MAIN`")
@@ -553,35 +613,29 @@ def _safety_args(p: argparse.ArgumentParser, stages: tuple[str, ...]) -> None:
                        choices=["check-then-release", "release-then-check", "off"],
                        help="the reply's check, per sentence: hold each back until checked (default), stream first "
                             "and stop after a flagged one, or none")
-        g.add_argument("--max-sentence-chars", type=int, default=300,
+        g.add_argument("--max-sentence-chars", type=_count, default=300,
                        help="a sentence without an end is checked (and released) at this length")
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
-    p.add_argument("--keepalive", type=float, default=10.0,
+    p.add_argument("--keepalive", type=_positive_seconds, default=10.0,
                    help="seconds without events before a stream gets an SSE keepalive (for proxies' idle timeouts)")
 
 
 def _relay_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--namespace", default="fairway:", help="Redis key prefix (separate deployments on one Redis)")
-    p.add_argument("--log-ttl", type=float, default=1800.0, help="seconds a reply's token log is kept after its last event")
-
-
-def _positive_seconds(value: str) -> float:
-    seconds = float(value)
-    if not seconds > 0:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, not {value!r}")
-    return seconds
+    p.add_argument("--log-ttl", type=_positive_seconds, default=1800.0, help="seconds a reply's token log is kept after its last event")
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--idle-cancel", type=float, default=30.0, help="cancel a reply nobody listened to for this many seconds")
+    p.add_argument("--idle-cancel", type=_positive_seconds, default=30.0, help="cancel a reply nobody listened to for this many seconds")
     p.add_argument("--sandbox", default="local",
                    help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
-    p.add_argument("--max-model-len", type=int, default=None, help="cap the context window (tokens)")
+    p.add_argument("--max-model-len", type=_model_len, default=None,
+                   help=f"cap the context window (tokens, at least {MIN_MODEL_LEN})")
     p.add_argument("--background-max-wait", type=_positive_seconds, default=30.0, metavar="S",
                    help="background work (memory extraction) waiting this long, to be claimed or in the engine, "
                         "moves up a lane: a free flood never starves it for ever")
@@ -600,22 +654,22 @@ def _fleet_args(sub) -> None:
     g.add_argument("--min-replicas", type=int, default=1, help="never fewer (at least 1: never scales to zero)")
     g.add_argument("--max-replicas", type=int, default=8)
     g.add_argument("--step", type=int, default=1, help="replicas added by one decision at most")
-    g.add_argument("--cooldown", type=float, default=30.0, metavar="S", help="seconds between two scaling actions")
-    g.add_argument("--idle", type=float, default=120.0, metavar="S",
+    g.add_argument("--cooldown", type=_number, default=30.0, metavar="S", help="seconds between two scaling actions")
+    g.add_argument("--idle", type=_number, default=120.0, metavar="S",
                    help="seconds the forecast must fit in one replica fewer before one drains")
     g = f.add_argument_group("what a replica serves")
-    g.add_argument("--replica-rps", type=float, default=1.0, metavar="R",
+    g.add_argument("--replica-rps", type=_number, default=1.0, metavar="R",
                    help="replies per second one replica serves within the TTFT target (measure it: bench/)")
-    g.add_argument("--ttft-target", type=float, default=2.0, metavar="S", help="the TTFT p99 to keep")
-    g.add_argument("--headroom", type=float, default=0.8, help="plan each replica at this share of --replica-rps")
-    g.add_argument("--lead", type=float, default=60.0, metavar="S",
+    g.add_argument("--ttft-target", type=_number, default=2.0, metavar="S", help="the TTFT p99 to keep")
+    g.add_argument("--headroom", type=_number, default=0.8, help="plan each replica at this share of --replica-rps")
+    g.add_argument("--lead", type=_number, default=60.0, metavar="S",
                    help="forecast at least this far ahead; further when the replicas took longer to start "
                         "(measured: asked for to ready)")
-    g.add_argument("--queue-per-replica", type=float, default=8.0, metavar="N",
+    g.add_argument("--queue-per-replica", type=_number, default=8.0, metavar="N",
                    help="waiting replies per replica that add one whatever the forecast")
-    g.add_argument("--alpha", type=float, default=0.3, help="the forecast's level smoothing (Holt), in (0, 1]")
-    g.add_argument("--beta", type=float, default=0.1, help="the forecast's trend smoothing (Holt), in (0, 1]")
-    g.add_argument("--interval", type=float, default=1.0, metavar="S", help="seconds between two looks")
+    g.add_argument("--alpha", type=_number, default=0.3, help="the forecast's level smoothing (Holt), in (0, 1]")
+    g.add_argument("--beta", type=_number, default=0.1, help="the forecast's trend smoothing (Holt), in (0, 1]")
+    g.add_argument("--interval", type=_number, default=1.0, metavar="S", help="seconds between two looks")
     g = f.add_argument_group("local backend")
     g.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                    help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
@@ -627,7 +681,7 @@ def _fleet_args(sub) -> None:
     g.add_argument("--deployment", default="fairway-replica", help="the replica Deployment to scale")
     g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
     g.add_argument("--kubeconfig", default=None, help="default: in-cluster credentials, else KUBECONFIG")
-    f.add_argument("--metrics-port", type=int, default=None, help="serve the fleet's Prometheus /metrics here")
+    f.add_argument("--metrics-port", type=_port, default=None, help="serve the fleet's Prometheus /metrics here")
     f.add_argument("--metrics-host", default="127.0.0.1")
     f.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     f.set_defaults(func=cmd_fleet)
@@ -639,16 +693,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="generate text for one prompt; prints only the generated text")
     g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=_count, default=128)
+    g.add_argument("--temperature", type=_non_negative, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="a terminal chat with the model; the conversation is kept across turns")
-    c.add_argument("--max-tokens", type=int, default=256)
-    c.add_argument("--temperature", type=float, default=0.7)
+    c.add_argument("--max-tokens", type=_count, default=256)
+    c.add_argument("--temperature", type=_non_negative, default=0.7)
     c.add_argument("--seed", type=int, default=None)
     c.add_argument("--system", default=None, help="a system message for the conversation")
     _engine_args(c)
@@ -661,7 +715,7 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_args(s)
     s.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL"),
                    help="conversation store URL (default: SQLite in ./.fairway/)")
-    s.add_argument("--default-max-tokens", type=int, default=512)
+    s.add_argument("--default-max-tokens", type=_count, default=512)
     s.add_argument("--max-tool-rounds", type=_count, default=5, help="tool runs per reply (execute_code); then it ends")
     _limits_args(s)
     _pressure_args(s)
@@ -678,7 +732,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("FAIRWAY_DATABASE_URL"), help="postgresql://user@host/db (or sqlite://)")
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes (SO_REUSEPORT)")
-    gw.add_argument("--default-max-tokens", type=int, default=512)
+    gw.add_argument("--default-max-tokens", type=_count, default=512)
     gw.add_argument("--max-tool-rounds", type=_count, default=5, help="tool runs per reply (execute_code); then it ends")
     _router_args(gw)
     _pressure_args(gw)
@@ -694,13 +748,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--redis", required=not os.environ.get("FAIRWAY_REDIS_URL"),
                    default=os.environ.get("FAIRWAY_REDIS_URL"), help="redis://host:port/db")
     r.add_argument("--replica-id", default=None)
-    r.add_argument("--max-inflight", type=int, default=256,
+    r.add_argument("--max-inflight", type=_count, default=256,
                    help="replies claimed at once; more wait in this replica's queue (a failover moves them too)")
-    r.add_argument("--drain-grace", type=float, default=30.0,
+    r.add_argument("--drain-grace", type=_non_negative, default=30.0,
                    help="on SIGTERM, seconds the replies in flight get to finish here before they are handed on")
     r.add_argument("--region", default=None, help="the region it serves, for requests that name one "
                    "(X-Fairway-Region; default: FAIRWAY_REGION, else 'local')")
-    r.add_argument("--health-port", type=int, default=0,
+    r.add_argument("--health-port", type=_port_or_free, default=0,
                    help="GET /health, /ready and /metrics (Prometheus) here (0: a free port; the heartbeat "
                         "announces it to routers)")
     r.add_argument("--health-host", default="127.0.0.1", help="where /health listens (0.0.0.0 in a container)")
@@ -721,12 +775,12 @@ def build_parser() -> argparse.ArgumentParser:
     from fairway.up import DEFAULT_DATABASE, DEFAULT_REDIS
 
     u = sub.add_parser("up", help="gateways and replicas on this machine, on the local Redis and PostgreSQL")
-    u.add_argument("--replicas", type=int, default=2)
-    u.add_argument("--gateways", type=int, default=2)
+    u.add_argument("--replicas", type=_count, default=2)
+    u.add_argument("--gateways", type=_count, default=2)
     u.add_argument("--redis", default=os.environ.get("FAIRWAY_REDIS_URL", DEFAULT_REDIS))
     u.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL", DEFAULT_DATABASE))
     u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=int, default=8000)
+    u.add_argument("--port", type=_port, default=8000)
     u.add_argument("--namespace", default="fairway:", help="Redis key prefix")
     u.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                    help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")

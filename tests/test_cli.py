@@ -1,0 +1,98 @@
+"""The command line refuses, at start and in one line, what would start a server that then breaks
+(fairway/cli.py): numeric options out of range, non-finite numbers, bad addresses, servers that do
+not answer. Argument errors exit before the model loads, so these run in seconds."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from fairway.cli import build_parser
+from fairway.engine.sampling_params import SamplingParams
+
+REDIS = ["--redis", "redis://127.0.0.1:1/0"]
+GATEWAY = ["gateway", *REDIS, "--database", "sqlite://"]
+
+
+def fairway(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fairway.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def refused(argv: list[str], capsys) -> str:
+    """argparse's one-line error for argv (it exits 2)."""
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(argv)
+    assert caught.value.code == 2
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("argv,says", [
+    ([*GATEWAY, "--keepalive", "0"], "--keepalive: must be a number of seconds above 0"),
+    (["serve", "--keepalive", "-1"], "--keepalive: must be a number of seconds above 0"),
+    (["serve", "--keepalive", "nan"], "--keepalive: must be a finite number"),
+    (["serve", "--port", "70000"], "--port: a TCP port is 1 to 65535, not 70000"),
+    (["serve", "--port", "-1"], "--port: a TCP port is 1 to 65535"),
+    (["up", "--port", "0"], "--port: a TCP port is 1 to 65535"),
+    (["serve", "--log-ttl", "-5"], "--log-ttl: must be a number of seconds above 0"),
+    (["serve", "--idle-cancel", "0"], "--idle-cancel: must be a number of seconds above 0"),
+    (["serve", "--default-max-tokens", "0"], "--default-max-tokens: must be at least 1"),
+    ([*GATEWAY, "--default-max-tokens", "-3"], "--default-max-tokens: must be at least 1"),
+    (["serve", "--max-model-len", "0"], "--max-model-len: must be at least 128 tokens"),
+    (["replica", *REDIS, "--max-model-len", "-1"], "--max-model-len: must be at least 128 tokens"),
+    (["replica", *REDIS, "--max-inflight", "0"], "--max-inflight: must be at least 1"),
+    (["replica", *REDIS, "--drain-grace", "-1"], "--drain-grace: must be 0 or more"),
+    (["replica", *REDIS, "--health-port", "70000"], "--health-port: a TCP port is 1 to 65535 (or 0"),
+    (["serve", "--ip-rpm", "0"], "--ip-rpm: must be at least 1"),
+    (["serve", "--max-in-flight", "0"], "--max-in-flight: must be at least 1"),
+    (["serve", "--max-waiting", "-1"], "--max-waiting: must be 0 or more"),
+    (["serve", "--admission-timeout", "-1"], "--admission-timeout: must be 0 or more"),
+    (["serve", "--memory-idle", "0"], "--memory-idle: must be a number of seconds above 0"),
+    ([*GATEWAY, "--overflow-rel", "-0.5"], "--overflow-rel: must be 0 or more"),
+    ([*GATEWAY, "--overflow-abs", "-1"], "--overflow-abs: must be 0 or more"),
+    (["serve", "--max-wait", "inf"], "--max-wait: must be a finite number"),
+    (["serve", "--shorter-max-tokens", "0"], "--shorter-max-tokens: must be at least 1"),
+    (["serve", "--max-sentence-chars", "0"], "--max-sentence-chars: must be at least 1"),
+    (["serve", "--prompt-price-per-1k", "-1"], "--prompt-price-per-1k: must be 0 or more"),
+    (["generate", "--prompt", "x", "--max-tokens", "0"], "--max-tokens: must be at least 1"),
+    (["generate", "--prompt", "x", "--temperature", "nan"], "--temperature: must be a finite number"),
+    (["chat", "--temperature", "inf"], "--temperature: must be a finite number"),
+    (["chat", "--temperature", "-1"], "--temperature: must be 0 or more"),
+    (["fleet", "--cooldown", "nan"], "--cooldown: must be a finite number"),
+    (["fleet", "--metrics-port", "99999"], "--metrics-port: a TCP port is 1 to 65535"),
+    (["serve", "--keepalive", "soon"], "--keepalive: 'soon' is not a number"),
+])
+def test_numbers_that_would_break_the_server_are_refused_at_start(argv, says, capsys):
+    assert says in refused(argv, capsys)
+
+
+def test_numbers_in_range_are_taken():
+    args = build_parser().parse_args([*GATEWAY, "--keepalive", "0.5", "--port", "65535", "--max-waiting", "0",
+                                      "--admission-timeout", "0", "--overflow-abs", "0"])
+    assert (args.keepalive, args.port, args.max_waiting, args.admission_timeout_s) == (0.5, 65535, 0, 0.0)
+    replica = build_parser().parse_args(["replica", *REDIS, "--health-port", "0", "--drain-grace", "0",
+                                         "--max-model-len", "128"])
+    assert (replica.health_port, replica.drain_grace, replica.max_model_len) == (0, 0.0, 128)
+
+
+def test_a_zero_keepalive_gateway_exits_at_once_with_one_line():
+    """It flooded every stream with keepalives and then ignored SIGINT/SIGTERM."""
+    out = fairway(*GATEWAY, "--keepalive", "0")
+    assert out.returncode == 2 and "--keepalive: must be a number of seconds above 0" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_tier_limit_of_zero_is_refused(capsys):
+    from fairway.cli import _limits_config
+
+    with pytest.raises(ValueError, match="at least 1"):
+        _limits_config(build_parser().parse_args(["serve", "--tpm", "free=0"]))
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), float("-inf")])
+def test_sampling_params_refuse_a_temperature_that_is_not_finite(temperature):
+    """NaN passed `temperature < 0` (every comparison with NaN is False) and reached the sampler."""
+    with pytest.raises(ValueError, match="temperature must be a finite number"):
+        SamplingParams(temperature=temperature)
