@@ -337,3 +337,18 @@ def test_a_replica_told_it_will_be_reclaimed_drains_and_the_fleet_replaces_it_fi
     reasons = [d.reason for _, d in manager.decisions]
     assert reasons == ["minimum", "replace", "replace"], manager.decisions  # no cool-down waited, nothing else
     assert len({first, second, third}) == 3
+
+
+def test_a_log_dir_that_does_not_exist_yet_is_made(tmp_path):
+    """The README's `fairway fleet --log-dir .fairway/fleet` crashed (FileNotFoundError) on a
+    fresh checkout. The replica here exits at once (a flag it does not know): its log says so."""
+    log_dir = tmp_path / "not" / "yet"
+    backend = LocalBackend("redis://127.0.0.1:1/0", replica_args=["--no-such-flag"], log_dir=log_dir)
+    try:
+        asyncio.run(backend.add(1))
+        (replica_id,) = backend.ids
+        assert backend.process(replica_id).wait(timeout=60) == 2
+        assert "--no-such-flag" in (log_dir / f"{replica_id}.log").read_text()
+    finally:
+        asyncio.run(backend.close())
+        backend.stop(grace_s=5)

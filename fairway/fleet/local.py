@@ -65,6 +65,8 @@ class LocalBackend(Backend):
             replica_id = f"fleet-{self._run}-{self._started}"
             self._started += 1
             port = _free_port(self.host)
+            if self.log_dir:  # (the README's `--log-dir .fairway/fleet` need not exist yet)
+                self.log_dir.mkdir(parents=True, exist_ok=True)
             log = open(self.log_dir / f"{replica_id}.log", "ab") if self.log_dir else None  # noqa: SIM115
             proc = fairway_process("replica", "--redis", self.redis, "--namespace", self.namespace, "--replica-id",
                                    replica_id, "--health-host", self.host, "--health-port", str(port),
