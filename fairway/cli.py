@@ -399,8 +399,12 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
     async def main() -> None:
         sandbox = LocalSandbox(RunnerSettings(python=args.python, max_concurrent=args.max_concurrent,
                                               per_tenant=args.per_tenant))
+        try:  # before the check (a run): a bad or taken address is one line at once
+            server, port = await start_server(sandbox, args.listen)
+        except OSError as exc:
+            raise SandboxListenError(f"fairway sandbox: cannot listen on {args.listen}: "
+                                     f"{exc.strerror or exc}") from None
         reason = await sandbox.check()
-        server, port = await start_server(sandbox, args.listen)
         # The first line says where it listens (a supervisor, or a test, reads it).
         print(f"sandbox listening on {args.listen.rpartition(':')[0]}:{port}"
               + (f" (code execution is off: {reason})" if reason else ""), flush=True)
@@ -412,8 +416,16 @@ def cmd_sandbox(args: argparse.Namespace) -> int:
         await server.stop(grace=2.0)
         await sandbox.close()  # (its runs' memory cgroups)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    except SandboxListenError as exc:
+        print(exc, file=sys.stderr)
+        return 1
     return 0
+
+
+class SandboxListenError(Exception):
+    """The sandbox service cannot listen where it was told (the message says why)."""
 
 
 def _database_url(args: argparse.Namespace) -> str | None:

@@ -4,6 +4,7 @@ not answer. Argument errors exit before the model loads, so these run in seconds
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 
@@ -96,3 +97,36 @@ def test_sampling_params_refuse_a_temperature_that_is_not_finite(temperature):
     """NaN passed `temperature < 0` (every comparison with NaN is False) and reached the sampler."""
     with pytest.raises(ValueError, match="temperature must be a finite number"):
         SamplingParams(temperature=temperature)
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:99999", "nonsense", "127.0.0.1:", ":50051"])
+def test_a_sandbox_address_that_is_not_host_port_is_one_line(listen):
+    """gRPC took port 99999 as "any port" and printed a traceback for the rest."""
+    out = fairway("sandbox", "--listen", listen)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--listen takes host:port" in out.stderr, out.stderr
+
+
+def test_a_sandbox_on_a_taken_address_exits_saying_so():
+    """gRPC's default SO_REUSEPORT let a second sandbox bind beside the first one (sharing its
+    connections); a port another program holds was a "Failed to bind" traceback."""
+    first = subprocess.Popen([sys.executable, "-m", "fairway.cli", "sandbox", "--listen", "127.0.0.1:0"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = first.stdout.readline()
+        assert line.startswith("sandbox listening on "), line
+        address = line.split()[3]
+        second = fairway("sandbox", "--listen", address)
+        assert second.returncode == 1 and second.stderr.strip() == \
+            f"fairway sandbox: cannot listen on {address}: Address already in use", second.stderr
+    finally:
+        first.terminate()
+        first.wait(10)
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        address = f"127.0.0.1:{other.getsockname()[1]}"
+        out = fairway("sandbox", "--listen", address)
+    assert out.returncode == 1 and out.stderr.strip() == \
+        f"fairway sandbox: cannot listen on {address}: Address already in use", out.stderr
+    unknown = fairway("sandbox", "--listen", "no-such-host.invalid:50051")
+    assert unknown.returncode == 1 and unknown.stderr.count("\n") == 1 and "cannot listen" in unknown.stderr

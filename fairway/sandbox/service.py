@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
 from typing import Any
 
 # gRPC's fork handlers crash a child forked while its threads run (the runner forks for every run,
@@ -74,15 +75,43 @@ class SandboxService:
 
 
 async def start_server(sandbox: Sandbox, listen: str) -> tuple[grpc.aio.Server, int]:
-    """Serve the sandbox on listen (host:port; port 0 picks one); the server and its port."""
+    """Serve the sandbox on listen (host:port; port 0 picks one); the server and its port.
+    ValueError for an address that is not host:port, OSError naming why it cannot be bound."""
+    host, port = parse_listen(listen)
+    _probe_bind(host, port)
+    # gRPC sets SO_REUSEPORT by default: a second sandbox on a taken address would bind too and
+    # take half the connections.
     server = grpc.aio.server(options=[("grpc.max_receive_message_length", _MAX_MESSAGE),
-                                      ("grpc.max_send_message_length", _MAX_MESSAGE)])
+                                      ("grpc.max_send_message_length", _MAX_MESSAGE),
+                                      ("grpc.so_reuseport", 0)])
     server.add_generic_rpc_handlers((SandboxService(sandbox).handler(),))
-    port = server.add_insecure_port(listen)
+    try:
+        port = server.add_insecure_port(listen)
+    except RuntimeError as exc:  # (taken between the probe and here)
+        raise OSError(f"could not listen on {listen}: {exc}") from None
     if port == 0:
         raise OSError(f"could not listen on {listen}")
     await server.start()
     return server, port
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """host:port (or [v6]:port) as (host, port). gRPC itself takes port 99999 as a free port."""
+    host, sep, port = listen.rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError(f"--listen takes host:port, the port 0 to 65535 (0: a free one), not {listen!r}")
+    return host, int(port)
+
+
+def _probe_bind(host: str, port: int) -> None:
+    """Bind the address as gRPC will (SO_REUSEADDR, no SO_REUSEPORT) and let it go: an unknown
+    host or a taken port is then an OSError that says so, where gRPC gives a bare "Failed to
+    bind" after lines of its own log."""
+    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
 
 
 def target_of(url: str) -> str:
