@@ -516,3 +516,15 @@ def test_a_500_closes_its_connection_and_is_logged_once(server, http, monkeypatc
     assert first.json()["error"]["type"] == "server_error"
     assert second.status_code == 200
     assert records.messages == ["unhandled error"]
+
+
+def test_a_backend_that_refuses_the_connection_is_a_503_to_retry(server, http, monkeypatch):
+    """A socket to a backend refused where no store mapped it (memory's or files' engine
+    connecting to a PostgreSQL that is down): 503 with Retry-After, as a store unavailable."""
+    async def refused(*_args, **_kwargs):
+        raise ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 5432)")
+
+    monkeypatch.setattr(server.gateway.store, "list_conversations", refused)
+    answer = http.get("/v1/conversations")
+    assert answer.status_code == 503 and answer.headers["retry-after"] == "1"
+    assert answer.json()["error"]["code"] == "backend_unavailable"

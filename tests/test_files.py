@@ -68,6 +68,8 @@ def test_chunks_stay_within_a_page_and_overlap():
     first, second = chunks[0].text, chunks[1].text
     assert second.split(" ")[0] in first[-60:]  # the next chunk starts inside the last one's tail
     assert all(c.page == 1 for c in chunks[:-1])
+    # a NUL in extracted text (a PDF's text layer) is no text: PostgreSQL could not store the chunk
+    assert [c.text for c in chunk_pages([(1, "Total:\x00 42\x00units.")])] == ["Total: 42 units."]
 
 
 async def test_parsing_is_bounded_and_failures_have_reasons():

@@ -6,7 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fairway.conversation import database_url
+from fairway.conversation import StoreUnavailable, database_url
+from fairway.memory import MemoryStore
 from fairway.retrieval import FILE_CHUNKS, MEMORIES, Entry, SqlVectorIndex
 
 pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
@@ -108,3 +109,21 @@ def test_embedder_ranks_by_meaning_and_batches_consistently(embedder):
     single = np.vstack([embedder.embed([f]) for f in facts])
     assert single == pytest.approx(vectors, abs=1e-5)
     assert embedder.embed([]).shape == (0, 384)
+
+
+async def test_a_database_that_does_not_answer_is_unavailable_not_a_crash():
+    """Memory's, files' and the vector index's calls on a PostgreSQL that does not answer: on
+    asyncpg's pool StoreUnavailable, as the conversation store's; through the engine the refused
+    connection itself (a ConnectionError): both the gateway's 503 to retry (test_edge.py), not a 500."""
+    url = database_url("postgresql://postgres@127.0.0.1:1/nowhere")
+    index, memory = SqlVectorIndex(url, DIM), MemoryStore(url)
+    try:
+        with pytest.raises((StoreUnavailable, ConnectionError)):
+            await index.count(MEMORIES, "u")  # the engine
+        with pytest.raises((StoreUnavailable, ConnectionError)):
+            await memory.list("u")  # the engine, memory's own
+        with pytest.raises(StoreUnavailable):
+            await memory.turn_state("u", "conv_x")  # the pool
+    finally:
+        await memory.close()
+        await index.close()

@@ -174,40 +174,43 @@ def refused_text(exc: BaseException) -> bool:
     return getattr(exc, "sqlstate", None) in _TEXT_REFUSED
 
 
+def _as_store_error(exc: BaseException) -> StoreError | None:
+    """The store's error for a database error that is not the store's fault: text PostgreSQL
+    refuses (InvalidText, a 400: the input's fault), an unreachable database (StoreUnavailable, a
+    503: retry); None for any other."""
+    if refused_text(exc):
+        return InvalidText(f"the database refused this text: {exc}")
+    if _unreachable(exc):
+        return StoreUnavailable(f"the database is unavailable: {exc}")
+    return None
+
+
 @contextlib.contextmanager
-def refusing_text() -> Iterator[None]:
-    """PostgreSQL's refusal of a text value as InvalidText (a 400, the input's fault, where it
-    would otherwise be a 500); everything else as it is."""
+def reaching_database() -> Iterator[None]:
+    """Database errors that are not the store's fault as the store's errors (_as_store_error);
+    everything else as it is. Every store's calls on asyncpg's pool run inside it."""
     try:
         yield
     except Exception as exc:
-        if refused_text(exc):
-            raise InvalidText(f"the database refused this text: {exc}") from exc
+        error = _as_store_error(exc)
+        if error is not None:
+            raise error from exc
         raise
 
 
-def invalid_text_on_engine(engine: AsyncEngine) -> None:
-    """Every statement of this engine raises InvalidText for text PostgreSQL refuses (the stores
-    that run theirs on the engine directly, in many places: one hook instead of a wrapper each)."""
+def store_errors_on_engine(engine: AsyncEngine) -> None:
+    """Every statement (and connection) of this engine raises the store's errors as
+    reaching_database() would: for the stores that run theirs on the engine directly, in many
+    places (memory's, files', the vector index's), one hook instead of a wrapper each."""
 
     def handle_error(context: Any) -> None:
-        if refused_text(context.original_exception):
-            raise InvalidText(f"the database refused this text: {context.original_exception}")
+        error = _as_store_error(context.original_exception)
+        if error is None and context.is_disconnect:
+            error = StoreUnavailable(f"the database is unavailable: {context.original_exception}")
+        if error is not None:
+            raise error
 
     sa.event.listen(engine.sync_engine, "handle_error", handle_error)
-
-
-@contextlib.contextmanager
-def _reaching_database() -> Iterator[None]:
-    """Errors of an unreachable database as StoreUnavailable, text it refuses as InvalidText;
-    everything else as it is."""
-    try:
-        with refusing_text():
-            yield
-    except Exception as exc:
-        if _unreachable(exc):
-            raise StoreUnavailable(f"the database is unavailable: {exc}") from exc
-        raise
 
 
 def _values(entity: object) -> dict[str, Any]:
@@ -389,7 +392,7 @@ class SqlConversationStore(ConversationStore):
         On asyncpg's pool on PostgreSQL; through the engine on SQLite, a write after this
         process's earlier writers."""
         if self._hot_path is not None:
-            with _reaching_database():
+            with reaching_database():
                 return await self._hot_path.fetch(statement, params)
         return await self._rows_many(statement, [params], write)
 
@@ -398,7 +401,7 @@ class SqlConversationStore(ConversationStore):
         """One statement per set of parameters, in one round trip on PostgreSQL (pipelined, in one
         transaction); in one transaction on SQLite. The rows of all, in order."""
         if self._hot_path is not None:
-            with _reaching_database():
+            with reaching_database():
                 return await self._hot_path.fetch_many(statement, params_list)
         if not params_list:
             return []
@@ -413,7 +416,7 @@ class SqlConversationStore(ConversationStore):
     @contextlib.asynccontextmanager
     async def _one_statement(self) -> AsyncIterator[AsyncConnection]:
         """A connection for a single read (a single write goes through _rows)."""
-        with _reaching_database():
+        with reaching_database():
             async with self._autocommit.connect() if self._autocommit is not None else self._engine.begin() as conn:
                 yield conn
 
@@ -421,7 +424,7 @@ class SqlConversationStore(ConversationStore):
     async def _writing(self) -> AsyncIterator[AsyncConnection]:
         """A transaction that writes, committed at the end. On SQLite, after this process's
         earlier writers (_sqlite_write_lock)."""
-        with _reaching_database():
+        with reaching_database():
             if self._dialect != "sqlite":
                 async with self._engine.begin() as conn:
                     yield conn
@@ -430,7 +433,7 @@ class SqlConversationStore(ConversationStore):
                 yield conn
 
     async def init(self) -> None:
-        with _reaching_database():
+        with reaching_database():
             await migrate(self._engine)
 
     async def close(self) -> None:
@@ -444,7 +447,7 @@ class SqlConversationStore(ConversationStore):
             yield
             return
         async with contextlib.AsyncExitStack() as stack:
-            with _reaching_database():  # the checkout's errors; the block's own pass as they are
+            with reaching_database():  # the checkout's errors; the block's own pass as they are
                 await stack.enter_async_context(self._hot_path.one_connection())
             yield
 

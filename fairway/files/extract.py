@@ -157,7 +157,8 @@ def chunk_pages(pages: list[tuple[int | None, str]], max_chars: int = 1000, over
     for page, text in pages:
         pieces: list[str] = []
         for paragraph in re.split(r"\n\s*\n", text):
-            paragraph = " ".join(paragraph.split())
+            # A NUL (some PDFs' text layers hold them) is no text, and PostgreSQL cannot store one.
+            paragraph = " ".join(paragraph.replace("\x00", " ").split())
             if not paragraph:
                 continue
             for sentence in _SENTENCE_END.split(paragraph):

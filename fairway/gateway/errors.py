@@ -155,6 +155,14 @@ def install(app: FastAPI) -> None:
         return ApiError(503, "The conversation store is unavailable right now; retry shortly.",
                         code="store_unavailable", headers={"Retry-After": "1"}).response()
 
+    @app.exception_handler(ConnectionError)
+    async def _backend_unreachable(_: Request, exc: ConnectionError) -> JSONResponse:
+        # A socket to a backend refused or reset where no store mapped it (an engine's connect to
+        # PostgreSQL, say): the same as a store unavailable, not a bug of ours.
+        log.warning("a backend is unreachable: %s", exc)
+        return ApiError(503, "A backend the gateway needs is unavailable right now; retry shortly.",
+                        code="backend_unavailable", headers={"Retry-After": "1"}).response()
+
     @app.exception_handler(InvalidText)
     async def _invalid_text(_: Request, exc: InvalidText) -> JSONResponse:
         # Text PostgreSQL cannot hold (a NUL) that got past the request checks: still the input's

@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_en
 from sqlalchemy.pool import StaticPool
 
 from fairway.conversation.hot_path import shared_hot_path
-from fairway.conversation.sql_store import invalid_text_on_engine, migrate, refusing_text
+from fairway.conversation.sql_store import migrate, reaching_database, store_errors_on_engine
 
 from .exact import PartitionCache, PartitionMatrix, top_k
 from .index import Entry, Hit, Stored, VectorIndex, as_unit_vector
@@ -92,7 +92,7 @@ def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> AsyncEn
     connect = {"connect_args": connect_args} if connect_args else {}
     if parsed.get_backend_name() != "sqlite":
         engine = create_async_engine(url, pool_size=10, max_overflow=10, **connect)
-        invalid_text_on_engine(engine)  # a NUL in a memory, a file's name or text: a 400, not a 500
+        store_errors_on_engine(engine)  # a NUL in a memory or a file's text: a 400; the server away: a 503
         shared_hot_path(engine, connect_args)  # the parts on this engine share it, connecting alike
         return engine
     options: dict[str, Any] = {"poolclass": StaticPool} if parsed.database in (None, "", ":memory:") else {}
@@ -129,7 +129,7 @@ class SqlTables:
         if not params_list:
             return
         if self.hot is not None:
-            with refusing_text():
+            with reaching_database():
                 await self.hot.fetch_many(statement, params_list)
             return
         async with self.engine.begin() as conn:
@@ -140,7 +140,7 @@ class SqlTables:
         """One prebuilt statement (its values as bind parameters), alone: its rows. A write
         commits by itself."""
         if self.hot is not None:
-            with refusing_text():
+            with reaching_database():
                 return await self.hot.fetch(statement, params)
         async with self.engine.begin() as conn:
             result = await conn.execute(statement, params)
