@@ -83,6 +83,17 @@ def _port_or_free(value: str) -> int:
     return number
 
 
+def _sandbox_url(value: str) -> str:
+    """--sandbox: local, off, or grpc://host:port. Anything else was taken as a gRPC host (a typo of
+    `local` left the tool 'unreachable' on every run)."""
+    if value in ("local", "off"):
+        return value
+    host, sep, port = value.removeprefix("grpc://").rstrip("/").rpartition(":")
+    if not value.startswith("grpc://") or not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"takes local, off or grpc://host:port (a `fairway sandbox`), not {value!r}")
+    return value
+
+
 MIN_MODEL_LEN = 128  # a chat template and a short message with room for a reply
 
 
@@ -644,7 +655,7 @@ def _relay_args(p: argparse.ArgumentParser) -> None:
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-cancel", type=_positive_seconds, default=30.0, help="cancel a reply nobody listened to for this many seconds")
-    p.add_argument("--sandbox", default="local",
+    p.add_argument("--sandbox", default="local", type=_sandbox_url,
                    help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
     p.add_argument("--max-model-len", type=_model_len, default=None,
                    help=f"cap the context window (tokens, at least {MIN_MODEL_LEN})")

@@ -130,3 +130,15 @@ def test_a_sandbox_on_a_taken_address_exits_saying_so():
         f"fairway sandbox: cannot listen on {address}: Address already in use", out.stderr
     unknown = fairway("sandbox", "--listen", "no-such-host.invalid:50051")
     assert unknown.returncode == 1 and unknown.stderr.count("\n") == 1 and "cannot listen" in unknown.stderr
+
+
+@pytest.mark.parametrize("value", ["bogus", "grpc://", "grpc://host", "grpc://host:0", "grpc://host:70000",
+                                   "host:50051", "http://host:50051"])
+def test_a_sandbox_that_is_not_local_off_or_grpc_is_refused(value, capsys):
+    """`--sandbox bogus` (a typo of local) was taken as a gRPC host: the tool was off on every run."""
+    assert "--sandbox: takes local, off or grpc://host:port" in refused(["serve", "--sandbox", value], capsys)
+
+
+@pytest.mark.parametrize("value", ["local", "off", "grpc://127.0.0.1:50051", "grpc://sandbox.svc:50051/"])
+def test_the_documented_sandboxes_are_taken(value):
+    assert build_parser().parse_args(["replica", *REDIS, "--sandbox", value]).sandbox == value
