@@ -352,6 +352,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fairway.assembly import embedded_app
 
     options = _server_options(args)
+    if not _servers_answer("serve", database=options.database):
+        return 2
     key = _dev_key()
     options.api_keys.append((key, DEV_USER, "paid"))
     print(f"Fairway: loading {options.model or 'the bundled model'} ...", file=sys.stderr)
@@ -366,7 +368,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_gateway(args: argparse.Namespace) -> int:
     from fairway.assembly import gateway_app
 
-    return _serve_app(gateway_app(_server_options(args)), args)
+    options = _server_options(args)  # (its own errors first: one line each)
+    if not _servers_answer("gateway", redis=options.redis, database=options.database):
+        return 2
+    return _serve_app(gateway_app(options), args)
 
 
 def cmd_replica(args: argparse.Namespace) -> int:
@@ -377,6 +382,10 @@ def cmd_replica(args: argparse.Namespace) -> int:
     faulthandler.register(signal.SIGUSR1, all_threads=True)
 
     import fairway.usage.metrics  # noqa: F401  (registers the metrics the health port's /metrics serves)
+
+    options = _server_options(args)
+    if not _servers_answer("replica", redis=options.redis):
+        return 2
 
     async def main() -> None:
         # SIGTERM (the supervisor, Kubernetes) or Ctrl-C drains: the replica leaves routing at
@@ -395,7 +404,7 @@ def cmd_replica(args: argparse.Namespace) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, on_signal)
         with contextlib.suppress(asyncio.CancelledError):
-            await run_replica(_server_options(args), settle=True, drain=drain)
+            await run_replica(options, settle=True, drain=drain)
 
     asyncio.run(main())
     return 0
@@ -441,6 +450,46 @@ class SandboxListenError(Exception):
 
 def _database_url(args: argparse.Namespace) -> str | None:
     return args.database or os.environ.get("FAIRWAY_DATABASE_URL")
+
+
+DATABASE_SCHEMES = ("postgresql", "postgres", "postgresql+asyncpg", "sqlite", "sqlite+aiosqlite")
+
+
+def _servers_answer(command: str, redis: str | None = None, database: str | None = None) -> bool:
+    """Whether the Redis and the PostgreSQL named answer (None: not used), else one line naming the
+    first that does not, as `fairway up` says it: checked before the model loads, where a missing
+    server was a long traceback. A missing PostgreSQL database is created, as `up` does. A database
+    URL no store takes is a ValueError (one line from main)."""
+    from fairway.up import ServerMissing
+
+    scheme = (database or "").partition("://")[0]
+    if database and ("://" not in database or scheme not in DATABASE_SCHEMES):
+        raise ValueError(f"--database takes postgresql://user@host/db or sqlite:///path, not {database!r}")
+    try:
+        asyncio.run(_check_servers(redis, database if scheme.startswith("postgres") else None))
+    except ServerMissing as exc:
+        print(f"fairway {command}: {exc}", file=sys.stderr)
+        return False
+    return True
+
+
+async def _check_servers(redis: str | None, postgres: str | None) -> None:
+    from fairway.up import ServerMissing
+    from fairway.up import _ensure_database as ensure_database  # (up's own check: one wording for both)
+
+    if redis:
+        from fairway.redis_client import RedisClient
+
+        client = RedisClient(redis)
+        try:
+            await asyncio.wait_for(client.ping(), 5)
+        except Exception as exc:  # refused, timed out, or the client's own connection errors
+            raise ServerMissing(f"no Redis answers at {redis} ({exc.__class__.__name__}: {exc}); "
+                                "start one (redis-server) or pass --redis") from None
+        finally:
+            await client.close()
+    if postgres:
+        await ensure_database(postgres.replace("+asyncpg://", "://", 1))
 
 
 def cmd_up(args: argparse.Namespace) -> int:
@@ -514,6 +563,9 @@ def _fleet_backend(args: argparse.Namespace):
 def cmd_keys(args: argparse.Namespace) -> int:
     from fairway.conversation import make_store
     from fairway.gateway import keys
+
+    if not _servers_answer("keys", database=_database_url(args)):
+        return 2
 
     async def run() -> int:
         store = make_store(_database_url(args))

@@ -142,3 +142,34 @@ def test_a_sandbox_that_is_not_local_off_or_grpc_is_refused(value, capsys):
 @pytest.mark.parametrize("value", ["local", "off", "grpc://127.0.0.1:50051", "grpc://sandbox.svc:50051/"])
 def test_the_documented_sandboxes_are_taken(value):
     assert build_parser().parse_args(["replica", *REDIS, "--sandbox", value]).sandbox == value
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # nothing listens there once it is closed
+
+
+@pytest.mark.parametrize("command,server", [
+    (GATEWAY, "Redis"),
+    (["gateway", "--redis", "redis://127.0.0.1:6379/0", "--database", "postgresql://postgres@127.0.0.1:{port}/x"],
+     "PostgreSQL"),
+    (["serve", "--database", "postgresql://postgres@127.0.0.1:{port}/x"], "PostgreSQL"),
+    (["replica", "--redis", "redis://127.0.0.1:{port}/0"], "Redis"),
+    (["keys", "list", "--database", "postgresql://postgres@127.0.0.1:{port}/x"], "PostgreSQL"),
+])
+def test_a_server_that_does_not_answer_is_one_line_before_the_model_loads(command, server):
+    """As `fairway up` says it (fairway/up.py); each was a long traceback, the model loaded first."""
+    port = closed_port()
+    argv = [arg.format(port=port) for arg in command]
+    out = fairway(*argv)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(f"fairway {argv[0]}: no {server} answers at "), \
+        out.stderr
+
+
+@pytest.mark.parametrize("url", ["mysql://u@h/db", "notaurl"])
+def test_a_database_url_no_store_takes_is_one_line(url):
+    out = fairway("keys", "list", "--database", url)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--database takes postgresql://" in out.stderr, \
+        out.stderr
