@@ -151,26 +151,54 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("Fairway chat with the bundled model. Empty line or Ctrl-D quits.", file=sys.stderr)
+    print("Fairway chat with the bundled model. Empty line or Ctrl-D quits; Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
+            print()  # (the shell's prompt on a line of its own)
             break
+        except KeyboardInterrupt:
+            print()
+            return 130
         if not line.strip():
             break
         messages.append({"role": "user", "content": line})
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
-        engine.add_request(uuid.uuid4().hex, tok.chat_prompt_ids(messages), params)
-        reply = []
-        while engine.has_unfinished():
-            for out in engine.step():
-                reply.append(out.text)
-                sys.stdout.write(out.text)
-                sys.stdout.flush()
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": "".join(reply)})
+        try:
+            reply = _stream_reply(engine, tok.chat_prompt_ids(messages), params)
+        except ValueError as exc:  # too long for the window, say: this message is not sent, the chat goes on
+            messages.pop()
+            print(f"fairway chat: {exc}; not sent", file=sys.stderr, flush=True)
+            continue
+        messages.append({"role": "assistant", "content": reply})
     return 0
+
+
+def _stream_reply(engine, prompt: list[int], params) -> str:
+    """Generate one reply, writing it as it comes; the text written. Ctrl-C stops the reply
+    (what was written is kept), between two steps: a KeyboardInterrupt raised inside a step
+    could leave the engine half-way through it, and the chat needs it again."""
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt, params)  # (ValueError: the prompt can never run)
+    reply: list[str] = []
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _frame: interrupted.append(signum))
+    try:
+        while engine.has_unfinished():
+            if interrupted and request_id in engine.requests:
+                engine.abort(request_id)
+            for out in engine.step():
+                if not interrupted:
+                    reply.append(out.text)
+                    sys.stdout.write(out.text)
+                    sys.stdout.flush()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    sys.stdout.write("\n")
+    if interrupted:
+        print("[stopped]", file=sys.stderr, flush=True)
+    return "".join(reply)
 
 
 def _pairs(values: list[str] | None, flag: str) -> dict[str, int]:
@@ -898,6 +926,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:  # bad sampling parameters and the like: one line, no traceback
         print(f"fairway: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while loading or generating: stop, as a shell command does
+        print(file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

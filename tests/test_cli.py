@@ -4,9 +4,12 @@ not answer. Argument errors exit before the model loads, so these run in seconds
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
@@ -173,3 +176,90 @@ def test_a_database_url_no_store_takes_is_one_line(url):
     out = fairway("keys", "list", "--database", url)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--database takes postgresql://" in out.stderr, \
         out.stderr
+
+
+class Terminal:
+    """A `fairway` process with its output gathered as it comes (a thread per stream)."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "fairway.cli", *args], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
+            threading.Thread(target=self._pump, args=(stream, into), daemon=True).start()
+
+    @staticmethod
+    def _pump(stream, into: list[str]) -> None:
+        while char := stream.read(1):
+            into.append(char)
+
+    @property
+    def stdout(self) -> str:
+        return "".join(self.out)
+
+    @property
+    def stderr(self) -> str:
+        return "".join(self.err)
+
+    def wait_for(self, ready, what: str, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not ready():
+            assert self.proc.poll() is None and time.monotonic() < deadline, \
+                f"no {what}: {self.stdout[-500:]!r} {self.stderr[-2000:]!r}"
+            time.sleep(0.02)
+
+    def type(self, line: str) -> None:
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+
+
+COUNT = "Count from 1 to 1000, one number per line."
+
+
+def test_chat_ctrl_c_stops_a_reply_a_long_message_is_refused_and_the_chat_goes_on():
+    """Ctrl-C was a KeyboardInterrupt traceback, and a message too long for the window ended the
+    session (exit 2, the conversation lost)."""
+    chat = Terminal("chat", "--max-tokens", "3000", "--temperature", "0")
+    try:
+        chat.wait_for(lambda: chat.stdout.count("> ") == 1, "prompt")
+        chat.type(COUNT)
+        chat.wait_for(lambda: "3" in chat.stdout, "reply")
+        chat.proc.send_signal(signal.SIGINT)
+        chat.wait_for(lambda: chat.stdout.count("> ") == 2, "prompt after the stopped reply")
+        assert "[stopped]" in chat.stderr
+        chat.type("word " * 10_000)
+        chat.wait_for(lambda: chat.stdout.count("> ") == 3, "prompt after the refused message")
+        assert "the context window is" in chat.stderr and "not sent" in chat.stderr
+        chat.type("What did I ask you to count to?")  # the conversation is still there
+        chat.wait_for(lambda: chat.stdout.count("> ") == 4, "prompt after a reply")
+        chat.proc.send_signal(signal.SIGINT)  # at the prompt: the chat ends
+        assert chat.proc.wait(30) == 130
+    finally:
+        chat.proc.kill()
+        chat.proc.wait()
+    assert "Traceback" not in chat.stderr, chat.stderr
+
+
+def test_chat_ctrl_d_ends_the_line():
+    chat = Terminal("chat")
+    try:
+        chat.wait_for(lambda: "> " in chat.stdout, "prompt")
+        chat.proc.stdin.close()
+        assert chat.proc.wait(30) == 0
+    finally:
+        chat.proc.kill()
+        chat.proc.wait()
+    assert chat.stdout.endswith("> \n")
+
+
+def test_generate_interrupted_exits_130_without_a_traceback():
+    generate = Terminal("generate", "--prompt", COUNT, "--chat", "--max-tokens", "3000")
+    try:
+        generate.wait_for(lambda: "3" in generate.stdout, "output")
+        generate.proc.send_signal(signal.SIGINT)
+        assert generate.proc.wait(30) == 130
+    finally:
+        generate.proc.kill()
+        generate.proc.wait()
+    assert "Traceback" not in generate.stderr and "KeyboardInterrupt" not in generate.stderr, generate.stderr
