@@ -611,24 +611,41 @@ def cmd_keys(args: argparse.Namespace) -> int:
                       "The key is shown this once:")
                 print(key, flush=True)
             elif args.keys_command == "revoke":
-                record = await keys.revoke(store, args.key)
-                if record is None:
-                    print(f"fairway: no such key {args.key if args.key.startswith('key_') else keys.redact(args.key)}",
-                          file=sys.stderr)
-                    return 1
-                print(f"Revoked {record.id} (user {record.user_id!r})")
+                return await _revoke(store, args.key)
             else:
-                rows = await store.list_api_keys(args.user)
-                print(f"{'id':<37} {'user':<20} {'tier':<10} {'key':<16} {'created':<20} revoked")
-                for r in rows:
-                    created = _time(r.created_at)
-                    revoked = _time(r.revoked_at) if r.revoked_at else "-"
-                    print(f"{r.id:<37} {r.user_id:<20} {r.tier:<10} {r.prefix:<16} {created:<20} {revoked}")
+                _list_keys(await store.list_api_keys(args.user))
             return 0
         finally:
             await store.close()
 
     return asyncio.run(run())
+
+
+async def _revoke(store, key_or_id: str) -> int:
+    import time
+
+    from fairway.gateway import keys
+
+    before = time.time()  # (the store's clock: a revocation stamped earlier was not this one)
+    record = await keys.revoke(store, key_or_id)
+    if record is None:
+        print(f"fairway: no such key {key_or_id if key_or_id.startswith('key_') else keys.redact(key_or_id)}",
+              file=sys.stderr)
+        return 1
+    if record.revoked_at is not None and record.revoked_at < before:
+        print(f"{record.id} (user {record.user_id!r}) was already revoked, at {_time(record.revoked_at)} UTC")
+    else:
+        print(f"Revoked {record.id} (user {record.user_id!r})")
+    return 0
+
+
+def _list_keys(rows) -> None:
+    """One key a line; its name (keys create --name) last, as it may be long."""
+    print(f"{'id':<37} {'user':<20} {'tier':<10} {'key':<16} {'created':<20} {'revoked':<20} name")
+    for r in rows:
+        revoked = _time(r.revoked_at) if r.revoked_at else "-"
+        print(f"{r.id:<37} {r.user_id:<20} {r.tier:<10} {r.prefix:<16} {_time(r.created_at):<20} {revoked:<20} "
+              f"{r.name}".rstrip())
 
 
 def _time(ts: float) -> str:

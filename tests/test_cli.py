@@ -263,3 +263,19 @@ def test_generate_interrupted_exits_130_without_a_traceback():
         generate.proc.kill()
         generate.proc.wait()
     assert "Traceback" not in generate.stderr and "KeyboardInterrupt" not in generate.stderr, generate.stderr
+
+
+def test_keys_list_shows_the_name_and_a_second_revoke_says_when_the_first_was(tmp_path):
+    database = f"sqlite:///{tmp_path / 'keys.db'}"
+    created = fairway("keys", "create", "--user", "ann", "--name", "laptop", "--database", database)
+    assert created.returncode == 0, created.stderr
+    key = created.stdout.strip().splitlines()[-1]
+    (row,) = fairway("keys", "list", "--database", database).stdout.strip().splitlines()[1:]
+    assert row.split()[1] == "ann" and row.endswith(" laptop"), row  # the name was stored, never shown
+    first = fairway("keys", "revoke", key, "--database", database)
+    assert first.returncode == 0 and first.stdout.startswith("Revoked key_"), first
+    again = fairway("keys", "revoke", key, "--database", database)
+    assert again.returncode == 0 and "was already revoked, at " in again.stdout, again
+    (row,) = fairway("keys", "list", "--database", database).stdout.strip().splitlines()[1:]
+    revoked_at = again.stdout.split("at ")[-1].removesuffix(" UTC\n")
+    assert revoked_at in row and row.endswith(" laptop"), row
