@@ -488,36 +488,17 @@ def _servers_answer(command: str, redis: str | None = None, database: str | None
     first that does not, as `fairway up` says it: checked before the model loads, where a missing
     server was a long traceback. A missing PostgreSQL database is created, as `up` does. A database
     URL no store takes is a ValueError (one line from main)."""
-    from fairway.up import ServerMissing
+    from fairway.up import ServerMissing, check_servers
 
     scheme = (database or "").partition("://")[0]
     if database and ("://" not in database or scheme not in DATABASE_SCHEMES):
         raise ValueError(f"--database takes postgresql://user@host/db or sqlite:///path, not {database!r}")
     try:
-        asyncio.run(_check_servers(redis, database if scheme.startswith("postgres") else None))
+        asyncio.run(check_servers(redis, database if scheme.startswith("postgres") else None))
     except ServerMissing as exc:
         print(f"fairway {command}: {exc}", file=sys.stderr)
         return False
     return True
-
-
-async def _check_servers(redis: str | None, postgres: str | None) -> None:
-    from fairway.up import ServerMissing
-    from fairway.up import _ensure_database as ensure_database  # (up's own check: one wording for both)
-
-    if redis:
-        from fairway.redis_client import RedisClient
-
-        client = RedisClient(redis)
-        try:
-            await asyncio.wait_for(client.ping(), 5)
-        except Exception as exc:  # refused, timed out, or the client's own connection errors
-            raise ServerMissing(f"no Redis answers at {redis} ({exc.__class__.__name__}: {exc}); "
-                                "start one (redis-server) or pass --redis") from None
-        finally:
-            await client.close()
-    if postgres:
-        await ensure_database(postgres.replace("+asyncpg://", "://", 1))
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -48,23 +48,23 @@ class ServerMissing(RuntimeError):
     """A server `fairway up` needs does not answer (the message names it and the URL)."""
 
 
-async def check_servers(redis_url: str, database_url: str) -> None:
-    """Raise ServerMissing naming the first server that does not answer; create the database
-    when only it is missing."""
-    from fairway.redis_client import RedisClient
+async def check_servers(redis_url: str | None, database_url: str | None) -> None:
+    """Raise ServerMissing naming the first server that does not answer (None: not used); create
+    the database when only it is missing. `up` and the commands that need a server check first
+    with it, so a missing one is one line, not a traceback."""
+    if redis_url:
+        from fairway.redis_client import RedisClient
 
-    client = RedisClient(redis_url)
-    try:
-        await asyncio.wait_for(client.ping(), 5)
-    except (OSError, TimeoutError, ConnectionError) as exc:
-        raise ServerMissing(f"no Redis answers at {redis_url} ({exc.__class__.__name__}); "
-                            "start one (redis-server) or pass --redis") from None
-    except Exception as exc:  # redis-py's own connection errors
-        raise ServerMissing(f"no Redis answers at {redis_url} ({exc}); start one (redis-server) or pass --redis") \
-            from None
-    finally:
-        await client.close()
-    await _ensure_database(database_url)
+        client = RedisClient(redis_url)
+        try:
+            await asyncio.wait_for(client.ping(), 5)
+        except Exception as exc:  # refused, timed out, or redis-py's own connection errors
+            raise ServerMissing(f"no Redis answers at {redis_url} ({exc.__class__.__name__}: {exc}); "
+                                "start one (redis-server) or pass --redis") from None
+        finally:
+            await client.close()
+    if database_url:
+        await _ensure_database(database_url.replace("+asyncpg://", "://", 1))
 
 
 async def _ensure_database(url: str) -> None:
