@@ -182,8 +182,11 @@ class Terminal:
     """A `fairway` process with its output gathered as it comes (a thread per stream)."""
 
     def __init__(self, *args: str) -> None:
+        # Ctrl-C as a terminal delivers it: a suite started in the background (`cmd &` in a script)
+        # hands its children SIGINT ignored, and Python then keeps it ignored.
         self.proc = subprocess.Popen([sys.executable, "-m", "fairway.cli", *args], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         self.out: list[str] = []
         self.err: list[str] = []
         for stream, into in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
