@@ -124,11 +124,10 @@ async def measure(side: str, root: Path, args: argparse.Namespace) -> dict[str, 
 async def main(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory(prefix="fairway-store-bench-") as tmp:
         base_root = Path(tmp) / "base"
-        base = gateway_requests.worktree(args.base, base_root)
         this = gateway_requests.this_tree()
         roots = {"base": base_root, "this": ROOT, "engine": ROOT}
         rounds: list[dict[str, dict[str, float]]] = []
-        try:
+        with gateway_requests.worktree(args.base, base_root) as base:
             print(f"store CPU per chat on PostgreSQL ({args.chats} chats, {args.concurrency} at once): "
                   f"base {base}, this tree ({this}), this tree through the engine", flush=True)
             for r in range(args.rounds):
@@ -136,8 +135,6 @@ async def main(args: argparse.Namespace) -> None:
                 rounds.append({side: {k: round(v, 3) for k, v in res.items()} for side, res in result.items()})
                 print(f"  round {r + 1}: " + "   ".join(f"{side} {res['cpu_ms']:5.2f} ms cpu {res['wall_ms']:5.2f} ms "
                                                         f"wall" for side, res in result.items()), flush=True)
-        finally:
-            subprocess.run(["git", "worktree", "remove", "--force", str(base_root)], cwd=ROOT, capture_output=True)
     medians = {side: {k: round(statistics.median(r[side][k] for r in rounds), 3) for k in ("cpu_ms", "wall_ms")}
                for side in SIDES}
     print("median per chat: " + ", ".join(f"{side} {m['cpu_ms']:.2f} ms cpu / {m['wall_ms']:.2f} ms wall"
