@@ -513,6 +513,15 @@ def test_native_decode_pass_gives_the_layer_by_layer_hidden_states_bit_for_bit(m
         for batch in batches:
             prompts = [[(7 * i + j) % 250 + 1 for j in range(3 + (i * 11) % 40)] for i in range(batch)]
             engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+    # And a step that surely mixes: a prompt arriving while another reply decodes, its prefill beside
+    # that decode (the runs above mix or not as measured step times shape them).
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=256, bound_step_time=False, speculative=None))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request("decoding", [5, 6, 7, 8, 9], params)
+    engine.step()  # its prefill
+    engine.add_request("arriving", [10, 11, 12], params)
+    while engine.has_unfinished():
+        engine.step()
     assert {1, 5, 20} <= set(compared)
     assert {"decode", "prefill", "mixed", "continued"} <= kinds
     assert native.max_rows is None or max(compared) <= native.max_rows
