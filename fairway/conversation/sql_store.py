@@ -253,6 +253,8 @@ _CONVERSATION_OF_USER = sa.select(*_CONVERSATION_COLUMNS).where(conversations.c.
                                                        conversations.c.user_id == sa.bindparam("b_user"))
 _MESSAGES_OF = (sa.select(messages).where(messages.c.conversation_id == sa.bindparam("b_conversation"))
                 .order_by(messages.c.created_at, messages.c.id))
+_MESSAGE_BY_CLIENT_KEY = sa.select(messages).where(messages.c.conversation_id == sa.bindparam("b_conversation"),
+                                                   messages.c.client_key == sa.bindparam("b_key"))
 _MESSAGE_OF_REPLY = (  # with the reply's state: a reply finished without a message (shed) says so
     sa.select(replies.c.state.label("reply_state"), messages)
     .select_from(replies.outerjoin(messages, sa.and_(messages.c.conversation_id == replies.c.conversation_id,
@@ -413,6 +415,13 @@ class SqlConversationStore(ConversationStore):
                     rows += result.mappings().all()
         return rows
 
+    async def _read(self, statement: sa.Executable, params: Mapping[str, Any],
+                    conn: AsyncConnection | None = None) -> Sequence[Mapping[str, Any]]:
+        """A read's rows: inside the caller's transaction when it names one, else as _rows."""
+        if conn is None:
+            return await self._rows(statement, params)
+        return (await conn.execute(statement, params)).mappings().all()
+
     @contextlib.asynccontextmanager
     async def _one_statement(self) -> AsyncIterator[AsyncConnection]:
         """A connection for a single read (a single write goes through _rows)."""
@@ -564,9 +573,7 @@ class SqlConversationStore(ConversationStore):
         message raced in twice), the conversation is busy, or it is gone."""
         if client_key and (existing := await self.get_message_by_client_key(conversation_id, client_key, conn)):
             return DuplicateClientKey(existing)
-        params = {"b_id": conversation_id}
-        rows = ((await conn.execute(_ACTIVE_REPLY, params)).mappings().all() if conn is not None
-                else await self._rows(_ACTIVE_REPLY, params))
+        rows = await self._read(_ACTIVE_REPLY, {"b_id": conversation_id}, conn)
         if not rows:
             return NotFound(f"conversation {conversation_id}")
         return ConversationBusy(conversation_id, rows[0]["active_reply_id"])
@@ -589,15 +596,8 @@ class SqlConversationStore(ConversationStore):
 
     async def get_message_by_client_key(self, conversation_id: str, client_key: str,
                                         conn: AsyncConnection | None = None) -> Message | None:
-        query = sa.select(messages).where(
-            messages.c.conversation_id == conversation_id, messages.c.client_key == client_key
-        )
-        if conn is not None:  # inside a transaction of the caller's
-            row = (await conn.execute(query)).mappings().first()
-            return _message(row) if row else None
-        async with self._one_statement() as conn:
-            row = (await conn.execute(query)).mappings().first()
-        return _message(row) if row else None
+        rows = await self._read(_MESSAGE_BY_CLIENT_KEY, {"b_conversation": conversation_id, "b_key": client_key}, conn)
+        return _message(rows[0]) if rows else None
 
     # replies
 

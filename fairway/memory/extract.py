@@ -7,13 +7,22 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 log = logging.getLogger(__name__)
 
 ChatMessage = dict[str, Any]
 # The model behind extraction: chat messages in, the reply's text out (a background-lane job).
 Complete = Callable[[list[ChatMessage]], Awaitable[str]]
+
+
+class ExtractionModel(Protocol):
+    """Complete, and whether a replica serves it now (the idle pass waits for one rather than
+    read messages it could only half extract)."""
+
+    async def __call__(self, messages: list[ChatMessage]) -> str: ...
+
+    async def ready(self) -> bool: ...
 
 MAX_FACT_CHARS = 200
 MAX_FACTS = 10  # per conversation and extraction

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from fairway.conversation.entities import Message, MessageStatus, new_id
 from fairway.retrieval import MEMORIES, Embedder, Entry, VectorIndex
 
-from .extract import Complete, explicit_facts, model_facts
+from .extract import ExtractionModel, explicit_facts, model_facts
 from .store import Memory, MemoryStore
 
 log = logging.getLogger(__name__)
@@ -54,12 +54,6 @@ class MemoryBlock:
         return {"role": "system", "content": "\n".join([BLOCK_HEADER, *(f"- {m.fact}" for m in self.memories)])}
 
 
-async def _model_ready(complete: Complete) -> bool:
-    """Whether the extraction model can take a job now (a completer without ready() always can)."""
-    ready = getattr(complete, "ready", None)
-    return True if ready is None else bool(await ready())
-
-
 def readable(messages: Sequence[Message]) -> list[tuple[str, str]]:
     """A conversation's stored messages as extract() reads them, (role, text) oldest first: a
     flagged one (the input check refused it, or the output check stopped it) without its text, so
@@ -69,7 +63,7 @@ def readable(messages: Sequence[Message]) -> list[tuple[str, str]]:
 
 class MemoryService:
     def __init__(self, store: MemoryStore, index: VectorIndex, embedder: Callable[[], Embedder],
-                 settings: MemorySettings | None = None, complete: Complete | None = None,
+                 settings: MemorySettings | None = None, complete: ExtractionModel | None = None,
                  messages_of: Callable[[str], Awaitable[Sequence[tuple[str, str]]]] | None = None) -> None:
         self.store = store
         self.index = index
@@ -155,7 +149,7 @@ class MemoryService:
         """One pass over the conversations idle for settings.idle_s since their last extraction."""
         if self.messages_of is None:
             return 0
-        if self.complete is not None and not await _model_ready(self.complete):
+        if self.complete is not None and not await self.complete.ready():
             return 0  # no replica serves the model yet (a deployment starting): claim nothing, wait
         done = 0
         for user_id, conversation_id, _ in await self.store.idle_conversations(self.settings.idle_s):
