@@ -486,6 +486,99 @@ def test_a_tool_result_must_answer_a_call_waiting_for_it(http, sdk):
         assert refused.value.body["param"] == f"messages[{len(history) - 1}].tool_call_id"
 
 
+UNANSWERED = ("An assistant message with 'tool_calls' must be followed by tool messages responding to each "
+              "'tool_call_id'. The following tool_call_ids did not have response messages: ")
+
+
+def _calls(*ids: str) -> dict:
+    """An assistant message that calls get_weather once per id."""
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": i, "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        for i in ids]}
+
+
+def _result(call_id: str, content: str = "sunny") -> dict:
+    return {"role": "tool", "tool_call_id": call_id, "content": content}
+
+
+def _refusal(response: httpx.Response) -> dict:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("invalid_request_error", "invalid_value"), error
+    return error
+
+
+@pytest.mark.parametrize(("messages", "param", "missing"), [
+    ([_calls("call_x"), {"role": "user", "content": "and tomorrow?"}], "messages[2].role", "call_x"),
+    ([_calls("call_x", "call_y"), _result("call_x"), {"role": "user", "content": "and?"}], "messages[3].role",
+     "call_y"),
+    ([_calls("call_x"), {"role": "assistant", "content": "no idea"}, {"role": "user", "content": "ok"}],
+     "messages[2].role", "call_x"),
+    ([_calls("call_x", "call_y"), _result("call_y")], "messages[1].tool_calls", "call_x"),
+    ([_calls("call_x", "call_y")], "messages[1].tool_calls", "call_x, call_y"),  # OpenAI's 400 too, not "last message"
+])
+def test_every_call_has_its_result_before_the_conversation_moves_on(http, messages, param, missing):
+    """OpenAI's other rule: an assistant message's calls are all answered before the next user or
+    assistant message, and before the messages end. Such a request was served, its prompt holding
+    a call the model never heard back from."""
+    body = {"model": MODEL, "tools": [WEATHER], "max_tokens": 10, "stream": False,
+            "messages": [{"role": "user", "content": "weather?"}, *messages]}
+    error = _refusal(http.post("/v1/chat/completions", json=body))
+    assert (error["param"], error["message"]) == (param, UNANSWERED + missing), error
+
+
+def test_sdk_unanswered_calls_are_a_400_and_answered_ones_are_served(sdk, scripted):
+    question = {"role": "user", "content": "The weather in two cities, Paris and Rome?"}
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as refused:
+            sdk.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=10, stream=stream, messages=[
+                question, _calls("call_p", "call_r"), _result("call_p"), {"role": "user", "content": "well?"}])
+        error = refused.value.body
+        assert (error["message"], error["param"], error["type"]) == (
+            UNANSWERED + "call_r", "messages[3].role", "invalid_request_error"), error
+    answered = sdk.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=100, messages=[
+        question, _calls("call_p", "call_r"), _result("call_p", "sunny"), _result("call_r", "rain")])
+    assert answered.choices[0].message.content == "The result is rain."  # (the scripted model reads the last)
+    prompt = scripted.engine.tokenizer.decode(scripted.engine.prompts[-1][1])
+    assert "<tool_response>\nsunny\n</tool_response>" in prompt
+    moved_on = sdk.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=10, messages=[
+        question, _calls("call_p"), _result("call_p"), {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks!"}])
+    assert moved_on.choices[0].message.content == "Hello there."
+
+
+def test_a_stored_replys_calls_are_answered_before_the_next_message(http, sdk):
+    """Continuing a stored conversation whose last reply ended with tool_calls: a new user message
+    without their results is refused as OpenAI's Responses API refuses new input while a call of
+    the previous response has no output. It was served, the model seeing its call unanswered."""
+    first = http.post("/v1/chat/completions", json=chat_body("weather?", stream=False, max_tokens=100,
+                                                             tools=[WEATHER])).json()
+    cid, (call,) = first["conversation_id"], first["choices"][0]["message"]["tool_calls"]
+
+    def send(*messages: dict) -> httpx.Response:
+        return http.post("/v1/chat/completions", json={"model": MODEL, "conversation_id": cid, "tools": [WEATHER],
+                                                       "max_tokens": 100, "stream": False, "messages": list(messages)})
+
+    error = _refusal(send({"role": "user", "content": "And in Rome?"}))
+    assert error["param"] == "messages[0].role" and error["message"].startswith(UNANSWERED + call["id"]), error
+    assert "the conversation's last reply" in error["message"]
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.chat.completions.create(model=MODEL, tools=[WEATHER], max_tokens=10, extra_body={"conversation_id": cid},
+                                    messages=[{"role": "user", "content": "And in Rome?"}])
+    assert refused.value.body["message"].startswith(UNANSWERED + call["id"])
+    stored = http.get(f"/v1/conversations/{cid}").json()["messages"]
+    assert [m["role"] for m in stored] == ["user", "assistant"]  # nothing refused was kept
+    answered = send(_result(call["id"], "rain"), {"role": "user", "content": "Thanks!"})
+    assert answered.status_code == 200, answered.text
+    assert answered.json()["choices"][0]["message"]["content"] == "Hello there."
+
+
+def test_the_chat_route_documents_the_tool_message_400s(http):
+    operation = http.get("/openapi.json").json()["paths"]["/v1/chat/completions"]["post"]
+    described = operation["responses"]["400"]["description"]
+    assert "did not have response messages" in described and "messages[i].tool_call_id" in described
+
+
 @pytest.mark.parametrize(("change", "param", "code"), [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "unknown"}}}, "tool_choice",
      "invalid_tools"),

@@ -230,6 +230,13 @@ SERVED_HEADERS = {
                              "schema": {"type": "integer"}},
 }
 _ERRORS = error_responses(400, 401, 404, 409, 429, 503)
+_ERRORS[400] = {**_ERRORS[400], "description": _ERRORS[400]["description"] + " Tool messages (code invalid_value, "
+                "fairway/tools/results.py): each answers a call still waiting for its result, once (param "
+                "`messages[i].tool_call_id`), and every call, the stored conversation's last reply's included, has "
+                "its result before the next user or assistant message (param `messages[i].role`) and before the "
+                "messages end (param `messages[i].tool_calls`, or `messages` for stored calls): \"An assistant "
+                "message with 'tool_calls' must be followed by tool messages responding to each 'tool_call_id'. "
+                "The following tool_call_ids did not have response messages: ...\"."}
 _ERRORS[503] = {**_ERRORS[503], "description": _ERRORS[503]["description"] + " Code `shed`: a free request met its "
                 "model's pool at capacity (predicted wait over the limit); its message is stored, its reply "
                 "SHED, and Retry-After says when a place may be free.",
@@ -431,7 +438,7 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
         raise flagged_input(exc) from None
     except ToolUnavailable as exc:
         raise invalid(str(exc), "tools", "tool_unavailable") from None
-    except ToolError as exc:  # a tool result for no call of the stored conversation's waiting ones
+    except ToolError as exc:  # against the stored conversation's waiting calls: a result for none, or one left without
         raise invalid(str(exc), exc.param, "invalid_value") from None
     except NoReplica as exc:
         raise ApiError(503, str(exc), code="no_replica", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
