@@ -23,6 +23,8 @@ from serving import (
     wait_for,
 )
 
+from fairway.gateway.cursor import RUN_SPAN
+
 IDLE_CANCEL_S = 2.0
 WINDOW = 1024
 LONG_REPLY = WINDOW - 100  # tokens: room for a short prompt
@@ -606,10 +608,55 @@ def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
     with http.stream("GET", f"/v1/replies/{reply_id}/stream") as r:
         assert r.status_code == 200
         events = list(sse_events(r))
-    assert [e.id for e in events if e.id] == list(range(1, len(events)))
+    # Its second run: the ids say so (gateway/cursor.py), so none is mistaken for the lost run's.
+    assert [e.id for e in events if e.id] == [RUN_SPAN + n for n in range(1, len(events))]
     assert events[-1].data == "[DONE]" and events[-2].finish_reason in ("stop", "length")
     message = stored_reply(http, conversation_id, reply_id)
     assert message["status"] == "complete" and message["content"] == "".join(e.content for e in events)
+    assert http.get(f"/v1/replies/{reply_id}").json()["last_event_id"] == events[-2].id
+
+
+def test_a_client_of_a_lost_run_gets_the_new_run_from_its_start(server, http):
+    """A client that had the first words of a reply whose log was then lost (the process
+    restarted) comes back with its Last-Event-ID: the reply runs again from its stored context,
+    and the client is told to drop its text (an empty snapshot) and gets the new run whole, not
+    the new run's words past its old id spliced onto the old ones. A second client with an id of
+    the lost run, after the restart, is told the same; one with an id of the new run carries on."""
+    from fairway.conversation import Role
+    from fairway.conversation.entities import Conversation, new_id, now
+    from fairway.conversation.store import NewTurn
+
+    store = server.gateway.store
+    prompt = server.gateway.service.tokenizers[MODEL].chat_prompt_ids([{"role": "user", "content": "Count to ten."}])
+
+    async def orphan() -> str:
+        ts = now()
+        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, "Count.", ts, ts)
+        job = {"model": MODEL, "sampling": {"max_tokens": 24, "temperature": 0, "ignore_eos": True}, "lane": "free"}
+        _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, "Count to ten.")],
+                                                  prompt_token_ids=prompt, job=job))
+        await store.mark_running_many([(reply.id, "a-replica-that-died")])
+        return reply.id
+
+    reply_id = server.call(orphan())
+
+    def resumed(last_event_id: int) -> list:
+        with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(last_event_id)}) as r:
+            assert r.status_code == 200
+            return list(sse_events(r))
+
+    first = resumed(7)  # seven events of the lost run: the client shows their text
+    assert first[0].data["snapshot"] is True and first[0].content == "" and first[0].id == RUN_SPAN
+    new_run = first[1:-1]
+    assert [e.id for e in new_run] == [RUN_SPAN + n for n in range(1, len(new_run) + 1)]
+    text = "".join(e.content for e in new_run)
+    assert len(text) > 10 and new_run[-1].finish_reason == "length"
+    again = resumed(12)  # another tab, further into the lost run
+    assert again[0].data["snapshot"] is True and again[0].content == text
+    later = resumed(RUN_SPAN + 3)  # a client of the new run: the events after its own
+    assert "".join(e.content for e in later) == "".join(e.content for e in new_run[3:])
+    assert http.get(f"/v1/replies/{reply_id}/stream",
+                    headers={"Last-Event-ID": str(2 * RUN_SPAN + 1)}).status_code == 404
 
 
 # -- guided decoding: what the real model writes, held to a schema ---------------------------------

@@ -202,6 +202,21 @@ async def test_a_turn_is_stored_whole_or_not_at_all(store: ConversationStore) ->
     assert len(await store.list_unfinished_replies()) == 1
 
 
+async def test_of_gateways_racing_to_restart_a_reply_one_wins(store: ConversationStore) -> None:
+    """A reply whose token log was lost runs again once per loss, however many readers find it
+    gone at once: each claims the run it saw, and only the first claim of that run counts."""
+    _, _, reply = await _turn(store)
+    assert reply.restarts == 0
+    claims = await asyncio.gather(*(store.claim_restart(reply.id, 0, f"replica-{i}") for i in range(4)))
+    won = [c for c in claims if c is not None]
+    assert len(won) == 1 and won[0].restarts == 1 and won[0].replica_id.startswith("replica-")
+    assert (await store.get_reply(reply.id)).restarts == 1
+    assert (await store.claim_restart(reply.id, 1, "replica-x")).restarts == 2  # lost again, run again
+    await store.finish_reply(reply.id, "done", MessageStatus.COMPLETE)
+    assert await store.claim_restart(reply.id, 2, "replica-y") is None  # an ended reply never runs again
+    assert await store.claim_restart("rep_unknown", 0, "replica-y") is None
+
+
 async def test_a_conversation_takes_no_new_turn_while_a_reply_to_it_runs(store: ConversationStore) -> None:
     conv, first, running = await _turn(store, text="first question")
     with pytest.raises(ConversationBusy) as busy:

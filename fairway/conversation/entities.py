@@ -87,6 +87,9 @@ class Reply:
     # The generation request (model, sampling parameters, lane) as JSON: with the prompt, what
     # it takes to run the reply again after its token log expired.
     job: dict[str, Any] | None = field(default=None, repr=False)
+    # Times it ran again from that context after its token log was lost (a restarted process, a
+    # Redis that lost it): each run's log numbers its events from 1 again.
+    restarts: int = 0
 
     @property
     def finished(self) -> bool:

@@ -65,6 +65,9 @@ replies = sa.Table(
     sa.Column("created_at", sa.Double, nullable=False),
     sa.Column("finished_at", sa.Double, nullable=True),
     sa.Column("job", Json, nullable=True),  # model, sampling, lane: enough to run it again
+    # Times it ran again from its stored context after its token log was lost (its events' ids
+    # carry it: gateway/cursor.py).
+    sa.Column("restarts", sa.Integer, nullable=False, server_default="0"),
     sa.ForeignKeyConstraint(
         ["conversation_id", "message_id"],
         ["messages.conversation_id", "messages.id"],

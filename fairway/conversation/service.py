@@ -212,8 +212,8 @@ class ConversationService:
         mini pool, or with fewer max tokens; one whose user's quota for the model is spent
         (admit raised OverQuota) is served by the mini pool when one runs.
 
-        Raises UnknownModel, NotFound (conversation), ToolError (a tool result for no waiting call),
-        InputFlagged, ContextTooLong, NoReplica, Shed."""
+        Raises UnknownModel, NotFound (conversation), ToolError (a tool result for no waiting call,
+        or a message while calls wait), InputFlagged, ContextTooLong, NoReplica, Shed."""
         self.check_model(req.model)
         if req.resume_only:
             return await self._resume(req)
@@ -226,7 +226,7 @@ class ConversationService:
             if turn is not None:
                 shed_before = turn.message  # stored with what came before it: the context is the store's
         new = _new_messages(req.messages, stored) if shed_before is None else []
-        if shed_before is None:  # each tool result answers a call still waiting for it (else ToolError)
+        if shed_before is None:  # each tool result answers a waiting call, and none is left waiting (else ToolError)
             check_results(req.messages, waiting_calls([(m.role, m.tools) for m in stored
                                                        if m.status != MessageStatus.FLAGGED]))
         if self.moderator is not None and shed_before is None:
@@ -457,16 +457,20 @@ class ConversationService:
         return reply
 
     async def restart(self, reply: Reply) -> bool:
-        """Run an unfinished reply whose token log expired again from its stored context.
-        False if another gateway restarted it first (its log exists again)."""
+        """Run an unfinished reply whose token log was lost again from its stored context, counted
+        in reply.restarts. False if another gateway restarted it first (or it ended meanwhile)."""
         if reply.finished or reply.prompt_token_ids is None or not reply.job:
-            return False
-        if not await self.relay.log.create(reply.id):
             return False
         job = GenerationJob.from_dict({**reply.job, "reply_id": reply.id, "prompt_token_ids": reply.prompt_token_ids})
         job.submitted_at = time.time()
         replica = await self.router.place(job.model)
-        await self.store.update_reply(reply.id, replica_id=replica.id)
+        # Counted before the log is made: a gateway that dies in between leaves a count and no
+        # log, and the next reader restarts it again; never a new log its clients' ids would
+        # mistake for the lost one (gateway/cursor.py).
+        if await self.store.claim_restart(reply.id, reply.restarts, replica.id) is None:
+            return False
+        if not await self.relay.log.create(reply.id):
+            return False
         await self.relay.jobs.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)
         return True
 

@@ -237,6 +237,11 @@ _INSERT = {table.name: sa.insert(table) for table in (conversations, messages, r
 _TOUCH = (sa.update(conversations).where(conversations.c.id == sa.bindparam("b_id"))
           .values(updated_at=sa.bindparam("b_ts")))
 _REPLY_BY_ID = sa.select(replies).where(replies.c.id == sa.bindparam("b_id"))
+_CLAIM_RESTART = (sa.update(replies)
+                  .where(replies.c.id == sa.bindparam("b_id"), replies.c.finished_at.is_(None),
+                         replies.c.restarts == sa.bindparam("b_restarts"))
+                  .values(restarts=replies.c.restarts + 1, replica_id=sa.bindparam("b_replica"))
+                  .returning(*replies.c))
 _JOB_OF_REPLY = sa.select(replies.c.id, replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
 _PLACED = frozenset({"state", "replica_id"})  # where a reply runs or waits
 # A Conversation's columns: active_reply_id is the store's claim, not part of the entity.
@@ -641,6 +646,11 @@ class SqlConversationStore(ConversationStore):
         if current is None:
             return None
         raise ReplyFinished(id, current.state)
+
+    async def claim_restart(self, id: str, restarts: int, replica_id: str) -> Reply | None:
+        rows = await self._rows(_CLAIM_RESTART, {"b_id": id, "b_restarts": restarts, "b_replica": replica_id},
+                                write=True)
+        return _reply(rows[0]) if rows else None
 
     async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
         return await self._place_many(started, ReplyState.RUNNING)

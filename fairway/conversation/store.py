@@ -201,6 +201,12 @@ class ConversationStore(ABC):
         ReplyState.can_become for the full machine."""
 
     @abstractmethod
+    async def claim_restart(self, id: str, restarts: int, replica_id: str) -> Reply | None:
+        """Count a run of the unfinished reply from its stored context, on replica_id, if it has
+        been restarted exactly `restarts` times so far: of gateways racing to restart it only one
+        wins. The reply as it is now, or None if another won (or it ended, or is unknown)."""
+
+    @abstractmethod
     async def mark_running_many(self, started: Sequence[tuple[str, str]]) -> int:
         """Replicas started these (reply id, replica id): each RUNNING on its replica unless it is
         final already (or unknown), in one round trip; how many changed. Reads nothing back:

@@ -15,6 +15,7 @@ from fairway.domain import FinishReason
 from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.chat import SSE_HEADERS, SSE_RESPONSE
+from fairway.gateway.cursor import wire_id
 from fairway.gateway.edge import add_cleanup
 from fairway.gateway.errors import error_responses, not_found
 from fairway.gateway.http_protocol import connection_of
@@ -90,6 +91,7 @@ async def get_reply(reply_id: str, request: Request) -> dict[str, Any]:
         last = await gw.token_log.last_event_id(reply.id)
     except ReplyNotFound:
         last = reply.last_event_id
+    last = wire_id(reply.restarts, last)  # as its stream numbers it (cursor.py)
     record = await gw.store.get_usage(reply.id)
     return {
         "id": reply.id,

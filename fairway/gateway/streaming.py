@@ -31,6 +31,7 @@ from starlette.types import Receive, Scope, Send
 from fairway.conversation import ConversationStore, Reply
 from fairway.conversation.recorder import save_final, save_from_log
 from fairway.conversation.service import ConversationService
+from fairway.gateway.cursor import Cursor, wire_id
 from fairway.gateway.edge import BODY_SEND
 from fairway.gateway.errors import ApiError, not_found
 from fairway.gateway.http_protocol import connection_of
@@ -71,6 +72,14 @@ class Snapshot:
 
 
 Item = TokenEvent | ToolEvent | FinalEvent | Snapshot
+
+
+def _renumbered(items: list[Item], run: int) -> list[Item]:
+    """Items with the ids clients see for the reply's run `run` (cursor.py)."""
+    if run == 0:
+        return items
+    return [Snapshot(dataclasses.replace(i.event, n=wire_id(run, i.event.n))) if isinstance(i, Snapshot)
+            else dataclasses.replace(i, n=wire_id(run, i.n)) for i in items]
 
 
 def usage(final: FinalEvent) -> dict[str, Any]:
@@ -147,21 +156,26 @@ class ReplyRelay:
 
     async def check_after(self, reply: Reply, after: int) -> None:
         """404 for a cursor past the end of the reply (no such event will ever exist)."""
-        if after == 0:
-            return  # the start always exists
+        cursor = Cursor.of(after)
+        if cursor.run > reply.restarts:
+            raise not_found(f"Last-Event-ID {after} is past the end of reply {reply.id}.", "Last-Event-ID",
+                            "event_id_out_of_range")
+        if cursor.n == 0 or cursor.run < reply.restarts:
+            return  # the start always exists; an earlier run's id gets this run from its start
         try:
             if await self.log.exists(reply.id):
-                await self.log.read(reply.id, after)  # raises EventIdOutOfRange past a finished end
+                await self.log.read(reply.id, cursor.n)  # raises EventIdOutOfRange past a finished end
                 return
         except EventIdOutOfRange as exc:
             raise not_found(
-                f"Last-Event-ID {after} is past the end of reply {reply.id}, which ended at event {exc.last_n}.",
+                f"Last-Event-ID {after} is past the end of reply {reply.id}, which ended at event "
+                f"{wire_id(reply.restarts, exc.last_n)}.",
                 "Last-Event-ID",
                 "event_id_out_of_range",
             ) from None
         except ReplyNotFound:
             pass
-        if reply.finished and after > max(reply.last_event_id, 1):
+        if reply.finished and cursor.n > max(reply.last_event_id, 1):
             raise not_found(f"Last-Event-ID {after} is past the end of reply {reply.id}.", "Last-Event-ID",
                             "event_id_out_of_range")
 
@@ -169,33 +183,54 @@ class ReplyRelay:
 
     async def event_batches(self, reply: Reply, after: int, idle_s: float | None = None,
                             direct: TokenSink | None = None) -> AsyncIterator[list[Item]]:
-        """The reply's events after `after`, in the batches they arrive in: from its token log, or,
-        once the log has expired, from the store (finished) or from a restart on its stored context
-        (unfinished). With idle_s, an empty batch whenever that long passed without events. direct
-        goes to the token log (TokenLog.subscribe_batches)."""
-        try:
-            async with contextlib.aclosing(self.log.subscribe_batches(reply.id, after, idle_s, direct)) as batches:
-                async for batch in batches:
-                    yield batch
-            return
-        except ReplyNotFound:
-            pass
+        """The reply's events after the client's id `after`, numbered as clients see them
+        (cursor.py), in the batches they arrive in: from its token log, or, once the log is gone,
+        from the store (finished) or from a run again on its stored context (unfinished). A client
+        whose id is of an earlier run gets the current run from its start, after a snapshot that
+        empties its text. With idle_s, an empty batch whenever that long passed without events.
+        direct goes to the token log (TokenLog.subscribe_batches) while the ids are the log's own."""
+        cursor = Cursor.of(after)
+        started = after > 0  # the client has text of this reply (a log can vanish mid-stream too)
+        if cursor.run == reply.restarts:
+            try:
+                async with contextlib.aclosing(self._numbered(reply, cursor.n, idle_s, direct)) as batches:
+                    async for batch in batches:
+                        started = started or bool(batch)
+                        yield batch
+                return
+            except ReplyNotFound:
+                pass
         current = await self.store.get_reply(reply.id) or reply
         if current.finished:
-            yield await self._from_store(current, after)
-            return
-        try:
-            await self.service.restart(current)  # or another gateway just did: either way the log is back
-        except NoReplica as exc:
-            yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED, error=f"cannot continue the reply: {exc}")]
+            stale = started and (cursor.run < current.restarts or not cursor.n)
+            yield _renumbered(await self._from_store(current, 1 if stale else cursor.n), current.restarts)
             return
         if not await self.log.exists(reply.id):
-            yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED,
-                              error="the reply's token log expired and it has no stored context to continue from")]
-            return
-        async with contextlib.aclosing(self.log.subscribe_batches(reply.id, 0, idle_s, direct)) as batches:
+            try:
+                await self.service.restart(current)  # or another gateway just did: either way the log is back
+            except NoReplica as exc:
+                yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED, error=f"cannot continue the reply: {exc}")]
+                return
+            current = await self.store.get_reply(reply.id) or current
+            if not await self.log.exists(reply.id):
+                yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED,
+                                  error="the reply's token log was lost and it has no stored context to continue from")]
+                return
+        if started:  # what the client has is of a run that is gone: it starts over
+            yield [Snapshot(TokenEvent(wire_id(current.restarts, 0), ""))]
+        async with contextlib.aclosing(self._numbered(current, 0, idle_s, None)) as batches:
             async for batch in batches:
                 yield batch
+
+    async def _numbered(self, reply: Reply, n: int, idle_s: float | None,
+                        direct: TokenSink | None) -> AsyncIterator[list[Item]]:
+        """The log's batches after event n, with the ids clients see (the direct sink writes the
+        log's own ids, so it is for a reply's first run only)."""
+        run = reply.restarts
+        async with contextlib.aclosing(self.log.subscribe_batches(reply.id, n, idle_s,
+                                                                  direct if run == 0 else None)) as batches:
+            async for batch in batches:
+                yield _renumbered(batch, run)
 
     async def _from_store(self, reply: Reply, after: int) -> list[Item]:
         """A finished reply whose log expired, from its stored message: from the start, its text and
@@ -388,6 +423,8 @@ class ReplyRelay:
         leaves meanwhile ends the stream, not the save: a write cancelled inside its transaction
         leaves the connection torn, and on SQLite its lock held, every other writer of the file
         waiting out the busy timeout (30 s) and failing, until that connection is collected."""
+        # The store keeps the log's own n (its run is Reply.restarts), not the id clients saw.
+        final = dataclasses.replace(final, n=Cursor.of(final.n).n)
         await finish_anyway(self._save_now(reply_id, text, final, tools))
 
     async def _save_now(self, reply_id: str, text: str | None, final: FinalEvent,

@@ -1,0 +1,35 @@
+"""A client's event id (Last-Event-ID) across the runs of a reply.
+
+A reply whose token log was lost (its process restarted with the in-process relay, a Redis that
+lost it) runs again from its stored context, in a new log numbered from 1 (Reply.restarts counts
+the runs). Its events go out as restarts * RUN_SPAN + n, so an id a client holds from an earlier
+run is told apart from one of the new log: that client is sent the new run from its start, after a
+snapshot that empties the text it had, instead of the new run's events past its old id spliced onto
+its old text. A reply never restarted keeps the log's own numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Past any log's last event: a reply's events are its tokens (at most the model's context length)
+# and its tool events.
+RUN_SPAN = 1 << 20
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where a client is in a reply: which run its id came from, and the event n in that run's log."""
+
+    run: int
+    n: int
+
+    @classmethod
+    def of(cls, event_id: int) -> Cursor:
+        run, n = divmod(event_id, RUN_SPAN)
+        return cls(run, n)
+
+
+def wire_id(run: int, n: int) -> int:
+    """The id a client sees for event n of the reply's run `run` (0 for its first run)."""
+    return run * RUN_SPAN + n
