@@ -271,7 +271,8 @@ def gateway_context(
     # Every gateway watches for replicas that died or drain, and hands their replies on.
     failover = Failover(registry, relay, router)
     context.on_startup += [store.init, limits.ping, store_keys, background.start(recorder.run, "reply-recorder"),
-                           background.start(failover.run, "failover")]
+                           background.start(failover.run, "failover"),
+                           background.start(service.watch_lost, "lost-replies")]
     context.on_shutdown += [store.close, relay.close, registry.close, limits.close, background.stop]
     return context
 

@@ -616,6 +616,37 @@ def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
     assert http.get(f"/v1/replies/{reply_id}").json()["last_event_id"] == events[-2].id
 
 
+def test_a_reply_whose_log_was_lost_runs_again_with_nobody_reading_it(server, http):
+    """After a restart of the process that held its token log, a reply nobody comes back to read
+    would stay running, and its conversation take no new message (409) for good: the gateway's
+    sweep runs it again, it ends, and the conversation goes on."""
+    from fairway.conversation import Role
+    from fairway.conversation.entities import Conversation, new_id, now
+    from fairway.conversation.store import NewTurn
+
+    store, service = server.gateway.store, server.gateway.service
+    prompt = service.tokenizers[MODEL].chat_prompt_ids([{"role": "user", "content": "Say yes."}])
+
+    async def orphan() -> tuple[str, str]:
+        ts = now()
+        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, "Say yes.", ts, ts)
+        job = {"model": MODEL, "sampling": {"max_tokens": 4, "temperature": 0}, "lane": "free"}
+        _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, "Say yes.")],
+                                                  prompt_token_ids=prompt, job=job))
+        await store.mark_running_many([(reply.id, "a-replica-that-died")])
+        return conversation.id, reply.id
+
+    conversation_id, reply_id = server.call(orphan())
+    busy = http.post("/v1/chat/completions", json=chat_body("And?", stream=False, conversation_id=conversation_id))
+    assert busy.status_code == 409 and busy.headers["X-Reply-Id"] == reply_id
+    restarted, unplaced = server.call(service.restart_lost(min_age_s=0.0))
+    assert (restarted, unplaced) == (1, 0)
+    assert server.call(service.restart_lost(min_age_s=0.0)) == (0, 0)  # its log is back: once is enough
+    assert stored_reply(http, conversation_id, reply_id)["status"] == "complete"
+    answer = http.post("/v1/chat/completions", json=chat_body("And?", stream=False, conversation_id=conversation_id))
+    assert answer.status_code == 200, answer.text
+
+
 def test_a_client_of_a_lost_run_gets_the_new_run_from_its_start(server, http):
     """A client that had the first words of a reply whose log was then lost (the process
     restarted) comes back with its Last-Event-ID: the reply runs again from its stored context,

@@ -10,8 +10,10 @@ it instead of starting a second one. The gateway only speaks HTTP around this.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,17 +29,30 @@ from fairway.conversation.context_builder import (
 from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
 from fairway.conversation.extras import ContextSource, TurnExtras, TurnInfo
 from fairway.conversation.launched import LaunchedReplies
-from fairway.conversation.store import ConversationStore, DuplicateClientKey, NewTurn, NotFound
+from fairway.conversation.store import (
+    ConversationStore,
+    DuplicateClientKey,
+    NewTurn,
+    NotFound,
+    StoreUnavailable,
+)
 from fairway.domain import Lane, ReplyState, Tier, lane_of_tier
-from fairway.relay import Relay
+from fairway.relay import Relay, RelayError
 from fairway.replica.job import GenerationJob
 from fairway.replica.registry import ReplicaInfo
-from fairway.router import Router, region_fallback
+from fairway.router import NoReplica, Router, region_fallback
 from fairway.safety import ModerationResult, Moderator
 from fairway.tools import ToolSet
 from fairway.tools.prompt import expand_assistant, prompt_messages, system_block
 from fairway.tools.results import check_results, waiting_calls
 from fairway.usage import metrics
+
+log = logging.getLogger(__name__)
+
+# A reply stored this long ago with no token log has lost it (a launch follows its store at once),
+# and a sweep looks for such replies this often.
+LOST_AFTER_S = 5.0
+LOST_POLL_S = 30.0
 
 
 class NothingToResume(NotFound):
@@ -455,6 +470,36 @@ class ConversationService:
         if reply is None or await self.store.get_conversation(reply.conversation_id, user_id) is None:
             raise NotFound(f"reply {reply_id}")
         return reply
+
+    async def restart_lost(self, min_age_s: float = LOST_AFTER_S) -> tuple[int, int]:
+        """Run again every unfinished reply whose token log is gone, stored at least min_age_s ago
+        (a younger one may be between its store and its launch): the process that held its log
+        ended (fairway serve restarted) or Redis lost it. Without this a reply nobody reads again
+        stays running for good, and its conversation busy. How many were restarted, and how many
+        wait for a replica of their model (a deployment's replicas start alongside its gateways)."""
+        restarted = unplaced = 0
+        for reply in await self.store.list_unfinished_replies(created_before=time.time() - min_age_s):
+            if await self.relay.log.exists(reply.id):
+                continue
+            try:
+                restarted += await self.restart(reply)
+            except NoReplica:
+                unplaced += 1
+        return restarted, unplaced
+
+    async def watch_lost(self, poll_s: float = LOST_POLL_S) -> None:
+        """restart_lost() at start, then every poll_s, for the app's lifetime; sooner while lost
+        replies wait for a replica."""
+        wait_s = 1.0
+        while True:
+            try:
+                restarted, unplaced = await self.restart_lost()
+                if restarted:
+                    log.warning("ran %d replies again whose token logs were lost", restarted)
+                wait_s = min(wait_s * 2, poll_s) if unplaced else poll_s
+            except (StoreUnavailable, RelayError) as exc:
+                log.warning("could not look for replies whose token logs were lost: %s", exc)
+            await asyncio.sleep(wait_s)
 
     async def restart(self, reply: Reply) -> bool:
         """Run an unfinished reply whose token log was lost again from its stored context, counted

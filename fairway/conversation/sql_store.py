@@ -713,8 +713,10 @@ class SqlConversationStore(ConversationStore):
         for columns, params in batches.items():
             await self._rows_many(_finish_statement(columns), params, write=True)
 
-    async def list_unfinished_replies(self) -> list[Reply]:
+    async def list_unfinished_replies(self, created_before: float | None = None) -> list[Reply]:
         query = sa.select(replies).where(replies.c.finished_at.is_(None)).order_by(replies.c.created_at)
+        if created_before is not None:
+            query = query.where(replies.c.created_at < created_before)
         async with self._one_statement() as conn:
             rows = (await conn.execute(query)).mappings().all()
         return [_reply(r) for r in rows]

@@ -253,9 +253,9 @@ class ConversationStore(ABC):
         the second of the two writers of every reply (recorder.py), which needs nothing back."""
 
     @abstractmethod
-    async def list_unfinished_replies(self) -> list[Reply]:
-        """Replies not in a final state, oldest first, with their stored context: what a
-        restarted relay or router must resume."""
+    async def list_unfinished_replies(self, created_before: float | None = None) -> list[Reply]:
+        """Replies not in a final state (created before that time, if given), oldest first, with
+        their stored context: what a restarted relay or router must resume."""
 
     # API keys (the gateway's users). Keys are never stored, only their sha256.
 
