@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from fairway.conversation import Conversation, Message
+from fairway.conversation import Conversation, ConversationStore, Message
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import error_responses, not_found
@@ -22,7 +22,7 @@ def _conversation(c: Conversation) -> dict[str, Any]:
             "created_at": c.created_at, "updated_at": c.updated_at}
 
 
-def _message(m: Message, job: dict[str, Any] | None = None) -> dict[str, Any]:
+def _message(m: Message, job: dict[str, Any] | None = None, finish_reason: str | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": m.id, "object": "conversation.message", "role": str(m.role), "content": m.text,
                            "status": str(m.status), "created_at": m.created_at}
     if m.flagged_categories:
@@ -41,6 +41,8 @@ def _message(m: Message, job: dict[str, Any] | None = None) -> dict[str, Any]:
         out["client_key"] = m.client_key
     if m.reply_id:
         out["reply_id"] = m.reply_id
+        if finish_reason:
+            out["finish_reason"] = finish_reason
         if context := reply_context(job):  # the files' chunks it was given (sources), its memories
             out["context"] = context
         out["usage"] = {"prompt_tokens": m.prompt_tokens, "completion_tokens": m.completion_tokens,
@@ -66,7 +68,19 @@ async def get_conversation(conversation_id: str, request: Request) -> dict[str, 
         raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")
     messages = await store.list_messages(conversation.id)
     jobs = await store.get_reply_jobs([m.reply_id for m in messages if m.reply_id])
-    return {**_conversation(conversation), "messages": [_message(m, jobs.get(m.reply_id or "")) for m in messages]}
+    endings = await _finish_reasons(store, messages)
+    return {**_conversation(conversation),
+            "messages": [_message(m, jobs.get(m.reply_id or ""), endings.get(m.reply_id or "")) for m in messages]}
+
+
+async def _finish_reasons(store: ConversationStore, messages: list[Message]) -> dict[str, str]:
+    """Why each message's reply ended (OpenAI's finish_reason), by reply id: the status alone does
+    not say it, since a reply cut off by max_tokens (length) is stored complete, as is one that
+    ended by itself (stop)."""
+    ids = [m.reply_id for m in messages if m.reply_id]
+    async with store.one_connection():  # one checkout for them all
+        replies = [await store.get_reply(reply_id) for reply_id in ids]
+    return {r.id: r.finish_reason for r in replies if r is not None and r.finish_reason}
 
 
 @router.delete("/v1/conversations/{conversation_id}", responses=error_responses(404))
