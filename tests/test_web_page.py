@@ -242,20 +242,27 @@ def browser_context(tmp_path, chromium):
 # -- helpers ---------------------------------------------------------------------------------------
 
 # Records every text the newest assistant message and the status line show, in order: the test
-# checks each step against the final text (the reply only ever grows, never repeats).
+# checks each step against the final text (the reply only ever grows, never repeats). A reply's
+# text is its body's data-source: the markdown as written, which the body shows rendered.
 RECORDER = """() => {
   window.__replyTexts = [];
   window.__statusTexts = [];
   new MutationObserver(() => {
     const bodies = document.querySelectorAll('#messages .msg.assistant .body');
     const last = bodies[bodies.length - 1];
-    const text = last ? last.textContent : null;
+    const text = last ? last.dataset.source : null;
     const seen = window.__replyTexts;
     if (text !== null && text !== seen[seen.length - 1]) seen.push(text);
     const status = document.getElementById('status').textContent;
     if (status && status !== window.__statusTexts[window.__statusTexts.length - 1]) window.__statusTexts.push(status);
   }).observe(document.body, {subtree: true, childList: true, characterData: true});
 }"""
+
+
+def reply_text(message) -> str:
+    """An assistant message's text as the model wrote it: its body shows the markdown rendered, and
+    keeps the text itself in data-source."""
+    return message.locator(".body").get_attribute("data-source") or ""
 
 
 def stored_message(server: str, conversation_id: str, reply_id: str) -> dict:
@@ -294,10 +301,10 @@ def send(page, text: str, max_tokens: int) -> None:
 
 
 def wait_for_text(page, min_chars: int) -> str:
-    body = page.locator("#messages .msg.assistant .body").last
+    message = page.locator("#messages .msg.assistant").last
     deadline = time.monotonic() + TIMEOUT_MS / 1000
     while time.monotonic() < deadline:
-        text = body.text_content() or ""
+        text = reply_text(message)
         if len(text) >= min_chars:
             return text
         time.sleep(0.02)
@@ -329,12 +336,12 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     assistant = page.locator("#messages .msg.assistant").last
     reply_id = assistant.get_attribute("data-reply-id")
     conversation_id = page.locator("#conversations li.active").get_attribute("data-id")
-    shown = assistant.locator(".body").text_content()
+    shown = reply_text(assistant)
     stored = stored_message(server, conversation_id, reply_id)
     assert stored["status"] == "complete"
     assert shown == stored["content"], "the page's reply differs from the stored one"
     # The story ran into max_tokens: stored complete, but the page says it was cut off.
-    assert stored["usage"]["completion_tokens"] == 120
+    assert stored["usage"]["completion_tokens"] == 120 and stored["finish_reason"] == "length"
     assert assistant.locator(".badge").all_text_contents() == ["cut off at the token limit"]
     assert len(shown) > len(text_at_cut) and shown.startswith(text_at_cut)
     # Token by token: many intermediate states, each a prefix of the next (nothing repeated).
@@ -354,6 +361,8 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     other.on("pageerror", lambda exc: errors.append(str(exc)))
     other.goto(f"{proxy.url}/#{conversation_id}")
     other.wait_for_selector("#messages .msg.assistant")
+    # Opened from the store, the story still says it was cut off.
+    assert other.locator("#messages .msg.assistant .badge").all_text_contents() == ["cut off at the token limit"]
     # A reload mid-reply: the conversation comes back by itself and its reply goes on streaming.
     send(page, "Now tell me a much longer story about a lighthouse keeper and the sea.", max_tokens=400)
     page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
@@ -389,8 +398,8 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     stopped = page.locator("#messages .msg.assistant").last
     stored = stored_message(server, conversation_id, running_id)
     assert stored["status"] == "stopped"
-    assert stopped.locator(".body").text_content() == stored["content"]
-    assert other.locator("#messages .msg.assistant .body").last.text_content() == stored["content"]
+    assert reply_text(stopped) == stored["content"]
+    assert reply_text(other.locator("#messages .msg.assistant").last) == stored["content"]
     assert other.locator("#status").is_hidden() and other.locator("#send").is_visible()
     other.close()
     assert stored["usage"]["completion_tokens"] < 400
@@ -409,7 +418,9 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
         assert roles == ["user", "assistant", "user", "assistant"], step
         last = page.locator("#messages .msg").last
         assert last.get_attribute("data-status") == "stopped" and last.locator(".badge.stopped").is_visible()
-        assert last.locator(".body").text_content() == stored["content"]
+        assert reply_text(last) == stored["content"]
+        badges = page.locator("#messages .msg.assistant").first.locator(".badge").all_text_contents()
+        assert badges == ["cut off at the token limit"], step  # the story, from the store
         if step == "reload":
             page.click("#new-chat")
             page.wait_for_selector("#messages .empty")
@@ -550,7 +561,7 @@ def test_chat_page_shows_a_refused_message_and_a_filtered_reply(server, browser_
     page.wait_for_selector("#messages .msg.assistant[data-status=flagged] .badge.flagged", timeout=2 * TIMEOUT_MS)
     assistant = page.locator("#messages .msg.assistant").last
     assert assistant.locator(".badge").text_content() == "stopped by the content filter (violence)"
-    shown = assistant.locator(".body").text_content()
+    shown = reply_text(assistant)
     # Released first, checked after: the page got the flagged sentence too, and nothing after it.
     assert shown.startswith("Cats are") and shown.rstrip().endswith(".") and FLAGGED_WORD in shown.lower()
     stored = stored_message(server, conversation_id, assistant.get_attribute("data-reply-id"))
@@ -596,7 +607,7 @@ def test_chat_page_never_shows_a_held_back_flagged_sentence(held_server, browser
     page.wait_for_selector("#messages .msg.assistant[data-status=flagged] .badge.flagged", timeout=2 * TIMEOUT_MS)
     assistant = page.locator("#messages .msg.assistant").last
     assert assistant.locator(".badge").text_content() == "stopped by the content filter (violence)"
-    shown = assistant.locator(".body").text_content()
+    shown = reply_text(assistant)
     assert shown.startswith("Cats are") and shown.rstrip().endswith(".")  # the first sentence, whole
     states = page.evaluate("window.__replyTexts")  # every text the reply showed, in order
     assert states and not any(HELD_WORD in state.lower() for state in states), states
@@ -608,38 +619,159 @@ def test_chat_page_never_shows_a_held_back_flagged_sentence(held_server, browser
     assert not errors, errors
 
 
-# -- the code tool -----------------------------------------------------------------------------
+# -- scripted replies: markdown, the code tool -----------------------------------------------------
 
 SLOW_CALL = '<tool_call name="execute_code">\nimport time\ntime.sleep(1.5)\nprint(6 * 7)\n</tool_call>'
+# A reply with every kind of markdown the page renders, and two attempts at live markup.
+MARKDOWN_REPLY = """## Plan
+
+Use **bold**, *italic* and `inline <code>` here.
+
+1. First step
+2. Second step with [the docs](https://example.com/docs)
+
+- a bullet
+- another
+
+```python
+print("<b>not bold</b>")
+```
+
+Injected: <img src=x onerror=alert(1)> and [x](javascript:alert(1))."""
 
 
-def _code_script(prompt: str) -> str:
-    """A scripted model (tests/scripted_engine.py): a call whose run lasts long enough to watch."""
+def _script(prompt: str) -> str:
+    """A scripted model (tests/scripted_engine.py): markdown when asked for it; else a call whose
+    run lasts long enough to watch, then its result."""
     turn = prompt[prompt.rindex("<|im_start|>user"):]
+    if "markdown" in turn:
+        return MARKDOWN_REPLY
     if "<tool_response>" in turn:
         return "The result is " + turn.split("<tool_response>\n", 1)[1].split("\n</tool_response>", 1)[0] + "."
     return "Let me compute that. " + SLOW_CALL
 
 
 @pytest.fixture(scope="module")
-def code_server(tmp_path_factory):
-    """The embedded server (gateway, relay, replica worker, the real sandbox) on a scripted engine."""
+def scripted_server(tmp_path_factory):
+    """The embedded server (gateway, relay, replica worker, the real sandbox) on a scripted engine,
+    a token every 10 ms: a reply streams over many frames."""
     from scripted_engine import ScriptedEngine
     from serving import embedded_server
 
     from fairway.assembly import ServerOptions, load_tokenizer
+
+    db = tmp_path_factory.mktemp("web-scripted") / "fairway.db"
+    options = ServerOptions(database=f"sqlite:///{db}", api_keys=[(KEY, "web-user", "paid")], memory=False)
+    with embedded_server(options, ScriptedEngine(load_tokenizer(None), _script, step_s=0.01)) as server:
+        yield server.url
+
+
+# While the newest assistant message streams: each text it shows (data-source) and how many
+# rendered markdown elements it had then.
+STREAM_WATCH = """() => {
+  window.__streamed = [];
+  new MutationObserver(() => {
+    const msg = [...document.querySelectorAll('#messages .msg.assistant')].pop();
+    if (!msg || msg.dataset.status !== 'streaming') return;
+    const body = msg.querySelector('.body');
+    const seen = window.__streamed;
+    if (!seen.length || seen[seen.length - 1][0] !== body.dataset.source) {
+      seen.push([body.dataset.source, body.querySelectorAll('h2, strong, li, pre').length]);
+    }
+  }).observe(document.getElementById('messages'), {subtree: true, childList: true});
+}"""
+
+# Many updates within one frame (tokens arriving faster than the screen refreshes): rendered once,
+# at the frame, with the newest text.
+ONE_RENDER_A_FRAME = """async () => {
+  const view = new AssistantView();
+  const render = Markdown.render;
+  let renders = 0;
+  Markdown.render = (text) => { renders += 1; return render(text); };
+  try {
+    let text = '';
+    for (let n = 0; n < 300; n++) view.update(text += `**t${n}** `);
+    const before = renders;
+    await new Promise((resolve) => requestAnimationFrame(() => setTimeout(resolve)));
+    return [before, renders, view.body.querySelectorAll('strong').length];
+  } finally {
+    Markdown.render = render;
+  }
+}"""
+
+
+def check_markdown(message) -> None:
+    """The assistant message shows MARKDOWN_REPLY rendered, and nothing of it as live markup."""
+    body = message.locator(".body")
+    assert body.locator("h2").all_text_contents() == ["Plan"]
+    assert body.locator("strong").all_text_contents() == ["bold"]
+    assert body.locator("em").all_text_contents() == ["italic"]
+    assert body.locator("p > code").all_text_contents() == ["inline <code>"]
+    assert body.locator("ol > li").all_text_contents() == ["First step", "Second step with the docs"]
+    assert body.locator("ul > li").all_text_contents() == ["a bullet", "another"]
+    assert body.locator("pre > code").all_text_contents() == ['print("<b>not bold</b>")']
+    # The only link is the http(s) one, opening in a new tab with no hold on the page.
+    links = body.locator("a").evaluate_all("els => els.map(a => [a.getAttribute('href'), a.target, a.rel])")
+    assert links == [["https://example.com/docs", "_blank", "noopener noreferrer"]]
+    # The model's HTML and its javascript: link are text.
+    assert body.locator("img, b, script, [onerror]").count() == 0
+    text = body.text_content()
+    assert "Injected: <img src=x onerror=alert(1)> and [x](javascript:alert(1))." in text
+    assert "**" not in text and "`" not in text and "##" not in text
+    assert reply_text(message) == MARKDOWN_REPLY
+
+
+def test_chat_page_renders_markdown_safely_and_says_a_reopened_reply_was_cut_off(scripted_server, browser_context):
+    page = open_chat(browser_context, scripted_server)
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    dialogs: list[str] = []  # an alert() would mean the model's markup ran
+    page.on("dialog", lambda dialog: (dialogs.append(dialog.message), dialog.dismiss()))
+    page.evaluate(STREAM_WATCH)
+
+    # 1. A markdown reply is rendered as it streams; the user's own text stays as typed.
+    question = "Show me some markdown: **not bold** <i>not italic</i>"
+    send(page, question, max_tokens=400)
+    page.wait_for_selector("#messages .msg.assistant[data-status=complete]")
+    assistant = page.locator("#messages .msg.assistant").last
+    check_markdown(assistant)
+    assert assistant.locator(".badge").count() == 0
+    user = page.locator("#messages .msg.user").last
+    assert user.locator(".body").text_content() == question and user.locator(".body *").count() == 0
+    # Rendered mid-stream, not only at the end: partial texts already had markdown elements.
+    streamed = page.evaluate("window.__streamed")
+    partial = [marks for source, marks in streamed if len(source) < len(MARKDOWN_REPLY)]
+    assert len(partial) >= 3 and any(partial), streamed
+    # And at most once a frame, however fast the text changes.
+    assert page.evaluate(ONE_RENDER_A_FRAME) == [0, 1, 300]
+
+    # 2. A reply cut off at max_tokens: the badge live...
+    send(page, "Once more, in markdown.", max_tokens=5)
+    page.wait_for_selector("#messages .msg.assistant[data-status=complete] >> nth=1")
+    cut = page.locator("#messages .msg.assistant").last
+    assert cut.locator(".badge").all_text_contents() == ["cut off at the token limit"]
+    conversation_id = page.locator("#conversations li.active").get_attribute("data-id")
+    stored = stored_message(scripted_server, conversation_id, cut.get_attribute("data-reply-id"))
+    assert stored["status"] == "complete" and stored["finish_reason"] == "length"
+    assert stored["content"] == reply_text(cut) and MARKDOWN_REPLY.startswith(stored["content"])
+
+    # 3. ...and reopened from the store: the markdown rendered as it was, each badge as it was.
+    page.reload()
+    page.wait_for_selector("#messages .msg.assistant >> nth=1")
+    replies = page.locator("#messages .msg.assistant")
+    check_markdown(replies.first)
+    assert replies.first.locator(".badge").count() == 0
+    assert replies.last.locator(".badge").all_text_contents() == ["cut off at the token limit"]
+    assert page.locator("#messages .msg.user .body").first.text_content() == question
+    assert not dialogs and not errors, (dialogs, errors)
+
+
+def test_chat_page_shows_a_running_tool_then_its_code_and_output(scripted_server, browser_context):
     from fairway.sandbox import LocalSandbox
 
     if (reason := LocalSandbox().static_check()) is not None:
         missing("bubblewrap", reason)
-    db = tmp_path_factory.mktemp("web-tools") / "fairway.db"
-    options = ServerOptions(database=f"sqlite:///{db}", api_keys=[(KEY, "web-user", "paid")], memory=False)
-    with embedded_server(options, ScriptedEngine(load_tokenizer(None), _code_script)) as server:
-        yield server.url
-
-
-def test_chat_page_shows_a_running_tool_then_its_code_and_output(code_server, browser_context):
-    page = open_chat(browser_context, code_server)
+    page = open_chat(browser_context, scripted_server)
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.check("#code-tool")

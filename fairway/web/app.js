@@ -359,8 +359,8 @@ class ReplyStream {
 // -- rendering ---------------------------------------------------------------------------------
 
 const BADGES = { stopped: 'stopped', flagged: 'stopped by the content filter', error: 'error' };
-// A reply that ran out of max_tokens is stored as complete; only the live stream says so (its
-// finish_reason), so a reopened conversation shows no badge for it.
+// A reply that ran out of max_tokens is stored as complete: its finish_reason says so (the live
+// stream's final chunk, or the stored message's finish_reason on reopen).
 const CUT_OFF_BADGE = 'cut off at the token limit';
 const USER_BADGES = { flagged: 'refused by the content filter: not sent to the model' };
 
@@ -369,7 +369,7 @@ function filterText(text, categories) {
   return categories && categories.length ? `${text} (${categories.join(', ')})` : text;
 }
 
-function messageElement(role, text, status, categories) {
+function messageElement(role, text, status, categories, finishReason = null) {
   const el = document.createElement('div');
   el.className = `msg ${role}`;
   el.dataset.status = status;
@@ -378,11 +378,31 @@ function messageElement(role, text, status, categories) {
   label.textContent = role === 'user' ? 'You' : role === 'assistant' ? 'Assistant' : role;
   const body = document.createElement('div');
   body.className = 'body';
-  body.textContent = text; // textContent, never innerHTML: model output is not trusted markup
+  // The assistant's markdown is rendered (as DOM nodes: markdown.js); anything else is shown as
+  // written. Never innerHTML: neither the model's output nor the user's text is trusted markup.
+  if (role === 'assistant') showMarkdown(body, text);
+  else body.textContent = text;
   el.append(label, body);
-  const badges = role === 'user' ? USER_BADGES : BADGES;
-  if (badges[status]) addBadge(el, status, status === 'flagged' ? filterText(badges[status], categories) : badges[status]);
+  if (role === 'user') {
+    if (USER_BADGES[status]) addBadge(el, status, filterText(USER_BADGES[status], categories));
+  } else {
+    addEndBadge(el, status, { categories, finishReason });
+  }
   return el;
+}
+
+/** A reply's text, rendered; the text as written stays in data-source (rendering drops its marks). */
+function showMarkdown(body, text) {
+  body.replaceChildren(Markdown.render(text));
+  body.dataset.source = text;
+}
+
+/** The badge that says how a reply ended, unless it simply completed: live and reopened alike. */
+function addEndBadge(el, status, { categories = null, finishReason = null, error = null } = {}) {
+  if (status === 'error') addBadge(el, 'error', error || BADGES.error);
+  else if (status === 'flagged') addBadge(el, status, filterText(BADGES.flagged, categories));
+  else if (BADGES[status]) addBadge(el, status, BADGES[status]);
+  else if (finishReason === 'length') addBadge(el, 'length', CUT_OFF_BADGE);
 }
 
 /** What an answer's context held beyond the conversation (file chunks, memories), or null. */
@@ -467,10 +487,25 @@ class AssistantView {
   constructor() {
     this.el = messageElement('assistant', '', 'streaming');
     this.body = this.el.querySelector('.body');
+    this.pending = null; // the newest text, not rendered yet
+    this.frame = null;
   }
 
+  /** Tokens arrive faster than the screen refreshes, and each render redoes the whole text: the
+   * newest text is rendered once, at the next frame. */
   update(text) {
-    keepingBottom(() => { this.body.textContent = text; });
+    this.pending = text;
+    if (this.frame === null) this.frame = requestAnimationFrame(() => this.render());
+  }
+
+  /** Render the pending text now (before what must follow it on screen: a tool run, a badge). */
+  render() {
+    cancelAnimationFrame(this.frame);
+    this.frame = null;
+    if (this.pending === null) return;
+    const text = this.pending;
+    this.pending = null;
+    keepingBottom(() => showMarkdown(this.body, text));
   }
 
   setReplyId(replyId) {
@@ -485,18 +520,17 @@ class AssistantView {
   }
 
   finish(status, error, categories, finishReason) {
+    this.render();
     // The badge must not end up under the composer (an error's can be a few lines long).
     keepingBottom(() => {
       this.el.dataset.status = status;
-      if (status === 'error') addBadge(this.el, 'error', error || 'error');
-      else if (status === 'flagged') addBadge(this.el, status, filterText(BADGES.flagged, categories));
-      else if (BADGES[status]) addBadge(this.el, status, BADGES[status]);
-      else if (finishReason === 'length') addBadge(this.el, 'length', CUT_OFF_BADGE);
+      addEndBadge(this.el, status, { categories, finishReason, error });
     });
   }
 
   /** A tool run: a spinner while it runs, then its code and output, folded. */
   tool(run) {
+    this.render(); // the text before the run shows before it
     let el = this.el.querySelector(`.tool-run[data-call-id="${CSS.escape(run.id)}"]`);
     if (!el) {
       el = document.createElement('div');
@@ -519,6 +553,7 @@ class AssistantView {
 
   /** The input check refused the message: it is marked, and no reply follows it. */
   refuse(refused) {
+    cancelAnimationFrame(this.frame);
     const user = this.el.previousElementSibling;
     keepingBottom(() => {
       if (user && user.classList.contains('user')) {
@@ -682,7 +717,7 @@ async function openConversation(id, { fromUrl = false, attachTo = null, notice =
   const box = $('messages');
   box.replaceChildren();
   for (const m of conversation.messages) {
-    const el = messageElement(m.role, m.content, m.status, m.flagged_categories);
+    const el = messageElement(m.role, m.content, m.status, m.flagged_categories, m.finish_reason);
     if (m.reply_id) el.dataset.replyId = m.reply_id;
     const runs = storedRuns(m);
     if (runs.length) {
