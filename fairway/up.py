@@ -8,8 +8,9 @@ Once up, it keeps them up: a process that dies (killed, out of memory) is starte
 same arguments, a replica under its own --replica-id, while the others serve (the replies it was
 writing carry on elsewhere: failover). One that keeps dying soon after its start stops it all.
 
-Before starting anything it checks both servers and says in one line which one is missing. The
-database is created if the server has no database of that name yet.
+Before starting anything it checks both servers and says in one line which one is missing, or
+which one answered but refused us (a role, a password, a database number: the URL to fix), in the
+server's own words. The database is created if the server has no database of that name yet.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 import httpx
 
@@ -44,48 +46,122 @@ class UpOptions:
     gateway_args: list[str] = field(default_factory=list)  # and to every `fairway gateway`
 
 
-class ServerMissing(RuntimeError):
-    """A server `fairway up` needs does not answer (the message names it and the URL)."""
+class ServerUnusable(RuntimeError):
+    """A server `fairway up` needs cannot be used (the message names it, the URL and why)."""
+
+
+class ServerMissing(ServerUnusable):
+    """Nothing answers at the URL: the server is down, or the host or port is wrong."""
+
+
+class ServerRefused(ServerUnusable):
+    """The server answered but refused us (a login, a password, a database): the URL is what to
+    fix, not the server's absence, so the message says so with the server's own words."""
 
 
 async def check_servers(redis_url: str | None, database_url: str | None) -> None:
-    """Raise ServerMissing naming the first server that does not answer (None: not used); create
-    the database when only it is missing. `up` and the commands that need a server check first
-    with it, so a missing one is one line, not a traceback."""
+    """Raise ServerMissing or ServerRefused for the first server that cannot be used (None: not
+    used); create the database when only it is missing. `up` and the commands that need a server
+    check first with it, so a missing one is one line, not a traceback."""
     if redis_url:
-        from fairway.redis_client import RedisClient
-
-        client = RedisClient(redis_url)
-        try:
-            await asyncio.wait_for(client.ping(), 5)
-        except Exception as exc:  # refused, timed out, or redis-py's own connection errors
-            raise ServerMissing(f"no Redis answers at {redis_url} ({exc.__class__.__name__}: {exc}); "
-                                "start one (redis-server) or pass --redis") from None
-        finally:
-            await client.close()
+        await _check_redis(redis_url)
     if database_url:
         await _ensure_database(database_url.replace("+asyncpg://", "://", 1))
+
+
+async def _check_redis(url: str) -> None:
+    from fairway.redis_client import RedisClient
+
+    client = RedisClient(url)
+    try:
+        await asyncio.wait_for(client.ping(), 5)
+    except Exception as exc:  # refused, timed out, an error reply, or redis-py's own connection errors
+        if _redis_refused(exc):
+            said = str(exc).removeprefix("Redis refused the connection setup: ")  # (Redis's own words)
+            raise ServerRefused(f"Redis answers at {shown_url(url)} but refused us ({said}); fix the password or "
+                                "database number in --redis (redis://[[user]:password@]host:port/db)") from None
+        raise ServerMissing(f"no Redis answers at {shown_url(url)} ({_reason(exc)}); "
+                            "start one (redis-server) or pass --redis") from None
+    finally:
+        await client.close()
+
+
+def _redis_refused(exc: Exception) -> bool:
+    """Whether Redis itself answered with an error: NOAUTH to our PING (a password is needed), or
+    an error to the connection's setup (AUTH's WRONGPASS, SELECT's "DB index is out of range"),
+    which the client raises as a ConnectionError of its own wording (fairway/redis_client/mux.py)."""
+    from redis.exceptions import ResponseError
+
+    return isinstance(exc, ResponseError) or "refused the connection setup" in str(exc)
 
 
 async def _ensure_database(url: str) -> None:
     import asyncpg
 
+    _port_in_range(url)
     try:
         conn = await asyncpg.connect(url, timeout=5)
-    except asyncpg.InvalidCatalogNameError:
-        server, _, name = url.rpartition("/")
-        admin = await asyncpg.connect(f"{server}/postgres", timeout=5)
-        try:
-            await admin.execute(f'CREATE DATABASE "{name}"')
-        except asyncpg.DuplicateDatabaseError:
-            pass  # another `fairway up` made it meanwhile
-        finally:
-            await admin.close()
+    except asyncpg.InvalidCatalogNameError as exc:
+        await _create_database(url, exc)
         return
-    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
-        raise ServerMissing(f"no PostgreSQL answers at {url} ({exc.__class__.__name__}: {exc}); "
+    except asyncpg.PostgresError as exc:  # it answered: the role, the password, or the server said no
+        login = isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError)  # (InvalidPasswordError too)
+        raise ServerRefused(f"PostgreSQL answers at {shown_url(url)} but refused the "
+                            f"{'login' if login else 'connection'}: {exc} ({exc.__class__.__name__})"
+                            + ("; fix the user or password in --database" if login else "")) from None
+    except (OSError, TimeoutError) as exc:
+        raise ServerMissing(f"no PostgreSQL answers at {shown_url(url)} ({_reason(exc)}); "
                             "start one or pass --database") from None
     await conn.close()
+
+
+async def _create_database(url: str, missing: Exception) -> None:
+    """Create the database url names, through the server's `postgres` database; ServerRefused
+    when this user cannot (no CREATEDB privilege, no `postgres` database it may enter)."""
+    import asyncpg
+
+    parts = urlsplit(url)
+    name = unquote(parts.path.lstrip("/"))  # (the path alone: a ?sslmode=... is not part of the name)
+    shown = shown_url(url)
+    if not name:  # asyncpg took the user's name as the database's
+        raise ServerRefused(f"PostgreSQL answers at {shown} but {missing}; name the database in --database")
+    try:
+        admin = await asyncpg.connect(urlunsplit(parts._replace(path="/postgres")), timeout=5)
+    except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
+        raise ServerRefused(f"PostgreSQL at {shown} has no database {name!r}, and its 'postgres' database, "
+                            f"where it would be created, refused us: {exc}; create it (createdb) or fix --database"
+                            ) from None
+    try:
+        await admin.execute(f'CREATE DATABASE "{name.replace(chr(34), chr(34) * 2)}"')
+    except asyncpg.DuplicateDatabaseError:
+        pass  # another `fairway up` made it meanwhile
+    except asyncpg.PostgresError as exc:
+        raise ServerRefused(f"PostgreSQL at {shown} has no database {name!r}, and this user may not create it: "
+                            f"{exc}; create it (createdb) or fix --database") from None
+    finally:
+        await admin.close()
+
+
+def _port_in_range(url: str) -> None:
+    """A ValueError naming the URL for a port above 65535: the socket's OverflowError was a traceback."""
+    try:
+        _ = urlsplit(url).port  # (the property parses, and checks, the port)
+    except ValueError as exc:
+        raise ValueError(f"{shown_url(url)}: {exc}") from None
+
+
+def shown_url(url: str) -> str:
+    """url without its password, for messages a user may paste into an issue."""
+    parts = urlsplit(url)
+    if not parts.password:
+        return url
+    userinfo, _, host = parts.netloc.rpartition("@")
+    return urlunsplit(parts._replace(netloc=f"{userinfo.partition(':')[0]}:***@{host}"))
+
+
+def _reason(exc: BaseException) -> str:
+    """The exception's class and message; a TimeoutError's message is empty."""
+    return f"{exc.__class__.__name__}: {exc}" if str(exc) else f"{exc.__class__.__name__}: no answer in 5 s"
 
 
 async def make_key(database_url: str) -> str:
@@ -230,7 +306,7 @@ def wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
 def up(options: UpOptions) -> int:
     try:
         asyncio.run(check_servers(options.redis, options.database))
-    except ServerMissing as exc:
+    except ServerUnusable as exc:
         print(f"fairway up: {exc}", file=sys.stderr)
         return 2
     key = asyncio.run(make_key(options.database))

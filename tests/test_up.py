@@ -4,6 +4,7 @@ and Ctrl-C drains and stops everything; a missing server is one clear line, noth
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ import psutil
 import pytest
 import redis
 from backends import missing
-from pg_admin import temporary_database
+from pg_admin import PG_HOST, PG_USER, pg_admin, temporary_database
 from redis_keys import delete_prefixed
 from serving import MODEL, free_port, sse_events, wait_for
 
@@ -151,3 +152,94 @@ def test_a_deployment_needs_a_process_of_each_kind(flag):
     proc = fairway_up(flag)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 2 and "at least 1" in err
+
+
+def pg_or_skip() -> None:
+    import asyncpg
+
+    try:
+        asyncio.run(pg_admin("SELECT 1"))
+    except (OSError, asyncpg.PostgresError) as exc:
+        missing("PostgreSQL", f"no test server answers at {PG_HOST}: {exc}")
+
+
+def test_a_postgresql_login_refused_is_not_a_missing_server(capsys):
+    """A role that does not exist was "no PostgreSQL answers ...; start one": the user went to
+    start a server that was running, not to fix the URL."""
+    from fairway.up import UpOptions, up
+
+    pg_or_skip()
+    database = f"postgresql://nosuchuser_{uuid.uuid4().hex[:8]}@{PG_HOST}/postgres"
+    assert up(UpOptions(redis="", database=database)) == 2  # (before anything starts)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"fairway up: PostgreSQL answers at {database} but refused the "
+                                                   "login: role \"nosuchuser_"), err
+    assert "(InvalidAuthorizationSpecificationError); fix the user or password in --database" in err
+
+
+def test_a_missing_database_this_user_may_not_create_says_so():
+    """CREATE DATABASE refused (no CREATEDB) was an InsufficientPrivilegeError traceback."""
+    from fairway.up import ServerRefused, check_servers
+
+    pg_or_skip()
+    role = f"fairway_test_{uuid.uuid4().hex[:8]}"
+    asyncio.run(pg_admin(f'CREATE ROLE "{role}" LOGIN'))  # (NOCREATEDB, the default)
+    try:
+        with pytest.raises(ServerRefused, match=r"has no database 'nosuchdb', and this user may not create it: "
+                                                r"permission denied to create database; create it"):
+            asyncio.run(check_servers(None, f"postgresql://{role}@{PG_HOST}/nosuchdb"))
+    finally:
+        asyncio.run(pg_admin(f'DROP ROLE "{role}"'))
+
+
+def test_a_missing_database_is_created_under_its_own_name_not_the_urls_tail():
+    """The name was the URL after its last "/": ?sslmode=disable made a database "x?sslmode=disable"."""
+    from fairway.up import check_servers
+
+    pg_or_skip()
+    name = f"fairway_test_{uuid.uuid4().hex[:12]}"
+    try:
+        asyncio.run(check_servers(None, f"postgresql://{PG_USER}@{PG_HOST}/{name}?sslmode=disable"))
+        asyncio.run(pg_admin(f'DROP DATABASE "{name}"'))  # (fails unless it was made, and under its name)
+    finally:
+        asyncio.run(pg_admin(f'DROP DATABASE IF EXISTS "{name}?sslmode=disable"'))
+
+
+def test_a_port_out_of_range_is_one_line_naming_the_url():
+    """asyncio's socket raised OverflowError: a traceback."""
+    from fairway.up import check_servers
+
+    with pytest.raises(ValueError, match=r"^postgresql://u:\*\*\*@127.0.0.1:99999/x: Port out of range"):
+        asyncio.run(check_servers(None, "postgresql://u:secret@127.0.0.1:99999/x"))
+
+
+@pytest.fixture
+def redis_with_password():
+    """A Redis of its own that wants a password: its port."""
+    port = free_port()
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", "sesame",
+                             "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: redis.Redis(port=port, password="sesame").ping(), timeout=10)
+        yield port
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("url,said", [
+    ("redis://127.0.0.1:{port}/0", "(NOAUTH Authentication required.)"),
+    ("redis://:wrong@127.0.0.1:{port}/0", "(WRONGPASS invalid username-password pair"),
+    ("redis://:sesame@127.0.0.1:{port}/99", "(ERR DB index is out of range)"),
+])
+def test_a_redis_that_refuses_us_is_not_a_missing_redis(redis_with_password, url, said):
+    """NOAUTH and WRONGPASS were "no Redis answers ...; start one (redis-server)"."""
+    from fairway.up import ServerRefused, check_servers
+
+    url = url.format(port=redis_with_password)
+    with pytest.raises(ServerRefused) as refused:
+        asyncio.run(check_servers(url, None))
+    shown = re.sub(r":\w+@", ":***@", url)  # (a password is never printed)
+    assert str(refused.value).startswith(f"Redis answers at {shown} but refused us {said}"), refused.value
+    assert "fix the password or database number in --redis" in str(refused.value)
+    asyncio.run(check_servers(f"redis://:sesame@127.0.0.1:{redis_with_password}/0", None))  # the right one passes
