@@ -94,6 +94,21 @@ def _sandbox_url(value: str) -> str:
     return value
 
 
+def _log_dir(value: str) -> Path:
+    """A folder for log files, made (with its parents) here if missing: a path naming a file, or
+    one that cannot be made, was a traceback at the first replica's start, the fleet already up."""
+    path = Path(value)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r} is a file, not a folder")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot make the folder {value!r}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in the folder {value!r}")
+    return path
+
+
 MIN_MODEL_LEN = 128  # a chat template and a short message with room for a reply
 
 
@@ -327,14 +342,19 @@ def _safety_settings(args: argparse.Namespace):
 
 
 def _serve_app(app, args: argparse.Namespace) -> int:
+    # --reuse-port: several gateway processes listen on one port and the kernel spreads the
+    # connections over them (`fairway up`).
+    try:
+        sockets = [_reuse_port_socket(args.host, args.port)] if getattr(args, "reuse_port", False) else None
+    except OSError as exc:  # a port another program holds, an unknown host: one line, as uvicorn's own bind says it
+        print(f"fairway {args.command}: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
+              file=sys.stderr)
+        return 3
     import uvicorn
 
     from fairway.gateway.http_protocol import server_config
 
     server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
-    # --reuse-port: several gateway processes listen on one port and the kernel spreads the
-    # connections over them (`fairway up`).
-    sockets = [_reuse_port_socket(args.host, args.port)] if getattr(args, "reuse_port", False) else None
     settle_heap()  # a server process from here on (fairway/server_gc.py)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn re-raises it once shut down
         server.run(sockets=sockets)
@@ -343,10 +363,14 @@ def _serve_app(app, args: argparse.Namespace) -> int:
 
 def _reuse_port_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError:
+        sock.close()
+        raise
     sock.set_inheritable(True)
     return sock
 
@@ -484,26 +508,53 @@ DATABASE_SCHEMES = ("postgresql", "postgres", "postgresql+asyncpg", "sqlite", "s
 
 
 def _servers_answer(command: str, redis: str | None = None, database: str | None = None) -> bool:
-    """Whether the Redis and the PostgreSQL named answer (None: not used), else one line naming the
-    first that does not, as `fairway up` says it: checked before the model loads, where a missing
-    server was a long traceback. A missing PostgreSQL database is created, as `up` does. A database
-    URL no store takes is a ValueError (one line from main)."""
-    from fairway.up import ServerMissing, check_servers
+    """Whether the Redis and the PostgreSQL named answer and let us in (None: not used), else one
+    line naming the first that does not, as `fairway up` says it: checked before the model loads,
+    where a missing server (or a refused login) was a long traceback. A missing PostgreSQL database
+    is created, as `up` does. A database URL no store takes, or a SQLite path that is not a
+    database, is a ValueError (one line from main)."""
+    from fairway.up import ServerUnusable, check_servers
 
     scheme = (database or "").partition("://")[0]
     if database and ("://" not in database or scheme not in DATABASE_SCHEMES):
         raise ValueError(f"--database takes postgresql://user@host/db or sqlite:///path, not {database!r}")
+    if database and scheme.startswith("sqlite"):
+        _check_sqlite(database)
     try:
         asyncio.run(check_servers(redis, database if scheme.startswith("postgres") else None))
-    except ServerMissing as exc:
+    except ServerUnusable as exc:
         print(f"fairway {command}: {exc}", file=sys.stderr)
         return False
     return True
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    from fairway.up import UpOptions, up
+def _check_sqlite(url: str) -> None:
+    """ValueError where url's file exists but is no SQLite database (a text file, a folder): the
+    store's first query was a traceback, after the model loaded. A missing file is made later."""
+    import sqlite3
 
+    from sqlalchemy.engine import make_url
+
+    from fairway.conversation import database_url
+
+    path = make_url(database_url(url)).database
+    if not path or path == ":memory:" or not Path(path).exists():
+        return
+    if Path(path).is_dir():
+        raise ValueError(f"--database {url}: {path} is a folder, not a SQLite database")
+    try:  # read-only: a check never writes (nor makes a journal beside) a file it then refuses
+        with contextlib.closing(sqlite3.connect(f"{Path(path).resolve().as_uri()}?mode=ro", uri=True)) as conn:
+            conn.execute("PRAGMA schema_version")
+    except sqlite3.Error as exc:
+        raise ValueError(f"--database {url}: {path} is not a SQLite database ({exc})") from None
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from fairway.up import UpOptions, shown_url, up
+
+    if not args.database.partition("://")[0].startswith("postgres"):  # (FAIRWAY_DATABASE_URL may be serve's SQLite)
+        raise ValueError(f"--database takes postgresql://user@host/db (up's gateways share one PostgreSQL), "
+                         f"not {shown_url(args.database)!r}")
     return up(UpOptions(args.replicas, args.gateways, args.redis, args.database, args.host, args.port,
                         args.namespace, args.replica_arg, args.gateway_arg))
 
@@ -530,6 +581,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
             raise FleetConfigError(f"--interval must be above 0 s, got {args.interval}")
         if args.replica_threads is not None and args.replica_threads < 1:
             raise FleetConfigError(f"--replica-threads must be at least 1, got {args.replica_threads}")
+        k8s = _k8s_client(args.kubeconfig) if args.backend == "kubernetes" else None
     except (FleetConfigError, ValueError) as exc:
         print(f"fairway fleet: {exc}", file=sys.stderr)
         return 2
@@ -539,7 +591,7 @@ def cmd_fleet(args: argparse.Namespace) -> int:
         start_http_server(args.metrics_port, addr=args.metrics_host)
 
     async def main() -> None:
-        backend = _fleet_backend(args)
+        backend = _fleet_backend(args, k8s)
         registry = make_registry(args.redis, prefix=args.namespace)
         manager = FleetManager(backend, registry, policy, forecaster, args.interval)
         stop = asyncio.Event()
@@ -558,14 +610,34 @@ def cmd_fleet(args: argparse.Namespace) -> int:
     return 0
 
 
-def _fleet_backend(args: argparse.Namespace):
-    if args.backend == "kubernetes":
-        from fairway.fleet.k8s import KubernetesBackend, api_client
+def _k8s_client(kubeconfig: str | None):
+    """The Kubernetes API client, or FleetConfigError (one line) where there are no credentials: a
+    kubeconfig that is missing or broken was a traceback."""
+    import yaml
+    from kubernetes.config import ConfigException
 
-        return KubernetesBackend(args.deployment, args.k8s_namespace, api_client(args.kubeconfig))
+    from fairway.fleet import FleetConfigError
+    from fairway.fleet.k8s import api_client
+
+    try:
+        return api_client(kubeconfig)
+    except (ConfigException, OSError, yaml.YAMLError) as exc:
+        where = kubeconfig or "not in a cluster, and KUBECONFIG or ~/.kube/config"
+        said = " ".join(str(exc).split())  # (a YAML error spans lines)
+        raise FleetConfigError(f"no Kubernetes credentials ({where}): {said}") from None
+    except (TypeError, AttributeError):  # YAML, but not a mapping: the loader indexes into it blindly
+        raise FleetConfigError(f"no Kubernetes credentials ({kubeconfig or 'KUBECONFIG or ~/.kube/config'}): "
+                               "not a kubeconfig (a YAML mapping of clusters, users and contexts)") from None
+
+
+def _fleet_backend(args: argparse.Namespace, k8s_client=None):
+    if args.backend == "kubernetes":
+        from fairway.fleet.k8s import KubernetesBackend
+
+        return KubernetesBackend(args.deployment, args.k8s_namespace, k8s_client)
     from fairway.fleet.local import LocalBackend
 
-    return LocalBackend(args.redis, args.namespace, args.replica_arg, Path(args.log_dir) if args.log_dir else None,
+    return LocalBackend(args.redis, args.namespace, args.replica_arg, args.log_dir,
                         max_replicas=args.max_replicas, threads=args.replica_threads)
 
 
@@ -774,7 +846,8 @@ def _fleet_args(sub) -> None:
     g = f.add_argument_group("local backend")
     g.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                    help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
-    g.add_argument("--log-dir", default=None, help="each replica's output to ID.log here (default: this one's)")
+    g.add_argument("--log-dir", type=_log_dir, default=None,
+                   help="each replica's output to ID.log here, made if missing (default: this one's)")
     g.add_argument("--replica-threads", type=int, default=None, metavar="N",
                    help="CPU threads per replica (default: this machine's CPUs over --max-replicas, so the "
                         "replicas never oversubscribe them)")
@@ -891,7 +964,7 @@ def build_parser() -> argparse.ArgumentParser:
     _fleet_args(sub)
 
     k = sub.add_parser("keys", help="API keys: create, revoke, list (in the conversation store's database)")
-    ksub = k.add_subparsers(dest="keys_command", required=True)
+    ksub = k.add_subparsers(dest="keys_command", required=True, metavar="{create,revoke,list}")
     database_help = "database URL (default: $FAIRWAY_DATABASE_URL, else SQLite in ./.fairway/)"
     kc = ksub.add_parser("create", help="a new key for a user; prints the key as its last line")
     kc.add_argument("--user", required=True)

@@ -284,3 +284,70 @@ def test_keys_list_shows_the_name_and_a_second_revoke_says_when_the_first_was(tm
     (row,) = fairway("keys", "list", "--database", database).stdout.strip().splitlines()[1:]
     revoked_at = again.stdout.split("at ")[-1].removesuffix(" UTC\n")
     assert revoked_at in row and row.endswith(" laptop"), row
+
+
+def test_a_log_dir_that_cannot_be_a_folder_is_refused_at_start(tmp_path, capsys):
+    """A file (or a path under one) was a FileExistsError traceback at the fleet's first replica."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    assert f"--log-dir: '{notes}' is a file, not a folder" in refused(["fleet", "--log-dir", str(notes)], capsys)
+    assert f"--log-dir: cannot make the folder '{notes}/logs': Not a directory" in \
+        refused(["fleet", "--log-dir", str(notes / "logs")], capsys)
+    new = tmp_path / "fleet" / "logs"  # (the README's --log-dir .fairway/fleet need not exist yet)
+    assert build_parser().parse_args(["fleet", "--log-dir", str(new)]).log_dir == new and new.is_dir()
+
+
+def test_a_reuse_port_gateway_on_a_taken_port_is_one_line(capsys):
+    """`fairway up`'s gateways bind with SO_REUSEPORT themselves: a port another program held was
+    an OSError traceback (uvicorn's own bind, without --reuse-port, says it in one line)."""
+    from fairway.cli import _serve_app
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        args = build_parser().parse_args([*GATEWAY, "--reuse-port", "--port", str(port)])
+        assert _serve_app(None, args) == 3
+    assert capsys.readouterr().err == f"fairway gateway: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
+def test_fleet_without_kubernetes_credentials_is_one_line(tmp_path, capsys):
+    """A missing or broken kubeconfig was a ConfigException traceback."""
+    from fairway.cli import main
+
+    broken, scalar = tmp_path / "broken", tmp_path / "scalar"
+    broken.write_text("not: [a kubeconfig")
+    scalar.write_text("hello")
+    for path in (tmp_path / "missing", broken, scalar):
+        assert main(["fleet", "--backend", "kubernetes", "--kubeconfig", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"fairway fleet: no Kubernetes credentials ({path}): ") and err.count("\n") == 1, err
+
+
+def test_up_on_a_database_that_is_not_postgresql_says_so(capsys):
+    """asyncpg's "invalid DSN: scheme is expected to be ..." was all it said (FAIRWAY_DATABASE_URL
+    may well be serve's SQLite)."""
+    from fairway.cli import main
+
+    assert main(["up", "--database", "sqlite:///x.db"]) == 2
+    assert capsys.readouterr().err == ("fairway: --database takes postgresql://user@host/db (up's gateways share "
+                                       "one PostgreSQL), not 'sqlite:///x.db'\n")
+
+
+def test_a_sqlite_database_that_is_not_one_is_one_line(tmp_path, capsys):
+    """A text file or a folder as --database was the store's traceback (serve's after the model loaded)."""
+    from fairway.cli import main
+
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a database\n" * 100)
+    assert main(["keys", "list", "--database", f"sqlite:///{notes}"]) == 2
+    assert capsys.readouterr().err == \
+        f"fairway: --database sqlite:///{notes}: {notes} is not a SQLite database (file is not a database)\n"
+    assert main(["keys", "list", "--database", f"sqlite:///{tmp_path}"]) == 2
+    assert "is a folder, not a SQLite database" in capsys.readouterr().err
+    assert notes.read_text() == "not a database\n" * 100
+
+
+def test_keys_without_a_subcommand_names_them(capsys):
+    """It said "the following arguments are required: keys_command", the code's name for it."""
+    assert refused(["keys"], capsys).endswith("the following arguments are required: {create,revoke,list}")
