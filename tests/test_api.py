@@ -613,6 +613,7 @@ def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
     assert events[-1].data == "[DONE]" and events[-2].finish_reason in ("stop", "length")
     message = stored_reply(http, conversation_id, reply_id)
     assert message["status"] == "complete" and message["content"] == "".join(e.content for e in events)
+    assert message["finish_reason"] == events[-2].finish_reason  # length or stop: the status does not say
     assert http.get(f"/v1/replies/{reply_id}").json()["last_event_id"] == events[-2].id
 
 

@@ -242,6 +242,7 @@ _CLAIM_RESTART = (sa.update(replies)
                          replies.c.restarts == sa.bindparam("b_restarts"))
                   .values(restarts=replies.c.restarts + 1, replica_id=sa.bindparam("b_replica"))
                   .returning(*replies.c))
+_FINISH_REASON_OF_REPLY = sa.select(replies.c.id, replies.c.finish_reason).where(replies.c.id == sa.bindparam("b_id"))
 _JOB_OF_REPLY = sa.select(replies.c.id, replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
 _PLACED = frozenset({"state", "replica_id"})  # where a reply runs or waits
 # A Conversation's columns: active_reply_id is the store's claim, not part of the entity.
@@ -613,6 +614,10 @@ class SqlConversationStore(ConversationStore):
     async def get_reply_jobs(self, ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         rows = await self._rows_many(_JOB_OF_REPLY, [{"b_id": id} for id in ids])
         return {row["id"]: row["job"] for row in rows if row["job"]}
+
+    async def get_finish_reasons(self, ids: Sequence[str]) -> dict[str, str]:
+        rows = await self._rows_many(_FINISH_REASON_OF_REPLY, [{"b_id": id} for id in ids])
+        return {row["id"]: row["finish_reason"] for row in rows if row["finish_reason"]}
 
     async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
         query = (

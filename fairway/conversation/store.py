@@ -190,6 +190,11 @@ class ConversationStore(ABC):
         for each batch of ended replies, in one round trip."""
 
     @abstractmethod
+    async def get_finish_reasons(self, ids: Sequence[str]) -> dict[str, str]:
+        """Why each of these replies ended (OpenAI's finish_reason), by reply id, in one round
+        trip; a reply unknown or not ended is left out."""
+
+    @abstractmethod
     async def get_reply_for_message(self, conversation_id: str, message_id: str) -> Reply | None:
         """The newest reply answering this user message (a resent message finds its reply)."""
 

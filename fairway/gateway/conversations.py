@@ -6,7 +6,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from fairway.conversation import Conversation, ConversationStore, Message
+from fairway.conversation import Conversation, Message
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import error_responses, not_found
@@ -68,19 +68,11 @@ async def get_conversation(conversation_id: str, request: Request) -> dict[str, 
         raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")
     messages = await store.list_messages(conversation.id)
     jobs = await store.get_reply_jobs([m.reply_id for m in messages if m.reply_id])
-    endings = await _finish_reasons(store, messages)
+    # The status alone does not say why a reply ended: one cut off by max_tokens (length) is
+    # stored complete, as is one that ended by itself (stop).
+    endings = await store.get_finish_reasons([m.reply_id for m in messages if m.reply_id])
     return {**_conversation(conversation),
             "messages": [_message(m, jobs.get(m.reply_id or ""), endings.get(m.reply_id or "")) for m in messages]}
-
-
-async def _finish_reasons(store: ConversationStore, messages: list[Message]) -> dict[str, str]:
-    """Why each message's reply ended (OpenAI's finish_reason), by reply id: the status alone does
-    not say it, since a reply cut off by max_tokens (length) is stored complete, as is one that
-    ended by itself (stop)."""
-    ids = [m.reply_id for m in messages if m.reply_id]
-    async with store.one_connection():  # one checkout for them all
-        replies = [await store.get_reply(reply_id) for reply_id in ids]
-    return {r.id: r.finish_reason for r in replies if r is not None and r.finish_reason}
 
 
 @router.delete("/v1/conversations/{conversation_id}", responses=error_responses(404))
