@@ -110,6 +110,38 @@ async def test_the_idle_pass_waits_for_the_extraction_model(memory: MemoryServic
     assert [m.fact for m in await memory.list("u1")] == ["User likes sailing."]
 
 
+async def test_messages_the_model_could_not_read_are_read_again(memory: MemoryService):
+    """The extraction model failed (its replica went, the job errored): the idle pass reads the
+    same messages again later, rather than their durable facts being lost for good; the explicit
+    statement learnt the first time is not doubled."""
+    from fairway.memory.complete import ModelUnavailable
+
+    class Model:
+        fails = 1
+
+        async def ready(self) -> bool:
+            return True
+
+        async def __call__(self, messages) -> str:
+            if self.fails:
+                self.fails -= 1
+                raise ModelUnavailable("the extraction job failed: replica gone")
+            return '{"facts": ["User likes sailing."]}'
+
+    memory.complete = Model()
+    memory.messages_of = _messages_of({"conv_f": [("user", "My name is Ada. I go sailing every weekend."),
+                                                  ("assistant", "Nice.")]})
+    memory.settings.idle_s = 0.0
+    await memory.store.note_turn("u1", "conv_f", [])
+    assert await memory.extract_idle() == 1
+    assert [m.fact for m in await memory.list("u1")] == ["User's name is Ada."]
+    assert await memory.store.extracted_messages("conv_f") == 0  # given back
+    assert await memory.extract_idle() == 1
+    assert sorted(m.fact for m in await memory.list("u1")) == ["User likes sailing.", "User's name is Ada."]
+    assert await memory.store.extracted_messages("conv_f") == 2
+    assert await memory.extract_idle() == 0
+
+
 def _messages_of(conversations: dict[str, list[tuple[str, str]]]):
     async def messages_of(conversation_id: str) -> list[tuple[str, str]]:
         return list(conversations[conversation_id])

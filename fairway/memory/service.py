@@ -128,7 +128,8 @@ class MemoryService:
         so a memory the user deleted is not learnt again from the messages it came from. With
         memory off they are read all the same, and nothing is learnt."""
         seen = await self.store.extracted_messages(conversation_id)
-        if not await self.store.claim_messages(user_id, conversation_id, seen, max(seen, len(messages))):
+        through = max(seen, len(messages))
+        if not await self.store.claim_messages(user_id, conversation_id, seen, through):
             return []  # another extraction is reading them
         messages = messages[seen:]
         if not messages or not await self.store.enabled(user_id):
@@ -141,6 +142,9 @@ class MemoryService:
                 facts = await model_facts(self.complete, messages, self.settings.extraction_attempts)
             except Exception as e:  # the model unavailable: the explicit facts still count
                 log.warning("memory extraction by the model failed for %s: %s", conversation_id, e)
+                # Its messages are read again by the next idle pass (their explicit statements
+                # are the same facts again: remembered in place), not lost to the model for good.
+                await self.store.release_messages(conversation_id, through, seen)
             else:
                 written += await self.remember(user_id, facts, conversation_id)
         return written

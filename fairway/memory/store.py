@@ -250,3 +250,14 @@ class MemoryStore(SqlTables):
             set_={"extracted_at": claim.excluded.extracted_at, "extracted_messages": claim.excluded.extracted_messages})
         async with self.engine.begin() as conn:
             return (await conn.execute(claim.returning(c.conversation_id))).first() is not None
+
+    async def release_messages(self, conversation_id: str, through: int, seen: int) -> bool:
+        """Undo claim_messages(seen, through) for an extraction that could not read them (the
+        model unavailable): read from `seen` again, by the next idle pass. False if another
+        extraction claimed more meanwhile."""
+        c = memory_conversations.c
+        release = (sa.update(memory_conversations)
+                   .where(c.conversation_id == conversation_id, c.extracted_messages == through)
+                   .values(extracted_messages=seen, extracted_at=None))
+        async with self.engine.begin() as conn:
+            return (await conn.execute(release)).rowcount > 0
