@@ -207,6 +207,9 @@ async def test_of_gateways_racing_to_restart_a_reply_one_wins(store: Conversatio
     gone at once: each claims the run it saw, and only the first claim of that run counts."""
     _, _, reply = await _turn(store)
     assert reply.restarts == 0
+    # What a sweep for lost replies looks at: the unfinished ones stored before a time.
+    assert reply.id in await store.unfinished_reply_ids(reply.created_at + 1)
+    assert reply.id not in await store.unfinished_reply_ids(reply.created_at)
     claims = await asyncio.gather(*(store.claim_restart(reply.id, 0, f"replica-{i}") for i in range(4)))
     won = [c for c in claims if c is not None]
     assert len(won) == 1 and won[0].restarts == 1 and won[0].replica_id.startswith("replica-")
@@ -214,6 +217,7 @@ async def test_of_gateways_racing_to_restart_a_reply_one_wins(store: Conversatio
     assert (await store.claim_restart(reply.id, 1, "replica-x")).restarts == 2  # lost again, run again
     await store.finish_reply(reply.id, "done", MessageStatus.COMPLETE)
     assert await store.claim_restart(reply.id, 2, "replica-y") is None  # an ended reply never runs again
+    assert reply.id not in await store.unfinished_reply_ids(reply.created_at + 1)
     assert await store.claim_restart("rep_unknown", 0, "replica-y") is None
 
 

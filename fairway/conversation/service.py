@@ -478,8 +478,8 @@ class ConversationService:
         stays running for good, and its conversation busy. How many were restarted, and how many
         wait for a replica of their model (a deployment's replicas start alongside its gateways)."""
         restarted = unplaced = 0
-        for reply in await self.store.list_unfinished_replies(created_before=time.time() - min_age_s):
-            if await self.relay.log.exists(reply.id):
+        for reply_id in await self.store.unfinished_reply_ids(created_before=time.time() - min_age_s):
+            if await self.relay.log.exists(reply_id) or (reply := await self.store.get_reply(reply_id)) is None:
                 continue
             try:
                 restarted += await self.restart(reply)

@@ -243,6 +243,9 @@ _CLAIM_RESTART = (sa.update(replies)
                   .values(restarts=replies.c.restarts + 1, replica_id=sa.bindparam("b_replica"))
                   .returning(*replies.c))
 _FINISH_REASON_OF_REPLY = sa.select(replies.c.id, replies.c.finish_reason).where(replies.c.id == sa.bindparam("b_id"))
+_UNFINISHED_BEFORE = (sa.select(replies.c.id)
+                      .where(replies.c.finished_at.is_(None), replies.c.created_at < sa.bindparam("b_before"))
+                      .order_by(replies.c.created_at))
 _JOB_OF_REPLY = sa.select(replies.c.id, replies.c.job).where(replies.c.id == sa.bindparam("b_id"))
 _PLACED = frozenset({"state", "replica_id"})  # where a reply runs or waits
 # A Conversation's columns: active_reply_id is the store's claim, not part of the entity.
@@ -718,10 +721,12 @@ class SqlConversationStore(ConversationStore):
         for columns, params in batches.items():
             await self._rows_many(_finish_statement(columns), params, write=True)
 
-    async def list_unfinished_replies(self, created_before: float | None = None) -> list[Reply]:
+    async def unfinished_reply_ids(self, created_before: float) -> list[str]:
+        rows = await self._rows(_UNFINISHED_BEFORE, {"b_before": created_before})
+        return [row["id"] for row in rows]
+
+    async def list_unfinished_replies(self) -> list[Reply]:
         query = sa.select(replies).where(replies.c.finished_at.is_(None)).order_by(replies.c.created_at)
-        if created_before is not None:
-            query = query.where(replies.c.created_at < created_before)
         async with self._one_statement() as conn:
             rows = (await conn.execute(query)).mappings().all()
         return [_reply(r) for r in rows]

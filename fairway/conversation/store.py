@@ -258,9 +258,14 @@ class ConversationStore(ABC):
         the second of the two writers of every reply (recorder.py), which needs nothing back."""
 
     @abstractmethod
-    async def list_unfinished_replies(self, created_before: float | None = None) -> list[Reply]:
-        """Replies not in a final state (created before that time, if given), oldest first, with
-        their stored context: what a restarted relay or router must resume."""
+    async def list_unfinished_replies(self) -> list[Reply]:
+        """Replies not in a final state, oldest first, with their stored context."""
+
+    @abstractmethod
+    async def unfinished_reply_ids(self, created_before: float) -> list[str]:
+        """The ids of the replies not in a final state created before that time, oldest first:
+        what a sweep for lost replies looks at (their contexts, thousands of token ids each, are
+        read only for the few it runs again)."""
 
     # API keys (the gateway's users). Keys are never stored, only their sha256.
 
