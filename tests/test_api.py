@@ -647,6 +647,18 @@ def test_a_reply_whose_log_was_lost_runs_again_with_nobody_reading_it(server, ht
     answer = http.post("/v1/chat/completions", json=chat_body("And?", stream=False, conversation_id=conversation_id))
     assert answer.status_code == 200, answer.text
 
+    # One stored longer ago than a log lives (here: logs that live no time at all) is stopped,
+    # with no text, rather than run again: nobody waits for it any more.
+    conversation_id, reply_id = server.call(orphan())
+    log = service.relay.log
+    ttl_s, log.ttl_s = log.ttl_s, 0.0
+    try:
+        assert server.call(service.restart_lost(min_age_s=0.0)) == (0, 0)
+    finally:
+        log.ttl_s = ttl_s
+    stopped = http.get(f"/v1/replies/{reply_id}").json()
+    assert stopped["state"] == "STOPPED" and stored_reply(http, conversation_id, reply_id)["content"] == ""
+
 
 def test_a_client_of_a_lost_run_gets_the_new_run_from_its_start(server, http):
     """A client that had the first words of a reply whose log was then lost (the process

@@ -34,9 +34,10 @@ from fairway.conversation.store import (
     DuplicateClientKey,
     NewTurn,
     NotFound,
+    ReplyFinished,
     StoreUnavailable,
 )
-from fairway.domain import Lane, ReplyState, Tier, lane_of_tier
+from fairway.domain import FinishReason, Lane, ReplyState, Tier, lane_of_tier
 from fairway.relay import Relay, RelayError
 from fairway.replica.job import GenerationJob
 from fairway.replica.registry import ReplicaInfo
@@ -475,17 +476,33 @@ class ConversationService:
         """Run again every unfinished reply whose token log is gone, stored at least min_age_s ago
         (a younger one may be between its store and its launch): the process that held its log
         ended (fairway serve restarted) or Redis lost it. Without this a reply nobody reads again
-        stays running for good, and its conversation busy. How many were restarted, and how many
-        wait for a replica of their model (a deployment's replicas start alongside its gateways)."""
+        stays running for good, and its conversation busy. One stored longer ago than a log lives
+        (a server restarted after a day down) is stopped instead, with no text: no client waits
+        for it any more, and running all of them again would keep the replicas busy at start.
+        How many were restarted, and how many wait for a replica of their model (a deployment's
+        replicas start alongside its gateways)."""
         restarted = unplaced = 0
-        for reply_id in await self.store.unfinished_reply_ids(created_before=time.time() - min_age_s):
+        now = time.time()
+        for reply_id in await self.store.unfinished_reply_ids(created_before=now - min_age_s):
             if await self.relay.log.exists(reply_id) or (reply := await self.store.get_reply(reply_id)) is None:
+                continue
+            if reply.created_at < now - self.relay.log.ttl_s:
+                await self.stop_lost(reply)
                 continue
             try:
                 restarted += await self.restart(reply)
             except NoReplica:
                 unplaced += 1
         return restarted, unplaced
+
+    async def stop_lost(self, reply: Reply) -> None:
+        """End an unfinished reply nothing produces, and whose log is gone, as stopped with no
+        text (what was said went with the log), freeing its conversation."""
+        if reply.finished:
+            return
+        with contextlib.suppress(ReplyFinished, NotFound):  # (or it ended just now)
+            await self.store.finish_reply(reply.id, "", MessageStatus.STOPPED, FinishReason.STOP.value,
+                                          last_event_id=reply.last_event_id, look_up_existing=False)
 
     async def watch_lost(self, poll_s: float = LOST_POLL_S) -> None:
         """restart_lost() at start, then every poll_s, for the app's lifetime; sooner while lost

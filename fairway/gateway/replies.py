@@ -5,13 +5,11 @@ Any gateway serves any reply: everything needed is in the token log and the stor
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 
-from fairway.conversation import MessageStatus, NotFound, Reply, ReplyFinished
-from fairway.domain import FinishReason
+from fairway.conversation import NotFound, Reply
 from fairway.gateway.app_state import GatewayContext, gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.chat import SSE_HEADERS, SSE_RESPONSE
@@ -75,10 +73,7 @@ async def stop_reply(reply_id: str, request: Request) -> dict[str, Any]:
         pending = await gw.token_log.request_stop(reply.id)
     except ReplyNotFound:
         pending = False  # the log expired: the reply ended long ago, or nothing writes it
-        if not reply.finished:  # an orphan (its gateway died before it ran): stopped now, with no text
-            with contextlib.suppress(ReplyFinished, NotFound):  # (or it ended just now)
-                await gw.store.finish_reply(reply.id, "", MessageStatus.STOPPED, FinishReason.STOP.value,
-                                            last_event_id=reply.last_event_id, look_up_existing=False)
+        await gw.service.stop_lost(reply)  # an orphan (its gateway died before it ran), or none
     return {"id": reply.id, "object": "reply.stop", "stop_requested": pending,
             "state": "STOPPING" if pending else str((await gw.store.get_reply(reply.id) or reply).state)}
 
