@@ -18,14 +18,15 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import ssl
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import IO
-from urllib.parse import unquote, urlsplit, urlunsplit
+from typing import IO, Any
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -98,35 +99,49 @@ def _redis_refused(exc: Exception) -> bool:
 async def _ensure_database(url: str) -> None:
     import asyncpg
 
+    from fairway.conversation.connect_params import asyncpg_connect_args
+
     _port_in_range(url)
+    args = {"timeout": 5, **asyncpg_connect_args(url)}  # as the store connects (?sslmode=... and the like)
     try:
-        conn = await asyncpg.connect(url, timeout=5)
+        conn = await asyncpg.connect(**args)
     except asyncpg.InvalidCatalogNameError as exc:
-        await _create_database(url, exc)
+        await _create_database(url, args, exc)
         return
+    except asyncpg.ClientConfigurationError as exc:  # verify-full without a root certificate, say
+        raise ValueError(f"{shown_url(url)}: {' '.join(str(exc).split())}") from None
     except asyncpg.PostgresError as exc:  # it answered: the role, the password, or the server said no
         login = isinstance(exc, asyncpg.InvalidAuthorizationSpecificationError)  # (InvalidPasswordError too)
         raise ServerRefused(f"PostgreSQL answers at {shown_url(url)} but refused the "
                             f"{'login' if login else 'connection'}: {exc} ({exc.__class__.__name__})"
                             + ("; fix the user or password in --database" if login else "")) from None
     except (OSError, TimeoutError) as exc:
+        if _ssl_failed(exc):
+            raise ServerRefused(f"PostgreSQL answers at {shown_url(url)} but not over SSL as the URL asks "
+                                f"({_reason(exc)}); fix sslmode or sslrootcert in --database") from None
         raise ServerMissing(f"no PostgreSQL answers at {shown_url(url)} ({_reason(exc)}); "
                             "start one or pass --database") from None
     await conn.close()
 
 
-async def _create_database(url: str, missing: Exception) -> None:
-    """Create the database url names, through the server's `postgres` database; ServerRefused
-    when this user cannot (no CREATEDB privilege, no `postgres` database it may enter)."""
+def _ssl_failed(exc: BaseException) -> bool:
+    """Whether the server answered but the SSL the URL's sslmode asks for failed: it has none
+    (asyncpg's plain ConnectionError says so), or its certificate did not verify."""
+    return isinstance(exc, ssl.SSLError) or "rejected SSL upgrade" in str(exc)
+
+
+async def _create_database(url: str, args: dict[str, Any], missing: Exception) -> None:
+    """Create the database url names (args: asyncpg's connect arguments for it), through the
+    server's `postgres` database; ServerRefused when this user cannot (no CREATEDB privilege, no
+    `postgres` database it may enter)."""
     import asyncpg
 
-    parts = urlsplit(url)
-    name = unquote(parts.path.lstrip("/"))  # (the path alone: a ?sslmode=... is not part of the name)
+    name = args.get("database")  # (the URL's path alone: a ?sslmode=... is not part of the name)
     shown = shown_url(url)
     if not name:  # asyncpg took the user's name as the database's
         raise ServerRefused(f"PostgreSQL answers at {shown} but {missing}; name the database in --database")
     try:
-        admin = await asyncpg.connect(urlunsplit(parts._replace(path="/postgres")), timeout=5)
+        admin = await asyncpg.connect(**{**args, "database": "postgres"})
     except (OSError, TimeoutError, asyncpg.PostgresError) as exc:
         raise ServerRefused(f"PostgreSQL at {shown} has no database {name!r}, and its 'postgres' database, "
                             f"where it would be created, refused us: {exc}; create it (createdb) or fix --database"

@@ -65,8 +65,9 @@ def database_url(url: str | None = None) -> str:
 
 
 def make_store(url: str | None = None) -> ConversationStore:
-    """A store for `url` (SQLite file ./.fairway/fairway.db by default). Call `await
-    store.init()` before use to create or upgrade the schema."""
+    """A store for `url` (SQLite file ./.fairway/fairway.db by default; a PostgreSQL URL may carry
+    libpq's parameters, connect_params.py). Call `await store.init()` before use to create or
+    upgrade the schema. ValueError, at once, for a parameter the driver cannot take."""
     full = database_url(url)
     parsed = make_url(full)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):

@@ -26,6 +26,7 @@ from sqlalchemy.pool import StaticPool
 
 from fairway.domain import STATE_OF_STATUS
 
+from .connect_params import engine_args
 from .entities import (
     ApiKey,
     Conversation,
@@ -377,8 +378,12 @@ def _finish_params(reply_id: str, final: Mapping[str, Any], msg: Message) -> dic
 
 class SqlConversationStore(ConversationStore):
     def __init__(self, url: str, **engine_kwargs: Any):
+        # A PostgreSQL URL's libpq parameters (?sslmode=...) as asyncpg's connect_args: the engine's
+        # and the hot path's alike. ValueError here, at start, for one asyncpg cannot take.
+        url, connect_args = engine_args(url, engine_kwargs.pop("connect_args", None))
         self.url = url
-        self._engine = create_async_engine(url, **{**_engine_options(url), **engine_kwargs})
+        self._engine = create_async_engine(url, connect_args=connect_args,
+                                           **{**_engine_options(url), **engine_kwargs})
         self._dialect = self._engine.dialect.name
         insert = postgresql.insert if self._dialect == "postgresql" else sqlite.insert
         self._add_usage = (insert(usage_records).on_conflict_do_nothing(index_elements=["reply_id"])
@@ -395,7 +400,7 @@ class SqlConversationStore(ConversationStore):
         # The chat path's single statements skip the engine on PostgreSQL (hot_path.py).
         self._hot_path: PostgresHotPath | None = None
         if self._dialect == "postgresql":
-            self._hot_path = PostgresHotPath.of_engine(self._engine, engine_kwargs.get("connect_args"))
+            self._hot_path = PostgresHotPath.of_engine(self._engine, connect_args)
 
     async def _rows(self, statement: sa.Executable, params: Mapping[str, Any],
                     write: bool = False) -> Sequence[Mapping[str, Any]]:

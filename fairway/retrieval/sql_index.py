@@ -21,6 +21,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import StaticPool
 
+from fairway.conversation.connect_params import engine_args
 from fairway.conversation.hot_path import shared_hot_path
 from fairway.conversation.sql_store import migrate, reaching_database, store_errors_on_engine
 
@@ -87,7 +88,9 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
 
 
 def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> AsyncEngine:
-    """An async engine for an async SQLAlchemy URL (fairway.conversation.database_url's)."""
+    """An async engine for an async SQLAlchemy URL (fairway.conversation.database_url's; libpq's
+    parameters in a PostgreSQL URL's query become asyncpg's connect_args, as for the store)."""
+    url, connect_args = engine_args(url, connect_args)
     parsed = make_url(url)
     connect = {"connect_args": connect_args} if connect_args else {}
     if parsed.get_backend_name() != "sqlite":

@@ -14,6 +14,7 @@ from alembic import context
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from fairway.conversation.connect_params import engine_args
 from fairway.conversation.schema import metadata
 
 config = context.config
@@ -35,7 +36,8 @@ def _configure(connection: Connection) -> None:
 
 
 async def _run_with_own_engine() -> None:
-    engine = create_async_engine(_url())
+    url, connect_args = engine_args(_url())  # (libpq's ?sslmode=... and the like, as the store reads them)
+    engine = create_async_engine(url, connect_args=connect_args)
     try:
         async with engine.begin() as conn:
             await conn.run_sync(_configure)
