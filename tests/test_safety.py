@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 
 from fairway.safety import (
     CATEGORIES,
+    DEFAULT_POLICY,
     HoldBack,
     Moderator,
     Policy,
@@ -190,12 +192,39 @@ def test_policy_file_mistakes_are_named(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="violence/graphic2"):
         Policy.load(bad)
     thresholds = {c: 0.5 for c in CATEGORIES}
-    with pytest.raises(ValueError, match="violence patterns: bad pattern '\\(unclosed'"):
+    with pytest.raises(ValueError, match="violence\"\\] patterns: bad pattern '\\(unclosed'"):
         Policy.from_dict({"thresholds": thresholds, "categories": {"violence": {"patterns": ["(unclosed"]}}})
     with pytest.raises(ValueError, match="no list named 'nouns'"):
         Policy.from_dict({"thresholds": thresholds, "categories": {"hate": {"patterns": ["{nouns}"]}}})
     with pytest.raises(ValueError, match="cannot read"):
         Policy.load(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize("edit,named", [
+    # a string where a list belongs was read a character at a time: "a|b" made "|", matching every text
+    ({"categories": {"hate": {"patterns": "ab|c"}}}, 'hate"]: patterns must be a list of strings'),
+    ({"categories": {"hate": {"terms": "abc"}}}, 'hate"]: terms must be a list of strings'),
+    ({"categories": {"hate": {"patterns": [""]}}}, "matches the empty text"),
+    ({"categories": {"hate": {"terms": ["*"]}}}, "has no letter or digit"),
+    # a misspelt key was ignored: its words never matched
+    ({"categories": {"hate": {"term": ["x"]}}}, "unknown key 'term'"),
+    ({"treshold": {}}, "unknown key 'treshold'"),
+    # the wrong shapes were AttributeError / TypeError tracebacks from `fairway serve`
+    ({"categories": ["hate"]}, r"\[categories\] must be a table"),
+    ({"categories": {"hate": "x"}}, "must be a table of terms and patterns"),
+    ({"thresholds": {"hate": "high"}}, r"\[thresholds\] hate must be a number"),
+    ({"thresholds": {"hate": True}}, r"\[thresholds\] hate must be a number"),
+    ({"profanity": {"untargeted_weight": 5}}, "untargeted_weight must be a number in \\[0, 1\\]"),
+    ({"profanity": {"targets": "you"}}, "targets must be a list of strings"),
+    ({"lists": {"nouns": 5}}, r"\[lists\] nouns must be a string"),
+])
+def test_a_malformed_policy_is_refused_naming_the_place(edit: dict, named: str) -> None:
+    data = tomllib.loads(DEFAULT_POLICY.read_text())
+    for key, value in edit.items():
+        data[key] = {**data[key], **value} if isinstance(data.get(key), dict) and isinstance(value, dict) else value
+    with pytest.raises(ValueError, match=named) as info:
+        Policy.from_dict(data, "ops.toml")
+    assert str(info.value).startswith("ops.toml: ")
 
 
 def test_an_operator_edit_takes_effect(tmp_path: Path) -> None:

@@ -47,28 +47,95 @@ class Policy:
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "policy") -> Policy:
-        thresholds = {check_category(c): float(v) for c, v in (data.get("thresholds") or {}).items()}
+        """Compile a policy read from TOML; a ValueError names the file and the place of a mistake.
+        Every key is checked: a misspelt one ("term") would otherwise be ignored, its words never
+        matched, and a string where a list belongs would be read one character at a time (a
+        pattern "a|b" split into "a", "|", "b": the empty alternative matches every text)."""
+        _known(data, _TOP_KEYS, source)
+        thresholds = {_category(c, f"{source}: [thresholds]"): _fraction(v, f"{source}: [thresholds] {c}")
+                      for c, v in _table(data, "thresholds", source).items()}
         missing = [c for c in CATEGORIES if c not in thresholds]
         if missing:
             raise ValueError(f"{source}: [thresholds] has no value for {', '.join(missing)}")
-        if not all(0.0 < v <= 1.0 for v in thresholds.values()):
-            raise ValueError(f"{source}: thresholds must be in (0, 1]")
-        raw = data.get("profanity") or {}
-        profanity = ProfanitySettings(check_category(raw.get("category", "harassment")),
-                                      float(raw.get("untargeted_weight", 0.5)),
-                                      frozenset(fold(t) for t in raw.get("targets", ())))
-        lists = {name: str(value).replace("\n", "") for name, value in (data.get("lists") or {}).items()}
+        profanity = _profanity(_table(data, "profanity", source), f"{source}: [profanity]")
+        lists = {name: _string(value, f"{source}: [lists] {name}").replace("\n", "")
+                 for name, value in _table(data, "lists", source).items()}
         matchers = {}
-        for category, section in (data.get("categories") or {}).items():
-            check_category(category)
-            terms = [_term_pattern(t) for t in section.get("terms", ()) if t.strip()]
-            patterns = [_expand(p, lists, f"{source}: {category}") for p in section.get("patterns", ())]
-            _check_each(terms, f"{source}: {category} terms")
-            _check_each(patterns, f"{source}: {category} patterns")
+        for category, section in _table(data, "categories", source).items():
+            where = f'{source}: [categories."{category}"]'
+            _category(category, where)
+            if not isinstance(section, dict):
+                raise ValueError(f"{where} must be a table of terms and patterns")
+            _known(section, _SECTION_KEYS, where)
+            terms = [_term_pattern(_checked_term(t, f"{where} terms")) for t in _strings(section, "terms", where)
+                     if t.strip()]
+            patterns = [_expand(p, lists, where) for p in _strings(section, "patterns", where)]
+            _check_each(terms, f"{where} terms")
+            _check_each(patterns, f"{where} patterns")
             # Two regexes per category: its terms (whole words) and any of its patterns.
             matchers[category] = (re.compile(_START + "(?:" + "|".join(terms) + ")" + _END) if terms else None,
                                   re.compile("|".join(f"(?:{p})" for p in patterns)) if patterns else None)
         return cls(thresholds, profanity, matchers)
+
+
+_TOP_KEYS = frozenset({"thresholds", "profanity", "lists", "categories"})
+_SECTION_KEYS = frozenset({"terms", "patterns"})
+_PROFANITY_KEYS = frozenset({"category", "untargeted_weight", "targets"})
+
+
+def _known(table: dict, allowed: frozenset[str], where: str) -> None:
+    unknown = sorted(set(table) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}: use {', '.join(sorted(allowed))}")
+
+
+def _table(data: dict, key: str, where: str) -> dict:
+    value = data.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: [{key}] must be a table, got {type(value).__name__}")
+    return value
+
+
+def _category(name: str, where: str) -> str:
+    try:
+        return check_category(name)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+
+
+def _string(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{where} must be a string, got {value!r}")
+    return value
+
+
+def _strings(table: dict, key: str, where: str) -> list[str]:
+    value = table.get(key, [])
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise ValueError(f"{where}: {key} must be a list of strings, got {value!r}")
+    return value
+
+
+def _fraction(value: object, where: str, *, zero: bool = False) -> float:
+    """A number in (0, 1] (a threshold), or [0, 1] with zero (a weight): a score past 1 is no score."""
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and (0.0 <= value if zero else 0.0 < value)
+    if not ok or not value <= 1.0:  # (NaN fails both)
+        raise ValueError(f"{where} must be a number in {'[0, 1]' if zero else '(0, 1]'}, got {value!r}")
+    return float(value)
+
+
+def _profanity(raw: dict, where: str) -> ProfanitySettings:
+    _known(raw, _PROFANITY_KEYS, where)
+    return ProfanitySettings(_category(_string(raw.get("category", "harassment"), f"{where} category"), where),
+                             _fraction(raw.get("untargeted_weight", 0.5), f"{where} untargeted_weight", zero=True),
+                             frozenset(fold(t) for t in _strings(raw, "targets", where)))
+
+
+def _checked_term(term: str, where: str) -> str:
+    """A term needs a letter or digit: "*" alone (any ending of nothing) would match every word."""
+    if not any(c.isalnum() for c in term):
+        raise ValueError(f"{where}: the term {term!r} has no letter or digit (a term is words)")
+    return term
 
 
 class PolicyClassifier(FastClassifier):
@@ -133,9 +200,14 @@ def _expand(pattern: str, lists: dict[str, str], where: str) -> str:
 
 
 def _check_each(alternatives: list[str], where: str) -> None:
-    """Compile each alone first, so a mistake is reported with the pattern it is in."""
+    """Compile each alone first, so a mistake is reported with the pattern it is in. One that
+    matches the empty text ("", "a|", "x*") is refused: a category's patterns are searched as one
+    regex, leftmost first, so it would match at the start of every text, an empty match that
+    counts as none, and the category's other patterns would never be reached."""
     for alternative in alternatives:
         try:
-            re.compile(alternative)
+            compiled = re.compile(alternative)
         except re.error as exc:
             raise ValueError(f"{where}: bad pattern {alternative!r}: {exc}") from None
+        if compiled.search("") is not None:
+            raise ValueError(f"{where}: the pattern {alternative!r} matches the empty text: it must match some text")
