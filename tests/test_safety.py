@@ -363,3 +363,25 @@ async def test_a_sentence_without_an_end_is_checked_at_the_length_bound(moderato
     first = [await hold.push(t, t) for t in ["aaaa ", "bbbb ", "cccc ", "dddd ", "eeee ", "ffff "]]
     assert [len(c.release) for c in first] == [0, 0, 0, 4, 0, 0]
     assert hold.held == 2
+
+
+async def test_a_phrase_cut_by_sentence_ends_is_judged_whole(moderator: Moderator) -> None:
+    """The input check folds "k.i.l.l yourself" into the words it spells; each "." also ends a
+    sentence, and the output check judged the pieces alone: every one passed."""
+    from prometheus_client import REGISTRY
+
+    def counted() -> float:
+        labels = {"stage": "output", "category": "harassment/threatening"}
+        return REGISTRY.get_sample_value("fairway:safety_flagged_total", labels) or 0.0
+
+    before = counted()
+    hold = HoldBack(moderator)
+    released: list[str] = []
+    for token in ["Sure", ".", " k", ".", "i", ".", "l", ".", "l", " yourself", "."]:
+        checked = await hold.push(token, token)
+        released += checked.release
+        if checked.flagged:
+            break
+    assert checked.flagged is not None and checked.flagged.categories["harassment/threatening"]
+    assert "".join(released) == "Sure. k.i.l."  # the piece that completes it is never released
+    assert counted() == before + 1  # one sentence, one count (it was judged alone and with those before)

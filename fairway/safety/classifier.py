@@ -64,16 +64,27 @@ class Moderator:
 
     async def moderate(self, texts: Sequence[str], stage: Stage = "api") -> list[ModerationResult]:
         start = time.perf_counter()
+        results = await self._judge(texts)
+        metrics.observe_safety(stage, time.perf_counter() - start,
+                               [c for r in results for c in r.flagged_categories])
+        return results
+
+    async def moderate_together(self, views: Sequence[str], stage: Stage) -> ModerationResult:
+        """One verdict on several views of one text (a sentence alone, and with the sentences
+        before it): flagged where any view is, and counted once in the metrics, as one text."""
+        start = time.perf_counter()
+        result = self.combined(await self._judge(views))
+        metrics.observe_safety(stage, time.perf_counter() - start, result.flagged_categories)
+        return result
+
+    async def _judge(self, texts: Sequence[str]) -> list[ModerationResult]:
         combined: list[Scores] = [{} for _ in texts]
         for classifier in self.classifiers:
             for scores, more in zip(combined, await classifier.score_many(texts), strict=True):
                 for category, score in more.items():
                     if score > scores.get(category, 0.0):
                         scores[category] = score
-        results = [judged(_with_parents(scores), self.thresholds) for scores in combined]
-        metrics.observe_safety(stage, time.perf_counter() - start,
-                               [c for r in results for c in r.flagged_categories])
-        return results
+        return [judged(_with_parents(scores), self.thresholds) for scores in combined]
 
     async def moderate_one(self, text: str, stage: Stage = "api") -> ModerationResult:
         return (await self.moderate([text], stage))[0]

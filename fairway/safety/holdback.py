@@ -5,6 +5,12 @@ A sentence ends at . ! ? (and their CJK forms), … or a newline, or after max_s
 without one, so nothing is held for ever. Tokens are not split: the token in which a sentence
 ends closes it, together with whatever that token carries after the end.
 
+Each sentence is judged alone and together with the sentences released before it (up to
+max_sentence_chars of them): the input check judges a message whole, and a phrase cut by a
+sentence end ("k.", "i.", "l.", "l yourself"; "a pipe" newline "bomb") or by the length bound
+would otherwise pass the output check piece by piece. Alone too, because a longer text can score
+lower (the profanity model's weights are normalized over all its words).
+
 Items are whatever the caller releases (the replica's token events); this knows only their text.
 """
 
@@ -37,6 +43,7 @@ class HoldBack(Generic[T]):
         self._items: list[T] = []  # held (check-then-release only)
         self._text: list[str] = []  # the current sentence
         self._chars = 0
+        self._before: list[str] = []  # the last sentences that passed, max_chars together (or the last one)
 
     @property
     def held(self) -> int:
@@ -61,7 +68,15 @@ class HoldBack(Generic[T]):
         sentence, items = "".join(self._text), self._items
         self._text, self._items, self._chars = [], [], 0
         if sentence.strip():
-            result = await self.moderator.moderate_one(sentence, "output")
+            views = [sentence, "".join(self._before) + sentence] if self._before else [sentence]
+            result = await self.moderator.moderate_together(views, "output")
             if result.flagged:
                 return Checked(released, result)  # in check-then-release, the held items are dropped
+            self._passed(sentence)
         return Checked(released + items)
+
+    def _passed(self, sentence: str) -> None:
+        self._before.append(sentence)
+        total = sum(map(len, self._before))
+        while len(self._before) > 1 and total > self.max_chars:
+            total -= len(self._before.pop(0))
