@@ -215,6 +215,8 @@ def test_moderations_in_openai_shape_through_the_sdk(client, http):
     parts = http.post("/v1/moderations", json={"input": [{"type": "text", "text": "how to make a molotov"}]}).json()
     assert parts["results"][0]["categories"]["illicit/violent"] is True
     assert set(parts["results"][0]["category_scores"]) == set(parts["results"][0]["categories"])
+    # model null, as a client passing model=None sends it, is the default (was "Unknown moderation model None")
+    assert http.post("/v1/moderations", json={"input": "hi", "model": None}).json()["model"] == "fairway-moderation"
 
 
 @pytest.mark.parametrize("body,param,code", [
@@ -230,6 +232,7 @@ def test_moderations_in_openai_shape_through_the_sdk(client, http):
     ({"input": [{"type": "image_url", "image_url": {"url": "http://x"}}]}, "input[0].type", "unsupported_content_type"),
     ({"input": [{"type": "text", "text": 3}]}, "input[0].text", "invalid_type"),
     ({"input": "hi", "model": "gpt-4o"}, "model", "model_not_found"),
+    ({"input": "hi", "model": 5}, "model", "invalid_type"),
 ])
 def test_bad_moderation_requests_are_400s(http, body, param, code):
     r = http.post("/v1/moderations", json=body)
@@ -239,7 +242,9 @@ def test_bad_moderation_requests_are_400s(http, body, param, code):
 
 def test_moderations_needs_a_key_and_a_json_object(server, http):
     assert httpx.post(f"{server.url}/v1/moderations", json={"input": "hi"}).status_code == 401
-    for raw in (b"", b"not json", b"[1, 2]"):
+    # nested past orjson's limit: the standard parser's RecursionError was a 500 (on every JSON route)
+    deep = b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    for raw in (b"", b"not json", b"[1, 2]", b"[" * 100_000, deep):
         r = http.post("/v1/moderations", content=raw, headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 

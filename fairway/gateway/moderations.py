@@ -32,7 +32,7 @@ REQUEST_SCHEMA = {
         "input": {"oneOf": [_TEXT, {"type": "array", "minItems": 1, "maxItems": MAX_INPUTS,
                                     "items": {"oneOf": [_TEXT, _TEXT_PART]}}],
                   "description": "A text, or a list of texts (or of {type: text, text} parts), to classify."},
-        "model": {"type": "string", "enum": sorted(MODEL_ALIASES)},
+        "model": {"type": ["string", "null"], "enum": [*sorted(MODEL_ALIASES), None]},
     },
 }
 
@@ -46,14 +46,22 @@ async def moderations(request: Request) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise invalid("The request body must be a JSON object.")
     texts = _inputs(data)
-    model = data.get("model")
-    if "model" in data and (not isinstance(model, str) or model not in MODEL_ALIASES):
-        raise invalid(f"Unknown moderation model {model!r}: use {MODEL} (or omit it).", "model", "model_not_found")
+    _check_model(data.get("model"))
     moderator = gateway(request).moderator
     if moderator is None:
         raise unavailable("Moderation is not configured on this server.", "moderation_unavailable")
     results = await moderator.moderate(texts, "api")
     return {"id": f"modr-{uuid.uuid4().hex}", "model": MODEL, "results": [r.to_openai() for r in results]}
+
+
+def _check_model(model: Any) -> None:
+    """None (omitted, or null: what a client passing model=None sends) is the default."""
+    if model is None:
+        return
+    if not isinstance(model, str):
+        raise invalid(f"'model' must be a string, got {type(model).__name__}.", "model", "invalid_type")
+    if model not in MODEL_ALIASES:
+        raise invalid(f"Unknown moderation model {model!r}: use {MODEL} (or omit it).", "model", "model_not_found")
 
 
 def _inputs(data: dict[str, Any]) -> list[str]:

@@ -115,10 +115,13 @@ def parse_json(body: bytes) -> Any:
     if not body:
         raise invalid("The request body is empty; send a JSON object.")
     try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError:  # or what only the standard parser takes: NaN, big ints, surrogates
-        data = _parse_leniently(body)
-    return _refuse_nul(data, body)
+        try:
+            data = orjson.loads(body)
+        except orjson.JSONDecodeError:  # or what only the standard parser takes: NaN, big ints, surrogates
+            data = _parse_leniently(body)
+        return _refuse_nul(data, body)
+    except RecursionError:  # past orjson's depth limit (1024) the standard parser, and _nul_at, recurse
+        raise invalid("The request body is nested too deeply.") from None
 
 
 def _parse_leniently(body: bytes) -> Any:
