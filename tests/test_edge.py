@@ -225,10 +225,26 @@ def test_ten_concurrent_duplicates_make_one_generation(server, http):
     # The same key with a different body: 409.
     conflict = http.post("/v1/chat/completions", json={**body, "max_tokens": 9}, headers=headers)
     assert conflict.status_code == 409 and conflict.json()["error"]["code"] == "idempotency_key_reused"
+    assert conflict.headers["x-should-retry"] == "false"  # the SDKs retry a 409 otherwise: the same answer
     # Another user's same key is theirs alone.
     other = http.post("/v1/chat/completions", json={**body, "stream": False},
                       headers={**auth(OTHER_KEY), "X-Idempotency-Key": key})
     assert other.status_code == 200 and other.json()["id"] != reply_id
+
+
+def test_a_reply_started_is_served_when_its_idempotency_key_cannot_be_recorded(server, http, monkeypatch):
+    """The store failing between the claim and the attach: the reply was already started (and
+    charged), yet the client got a 503 and would send it again, a second generation."""
+    from fairway.limits import LimitsUnavailable
+
+    async def unreachable(*_args, **_kwargs):
+        raise LimitsUnavailable("Redis unreachable: test")
+
+    monkeypatch.setattr(server.gateway.limits.idempotency, "attach", unreachable)
+    response = http.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=2, stream=False),
+                         headers={"X-Idempotency-Key": f"idem-{uuid.uuid4().hex}"})
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
 # -- thundering herd ---------------------------------------------------------------------------

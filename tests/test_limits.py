@@ -343,6 +343,19 @@ async def test_idempotency_ttl(gateways: Gateways) -> None:
     assert isinstance(await idem.claim("u", "long", "fp"), Existing)
 
 
+async def test_idempotency_claim_without_a_reply_expires_soon(gateways: Gateways) -> None:
+    """A claimant that never attached nor released (its gateway died, or the store failed under
+    its start and its release) held the key its whole day: every retry waited, then 409."""
+    idem = gateways.open(idempotency_claim_ttl_s=0.2).idempotency
+    assert isinstance(await idem.claim("u", "orphan", "fp"), Claimed)
+    assert isinstance(await idem.claim("u", "kept", "fp"), Claimed)
+    assert await idem.attach("u", "kept", "reply-1")  # from here on the key's whole TTL
+    await asyncio.sleep(0.3)
+    assert isinstance(await idem.claim("u", "orphan", "fp"), Claimed)
+    assert await idem.complete("u", "kept")
+    assert await idem.get("u", "kept") == Existing("reply-1", "fp", "complete", False)
+
+
 async def test_idempotency_duplicates_wait_for_the_reply(gateways: Gateways) -> None:
     g1, g2 = gateways.open(), gateways.open()
     assert isinstance(await g1.idempotency.claim("u", "w", "fp"), Claimed)

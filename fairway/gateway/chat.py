@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -57,6 +58,7 @@ from fairway.gateway.streaming import EventStream
 from fairway.limits import (
     Claimed,
     Denied,
+    LimitsUnavailable,
     Overloaded,
     Reservation,
     WindowState,
@@ -73,6 +75,7 @@ from fairway.tools import ToolError
 from fairway.usage import metrics
 from fairway.usage.accounting import reservation_meta
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}  # no proxy buffering of events
@@ -156,9 +159,10 @@ class Edge:
                 self.key = key
                 return None
             if got.conflict:
+                # x-should-retry: the OpenAI SDKs retry every 409 (twice by default), each time the same answer.
                 raise ApiError(409, "This idempotency key was already used with a different request body. Use a "
                                     "new key for a new request.", param="X-Idempotency-Key",
-                               code="idempotency_key_reused")
+                               code="idempotency_key_reused", headers={"x-should-retry": "false"})
             existing = got
             if existing.reply_id is None:
                 existing = await guarded(idem.wait_for_reply(self.user, key, fingerprint, timeout=wait_s))
@@ -347,7 +351,12 @@ async def _start_claimed(gw: GatewayContext, edge: Edge, turn_request: TurnReque
         with contextlib.suppress(Exception):  # (if this fails too, the key expires with its TTL)
             await gw.limits.idempotency.release(edge.user, edge.key)
         raise
-    await guarded(gw.limits.idempotency.attach(edge.user, edge.key, turn.reply.id))
+    try:
+        await gw.limits.idempotency.attach(edge.user, edge.key, turn.reply.id)
+    except LimitsUnavailable as exc:
+        # The reply runs, and is charged, whatever we answer: a 503 now would lose it to the client
+        # and have it sent again. Unattached, the claim lapses (idempotency.claim_ttl_s).
+        log.warning("reply %s: its idempotency key could not be recorded (%s)", turn.reply.id, exc)
     return turn
 
 

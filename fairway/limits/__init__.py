@@ -76,7 +76,7 @@ def make_limits(redis_url: str | None, config: LimitsConfig | None = None) -> Li
             config,
             TokenQuota(counter, config),
             RequestLimiter(counter, config),
-            InProcessIdempotency(config.idempotency_ttl_s, config.clock),
+            InProcessIdempotency(config.idempotency_ttl_s, config.clock, config.idempotency_claim_ttl_s),
             admission,
             InProcessSingleFlight(config.flight_ttl_s, config.flight_wait_s, clock=config.clock),
         )
@@ -89,7 +89,7 @@ def make_limits(redis_url: str | None, config: LimitsConfig | None = None) -> Li
         config,
         TokenQuota(counter, config),
         RequestLimiter(counter, config),
-        RedisIdempotency(client, config.idempotency_ttl_s, config.prefix),
+        RedisIdempotency(client, config.idempotency_ttl_s, config.prefix, config.idempotency_claim_ttl_s),
         admission,
         RedisSingleFlight(client, config.flight_ttl_s, config.flight_wait_s, prefix=config.prefix),
         client,

@@ -36,6 +36,8 @@ class LimitsConfig:
     window_s: float = 60.0
     buckets: int = 60
     idempotency_ttl_s: float = 24 * 3600.0
+    # A claim not yet attached to a reply expires sooner (idempotency.py says why).
+    idempotency_claim_ttl_s: float = 60.0
     # Admission, per gateway process.
     max_in_flight: int = 256
     max_waiting: int = 1_024

@@ -2,8 +2,13 @@
 the reply the first one started and attaches to it instead of generating again.
 
 Redis: SET NX on `{prefix}idempotency:{user}:{key}` with a TTL (one atomic claim-or-read script),
-the value a small JSON {f: body fingerprint, r: reply id, s: state}. In process: a dict with
-expiry times. States: claimed (no reply yet) -> running (attach) -> complete.
+the value a small JSON {f: body fingerprint, r: reply id, s: state, t: TTL once attached, ms}. In
+process: a dict with expiry times. States: claimed (no reply yet) -> running (attach) -> complete.
+
+A claim is provisional: it lives claim_ttl_s (a minute) until attach() names its reply, and only
+then the key's full TTL (a day). A claimant that never gets to attach or release (its gateway died,
+or the store failed under both its start and its release) would otherwise hold the key a whole
+day, every retry with it waiting and then refused as "still being started".
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ from fairway.redis_client import RedisClient, Script
 
 MAX_KEY_LENGTH = 255
 DEFAULT_TTL_S = 24 * 3600.0
+# Claim to attach is one turn's start (checks, context, routing, one store write): well under this.
+DEFAULT_CLAIM_TTL_S = 60.0
 
 IdempotencyState = Literal["claimed", "running", "complete"]
 
@@ -58,18 +65,25 @@ class Existing:
 
 
 class IdempotencyStore(ABC):
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S) -> None:
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, claim_ttl_s: float = DEFAULT_CLAIM_TTL_S) -> None:
         self.ttl_s = ttl_s
+        self.claim_ttl_s = claim_ttl_s
+
+    def _ttls(self, ttl_s: float | None) -> tuple[float, float]:
+        """(how long the claim lives before attach, how long the key lives from attach)."""
+        ttl = self.ttl_s if ttl_s is None else ttl_s
+        return min(ttl, self.claim_ttl_s), ttl
 
     @abstractmethod
     async def claim(self, user: str, key: str, body_fingerprint: str,
                     ttl_s: float | None = None) -> Claimed | Existing:
-        """Atomically claim the key, or say who has it. Raises ValueError for a bad key."""
+        """Atomically claim the key, or say who has it. Raises ValueError for a bad key. The key
+        lives claim_ttl_s until attach(), then ttl_s (default self.ttl_s) from the attach."""
 
     @abstractmethod
     async def attach(self, user: str, key: str, reply_id: str) -> bool:
-        """Record the reply the claim started (claimed -> running). False if the key is gone or
-        already names another reply."""
+        """Record the reply the claim started (claimed -> running), and keep the key its full TTL
+        from now. False if the key is gone or already names another reply."""
 
     @abstractmethod
     async def complete(self, user: str, key: str) -> bool:
@@ -114,13 +128,15 @@ def _existing(fingerprint: str, reply_id: str, state: str, asked: str | None) ->
 class _Entry:
     fingerprint: str
     expires: float
+    ttl_s: float  # from attach on
     reply_id: str = ""
     state: str = "claimed"
 
 
 class InProcessIdempotency(IdempotencyStore):
-    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] | None = None) -> None:
-        super().__init__(ttl_s)
+    def __init__(self, ttl_s: float = DEFAULT_TTL_S, clock: Callable[[], float] | None = None,
+                 claim_ttl_s: float = DEFAULT_CLAIM_TTL_S) -> None:
+        super().__init__(ttl_s, claim_ttl_s)
         self._clock = clock or time.monotonic
         self._entries: dict[tuple[str, str], _Entry] = {}
         self._last_sweep = self._clock()
@@ -142,8 +158,8 @@ class InProcessIdempotency(IdempotencyStore):
         entry = self._live(user, key)  # no await until the dict is written: atomic on the loop
         if entry is not None:
             return _existing(entry.fingerprint, entry.reply_id, entry.state, body_fingerprint)
-        ttl = self.ttl_s if ttl_s is None else ttl_s
-        self._entries[(user, key)] = _Entry(body_fingerprint, self._clock() + ttl)
+        claimed_s, ttl = self._ttls(ttl_s)
+        self._entries[(user, key)] = _Entry(body_fingerprint, self._clock() + claimed_s, ttl)
         return Claimed()
 
     async def attach(self, user: str, key: str, reply_id: str) -> bool:
@@ -155,6 +171,7 @@ class InProcessIdempotency(IdempotencyStore):
         if entry.state != "claimed":
             return entry.reply_id == reply_id
         entry.reply_id, entry.state = reply_id, "running"
+        entry.expires = self._clock() + entry.ttl_s
         return True
 
     async def complete(self, user: str, key: str) -> bool:
@@ -180,24 +197,31 @@ if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'PX', ARGV[2]) then return false en
 return redis.call('GET', KEYS[1])
 """
 
-# KEYS: key. ARGV: new state, reply id ('' = keep). KEEPTTL: the TTL counts from the claim.
+# KEYS: key. ARGV: new state, reply id ('' = keep). Attaching (running) gives the key its full
+# TTL, e.t ms, from now (a claim's value always has it); later updates keep that TTL.
 _UPDATE = """
 local raw = redis.call('GET', KEYS[1])
 if not raw then return 0 end
 local e = cjson.decode(raw)
-if ARGV[1] == 'running' then
+local attach = ARGV[1] == 'running'
+if attach then
   if e.s ~= 'claimed' then return (e.r == ARGV[2]) and 1 or 0 end
   e.r = ARGV[2]
 end
 e.s = ARGV[1]
-redis.call('SET', KEYS[1], cjson.encode(e), 'KEEPTTL')
+if attach and e.t then
+  redis.call('SET', KEYS[1], cjson.encode(e), 'PX', e.t)
+else
+  redis.call('SET', KEYS[1], cjson.encode(e), 'KEEPTTL')
+end
 return 1
 """
 
 
 class RedisIdempotency(IdempotencyStore):
-    def __init__(self, client: RedisClient, ttl_s: float = DEFAULT_TTL_S, prefix: str = "fairway:") -> None:
-        super().__init__(ttl_s)
+    def __init__(self, client: RedisClient, ttl_s: float = DEFAULT_TTL_S, prefix: str = "fairway:",
+                 claim_ttl_s: float = DEFAULT_CLAIM_TTL_S) -> None:
+        super().__init__(ttl_s, claim_ttl_s)
         self._r = client
         self._prefix = prefix
         self._claim = Script(_CLAIM)
@@ -209,10 +233,10 @@ class RedisIdempotency(IdempotencyStore):
 
     async def claim(self, user: str, key: str, body_fingerprint: str,
                     ttl_s: float | None = None) -> Claimed | Existing:
-        ttl_ms = max(1, int((self.ttl_s if ttl_s is None else ttl_s) * 1000))
-        value = json.dumps({"f": body_fingerprint, "r": "", "s": "claimed"})
+        claimed_ms, ttl_ms = (max(1, int(s * 1000)) for s in self._ttls(ttl_s))
+        value = json.dumps({"f": body_fingerprint, "r": "", "s": "claimed", "t": ttl_ms})
         with _redis.guard():
-            raw = await _redis.run(self._r, self._claim, [self._key(user, key)], [value, ttl_ms])
+            raw = await _redis.run(self._r, self._claim, [self._key(user, key)], [value, claimed_ms])
         return Claimed() if raw is None else _decode(raw, body_fingerprint)
 
     async def attach(self, user: str, key: str, reply_id: str) -> bool:
