@@ -285,10 +285,11 @@ def embedded_app(options: ServerOptions, engine: LLMEngine | None = None,
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaWorker
 
+    # The policy first: a malformed one is reported at once, not after the model's load.
+    moderator = make_moderator(options.safety)  # one for the gateway's checks and the replica's
     engine = engine or build_engine(options)
     name = model_name(options.model)
     relay, store, registry = open_backends(options)
-    moderator = make_moderator(options.safety)  # one for the gateway's checks and the replica's
     sandbox = open_sandbox(options)
     engines = [(name, engine, replica_settings(options, name))]
     if options.mini_model:
@@ -347,14 +348,14 @@ async def run_replica(options: ServerOptions, engine: LLMEngine | None = None, s
     from fairway.engine import AsyncEngine
     from fairway.replica.worker import ReplicaWorker
 
+    moderator = make_moderator(options.safety) if options.safety.check_output else None  # (before the load)
     engine = engine or build_engine(options)
     relay = make_relay(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
     registry = make_registry(options.redis, **_redis_options(options))
     settings = replica_settings(options, model_name(options.model))
     async_engine = AsyncEngine(engine)
     sandbox = open_sandbox(options)
-    worker = ReplicaWorker(async_engine, relay, registry, settings,
-                           make_moderator(options.safety) if options.safety.check_output else None, sandbox)
+    worker = ReplicaWorker(async_engine, relay, registry, settings, moderator, sandbox)
     log.info("replica %s serving %s", settings.replica_id, settings.model)
     if settle:
         settle_heap()

@@ -351,3 +351,15 @@ def test_a_sqlite_database_that_is_not_one_is_one_line(tmp_path, capsys):
 def test_keys_without_a_subcommand_names_them(capsys):
     """It said "the following arguments are required: keys_command", the code's name for it."""
     assert refused(["keys"], capsys).endswith("the following arguments are required: {create,revoke,list}")
+
+
+def test_a_malformed_safety_policy_is_reported_before_the_model_loads(tmp_path):
+    """The policy is read first: its one-line error comes at once (here the model named does not
+    even exist, so an error about the model would mean the policy was read after it)."""
+    policy = tmp_path / "policy.toml"
+    policy.write_text('thresholds = "x"\n')
+    done = fairway("serve", "--safety-policy", str(policy), "--model", str(tmp_path / "no-such-model.gguf"),
+                   "--port", "1")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert "policy.toml" in last and "[thresholds] must be a table" in last, done.stderr
