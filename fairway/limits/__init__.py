@@ -8,6 +8,8 @@ admission.py). Callers only see the interfaces bundled in Limits.
 
 from __future__ import annotations
 
+import logging
+import time
 from dataclasses import dataclass
 
 from fairway.limits import _redis
@@ -38,6 +40,11 @@ from fairway.limits.singleflight import (
 from fairway.limits.window import Denied, InProcessWindow, RedisWindow, WindowCounter, WindowState
 from fairway.redis_client import RedisClient
 
+log = logging.getLogger(__name__)
+
+# After the store failed, responses go without x-ratelimit-* headers this long, without asking it.
+HEADERS_HOLD_S = 5.0
+
 
 @dataclass
 class Limits:
@@ -48,12 +55,23 @@ class Limits:
     admission: Admission
     flights: SingleFlight
     _redis: RedisClient | None = None
+    window: WindowCounter | None = None  # the one the quotas and rates count in
 
-    async def headers(self, user: str, model: str, tier: str) -> dict[str, str]:
+    async def headers(self, user: str, model: str, tier: str) -> dict[str, str] | None:
         """The six x-ratelimit-* headers from the current state (two reads). On the request path
-        prefer rate_limit_headers(allowed.state, reservation.state): no extra round trip."""
-        return rate_limit_headers(await self.requests.state(user, tier),
-                                  await self.tokens.state(user, model, tier))
+        prefer rate_limit_headers(allowed.state, reservation.state): no extra round trip.
+
+        None while the store is unreachable, and for HEADERS_HOLD_S after it last failed, without
+        asking: the headers are a courtesy on responses that did not need the limits, and a
+        stalled Redis must not add its timeout to each of them (nor a traceback to the log)."""
+        if self.window is not None and time.monotonic() - self.window.failed_at < HEADERS_HOLD_S:
+            return None
+        try:
+            return rate_limit_headers(await self.requests.state(user, tier),
+                                      await self.tokens.state(user, model, tier))
+        except LimitsUnavailable as exc:
+            log.warning("x-ratelimit-* headers left off for %.0f s: %s", HEADERS_HOLD_S, exc)
+            return None
 
     async def ping(self) -> None:
         """At startup: LimitsUnavailable now rather than on the first request."""
@@ -79,6 +97,7 @@ def make_limits(redis_url: str | None, config: LimitsConfig | None = None) -> Li
             InProcessIdempotency(config.idempotency_ttl_s, config.clock, config.idempotency_claim_ttl_s),
             admission,
             InProcessSingleFlight(config.flight_ttl_s, config.flight_wait_s, clock=config.clock),
+            window=counter,
         )
     if not redis_url.startswith(("redis://", "rediss://", "unix://")):
         raise ValueError(f"unsupported limits URL {redis_url!r}: use memory:// or redis://host:port/db")
@@ -93,6 +112,7 @@ def make_limits(redis_url: str | None, config: LimitsConfig | None = None) -> Li
         admission,
         RedisSingleFlight(client, config.flight_ttl_s, config.flight_wait_s, prefix=config.prefix),
         client,
+        counter,
     )
 
 

@@ -15,11 +15,13 @@ from __future__ import annotations
 import math
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 from fairway.limits import _redis
+from fairway.limits.errors import LimitsUnavailable
 from fairway.redis_client import RedisClient, Script
 
 LimitType = Literal["tokens", "requests"]
@@ -80,6 +82,10 @@ class Denied:
 
 class WindowCounter(ABC):
     """One small interface, two backends. `key` is already namespaced by the caller."""
+
+    # When the store last failed (time.monotonic()): a best-effort read (the headers of a response
+    # that did not need the limits) skips it for a moment rather than wait out its timeout again.
+    failed_at: float = -math.inf
 
     def __init__(self, window_s: float, buckets: int) -> None:
         if window_s <= 0 or buckets < 1:
@@ -258,7 +264,7 @@ class RedisWindow(WindowCounter):
     async def add_many(self, adds: Sequence[tuple[str, int, int]]) -> list[Added]:
         clock, bucket_s = _redis.clock_arg(self._clock), repr(self.bucket_s)
         calls = [([key], [amount, limit, bucket_s, self.buckets, self._ttl_ms, clock]) for key, amount, limit in adds]
-        with _redis.guard():
+        with self._guard():
             results = await self._client.run_scripts(self._add, calls)
         added = []
         for (_, _, limit), result in zip(adds, results, strict=True):
@@ -272,5 +278,14 @@ class RedisWindow(WindowCounter):
         if delta == 0:
             return
         args = [bucket, delta, repr(self.bucket_s), self.buckets, _redis.clock_arg(self._clock)]
-        with _redis.guard():
+        with self._guard():
             await _redis.run(self._client, self._adjust, [key], args)
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        try:
+            with _redis.guard():
+                yield
+        except LimitsUnavailable:
+            self.failed_at = time.monotonic()
+            raise
