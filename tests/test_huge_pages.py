@@ -43,6 +43,22 @@ def test_the_kv_cache_sits_on_huge_pages():
 
 
 @needs_thp
+def test_huge_pages_that_come_slowly_are_given_up_for_the_rest(monkeypatch):
+    """Where each huge page takes long to come (the host compacts memory for it: seconds for a KV
+    cache at every start), the part of the range not yet touched goes on small pages; the tensor
+    is zeroed all the same. (Every page counts as slow here.)"""
+    monkeypatch.setattr(huge_pages, "SLOW_PAGE_S", 0.0)
+    monkeypatch.setattr(huge_pages, "PROBE_PAGES", 2)
+    t = huge_pages.fresh(16 << 20)
+    assert huge_pages.advise_huge_pages(t) == 16 << 20
+    assert huge_pages.zero_in_place(t) == 4 << 20  # the first probe's two pages, then small ones
+    assert not t.any()
+    assert huge_bytes_at(t.data_ptr() + (12 << 20)) == 0
+    kv = PagedKVCache(4, 1024, 16, 2, 64, torch.bfloat16, "cpu")
+    assert not kv.k.any() and not kv.v.any()
+
+
+@needs_thp
 def test_gathered_weights_compute_what_they_did_on_huge_pages():
     cfg = LlamaConfig.tiny()
     model = random_model(cfg, seed=1)

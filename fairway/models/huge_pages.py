@@ -5,7 +5,8 @@ A decode step reads every sequence's KV blocks, scattered over a pool of hundred
 next blocks wait on them (bench/README.md, "Huge pages and layer ops"). Linux backs a range with 2 MB pages
 when it is marked MADV_HUGEPAGE before its first touch (or always, where THP is set to
 "always"); where it isn't lent, or the platform has no madvise, or FAIRWAY_HUGE_PAGES=0, the
-tensor is the same one on small pages.
+tensor is the same one on small pages. Where the host lends them only slowly (it compacts its
+memory for each), the rest of a range goes on small pages too (zero_in_place).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import math
 import mmap
 import os
 import sys
+import time
 from functools import cache
 
 import torch
@@ -25,6 +27,13 @@ log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+MADV_NOHUGEPAGE = 15
+# A first touch that finds a free 2 MB page costs ~0.2 ms; one that must compact memory to make one
+# (THP's defrag on marked ranges, on a host whose memory is fragmented: a machine that has read
+# gigabytes of files) ~10 ms, seconds for a KV cache, at every process start. Past this a page, the
+# rest of a range goes on small pages: a few percent of a decode step is not worth that wait.
+SLOW_PAGE_S = 0.002
+PROBE_PAGES = 16  # touched at a time, and timed
 
 
 def _madvise() -> ctypes._CFuncPtr | None:
@@ -44,9 +53,10 @@ def _libc_madvise() -> ctypes._CFuncPtr | None:
     return fn
 
 
-def advise_huge_pages(t: torch.Tensor) -> int:
-    """Marks the whole 2 MB pages inside t's memory for huge pages; returns the bytes marked (0
-    where nothing could be). Pages touched before this call keep their small pages."""
+def advise_huge_pages(t: torch.Tensor, advice: int = MADV_HUGEPAGE) -> int:
+    """Marks the whole 2 MB pages inside t's memory for huge pages (or, with MADV_NOHUGEPAGE, for
+    small ones); returns the bytes marked (0 where nothing could be). Pages touched before this
+    call keep the pages they have."""
     fn = _madvise()
     nbytes = t.nbytes
     if fn is None or t.device.type != "cpu" or not t.is_contiguous() or nbytes < HUGE_PAGE:
@@ -56,10 +66,31 @@ def advise_huge_pages(t: torch.Tensor) -> int:
     end = (start + nbytes) // HUGE_PAGE * HUGE_PAGE
     if end <= first:
         return 0
-    if fn(first, end - first, MADV_HUGEPAGE) != 0:
-        log.debug("madvise(MADV_HUGEPAGE) refused (errno %d): small pages", ctypes.get_errno())
+    if fn(first, end - first, advice) != 0:
+        log.debug("madvise(%d) refused (errno %d): small pages", advice, ctypes.get_errno())
         return 0
     return end - first
+
+
+def zero_in_place(t: torch.Tensor) -> int:
+    """Zeroes t (contiguous, marked for huge pages and not touched yet) PROBE_PAGES huge pages at a
+    time, so its memory is held from the start; once those come slower than SLOW_PAGE_S a page,
+    the rest is unmarked first and goes on small pages. Returns the bytes touched while marked."""
+    flat = t.view(-1).view(torch.uint8)
+    step = PROBE_PAGES * HUGE_PAGE
+    for start in range(0, flat.numel(), step):
+        chunk = flat[start:start + step]
+        began = time.perf_counter()
+        chunk.zero_()
+        if time.perf_counter() - began > -(-chunk.numel() // HUGE_PAGE) * SLOW_PAGE_S:
+            rest = flat[start + step:]
+            if rest.numel():
+                advise_huge_pages(rest, MADV_NOHUGEPAGE)
+                rest.zero_()
+                log.info("huge pages came slowly (the host compacts memory for them): %d MB of %d on small "
+                         "pages", rest.numel() >> 20, flat.numel() >> 20)
+            return start + chunk.numel()
+    return flat.numel()
 
 
 def fresh(nbytes: int) -> torch.Tensor:
@@ -82,8 +113,10 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str
     if torch.device(device).type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     t = fresh(math.prod(shape) * dtype.itemsize).view(dtype).view(shape)
-    advise_huge_pages(t)
-    return t.zero_()  # every page now, on 2 MB pages where marked: the cache's memory is held from the start
+    if advise_huge_pages(t):
+        zero_in_place(t)  # every page now: the cache's memory is held from the start
+        return t
+    return t.zero_()
 
 
 def gather(model: torch.nn.Module) -> int:
@@ -106,7 +139,7 @@ def gather(model: torch.nn.Module) -> int:
     if total < HUGE_PAGE or _madvise() is None:
         return 0
     whole = fresh(total)
-    marked = advise_huge_pages(whole)
+    marked = zero_in_place(whole) if advise_huge_pages(whole) else 0  # (touched before the copies: timed)
     for address, held_by in holders.items():
         offset, nbytes = places[address]
         first = _held(*held_by[0])
