@@ -30,6 +30,8 @@ from serving import (
 )
 from serving import herd_limit as tight_limit
 
+from fairway.gateway.cursor import RUN_SPAN
+
 REDIS_URL = os.environ.get("FAIRWAY_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 
 IDLE_CANCEL_S = 2.0
@@ -206,6 +208,42 @@ def test_stop_through_the_other_gateway(gateways):
     text = "".join(e.content for e in events)
     message = stored_message(b, conversation_id, reply_id)
     assert message["status"] == "stopped" and message["content"] == text
+
+
+def test_a_log_redis_lost_mid_stream_runs_again_and_the_client_is_told_to_start_over(gateways, redis_url,
+                                                                                    namespace):
+    """Redis loses a reply's log mid-stream (here: it is deleted; a Redis restarted without its
+    data alike): the replica's next append finds no log and drops its copy, the gateway finds the
+    log gone and runs the reply again from its stored context; the client gets an empty snapshot
+    (drop the text so far) and the new run whole, and the store keeps the new run's text, not the
+    two spliced."""
+    import redis
+    import redis.cluster
+
+    a, _ = gateways
+    body = chat_body("Write a long story about a lighthouse keeper.", max_tokens=48, ignore_eos=True)
+    with httpx.stream("POST", f"{a}/v1/chat/completions", json=body, headers=headers(), timeout=120) as r:
+        reply_id, conversation_id = r.headers["x-reply-id"], r.headers["x-conversation-id"]
+        events, text = [], ""
+        for event in sse_events(r):
+            events.append(event)
+            if len(events) == 4:
+                plain = redis.Redis.from_url(redis_url)
+                client = (redis.cluster.RedisCluster.from_url(redis_url)
+                          if plain.info("cluster").get("cluster_enabled") else plain)
+                assert client.delete(f"{namespace}reply:{{{reply_id}}}") == 1
+                client.close()
+                plain.close()
+            if event.data != "[DONE]" and event.data.get("snapshot"):
+                text = ""
+            text += event.content
+    snapshots = [e for e in events if e.data != "[DONE]" and e.data.get("snapshot")]
+    assert len(snapshots) == 1 and snapshots[0].content == "" and snapshots[0].id == RUN_SPAN, events
+    new_run = events[events.index(snapshots[0]) + 1:-1]
+    assert [e.id for e in new_run] == [RUN_SPAN + n for n in range(1, len(new_run) + 1)]
+    assert new_run[-1].finish_reason == "length"
+    message = stored_message(a, conversation_id, reply_id)
+    assert message["status"] == "complete" and message["content"] == text
 
 
 def test_nobody_listening_cancels_the_reply(gateways):

@@ -280,6 +280,7 @@ class ReplyRelay:
         keepalive_s without events. on_final runs at the final event, before [DONE]."""
         tools: list[CallRecord] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
+        whole = fresh  # its text is all this stream sent (not after a snapshot replaced it)
         # Plain token chunks, and the reply's text as this stream sent it; with connection, also
         # the sink that writes them to it as HTTP chunks while this waits (keeping their text),
         # which it may not do before the first chunk is out. (This runs once EventStream started
@@ -296,7 +297,7 @@ class ReplyRelay:
                     out: list[bytes] = []
                     for event in batch:
                         if isinstance(event, FinalEvent):
-                            await self._save(reply.id, writer.text() if after == 0 else None, event, tools)
+                            await self._save(reply.id, writer.text() if whole else None, event, tools)
                             await _run(on_final, event)
                             out += self._final_frames(view, event, fresh, include_usage)
                             yield b"".join(out) + DONE  # one write, which EventStream makes the last
@@ -309,6 +310,7 @@ class ReplyRelay:
                             continue
                         token = event.event if isinstance(event, Snapshot) else event
                         writer.add_text(token.text)
+                        whole = whole and not isinstance(event, Snapshot)
                         if fresh or isinstance(event, Snapshot):
                             out.append(self._first_or_snapshot(view, event, fresh))
                             fresh = False
@@ -373,6 +375,9 @@ class ReplyRelay:
                     if isinstance(event, ToolEvent):
                         add_event(tools, event, sum(map(len, text)))
                         continue
+                    if isinstance(event, Snapshot):  # the text so far is replaced (a lost log's new run)
+                        text.clear()
+                        tools.clear()
                     token = event.event if isinstance(event, Snapshot) else event
                     text.append(token.text)
                 if final is not None:
