@@ -584,27 +584,32 @@ def test_a_finished_reply_comes_back_from_the_store(server, client, http):
     assert events[0].content == completion.choices[0].message.content
 
 
-def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
-    """Its log expired before it finished (say, the process restarted): the next reader runs it
-    again from the context stored with it."""
+def orphan_reply(server, question: str, **sampling) -> tuple[str, str]:
+    """A reply stored with its context and marked running on a replica that died, with no token
+    log: what a restarted process finds. Its (conversation id, reply id)."""
     from fairway.conversation import Role
     from fairway.conversation.entities import Conversation, new_id, now
     from fairway.conversation.store import NewTurn
 
     store = server.gateway.store
-    tokenizer = server.gateway.service.tokenizers[MODEL]
-    prompt = tokenizer.chat_prompt_ids([{"role": "user", "content": "Say yes."}])
+    prompt = server.gateway.service.tokenizers[MODEL].chat_prompt_ids([{"role": "user", "content": question}])
 
-    async def orphan() -> tuple[str, str]:
+    async def store_it() -> tuple[str, str]:
         ts = now()
-        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, "Say yes.", ts, ts)
-        job = {"model": MODEL, "sampling": {"max_tokens": 4, "temperature": 0}, "lane": "free"}
-        _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, "Say yes.")],
+        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, question, ts, ts)
+        job = {"model": MODEL, "sampling": {"temperature": 0, **sampling}, "lane": "free"}
+        _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, question)],
                                                   prompt_token_ids=prompt, job=job))
         await store.mark_running_many([(reply.id, "a-replica-that-died")])
         return conversation.id, reply.id
 
-    conversation_id, reply_id = server.call(orphan())
+    return server.call(store_it())
+
+
+def test_an_unfinished_reply_is_continued_from_its_stored_context(server, http):
+    """Its log expired before it finished (say, the process restarted): the next reader runs it
+    again from the context stored with it."""
+    conversation_id, reply_id = orphan_reply(server, "Say yes.", max_tokens=4)
     with http.stream("GET", f"/v1/replies/{reply_id}/stream") as r:
         assert r.status_code == 200
         events = list(sse_events(r))
@@ -621,23 +626,8 @@ def test_a_reply_whose_log_was_lost_runs_again_with_nobody_reading_it(server, ht
     """After a restart of the process that held its token log, a reply nobody comes back to read
     would stay running, and its conversation take no new message (409) for good: the gateway's
     sweep runs it again, it ends, and the conversation goes on."""
-    from fairway.conversation import Role
-    from fairway.conversation.entities import Conversation, new_id, now
-    from fairway.conversation.store import NewTurn
-
-    store, service = server.gateway.store, server.gateway.service
-    prompt = service.tokenizers[MODEL].chat_prompt_ids([{"role": "user", "content": "Say yes."}])
-
-    async def orphan() -> tuple[str, str]:
-        ts = now()
-        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, "Say yes.", ts, ts)
-        job = {"model": MODEL, "sampling": {"max_tokens": 4, "temperature": 0}, "lane": "free"}
-        _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, "Say yes.")],
-                                                  prompt_token_ids=prompt, job=job))
-        await store.mark_running_many([(reply.id, "a-replica-that-died")])
-        return conversation.id, reply.id
-
-    conversation_id, reply_id = server.call(orphan())
+    service = server.gateway.service
+    conversation_id, reply_id = orphan_reply(server, "Say yes.", max_tokens=4)
     busy = http.post("/v1/chat/completions", json=chat_body("And?", stream=False, conversation_id=conversation_id))
     assert busy.status_code == 409 and busy.headers["X-Reply-Id"] == reply_id
     restarted, unplaced = server.call(service.restart_lost(min_age_s=0.0))
@@ -649,7 +639,7 @@ def test_a_reply_whose_log_was_lost_runs_again_with_nobody_reading_it(server, ht
 
     # One stored longer ago than a log lives (here: logs that live no time at all) is stopped,
     # with no text, rather than run again: nobody waits for it any more.
-    conversation_id, reply_id = server.call(orphan())
+    conversation_id, reply_id = orphan_reply(server, "Say yes.", max_tokens=4)
     log = service.relay.log
     ttl_s, log.ttl_s = log.ttl_s, 0.0
     try:
@@ -666,23 +656,7 @@ def test_a_client_of_a_lost_run_gets_the_new_run_from_its_start(server, http):
     and the client is told to drop its text (an empty snapshot) and gets the new run whole, not
     the new run's words past its old id spliced onto the old ones. A second client with an id of
     the lost run, after the restart, is told the same; one with an id of the new run carries on."""
-    from fairway.conversation import Role
-    from fairway.conversation.entities import Conversation, new_id, now
-    from fairway.conversation.store import NewTurn
-
-    store = server.gateway.store
-    prompt = server.gateway.service.tokenizers[MODEL].chat_prompt_ids([{"role": "user", "content": "Count to ten."}])
-
-    async def orphan() -> str:
-        ts = now()
-        conversation = Conversation(new_id("conv"), USER, "paid", MODEL, "Count.", ts, ts)
-        job = {"model": MODEL, "sampling": {"max_tokens": 24, "temperature": 0, "ignore_eos": True}, "lane": "free"}
-        _, reply = await store.store_turn(NewTurn(conversation, True, [(Role.USER, "Count to ten.")],
-                                                  prompt_token_ids=prompt, job=job))
-        await store.mark_running_many([(reply.id, "a-replica-that-died")])
-        return reply.id
-
-    reply_id = server.call(orphan())
+    _, reply_id = orphan_reply(server, "Count to ten.", max_tokens=24, ignore_eos=True)
 
     def resumed(last_event_id: int) -> list:
         with http.stream("GET", f"/v1/replies/{reply_id}/stream", headers={"Last-Event-ID": str(last_event_id)}) as r:
