@@ -19,7 +19,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from backends import missing
-from pg_admin import PG_HOST, pg_admin, temporary_database, terminate_lock_waiters
+from pg_admin import PG_HOST, create_schema, pg_admin, temporary_database, terminate_lock_waiters
 from sqlalchemy.exc import IntegrityError
 
 from fairway.conversation import (
@@ -68,13 +68,7 @@ async def _fresh_schema(pg_database: str | None) -> dict[str, Any]:
     """A new schema in the session's PostgreSQL database: the connect_args that use it."""
     if pg_database is None:
         missing("PostgreSQL", f"nothing answers at {PG_HOST}")
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(pg_database)
-    try:
-        await conn.execute(f'CREATE SCHEMA "{schema}"')
-    finally:
-        await conn.close()
-    return {"server_settings": {"search_path": schema}}
+    return {"server_settings": {"search_path": await create_schema(pg_database)}}
 
 
 @pytest.fixture

@@ -4,15 +4,13 @@ keyword arguments, a TypeError at the first connection (`fairway up`, creating i
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from urllib.parse import quote
 
-import asyncpg
 import pytest
 import sqlalchemy as sa
 from backends import missing
-from pg_admin import PG_HOST, temporary_database
+from pg_admin import PG_HOST, create_schema, temporary_database
 
 from fairway.cli import main
 from fairway.conversation import StoreUnavailable, database_url, make_store
@@ -31,20 +29,10 @@ def pg_database() -> Iterator[str]:
         yield url
 
 
-async def _schema(url: str) -> str:
-    schema = f"t_{uuid.uuid4().hex[:12]}"
-    conn = await asyncpg.connect(url)
-    try:
-        await conn.execute(f'CREATE SCHEMA "{schema}"')
-    finally:
-        await conn.close()
-    return schema
-
-
 async def test_a_store_connects_with_the_urls_libpq_parameters(pg_database: str) -> None:
     """sslmode, application_name, options (here the schema to use) and connect_timeout reach both
     of the store's ways to the server: the engine and the chat path's asyncpg pool."""
-    schema = await _schema(pg_database)
+    schema = await create_schema(pg_database)
     options = quote(f"-c search_path={schema}")
     store = make_store(f"{pg_database}?sslmode=disable&application_name=fairway-test&options={options}"
                        "&connect_timeout=10")
