@@ -386,6 +386,7 @@ def test_metrics_time_each_garbage_collection(server):
         ({"max_tokens": -5}, {}, 400, "invalid_value", "max_tokens"),
         ({"max_tokens": 10**12}, {}, 400, "max_tokens_exceeds_quota", "max_tokens"),
         ({}, {"X-Idempotency-Key": "k" * 256}, 400, "invalid_idempotency_key", "X-Idempotency-Key"),
+        ({"message_id": "k" * 256}, {}, 400, "invalid_value", "message_id"),
         ({}, {"X-Big": "x" * 20_000}, 431, "request_header_too_large", None),
         ({}, {f"X-Many-{i}": "y" * 1000 for i in range(20)}, 431, "request_header_too_large", None),
     ],
@@ -407,10 +408,21 @@ def test_a_request_larger_than_the_quota_is_400_not_429(server):
     assert error["code"] == "request_too_large" and "Request too large" in error["message"]
 
 
-def test_idempotency_key_at_the_limit_is_fine(http):
-    response = http.post("/v1/chat/completions", json=chat_body("Hi", max_tokens=1, stream=False),
-                         headers={"X-Idempotency-Key": "k" * 255})
-    assert response.status_code == 200
+@pytest.mark.parametrize("field", ["header", "message_id"])
+def test_idempotency_key_at_the_limit_is_fine(http, field):
+    """The header and the body's message_id carry the same key, under the same limit; a resend
+    under a key that long attaches to the first reply."""
+    key = f"{field}-{uuid.uuid4().hex}".ljust(255, "k")
+    body = chat_body("Hi", max_tokens=1, stream=False)
+    if field == "message_id":
+        body, headers = {**body, "message_id": key}, {}
+    else:
+        headers = {"X-Idempotency-Key": key}
+    first = http.post("/v1/chat/completions", json=body, headers=headers)
+    assert first.status_code == 200, first.text
+    again = http.post("/v1/chat/completions", json=body, headers=headers)
+    assert again.status_code == 200 and again.headers["x-idempotent-replayed"] == "true"
+    assert again.json()["id"] == first.json()["id"]
 
 
 # -- NUL characters: the same 400 on both stores ------------------------------------------------

@@ -259,12 +259,7 @@ async def chat_completions(request: Request) -> Any:
     request.state.ratelimit_model = body.model
     edge = Edge(request, gw, principal, data, body)
     check_max_tokens(max_tokens_of(body), gw.limits.tokens.limit(principal.tier, body.model), body.model)
-    key = body.message_id or request.headers.get("x-idempotency-key") or None
-    if key is not None:
-        try:
-            check_key(key)
-        except ValueError as exc:
-            raise invalid(f"Invalid X-Idempotency-Key: {exc}.", "X-Idempotency-Key", "invalid_idempotency_key") from None
+    key = _idempotency_key(request, body)
     turn_request = TurnRequest(
         user_id=principal.user_id,
         model=body.model,
@@ -416,6 +411,20 @@ def _region(request: Request) -> str | None:
         raise invalid("Invalid X-Fairway-Region: a region is 1 to 64 letters, digits, '.', '_' or '-', "
                       "starting with a letter or digit.", "X-Fairway-Region", "invalid_region")
     return region or None
+
+
+def _idempotency_key(request: Request, body: ChatCompletionRequest) -> str | None:
+    """The body's message_id, else the X-Idempotency-Key header; a bad one is a 400 naming the
+    one the client sent."""
+    key, param = body.message_id, "message_id"
+    if key is None:
+        key, param = request.headers.get("x-idempotency-key") or None, "X-Idempotency-Key"
+    if key is not None:
+        try:
+            check_key(key)
+        except ValueError as exc:
+            raise invalid(f"Invalid {param}: {exc}.", param, "invalid_idempotency_key") from None
+    return key
 
 
 def _client_key(key: str | None) -> str | None:

@@ -14,6 +14,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from fairway.gateway.errors import ApiError, invalid
+from fairway.limits import MAX_KEY_LENGTH
 from fairway.models.bundled import BUNDLED_MODEL_NAME
 from fairway.tools import ToolError, ToolSet, parse_tools
 from fairway.tools.results import check_results
@@ -77,7 +78,8 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     # The seed's fields (design doc 002, section 2.1).
     conversation_id: str | None = Field(default=None, min_length=1, max_length=64)
-    message_id: str | None = Field(default=None, min_length=1, max_length=128)
+    # The idempotency key, as X-Idempotency-Key carries it: the limits' bound decides both.
+    message_id: str | None = Field(default=None, min_length=1, max_length=MAX_KEY_LENGTH)
     last_received_token_index: int | None = Field(default=None, ge=0, le=MAX_EVENT_ID)
 
     @field_validator("stop")
