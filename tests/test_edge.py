@@ -9,6 +9,7 @@ import contextlib
 import datetime as dt
 import gc
 import logging
+import math
 import subprocess
 import sys
 import uuid
@@ -196,7 +197,22 @@ def test_request_rate_per_client_ip(server):
     assert response.status_code == 429
     error = response.json()["error"]
     assert (error["type"], error["code"]) == ("requests", "rate_limit_exceeded") and "127.0.0.1" in error["message"]
-    assert RATE_LIMIT_HEADERS <= set(response.headers)
+    # The headers describe the IP's window that refused (limit 1), none of the user's limits.
+    ip_headers = {h for h in RATE_LIMIT_HEADERS if h.endswith("-requests")}
+    assert {h for h in RATE_LIMIT_HEADERS if h in response.headers} == ip_headers
+    assert (response.headers["x-ratelimit-limit-requests"], response.headers["x-ratelimit-remaining-requests"]) == \
+        ("1", "0")
+    # Retry-After is when the IP's window has room: within its reset, never after it.
+    reset_s = _seconds(response.headers["x-ratelimit-reset-requests"])
+    assert 1 <= int(response.headers["retry-after"]) <= max(1, math.ceil(reset_s))
+
+
+def _seconds(duration: str) -> float:
+    """A reset header under an hour (format_reset's "17ms", "7.66s", "1m0s") in seconds."""
+    if duration.endswith("ms"):
+        return float(duration[:-2]) / 1000
+    minutes, _, seconds = duration.rpartition("m")
+    return float(minutes or 0) * 60 + float(seconds.removesuffix("s"))
 
 
 # -- idempotency -----------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ from fairway.limits import (
     flight_fingerprint,
     is_cacheable,
     rate_limit_headers,
+    request_rate_headers,
 )
 from fairway.relay import FinalEvent, RelayUnavailable
 from fairway.replica.registry import REGION
@@ -106,10 +107,11 @@ class Edge:
     async def hit_request_rate(self) -> None:
         allowed = await guarded(self.limits.requests.hit(self.user, self.principal.tier, client_ip(self.request)))
         if isinstance(allowed, Denied):
-            tokens = await guarded(self.limits.tokens.state(self.user, self.body.model, self.principal.tier))
-            headers = rate_limit_headers(allowed.state if allowed.scope == "user" else
-                                         await guarded(self.limits.requests.state(self.user, self.principal.tier)),
-                                         tokens)
+            if allowed.scope == "ip":  # the client IP's window, not the user's, refused: its headers alone
+                headers = request_rate_headers(allowed.state)
+            else:
+                tokens = await guarded(self.limits.tokens.state(self.user, self.body.model, self.principal.tier))
+                headers = rate_limit_headers(allowed.state, tokens)
             set_ratelimit_headers(self.request, headers)
             raise denied_error(allowed, headers)
         self.requests_state = allowed.state

@@ -16,7 +16,7 @@ from fairway.limits import _redis
 from fairway.limits.admission import Admission, Slot
 from fairway.limits.config import LimitsConfig, Tier, TierLimits, default_tiers
 from fairway.limits.errors import LimitsError, LimitsUnavailable, Overloaded
-from fairway.limits.headers import format_reset, rate_limit_headers
+from fairway.limits.headers import format_reset, rate_limit_headers, request_rate_headers
 from fairway.limits.idempotency import (
     MAX_KEY_LENGTH,
     Claimed,
@@ -153,4 +153,5 @@ __all__ = [
     "is_cacheable",
     "make_limits",
     "rate_limit_headers",
+    "request_rate_headers",
 ]

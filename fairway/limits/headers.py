@@ -26,11 +26,19 @@ def format_reset(seconds: float) -> str:
     return f"{secs}s"
 
 
-def rate_limit_headers(requests: WindowState, tokens: WindowState) -> dict[str, str]:
+def request_rate_headers(requests: WindowState) -> dict[str, str]:
+    """The x-ratelimit-*-requests headers alone: a per-IP 429 carries its own window's, and none
+    of the user's (a client backing off reads the limit that refused it)."""
     return {
         "x-ratelimit-limit-requests": str(requests.limit),
         "x-ratelimit-remaining-requests": str(requests.remaining),
         "x-ratelimit-reset-requests": format_reset(requests.reset_s),
+    }
+
+
+def rate_limit_headers(requests: WindowState, tokens: WindowState) -> dict[str, str]:
+    return {
+        **request_rate_headers(requests),
         "x-ratelimit-limit-tokens": str(tokens.limit),
         "x-ratelimit-remaining-tokens": str(tokens.remaining),
         "x-ratelimit-reset-tokens": format_reset(tokens.reset_s),
