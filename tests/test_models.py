@@ -37,6 +37,55 @@ def test_a_second_gguf_load_reads_the_cache_without_dequantizing(model_path, mon
     assert any(isinstance(m, QuantLinear) for m in model.modules()) or not native_types(held)
 
 
+def test_stored_block_layers_are_packed_once_and_a_damaged_cache_is_packed_again(model_path, monkeypatch, caplog):
+    """Each stored-block layer's panels are packed on the first load and read back from the cache
+    folder by later ones, byte for byte what packing gives; a cache that cannot be read is packed
+    afresh and written again, and a cache of other packing code is removed."""
+    from fairway.models import loader
+    from fairway.models.quant_linear import pack_blocks
+
+    if not native_types(torch.float32):
+        pytest.skip("no native kernel for stored blocks on this CPU")
+    names = {"qkv": ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"),
+             "head": ("token_embd.weight",)}
+
+    def panels(model) -> dict[str, torch.Tensor]:
+        return {"qkv": model.layers[0].self_attn.qkv_proj.panels, "head": model.lm_head.panels}
+
+    def packing_afresh(model) -> None:
+        cache = loader.PanelCache(model_path, loader.stored_tensors(model_path), model.cfg)
+        for key, got in panels(model).items():
+            qtype = model.layers[0].self_attn.qkv_proj.qtype if key == "qkv" else model.lm_head.qtype
+            assert torch.equal(got, pack_blocks(cache._blocks(names[key]), qtype)), key
+
+    load_model(model_path, torch.float32, pack=False)  # packs, or reads an earlier load's cache
+
+    def no_packing(*_args):
+        raise AssertionError("a cached load packed a layer again")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(loader, "pack_blocks", no_packing)
+        model = load_model(model_path, torch.float32, pack=False)
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 4 * model.cfg.num_layers + 1
+    packing_afresh(model)
+
+    monkeypatch.setattr(loader, "_panel_code_key", lambda: "test-damaged")
+    damaged = loader.PanelCache(model_path, {}, model.cfg).file
+    stale = damaged.with_name(damaged.name.replace("test-damaged", "test-stale"))
+    try:
+        damaged.write_bytes(b"not a safetensors file")
+        stale.write_bytes(b"the panels of other packing code")
+        model = load_model(model_path, torch.float32, pack=False)
+        assert "could not be read" in caplog.text
+        packing_afresh(model)
+        assert not stale.exists()
+        monkeypatch.setattr(loader, "pack_blocks", no_packing)
+        load_model(model_path, torch.float32, pack=False)  # written again whole
+    finally:
+        damaged.unlink(missing_ok=True)
+        stale.unlink(missing_ok=True)
+
+
 def test_the_cached_layout_of_a_gguf_finds_each_tensor_where_the_gguf_reader_does(model_path):
     import gguf
     import numpy as np

@@ -85,7 +85,7 @@ def test_matches_float64_with_the_dequantized_weights(qtype, isa, dtype, rows, n
     raw, x = case(qtype, n, k, rows)
     x = x.to(dtype)
     want = x.double().numpy() @ dequantize64(raw, qtype, k).T
-    layer = QuantLinear(raw, qtype, k, dtype)
+    layer = QuantLinear.from_blocks(raw, qtype, k, dtype)
     layer.isa = isa
     got = layer(x)
     assert got.dtype == dtype and got.shape == (rows, n)
@@ -104,7 +104,7 @@ def test_a_rows_outputs_barely_depend_on_the_rows_beside_it(qtype):
     the step's rows without its drafts (STEP_ROWS): with AVX512-VNNI, bf16 steps of one or two rows
     take integer products, so one sequence's verification is its decode rows to the bit. With AMX,
     Q4 weights take it from one row (from three with VNNI), Q8_0 from 3 rows (1 and 2 on FMA)."""
-    layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, ACTIVATIONS)
+    layer = QuantLinear.from_blocks(*case(qtype, 100, 128, 1)[:1], qtype, 128, ACTIVATIONS)
     x = case(qtype, 100, 128, 48, seed=1)[1].to(ACTIVATIONS)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(48)]).float()
     batch = layer(x).float()
@@ -132,7 +132,7 @@ def test_on_the_avx2_path_a_rows_outputs_are_the_same_bits_among_any_rows(qtype)
     """The AVX2 path (float32 activations; what an AVX2-only CPU runs) sums each row's chains in
     one order whether its tile runs them together (1-2 rows) or even k before odd k (3-4 rows), so
     a sequence's tokens do not change with the rows beside it in a step."""
-    layer = QuantLinear(*case(qtype, 100, 128, 1)[:1], qtype, 128, torch.float32)
+    layer = QuantLinear.from_blocks(*case(qtype, 100, 128, 1)[:1], qtype, 128, torch.float32)
     layer.isa = QuantKernels.AVX2
     x = case(qtype, 100, 128, 48, seed=1)[1]
     alone = torch.cat([layer(x[i:i + 1]) for i in range(48)])
@@ -149,7 +149,7 @@ def test_a_verifications_rows_are_its_decode_rows_at_every_digit_edge(qtype):
     every row count (integer products below quant_vnni.c's AMX_FROM_ROWS, AMX int8 tiles from it
     where there are some), are its decode rows to the bit."""
     k = 256
-    layer = QuantLinear(case(qtype, 48, k, 1)[0], qtype, k, torch.bfloat16)
+    layer = QuantLinear.from_blocks(case(qtype, 48, k, 1)[0], qtype, k, torch.bfloat16)
     rng = np.random.default_rng(7)
     rows = 24
     x = (rng.choice([-1.0, 1.0], (rows, k)) * rng.integers(128, 256, (rows, k)) / 128
@@ -184,7 +184,7 @@ def test_small_activations_beside_an_outlier_keep_their_products(qtype, isa, dty
     x[0, ::32] = torch.tensor([2.0 ** 14, -(2.0 ** 14)]).repeat(k // 64)
     x = x.to(dtype)
     want = x.double().numpy() @ dequantize64(raw, qtype, k).T
-    layer = QuantLinear(raw, qtype, k, dtype)
+    layer = QuantLinear.from_blocks(raw, qtype, k, dtype)
     layer.isa = isa
     assert np.abs(layer(x).double().numpy() - want).max() <= 1e-2 * np.abs(want).max()
 
@@ -201,7 +201,7 @@ def test_past_48_rows_the_outputs_are_the_dequantized_models(qtype, rows):
     raw, x = case(qtype, 200, 192, rows, seed=2)
     x = x.to(torch.bfloat16)
     dequantized = torch.from_numpy(dequantize64(raw, qtype, 192).astype(np.float32)).to(torch.bfloat16)
-    layer = QuantLinear(raw, qtype, 192, torch.bfloat16)
+    layer = QuantLinear.from_blocks(raw, qtype, 192, torch.bfloat16)
     if layer.isa not in (QuantKernels.AMX, QuantKernels.AVX512_BF16):
         pytest.skip("bf16 activations take neither AMX nor AVX512-BF16 here: past 48 rows as below")
     multiply = amx_linear() if layer.isa == QuantKernels.AMX else bf16_linear()
@@ -212,19 +212,19 @@ def test_past_48_rows_the_outputs_are_the_dequantized_models(qtype, rows):
 @needs_kernel
 def test_kernel_refuses_what_it_does_not_compute():
     raw, x = case("Q4_1", 32, 64, 2)
-    layer = QuantLinear(raw, "Q4_1", 64, torch.float32)
+    layer = QuantLinear.from_blocks(raw, "Q4_1", 64, torch.float32)
     with pytest.raises(RuntimeError):  # bf16 dot products need bf16 activations
         kernel(x, layer.panels, 32, layer.qtype_id, QuantKernels.AVX512_BF16)
     with pytest.raises(RuntimeError):  # a type without a kernel
         kernel(x, layer.panels, 32, 12, layer.isa)
     with pytest.raises(ValueError):  # widths not a whole number of blocks
-        QuantLinear(raw[:, :20], "Q4_1", 48, torch.float32)
+        QuantLinear.from_blocks(raw[:, :20], "Q4_1", 48, torch.float32)
 
 
 @needs_kernel
 def test_same_result_with_one_thread_and_several():
     raw, x = case("Q4_0", 1024, 256, 3)
-    layer = QuantLinear(raw, "Q4_0", 256, torch.float32)
+    layer = QuantLinear.from_blocks(raw, "Q4_0", 256, torch.float32)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -324,7 +324,7 @@ def test_native_decode_pass_on_stored_weights_gives_the_layer_by_layer_hidden_st
     for parent in [m for layer in model.layers for m in (layer.self_attn, layer.mlp)]:
         for name, child in list(parent.named_children()):
             raw = quantize(child.weight.detach().float().numpy(), qtype)
-            setattr(parent, name, linear := QuantLinear(raw, qtype, child.in_features, dtype))
+            setattr(parent, name, linear := QuantLinear.from_blocks(raw, qtype, child.in_features, dtype))
             linear.isa = isa or linear.isa
             if dense_from is not None:
                 linear.keep_dense(bf16_copy(raw, qtype, child.in_features), dense_from)
@@ -372,7 +372,7 @@ def test_a_bf16_copy_takes_the_steps_of_many_rows_and_only_those(qtype):
     blocks as stored: each the same bits as that path alone."""
     raw, x = case(qtype, 48, 256, 20, seed=7)
     x = x.to(torch.bfloat16)
-    layer = QuantLinear(raw, qtype, 256, torch.bfloat16)
+    layer = QuantLinear.from_blocks(raw, qtype, 256, torch.bfloat16)
     copy = bf16_copy(raw, qtype, 256)
     layer.keep_dense(copy, 8)
     assert torch.equal(layer(x[:7]), layer.stored(x[:7])) and not torch.equal(layer(x[:7]), copy(x[:7]))
@@ -404,7 +404,7 @@ def test_the_copies_row_count_is_fixed_not_timed(monkeypatch):
     if kernel is None:
         pytest.skip("no AVX512-BF16 matmul here: no bf16 copies")
     raw, _ = case("Q4_1", 48, 256, 1, seed=3)
-    layer = QuantLinear(raw, "Q4_1", 256, torch.bfloat16)
+    layer = QuantLinear.from_blocks(raw, "Q4_1", 256, torch.bfloat16)
     multiply = type(kernel).__call__
     monkeypatch.setattr(type(kernel), "__call__", lambda *a: (time.sleep(0.002), multiply(*a))[1])  # a crowded CPU
     expected = None if layer.isa == QuantKernels.AMX else DENSE_FROM_ROWS

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,13 @@ from fairway.models.config import LlamaConfig
 from fairway.models.llama import LlamaModel, RotaryEmbedding
 from fairway.models.packed_linear import PackedLinear, pack_linears, packing_supported
 from fairway.models.precision import compute_dtype
-from fairway.models.quant_linear import DENSE_FROM_ROWS, QuantLinear, dense_from_rows, native_types
+from fairway.models.quant_linear import (
+    DENSE_FROM_ROWS,
+    QuantLinear,
+    dense_from_rows,
+    native_types,
+    pack_blocks,
+)
 from fairway.models.weights import WEIGHTS
 
 log = logging.getLogger(__name__)
@@ -66,9 +73,9 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
     rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta).to(device)
     with torch.device("meta"):
         model = LlamaModel(config, rotary)
-    del model.rotary  # its tables are real already: to_empty would empty them
-    model = model.to_empty(device=device)
-    if config.tie_word_embeddings:  # to_empty gives every parameter its own storage: tie again
+    del model.rotary  # its tables are real already: materializing would empty them
+    _materialize(model, torch.device(device))
+    if config.tie_word_embeddings:  # each parameter got its own storage: tie again
         model.lm_head.weight = model.embed_tokens.weight
     model.rotary = rotary
     model.load_hf_state_dict(state)
@@ -84,6 +91,20 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32,
         huge_pages.gather(model)  # before the native pass takes the weights' pointers
         model.use_native_decode()
     return model
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Gives each meta parameter and buffer uninitialised storage on device. (nn.Module.to_empty
+    does the same through torch's meta-tensor decompositions, and importing them, sympy
+    included, took longer than the rest of a load from the cache.)"""
+    for mod in model.modules():
+        for name, t in mod._parameters.items():
+            if t is not None:
+                mod._parameters[name] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype, device=device),
+                                                     requires_grad=t.requires_grad)
+        for name, t in mod._buffers.items():
+            if t is not None:
+                mod._buffers[name] = torch.empty(t.shape, dtype=t.dtype, device=device)
 
 
 def gguf_config(reader) -> LlamaConfig:  # reader: gguf.GGUFReader
@@ -209,40 +230,103 @@ def use_quantized_linears(model: LlamaModel, path: Path, dtype: torch.dtype, den
     tensors = stored_tensors(path)
     c = model.cfg
 
-    def blocks(*names: str) -> tuple[np.ndarray, str] | None:
+    def stored(*names: str) -> tuple[tuple[str, ...], str] | None:
         parts = [tensors.get(name) for name in names]
         types = {p.type_name for p in parts if p is not None}
         if None in parts or len(types) != 1 or not types <= kinds:
             return None
-        rows = []
-        for name, part in zip(names, parts, strict=True):
-            raw = np.asarray(part.array(path))  # [out_features, bytes of a row of blocks]
-            if name.endswith("attn_q.weight"):  # block rows are output features: unpermute them as read_gguf does
-                raw = _unpermute(raw, c.num_heads)
-            elif name.endswith("attn_k.weight"):
-                raw = _unpermute(raw, c.num_kv_heads)
-            rows.append(raw)
-        return np.concatenate(rows), types.pop()
+        return names, types.pop()
 
-    swaps: list[tuple[nn.Module, str, tuple[np.ndarray, str] | None, int]] = []
+    swaps: list[tuple[nn.Module, str, tuple[tuple[str, ...], str] | None, int]] = []
     for i, layer in enumerate(model.layers):
         p = f"blk.{i}."
-        swaps += [(layer.self_attn, "qkv_proj", blocks(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+        swaps += [(layer.self_attn, "qkv_proj", stored(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
                    c.hidden_size),
-                  (layer.self_attn, "o_proj", blocks(p + "attn_output.weight"), c.q_size),
-                  (layer.mlp, "gate_up_proj", blocks(p + "ffn_gate.weight", p + "ffn_up.weight"), c.hidden_size),
-                  (layer.mlp, "down_proj", blocks(p + "ffn_down.weight"), c.intermediate_size)]
+                  (layer.self_attn, "o_proj", stored(p + "attn_output.weight"), c.q_size),
+                  (layer.mlp, "gate_up_proj", stored(p + "ffn_gate.weight", p + "ffn_up.weight"), c.hidden_size),
+                  (layer.mlp, "down_proj", stored(p + "ffn_down.weight"), c.intermediate_size)]
     head = "token_embd.weight" if c.tie_word_embeddings else "output.weight"
-    swaps.append((model, "lm_head", blocks(head), c.hidden_size))
+    swaps.append((model, "lm_head", stored(head), c.hidden_size))
+    chosen = [(parent, name, found, width) for parent, name, found, width in swaps
+              if found is not None and width % 32 == 0]
+    panels = PanelCache(path, tensors, c)
     swapped: list[tuple[QuantLinear, torch.Tensor]] = []
-    for parent, name, found, width in swaps:
-        if found is not None and width % 32 == 0:
-            weight = getattr(parent, name).weight.detach()  # (dequantized: a bf16 copy's source)
-            setattr(parent, name, linear := QuantLinear(found[0], found[1], width, dtype))
-            swapped.append((linear, weight))
+    for parent, name, (names, qtype), width in chosen:
+        weight = getattr(parent, name).weight.detach()  # (dequantized: a bf16 copy's source)
+        out_features = sum(tensors[n].shape[0] for n in names)
+        setattr(parent, name, linear := QuantLinear(panels.get(names, qtype), qtype, out_features, width, dtype))
+        swapped.append((linear, weight))
+    panels.save()
     if dense and dtype == torch.bfloat16:
         keep_dense_copies(swapped)
     return len(swapped)
+
+
+class PanelCache:
+    """The stored-block layers' panels (quant_linear.pack_blocks), packed once per model file and
+    kept in the cache folder: repacking every weight took a good part of each process's start.
+    The cache's name carries a hash of the code that lays the panels out, so a change to it
+    packs afresh (and the stale file is removed)."""
+
+    def __init__(self, path: Path, tensors: dict[str, StoredTensor], config: LlamaConfig) -> None:
+        self.path, self.tensors, self.config = path, tensors, config
+        self.file = _cached_file(path, f".panels-{_panel_code_key()}.safetensors")
+        self.read: dict[str, torch.Tensor] = {}
+        self.packed: dict[str, torch.Tensor] = {}
+        if self.file.exists():
+            from safetensors.torch import load_file
+
+            try:
+                self.read = load_file(str(self.file))
+            except Exception:  # a damaged cache: pack afresh and write it again
+                log.warning("the packed weights cache %s could not be read: packing afresh", self.file)
+
+    def get(self, names: tuple[str, ...], qtype: str) -> torch.Tensor:
+        key = "+".join(names)
+        if (cached := self.read.get(key)) is not None:
+            out = torch.empty(cached.shape, dtype=torch.uint8)  # 64-byte aligned, off the file's pages
+            out.copy_(cached)
+            return out
+        self.packed[key] = pack_blocks(self._blocks(names), qtype)
+        return self.packed[key]
+
+    def _blocks(self, names: tuple[str, ...]) -> np.ndarray:
+        rows = []
+        for name in names:
+            raw = np.asarray(self.tensors[name].array(self.path))  # [out_features, bytes of a row of blocks]
+            if name.endswith("attn_q.weight"):  # block rows are output features: unpermute them as read_gguf does
+                raw = _unpermute(raw, self.config.num_heads)
+            elif name.endswith("attn_k.weight"):
+                raw = _unpermute(raw, self.config.num_kv_heads)
+            rows.append(raw)
+        return np.concatenate(rows)
+
+    def save(self) -> None:
+        """Writes the cache when anything was packed here (read and packed ones together)."""
+        if not self.packed:
+            return
+        from safetensors.torch import save_file
+
+        tmp = self.file.with_suffix(f".{os.getpid()}.tmp")
+        try:
+            save_file({**self.read, **self.packed}, str(tmp))
+            tmp.replace(self.file)
+        except OSError as exc:  # a full or read-only cache folder: the next start packs again
+            log.warning("could not keep the packed weights in %s: %s", self.file, exc)
+            tmp.unlink(missing_ok=True)
+            return
+        stem = self.file.name.split(".panels-")[0]
+        for stale in self.file.parent.glob(f"{stem}.panels-*.safetensors"):
+            if stale != self.file:
+                stale.unlink(missing_ok=True)
+
+
+def _panel_code_key() -> str:
+    """A hash of the code that decides the panels' bytes: pack_blocks' module and this one."""
+    from fairway.models import quant_linear
+
+    code = Path(quant_linear.__file__).read_bytes() + Path(__file__).read_bytes()
+    return hashlib.sha256(code).hexdigest()[:12]
 
 
 def keep_dense_copies(swapped: list[tuple[QuantLinear, torch.Tensor]]) -> int:

@@ -111,20 +111,31 @@ class QuantLinear(nn.Module):
     """A bias-free linear layer on a GGUF-quantized weight [out_features, in_features], given as
     its ggml blocks (one row of blocks per output feature)."""
 
-    def __init__(self, raw: np.ndarray, qtype: str, in_features: int, dtype: torch.dtype) -> None:
+    def __init__(self, panels: torch.Tensor, qtype: str, out_features: int, in_features: int,
+                 dtype: torch.dtype) -> None:
+        """panels: the weight's blocks as pack_blocks lays them out (from_blocks packs them)."""
         super().__init__()
         kernel = quant_kernels()
         isa = kernel.isa_for(dtype) if kernel is not None else 0
         if kernel is None or not isa or qtype not in BLOCK_BYTES or in_features % QK:
             raise ValueError(f"no native kernel for {qtype} weights of width {in_features} and {dtype} activations here")
+        expected = (-(-out_features // PANEL), in_features // QK, BLOCK_BYTES[qtype] * PANEL)
+        if tuple(panels.shape) != expected or panels.dtype != torch.uint8:
+            raise ValueError(f"panels of shape {tuple(panels.shape)} ({panels.dtype}) for a {qtype} weight "
+                             f"[{out_features}, {in_features}]: expected {expected} uint8")
         self.kernel: QuantKernels = kernel
         self.qtype, self.qtype_id = qtype, QuantKernels.TYPES[qtype]
-        self.out_features, self.in_features = raw.shape[0], in_features
+        self.out_features, self.in_features = out_features, in_features
         self.isa = isa
-        self.register_buffer("panels", pack_blocks(raw, qtype), persistent=False)
+        self.register_buffer("panels", panels, persistent=False)
         # A bf16 copy of the weight for steps of dense_from_rows rows or more (keep_dense), or None.
         self.dense: PackedLinear | None = None
         self.dense_from_rows = 0
+
+    @classmethod
+    def from_blocks(cls, raw: np.ndarray, qtype: str, in_features: int, dtype: torch.dtype) -> QuantLinear:
+        """A layer on a weight's ggml blocks [out_features, bytes of a row of blocks]."""
+        return cls(pack_blocks(raw, qtype), qtype, raw.shape[0], in_features, dtype)
 
     @property
     def weight_bytes(self) -> int:
