@@ -357,8 +357,9 @@ class ConversationService:
                            new: list[ChatMessage]) -> None:
         """Classify the request's new user messages (only they: the stored history was checked
         when it was new; usually one, but a client may send history the store has not seen) and,
-        if any is flagged, store the turn flagged (each flagged message with its categories, the
-        last one with all of them: nothing answers it) and raise InputFlagged."""
+        if any is flagged, store the turn flagged (each flagged message with its own categories,
+        the last one flagged too, as nothing answers it, with only its own: the user's usage counts
+        each category where it was found, once) and raise InputFlagged, naming all of them."""
         assert self.moderator is not None
         users = [i for i, m in enumerate(new) if m["role"] == "user"]
         if not users:  # a turn of tool results only: no new words of the user's to check
@@ -369,12 +370,12 @@ class ConversationService:
         result = self.moderator.combined(results)
         new_conversation = conversation is None
         conversation = conversation or self._new_conversation(req)
-        earlier = {i: r.flagged_categories for i, r in zip(users, results, strict=True)
-                   if r.flagged and i != len(new) - 1}
+        own = {i: r.flagged_categories for i, r in zip(users, results, strict=True) if r.flagged}
+        last = own.pop(len(new) - 1, [])
         try:
             message, _ = await self.store.store_turn(NewTurn(
                 conversation, new_conversation, [_stored(m) for m in new], req.client_key, flagged=True,
-                flagged_categories=result.flagged_categories, flagged_earlier=earlier))
+                flagged_categories=last, flagged_earlier=own))
         except DuplicateClientKey as dup:  # the same refused message, sent again
             message = dup.existing
         raise InputFlagged(result, conversation.id, message.id)

@@ -524,7 +524,8 @@ class SqlConversationStore(ConversationStore):
         msgs = [Message(id=new_id("msg"), conversation_id=conv.id, role=Role(item[0]), text=item[1],
                         client_key=turn.client_key if i == last else None,
                         status=MessageStatus.FLAGGED if i in flagged else MessageStatus.COMPLETE, created_at=now(),
-                        tools=item[2] if len(item) > 2 else None, flagged_categories=list(flagged.get(i, ())) or None)
+                        tools=item[2] if len(item) > 2 else None,
+                        flagged_categories=list(flagged[i]) if i in flagged else None)
                 for i, item in enumerate(turn.messages)]
         reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id,
                       state=ReplyState.SHED if turn.shed else ReplyState.QUEUED, replica_id=turn.replica_id,
@@ -791,7 +792,8 @@ class SqlConversationStore(ConversationStore):
         totals: dict[str, dict[str, int]] = {"input": {}, "output": {}}
         for role, categories in rows:
             stage = totals["input" if role == Role.USER.value else "output"]
-            for category in categories or ["unknown"]:  # (flagged before categories were kept)
+            # None: flagged before categories were kept; []: refused with a flagged message before it
+            for category in ["unknown"] if categories is None else categories:
                 stage[category] = stage.get(category, 0) + 1
         return totals
 

@@ -83,7 +83,8 @@ class NewTurn:
     replica_id: str | None = None
     job: dict[str, Any] = field(default_factory=dict)
     flagged: bool = False
-    flagged_categories: Sequence[str] = ()  # a flagged turn's: what the input check flagged it for
+    # A flagged turn's last message's own categories: none when only an earlier one was flagged.
+    flagged_categories: Sequence[str] = ()
     # A flagged turn's earlier messages that the check flagged themselves: index in messages -> categories.
     flagged_earlier: Mapping[int, Sequence[str]] = field(default_factory=dict)
     shed: bool = False  # refused at capacity: the reply is stored SHED (final) at once
