@@ -10,16 +10,16 @@ A temperature-only row is not the CPU's native sampler's draw, so a seeded reply
 between a CPU and a GPU replica.
 
 A guided row's mask (guided_decoding.py) is computed on the host and uploaded: one pageable
-copy per guided row, which waits for the step so far; only guided requests pay it.
+copy per guided row, which waits for the step so far; only guided requests pay it. So do the
+sparse penalties and logit bias of the rows that set them (logit_adjust.py): three small uploads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from fairway.engine.guided_decoding import mask_logits
 from fairway.engine.host_buffers import HostBuffers
-from fairway.engine.sampler import draw, filtered, uniforms
+from fairway.engine.sampler import adjust_rows, draw, filtered, uniforms
 from fairway.engine.sequence import Sequence
 
 
@@ -28,11 +28,9 @@ class DeviceSampler:
         self.host = host
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """logits: [S, V] float32 on the device, one row per sampled sequence (masked in place
-        for guided ones). Returns the [S] token ids, on the device."""
-        guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
-        if guided:
-            mask_logits(logits, guided, [seqs[i].guide for i in guided])
+        """logits: [S, V] float32 on the device, one row per sampled sequence (adjusted in place
+        for those with penalties, a logit bias or a grammar). Returns the [S] token ids, on the device."""
+        adjust_rows(logits, seqs)
         greedy_rows = [seq.params.greedy for seq in seqs]
         argmax = logits.argmax(dim=-1)
         if all(greedy_rows):

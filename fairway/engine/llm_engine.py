@@ -106,6 +106,8 @@ class LLMEngine:
         check_continuation(len(output_token_ids), params)
         if any(not 0 <= t < self.model.cfg.vocab_size for t in tokens):
             raise ValueError("prompt contains token ids outside the vocabulary")
+        if any(t >= self.model.cfg.vocab_size for t in params.logit_bias):
+            raise ValueError(f"logit_bias names token ids outside the vocabulary (0..{self.model.cfg.vocab_size - 1})")
         seq = Sequence(request_id, tokens, params, priority=priority,
                        arrival=arrival if arrival is not None else time.monotonic(),
                        num_prompt_tokens=len(prompt_token_ids))
@@ -174,7 +176,10 @@ class LLMEngine:
         if self.speculator is None:
             return
         # A guided sequence samples one token a step: its mask depends on every token before it.
-        decoding = [s for s in self.scheduler.running if s.is_decoding and s.guide is None]
+        # So does a penalised one: a verification row's penalties would have to count the drafts
+        # before it in the same step. A logit bias alone is the same for every row: it speculates.
+        decoding = [s for s in self.scheduler.running
+                    if s.is_decoding and s.guide is None and (s.adjust is None or not s.adjust.penalised)]
         self.speculator.propose(decoding, self.num_steps, self.scheduler.prefill_tokens_next())
 
     def _advance(self, seq: Sequence, n: int, new: list[int] | None) -> None:
@@ -198,6 +203,8 @@ class LLMEngine:
         seq.token_ids.append(token)
         if seq.guide is not None:
             seq.guide.consume_token(token)
+        if seq.adjust is not None:
+            seq.adjust.add(token)
         if seq.first_token_time is None:
             seq.first_token_time = now
         else:

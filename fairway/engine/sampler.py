@@ -1,5 +1,6 @@
 """Turns the last-position logits of each sequence into its next token.
 
+Penalties, logit bias and a grammar's mask apply first, to the rows that set them (adjust_rows).
 Three kinds of row: greedy (argmax), temperature only (the native one-pass sampler on the CPU,
 where it is built), and filtered by top-k or top-p (PyTorch: a sort). Every sampled row draws one
 uniform from its request's own generator, so a seed reproduces a reply whatever shares its batch.
@@ -10,16 +11,15 @@ from __future__ import annotations
 import torch
 
 from fairway.engine.guided_decoding import mask_logits
+from fairway.engine.logit_adjust import adjust_logits
 from fairway.engine.sequence import Sequence
 from fairway.models.cpu_kernels import temperature_sampler
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """logits: [S, V] float32, one row per sequence that samples this step. A guided sequence's row
-    is masked to what its grammar allows first (in place); the others are not touched."""
-    guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
-    if guided:
-        mask_logits(logits, guided, [seqs[i].guide for i in guided])
+    """logits: [S, V] float32, one row per sequence that samples this step. A row with penalties or
+    a logit bias, or guided, is adjusted first (in place: adjust_rows); the others are not touched."""
+    adjust_rows(logits, seqs)
     out = [0] * len(seqs)
     greedy, plain, filtered = _kinds(seqs, logits.shape[-1], logits.device.type == "cpu")
     for rows, pick in ((greedy, _argmax), (plain, _sample_native), (filtered, _sample_filtered)):
@@ -30,6 +30,19 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             for i, token in zip(rows, tokens.tolist(), strict=True):
                 out[i] = token
     return out
+
+
+def adjust_rows(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """The rows' logits as they are sampled, every kind of row alike (greedy rows take the argmax of
+    these): plus the penalties and logit bias of the rows that set them (logit_adjust.py), then
+    -inf where a guided row's grammar refuses the token. The mask comes last, so no bias brings back
+    a token the grammar refuses. Shared with the GPU's sampler (device_sampler.py)."""
+    adjusted = [i for i, seq in enumerate(seqs) if seq.adjust is not None]
+    if adjusted:
+        adjust_logits(logits, adjusted, [seqs[i].adjust for i in adjusted])
+    guided = [i for i, seq in enumerate(seqs) if seq.guide is not None]
+    if guided:
+        mask_logits(logits, guided, [seqs[i].guide for i in guided])
 
 
 def _kinds(seqs: list[Sequence], vocab: int, cpu: bool) -> tuple[list[int], list[int], list[int]]:

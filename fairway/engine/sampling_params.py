@@ -9,6 +9,10 @@ from typing import Any
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one,
 # or one that rounds to 0 in float32/bf16 (1e-320 does), overflows the sampler.
 SAMPLING_EPS = 1e-5
+MAX_PENALTY = 2.0  # OpenAI's bounds: presence and frequency penalties in [-2, 2]
+MAX_LOGIT_BIAS = 100.0  # a bias in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # tokens one request may bias
+_DIGITS = frozenset("0123456789")  # str.isdigit() also takes '²', which int() refuses
 
 
 @dataclass
@@ -24,6 +28,11 @@ class SamplingParams:
     # Output held to a grammar (guided_decoding.py): {"json_schema": {...}}, {"json_object": true}
     # or {"lark": "..."}; None: free text.
     guided_decoding: dict[str, Any] | None = None
+    # OpenAI's penalties on the tokens generated so far and bias per token id (logit_adjust.py).
+    # logit_bias keys may come as JSON gives them, strings of digits: they are read as ints here.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # Validate here so every entry point (CLI, HTTP, tests) gets the same error naming the field.
@@ -42,7 +51,41 @@ class SamplingParams:
             raise ValueError("stop must be a list of non-empty strings")
         if self.guided_decoding is not None and not isinstance(self.guided_decoding, dict):
             raise ValueError("guided_decoding must be a dict (json_schema, json_object or lark)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        self.logit_bias = _logit_bias(self.logit_bias)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a penalty or a bias changes this request's logits before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
         return self.temperature < SAMPLING_EPS
+
+
+def _number(value: Any) -> bool:
+    """A finite int or float (a bool is an int to Python, not a number to JSON)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _logit_bias(bias: Any) -> dict[int, float]:
+    """The bias as {token id: float}, checked (each token id below the vocabulary's size is the
+    engine's check: it knows the model)."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to number, got {type(bias).__name__}")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise ValueError(f"logit_bias may bias at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        if isinstance(key, str) and key and set(key) <= _DIGITS:
+            key = int(key)
+        if not isinstance(key, int) or isinstance(key, bool) or key < 0:
+            raise ValueError(f"logit_bias keys must be token ids (non-negative integers), got {key!r}")
+        if not _number(value) or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {key}")
+        out[key] = float(value)
+    return out

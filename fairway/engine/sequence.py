@@ -11,6 +11,7 @@ import torch
 
 from fairway.domain import FinishReason, Priority
 from fairway.engine.block_pool import KVBlock
+from fairway.engine.logit_adjust import LogitAdjust
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.spec_decode.state import SpecState
 from fairway.engine.stop_checker import StopChecker
@@ -48,6 +49,8 @@ class Sequence:
     inter_token_times: list[float] = field(default_factory=list)
     guide: Any = None  # the llguidance matcher of a guided request (guided_decoding.py), at its last token
     base_priority: int = -1  # the lane it was added in (-1: priority's)
+    # Its penalties and logit bias with the counts of its generated tokens (None: it sets neither)
+    adjust: LogitAdjust | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.base_priority < 0:
@@ -55,6 +58,8 @@ class Sequence:
         self.num_prompt_tokens = self.num_prompt_tokens or len(self.token_ids)
         if self.params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.params.seed)
+        # Tokens it generated before (a continuation's) count from the start.
+        self.adjust = LogitAdjust.of(self.params, self.token_ids[self.num_prompt_tokens:])
 
     def resume_after(self, output_token_ids: list[int]) -> None:
         """Bring the text and the sampler to where they were after these generated tokens (the

@@ -36,7 +36,8 @@ class GenerationJob:
         # A copy, of plain data. (dataclasses.asdict deep-copies the prompt's token ids one by one,
         # and this runs twice per chat request.)
         return {**vars(self), "prompt_token_ids": list(self.prompt_token_ids),
-                "sampling": {k: list(v) if isinstance(v, list) else v for k, v in self.sampling.items()}}
+                "sampling": {k: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v
+                             for k, v in self.sampling.items()}}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> GenerationJob:
