@@ -110,6 +110,8 @@ def _log_dir(value: str) -> Path:
 
 
 MIN_MODEL_LEN = 128  # a chat template and a short message with room for a reply
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+LOG_LEVEL_HELP = "the least severe log lines printed (default info)"
 
 
 def _model_len(value: str) -> int:
@@ -765,7 +767,8 @@ def _pressure_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--free-at-capacity", default=default.free_at_capacity, choices=AT_CAPACITY,
                    help="what it gets then: shed (503 + Retry-After, the reply stored SHED), mini (the model's mini "
                         "pool serves it), shorten (at most --shorter-max-tokens)")
-    g.add_argument("--shorter-max-tokens", type=_count, default=default.shorter_max_tokens, metavar="N")
+    g.add_argument("--shorter-max-tokens", type=_count, default=default.shorter_max_tokens, metavar="N",
+                   help=f"the most tokens a free reply gets under shorten (default {default.shorter_max_tokens})")
     g.add_argument("--mini-model", default=None, metavar="PATH",
                    help="the mini pool's model (a .gguf file or Hugging Face folder, or 'bundled'): its replicas "
                         "run `fairway replica --model PATH --mini-of MAIN`")
@@ -791,9 +794,10 @@ def _safety_args(p: argparse.ArgumentParser, stages: tuple[str, ...]) -> None:
 
 
 def _http_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8000)
-    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--host", default="127.0.0.1", help="the address the API listens on (default 127.0.0.1; "
+                   "0.0.0.0: every interface)")
+    p.add_argument("--port", type=_port, default=8000, help="the API's TCP port (default 8000)")
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS, help=LOG_LEVEL_HELP)
     p.add_argument("--keepalive", type=_positive_seconds, default=10.0,
                    help="seconds without events before a stream gets an SSE keepalive (for proxies' idle timeouts)")
 
@@ -819,13 +823,15 @@ def _fleet_args(sub) -> None:
 
     f = sub.add_parser("fleet", help="the fleet manager: forecasts arrivals, adds replicas ahead of them, drains "
                        "idle ones (local processes or a Kubernetes Deployment)")
-    f.add_argument("--backend", default="local", choices=["local", "kubernetes"])
+    f.add_argument("--backend", default="local", choices=["local", "kubernetes"],
+                   help="where replicas run: local (`fairway replica` processes on this machine, default) or "
+                        "kubernetes (a Deployment's scale)")
     f.add_argument("--redis", default=os.environ.get("FAIRWAY_REDIS_URL", DEFAULT_REDIS),
                    help="the replica registry's Redis (the replicas' heartbeats)")
     f.add_argument("--namespace", default="fairway:", help="Redis key prefix")
     g = f.add_argument_group("scaling bounds")
     g.add_argument("--min-replicas", type=int, default=1, help="never fewer (at least 1: never scales to zero)")
-    g.add_argument("--max-replicas", type=int, default=8)
+    g.add_argument("--max-replicas", type=int, default=8, help="never more (default 8)")
     g.add_argument("--step", type=int, default=1, help="replicas added by one decision at most")
     g.add_argument("--cooldown", type=_number, default=30.0, metavar="S", help="seconds between two scaling actions")
     g.add_argument("--idle", type=_number, default=120.0, metavar="S",
@@ -853,11 +859,12 @@ def _fleet_args(sub) -> None:
                         "replicas never oversubscribe them)")
     g = f.add_argument_group("kubernetes backend")
     g.add_argument("--deployment", default="fairway-replica", help="the replica Deployment to scale")
-    g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"))
+    g.add_argument("--k8s-namespace", default=os.environ.get("POD_NAMESPACE", "default"),
+                   help="the Deployment's namespace (default: $POD_NAMESPACE, else 'default')")
     g.add_argument("--kubeconfig", default=None, help="default: in-cluster credentials, else KUBECONFIG")
     f.add_argument("--metrics-port", type=_port, default=None, help="serve the fleet's Prometheus /metrics here")
-    f.add_argument("--metrics-host", default="127.0.0.1")
-    f.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    f.add_argument("--metrics-host", default="127.0.0.1", help="where /metrics listens (default 127.0.0.1)")
+    f.add_argument("--log-level", default="info", choices=LOG_LEVELS, help=LOG_LEVEL_HELP)
     f.set_defaults(func=cmd_fleet)
 
 
@@ -866,18 +873,19 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt; prints only the generated text")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=_count, default=128)
-    g.add_argument("--temperature", type=_non_negative, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    g.add_argument("--max-tokens", type=_count, default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=_non_negative, default=0.0,
+                   help="sampling temperature (default 0: greedy, the same text every run)")
+    g.add_argument("--seed", type=int, default=None, help="the sampler's seed, for a repeatable sampled text")
     g.add_argument("--chat", action="store_true", help="wrap the prompt as one user message in the chat template")
     _engine_args(g)
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="a terminal chat with the model; the conversation is kept across turns")
-    c.add_argument("--max-tokens", type=_count, default=256)
-    c.add_argument("--temperature", type=_non_negative, default=0.7)
-    c.add_argument("--seed", type=int, default=None)
+    c.add_argument("--max-tokens", type=_count, default=256, help="tokens per answer at most (default 256)")
+    c.add_argument("--temperature", type=_non_negative, default=0.7, help="sampling temperature (default 0.7; 0: greedy)")
+    c.add_argument("--seed", type=int, default=None, help="the sampler's seed, for repeatable answers")
     c.add_argument("--system", default=None, help="a system message for the conversation")
     _engine_args(c)
     c.set_defaults(func=cmd_chat)
@@ -889,7 +897,8 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_args(s)
     s.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL"),
                    help="conversation store URL (default: SQLite in ./.fairway/)")
-    s.add_argument("--default-max-tokens", type=_count, default=512)
+    s.add_argument("--default-max-tokens", type=_count, default=512,
+                   help="a reply's max_tokens when the request gives none (default 512)")
     s.add_argument("--max-tool-rounds", type=_count, default=5, help="tool runs per reply (execute_code); then it ends")
     _limits_args(s)
     _pressure_args(s)
@@ -906,7 +915,8 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("FAIRWAY_DATABASE_URL"), help="postgresql://user@host/db (or sqlite://)")
     gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes (SO_REUSEPORT)")
-    gw.add_argument("--default-max-tokens", type=_count, default=512)
+    gw.add_argument("--default-max-tokens", type=_count, default=512,
+                    help="a reply's max_tokens when the request gives none (default 512)")
     gw.add_argument("--max-tool-rounds", type=_count, default=5, help="tool runs per reply (execute_code); then it ends")
     _router_args(gw)
     _pressure_args(gw)
@@ -921,7 +931,9 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_args(r)
     r.add_argument("--redis", required=not os.environ.get("FAIRWAY_REDIS_URL"),
                    default=os.environ.get("FAIRWAY_REDIS_URL"), help="redis://host:port/db")
-    r.add_argument("--replica-id", default=None)
+    r.add_argument("--replica-id", default=None,
+                   help="this replica's name in the registry (default: a new one); restarted under the same id, "
+                        "it carries on the replies it had claimed")
     r.add_argument("--max-inflight", type=_count, default=256,
                    help="replies claimed at once; more wait in this replica's queue (a failover moves them too)")
     r.add_argument("--drain-grace", type=_non_negative, default=30.0,
@@ -935,7 +947,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--mini-of", default=None, metavar="MODEL",
                    help="serve this replica's model as the mini pool of MODEL (the main model's name, as its "
                         "replicas announce it): past a limit, gateways send MODEL's requests here")
-    r.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    r.add_argument("--log-level", default="info", choices=LOG_LEVELS, help=LOG_LEVEL_HELP)
     _safety_args(r, ("output",))
     r.set_defaults(func=cmd_replica)
 
@@ -944,17 +956,20 @@ def build_parser() -> argparse.ArgumentParser:
     sb.add_argument("--python", default="/usr/bin/python3", help="the system interpreter the sandbox runs code with")
     sb.add_argument("--max-concurrent", type=_count, default=8, help="runs at once; more wait")
     sb.add_argument("--per-tenant", type=_count, default=4, help="runs of one tenant at once")
-    sb.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    sb.add_argument("--log-level", default="info", choices=LOG_LEVELS, help=LOG_LEVEL_HELP)
     sb.set_defaults(func=cmd_sandbox)
     from fairway.up import DEFAULT_DATABASE, DEFAULT_REDIS
 
     u = sub.add_parser("up", help="gateways and replicas on this machine, on the local Redis and PostgreSQL")
-    u.add_argument("--replicas", type=_count, default=2)
-    u.add_argument("--gateways", type=_count, default=2)
-    u.add_argument("--redis", default=os.environ.get("FAIRWAY_REDIS_URL", DEFAULT_REDIS))
-    u.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL", DEFAULT_DATABASE))
-    u.add_argument("--host", default="127.0.0.1")
-    u.add_argument("--port", type=_port, default=8000)
+    u.add_argument("--replicas", type=_count, default=2, help="replica processes to start (default 2)")
+    u.add_argument("--gateways", type=_count, default=2, help="gateway processes to start, on one port (default 2)")
+    u.add_argument("--redis", default=os.environ.get("FAIRWAY_REDIS_URL", DEFAULT_REDIS),
+                   help=f"redis://host:port/db (default: $FAIRWAY_REDIS_URL, else {DEFAULT_REDIS})")
+    u.add_argument("--database", default=os.environ.get("FAIRWAY_DATABASE_URL", DEFAULT_DATABASE),
+                   help=f"postgresql://user@host/db, made if missing (default: $FAIRWAY_DATABASE_URL, else "
+                        f"{DEFAULT_DATABASE})")
+    u.add_argument("--host", default="127.0.0.1", help="the address the gateways listen on (default 127.0.0.1)")
+    u.add_argument("--port", type=_port, default=8000, help="the gateways' shared TCP port (default 8000)")
     u.add_argument("--namespace", default="fairway:", help="Redis key prefix")
     u.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                    help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
@@ -967,17 +982,18 @@ def build_parser() -> argparse.ArgumentParser:
     ksub = k.add_subparsers(dest="keys_command", required=True, metavar="{create,revoke,list}")
     database_help = "database URL (default: $FAIRWAY_DATABASE_URL, else SQLite in ./.fairway/)"
     kc = ksub.add_parser("create", help="a new key for a user; prints the key as its last line")
-    kc.add_argument("--user", required=True)
-    kc.add_argument("--tier", default=Tier.FREE.value, choices=[tier.value for tier in Tier])
+    kc.add_argument("--user", required=True, help="the user id the key's requests are served and counted as")
+    kc.add_argument("--tier", default=Tier.FREE.value, choices=[tier.value for tier in Tier],
+                    help=f"the user's limits and lane (default {Tier.FREE.value})")
     kc.add_argument("--name", default="", help="a note to tell keys apart")
     kc.add_argument("--region", default=None,
                     help="serve this key's requests in this region unless they name one (X-Fairway-Region)")
     kc.add_argument("--database", default=None, help=database_help)
     kr = ksub.add_parser("revoke", help="revoke a key, given the key itself or its id (key_...)")
-    kr.add_argument("key", metavar="KEY_OR_ID")
+    kr.add_argument("key", metavar="KEY_OR_ID", help="the key (sk-...) or its id (key_..., from keys list)")
     kr.add_argument("--database", default=None, help=database_help)
     kl = ksub.add_parser("list", help="the keys (ids, users, tiers; never the keys themselves)")
-    kl.add_argument("--user", default=None)
+    kl.add_argument("--user", default=None, help="only this user's keys")
     kl.add_argument("--database", default=None, help=database_help)
     k.set_defaults(func=cmd_keys)
     return parser

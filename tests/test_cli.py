@@ -4,6 +4,7 @@ not answer. Argument errors exit before the model loads, so these run in seconds
 
 from __future__ import annotations
 
+import argparse
 import signal
 import socket
 import subprocess
@@ -363,3 +364,19 @@ def test_a_malformed_safety_policy_is_reported_before_the_model_loads(tmp_path):
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "policy.toml" in last and "[thresholds] must be a table" in last, done.stderr
+
+
+@pytest.mark.parametrize("argv", [["generate"], ["chat"], ["serve"], ["gateway"], ["replica"], ["sandbox"], ["up"],
+                                  ["fleet"], ["keys", "create"], ["keys", "revoke"], ["keys", "list"]])
+def test_every_option_has_a_line_of_help(argv, capsys):
+    """`fairway up --help` listed most of its options bare: each says what it is."""
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args([*argv, "--help"])
+    assert caught.value.code == 0
+    shown = "".join(capsys.readouterr().out.split())  # argparse wraps lines, within words too
+    parser = build_parser()
+    for word in argv:
+        parser = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices[word]
+    bare = [a.option_strings or a.dest for a in parser._actions
+            if not isinstance(a, argparse._HelpAction) and not (a.help and "".join(a.help.split()) in shown)]
+    assert not bare, f"fairway {' '.join(argv)}: no help for {bare}"
