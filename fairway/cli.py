@@ -94,9 +94,10 @@ def _sandbox_url(value: str) -> str:
     return value
 
 
-def _log_dir(value: str) -> Path:
-    """A folder for log files, made (with its parents) here if missing: a path naming a file, or
-    one that cannot be made, was a traceback at the first replica's start, the fleet already up."""
+def _folder(value: str) -> Path:
+    """A folder to write in (--log-dir's logs, --files' uploads), made (with its parents) here if
+    missing: a path naming a file, or one that cannot be made or written, was a traceback once the
+    server was up (the fleet's first replica, the first upload)."""
     path = Path(value)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{value!r} is a file, not a folder")
@@ -107,6 +108,11 @@ def _log_dir(value: str) -> Path:
     if not os.access(path, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write in the folder {value!r}")
     return path
+
+
+def _files(value: str) -> str:
+    """--files: an s3://bucket as given, else a folder (_folder)."""
+    return value if value.startswith("s3://") else str(_folder(value))
 
 
 MIN_MODEL_LEN = 128  # a chat template and a short message with room for a reply
@@ -714,7 +720,7 @@ def _memory_files_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-memory", action="store_true", help="no facts across conversations")
     g.add_argument("--memory-idle", type=_positive_seconds, default=300.0, metavar="S",
                    help="a conversation idle this long gets its facts extracted (default 300)")
-    g.add_argument("--files", default=os.environ.get("FAIRWAY_FILES"),
+    g.add_argument("--files", type=_files, default=os.environ.get("FAIRWAY_FILES"),
                    help="uploads: a directory (default ./.fairway/files) or s3://bucket (endpoint from "
                         "AWS_ENDPOINT_URL, pre-signed uploads)")
 
@@ -852,7 +858,7 @@ def _fleet_args(sub) -> None:
     g = f.add_argument_group("local backend")
     g.add_argument("--replica-arg", action="append", default=[], metavar="ARG",
                    help="passed on to every replica (repeat it: --replica-arg=--dtype --replica-arg=float32)")
-    g.add_argument("--log-dir", type=_log_dir, default=None,
+    g.add_argument("--log-dir", type=_folder, default=None,
                    help="each replica's output to ID.log here, made if missing (default: this one's)")
     g.add_argument("--replica-threads", type=int, default=None, metavar="N",
                    help="CPU threads per replica (default: this machine's CPUs over --max-replicas, so the "

@@ -5,6 +5,7 @@ not answer. Argument errors exit before the model loads, so these run in seconds
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import subprocess
@@ -296,6 +297,28 @@ def test_a_log_dir_that_cannot_be_a_folder_is_refused_at_start(tmp_path, capsys)
         refused(["fleet", "--log-dir", str(notes / "logs")], capsys)
     new = tmp_path / "fleet" / "logs"  # (the README's --log-dir .fairway/fleet need not exist yet)
     assert build_parser().parse_args(["fleet", "--log-dir", str(new)]).log_dir == new and new.is_dir()
+
+
+def test_a_files_folder_that_is_a_file_stops_the_server_at_start(tmp_path):
+    """`serve --files` naming a file started a server whose every upload then failed."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a folder")
+    run = fairway("serve", "--files", str(notes), "--port", "1")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr.strip().splitlines()[-1].endswith(f"--files: '{notes}' is a file, not a folder")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any folder")
+def test_a_files_folder_that_cannot_be_written_is_refused_at_start(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    assert f"--files: cannot write in the folder '{locked}'" in refused([*GATEWAY, "--files", str(locked)], capsys)
+
+
+def test_a_files_folder_is_made_and_a_bucket_taken_as_it_is(tmp_path):
+    new = tmp_path / "uploads" / "files"
+    assert build_parser().parse_args(["serve", "--files", str(new)]).files == str(new) and new.is_dir()
+    assert build_parser().parse_args([*GATEWAY, "--files", "s3://bucket"]).files == "s3://bucket"
 
 
 def test_a_reuse_port_gateway_on_a_taken_port_is_one_line(capsys):
