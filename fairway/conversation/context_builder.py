@@ -29,6 +29,9 @@ ChatMessage = dict[str, Any]  # {"role": ..., "content": str}
 class ChatTokenizer(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
+    @property
+    def vocab_size(self) -> int: ...  # token ids run 0..vocab_size - 1
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str: ...  # (a template with tool support also takes tools=[...])

@@ -207,6 +207,12 @@ class ConversationService:
         if model not in self.tokenizers:
             raise UnknownModel(model, list(self.tokenizers))
 
+    def vocab_size(self, model: str) -> int | None:
+        """The size of the model's vocabulary (its tokenizer's); None for a model this gateway does
+        not serve (start_turn refuses it)."""
+        tokenizer = self.tokenizers.get(model)
+        return None if tokenizer is None else tokenizer.vocab_size
+
     async def served_models(self) -> list[str]:
         """Models this gateway can tokenize and some live replica serves."""
         live = {r.model for r in await self.router.live()}

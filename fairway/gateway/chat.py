@@ -266,7 +266,7 @@ async def chat_completions(request: Request) -> Any:
         user_id=principal.user_id,
         model=body.model,
         messages=chat_messages(body),
-        sampling=sampling(body),
+        sampling=sampling(body, gw.service.vocab_size(body.model)),
         conversation_id=body.conversation_id,
         client_key=_client_key(key),
         resume_only=body.last_received_token_index is not None,

@@ -7,11 +7,12 @@ know (OpenAI clients send many optional ones), except those whose meaning we can
 from __future__ import annotations
 
 import json
+import math
 import re
-from typing import Any
+from typing import Annotated, Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
 from fairway.gateway.errors import ApiError, invalid
 from fairway.limits import MAX_KEY_LENGTH
@@ -25,6 +26,19 @@ UNSUPPORTED_ROLES = {"function"}  # the legacy function-calling role: use tools
 # The largest event id a client may name: what a token log can hold (Redis stream ids are 64-bit).
 MAX_EVENT_ID = 2**63 - 1
 _EVENT_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits: str.isdigit() also takes '²', which int() refuses
+# OpenAI's logit_bias: at most 300 token ids (ASCII digits), each to a number in [-100, 100].
+# Checked by logit_bias() (OpenAI's codes: invalid_type, invalid_value); the schema documents it.
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100
+_TOKEN_ID = re.compile(r"[0-9]{1,10}")
+LOGIT_BIAS_SCHEMA: dict[str, Any] = {
+    "anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
+               "additionalProperties": {"type": "number", "minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS}},
+              {"type": "null"}],
+    "default": None,
+    "description": "Token id (as a string of digits, in the model's vocabulary) to a bias added to its logit "
+                   "before sampling: -100 bans the token in practice, 100 forces it. At most 300 tokens.",
+}
 
 # Accepted only at their "off" value: anything else would be silently ignored, which is worse.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
@@ -73,6 +87,12 @@ class ChatCompletionRequest(BaseModel):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # false: at most one client call per reply (default: several)
+    # OpenAI's penalties on the tokens the reply has generated so far, and its per-token bias.
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description=(
+        "Subtracted once from the logit of every token the reply has already generated."))
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description=(
+        "Subtracted from the logit of every token the reply has already generated, times its count."))
+    logit_bias: Annotated[Any, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}:
     # held to it by guided decoding in the engine.
     response_format: dict[str, Any] | None = None
@@ -353,9 +373,16 @@ def file_ids(request: ChatCompletionRequest) -> list[str]:
     return found
 
 
-def sampling(request: ChatCompletionRequest) -> dict[str, Any]:
-    """The engine's SamplingParams fields the request sets (defaults are the engine's)."""
+def sampling(request: ChatCompletionRequest, vocab_size: int | None = None) -> dict[str, Any]:
+    """The engine's SamplingParams fields the request sets (defaults are the engine's). vocab_size:
+    the model's, which every logit_bias token id must be below (None: not checked here)."""
     out: dict[str, Any] = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(request, name):  # 0 is the engine's default
+            out[name] = getattr(request, name)
+    bias = logit_bias(request.logit_bias, vocab_size)
+    if bias:
+        out["logit_bias"] = bias
     if request.temperature is not None:
         out["temperature"] = request.temperature
     if request.top_p is not None:
@@ -372,6 +399,36 @@ def sampling(request: ChatCompletionRequest) -> dict[str, Any]:
     guided = guided_decoding(request.response_format)
     if guided is not None:
         out["guided_decoding"] = guided
+    return out
+
+
+def logit_bias(bias: Any, vocab_size: int | None) -> dict[str, float] | None:
+    """OpenAI's logit_bias, checked, as JSON carries it to the replica ({"token id": bias}); each
+    mistake a 400 naming the param."""
+    if bias is None:
+        return None
+    if not isinstance(bias, dict):
+        raise invalid(f"'logit_bias' must be an object mapping token ids to numbers, got {type(bias).__name__}.",
+                      "logit_bias", "invalid_type")
+    if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise invalid(f"'logit_bias' may bias at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(bias)}.",
+                      "logit_bias", "invalid_value")
+    out: dict[str, float] = {}
+    for key, value in bias.items():
+        if not _TOKEN_ID.fullmatch(key):
+            raise invalid(f"Invalid key in 'logit_bias': {key[:40]!r} is not a token id (a non-negative integer).",
+                          "logit_bias", "invalid_value")
+        token = int(key)
+        if vocab_size is not None and token >= vocab_size:
+            raise invalid(f"Invalid key in 'logit_bias': token id {token} is outside the model's vocabulary "
+                          f"(0..{vocab_size - 1}).", "logit_bias", "invalid_value")
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise invalid(f"Invalid value in 'logit_bias' for token {token}: a number is expected, got "
+                          f"{type(value).__name__}.", "logit_bias", "invalid_type")
+        if not (math.isfinite(value) and -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS):
+            raise invalid(f"Invalid value in 'logit_bias' for token {token}: {value!r} is outside [-100, 100].",
+                          "logit_bias", "invalid_value")
+        out[str(token)] = float(value)
     return out
 
 
