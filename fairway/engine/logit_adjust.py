@@ -3,8 +3,9 @@ logits before sampling (the greedy rows' argmax included).
 
 For each token t the sequence has generated count[t] times (its completion's tokens, not the
 prompt's): logit[t] -= frequency_penalty * count[t] + presence_penalty * (count[t] > 0); and
-logit[t] += logit_bias[t]. The counts are kept as tokens are appended, never recounted, and a
-sequence that sets none of these has no LogitAdjust at all: the sampler spends nothing on it.
+logit[t] += logit_bias[t]. The counts, and each token's sum, are kept as tokens are appended,
+never recounted; a sequence that sets none of these has no LogitAdjust: the sampler spends
+nothing on it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,11 @@ class LogitAdjust:
     frequency_penalty: float
     logit_bias: dict[int, float]
     counts: Counter[int] = field(default_factory=Counter)  # generated tokens, when a penalty is set
+    # What to add to each token's logit, each token once: its bias and penalty, kept with the counts.
+    deltas: dict[int, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.deltas = dict(self.logit_bias)
 
     @classmethod
     def of(cls, params: SamplingParams, output_token_ids: list[int]) -> LogitAdjust | None:
@@ -39,16 +45,14 @@ class LogitAdjust:
         return bool(self.presence_penalty or self.frequency_penalty)
 
     def add(self, token: int) -> None:
-        """A token the sequence generated."""
-        if self.penalised:  # a bias alone needs no counts
-            self.counts[token] += 1
-
-    def deltas(self) -> dict[int, float]:
-        """What to add to each token's logit, each token once (its bias and penalty summed here)."""
-        out = dict(self.logit_bias)
-        for token, count in self.counts.items():
-            out[token] = out.get(token, 0.0) - (self.frequency_penalty * count + self.presence_penalty)
-        return out
+        """A token the sequence generated: one more frequency penalty on it, the presence penalty
+        the first time."""
+        if not self.penalised:  # a bias alone needs no counts
+            return
+        count = self.counts[token]
+        self.counts[token] = count + 1
+        self.deltas[token] = (self.deltas.get(token, 0.0) - self.frequency_penalty
+                              - (0.0 if count else self.presence_penalty))
 
 
 def adjust_logits(logits: torch.Tensor, rows: list[int], adjusts: list[LogitAdjust]) -> None:
@@ -58,7 +62,7 @@ def adjust_logits(logits: torch.Tensor, rows: list[int], adjusts: list[LogitAdju
     token_ids: list[int] = []
     values: list[float] = []
     for row, adjust in zip(rows, adjusts, strict=True):
-        deltas = adjust.deltas()
+        deltas = adjust.deltas
         row_ids += [row] * len(deltas)
         token_ids += deltas.keys()
         values += deltas.values()
