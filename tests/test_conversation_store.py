@@ -37,7 +37,7 @@ from fairway.conversation import (
     database_url,
     make_store,
 )
-from fairway.conversation.entities import Conversation, Message, Reply, new_id, now
+from fairway.conversation.entities import Attachment, Conversation, Message, Reply, new_id, now
 from fairway.conversation.schema import conversations, metadata
 from fairway.conversation.sql_store import SqlConversationStore, _values, alembic_config
 from fairway.conversation.store import Ending, NewTurn
@@ -784,6 +784,29 @@ async def test_messages_keep_their_tool_calls(store: ConversationStore) -> None:
     assert [(str(m.role), m.text, m.tools) for m in stored] == [
         ("user", "q", None), ("assistant", "", calls), ("tool", "result", {"tool_call_id": "c1"}),
         ("assistant", "Done. It printed 1.", ran)]
+
+
+async def test_a_user_message_keeps_the_files_it_attached(store: ConversationStore) -> None:
+    """Each user message's files are stored with it, in the turn's one write, and read back on that
+    message: not on the answer, nor on a later turn without files; a refused (flagged) turn keeps
+    its own, as does a resend's duplicate."""
+    conversation = _new_conversation()
+    notes = Attachment("file_a", "notes.txt", 23, "text/plain")
+    report = Attachment("file_b", "report.pdf", 1024, "application/pdf")
+    first, reply = await store.store_turn(NewTurn(conversation, True, [
+        (Role.SYSTEM, "be brief"), (Role.USER, "q1", None, [notes, report])], "k1"))
+    assert first.attachments == [notes, report]
+    await store.finish_reply(reply.id, "a1", MessageStatus.COMPLETE)
+    _, reply = await store.store_turn(NewTurn(conversation, False, [(Role.USER, "q2", None, [])], "k2"))
+    await store.finish_reply(reply.id, "a2", MessageStatus.COMPLETE)
+    await store.store_turn(NewTurn(conversation, False, [(Role.USER, "a threat", None, [report])], "k3",
+                                   flagged=True, flagged_categories=["violence"]))
+    stored = await store.list_messages(conversation.id)
+    assert [(m.text, m.attachments) for m in stored] == [
+        ("be brief", None), ("q1", [notes, report]), ("a1", None), ("q2", None), ("a2", None), ("a threat", [report])]
+    with pytest.raises(DuplicateClientKey) as dup:
+        await store.store_turn(NewTurn(conversation, False, [(Role.USER, "q1", None, [notes])], "k1"))
+    assert dup.value.existing.attachments == [notes, report]
 
 
 async def test_text_postgresql_refuses_is_invalid_text_on_every_path(pg_database: str | None) -> None:

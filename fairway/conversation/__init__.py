@@ -6,7 +6,17 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from .entities import ApiKey, Conversation, Message, MessageStatus, Reply, ReplyState, Role, UsageRecord
+from .entities import (
+    ApiKey,
+    Attachment,
+    Conversation,
+    Message,
+    MessageStatus,
+    Reply,
+    ReplyState,
+    Role,
+    UsageRecord,
+)
 from .sql_store import SqlConversationStore
 from .store import (
     ConversationBusy,
@@ -22,6 +32,7 @@ from .store import (
 
 __all__ = [
     "ApiKey",
+    "Attachment",
     "Conversation",
     "ConversationBusy",
     "ConversationStore",

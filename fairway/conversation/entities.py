@@ -48,6 +48,17 @@ class Conversation:
     updated_at: float = 0.0  # last message or reply: conversations list newest first by it
 
 
+@dataclass(frozen=True)
+class Attachment:
+    """A file a user message attached, as it was when sent: what a reopened conversation shows of
+    it, even once the file itself is deleted."""
+
+    file_id: str
+    filename: str
+    bytes: int
+    content_type: str
+
+
 @dataclass
 class Message:
     id: str
@@ -67,6 +78,8 @@ class Message:
     # A flagged message (the input check refused it, the output check stopped it): which of the
     # moderation categories did, by name; None for any other.
     flagged_categories: list[str] | None = None
+    # A user message's attached files, in the order it attached them; None for a message without.
+    attachments: list[Attachment] | None = None
 
 
 @dataclass

@@ -45,6 +45,7 @@ messages = sa.Table(
     sa.Column("cached_tokens", sa.Integer, nullable=False),
     sa.Column("tools", Json, nullable=True),  # its tool calls, or the call a tool message answers
     sa.Column("flagged_categories", Json, nullable=True),  # flagged: by which moderation categories
+    sa.Column("attachments", Json, nullable=True),  # a user message's files: [{file_id, filename, ...}]
     sa.PrimaryKeyConstraint("conversation_id", "id", name="pk_messages"),
     sa.UniqueConstraint("conversation_id", "client_key", name="uq_messages_client_key"),
     sa.Index("ix_messages_conversation_created", "conversation_id", "created_at"),

@@ -10,6 +10,7 @@ import contextlib
 import functools
 import weakref
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from dataclasses import asdict
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from fairway.domain import STATE_OF_STATUS
 from .connect_params import engine_args
 from .entities import (
     ApiKey,
+    Attachment,
     Conversation,
     Message,
     MessageStatus,
@@ -215,8 +217,17 @@ def store_errors_on_engine(engine: AsyncEngine) -> None:
 
 
 def _values(entity: object) -> dict[str, Any]:
-    """A dataclass as column values; enums as their plain strings (asyncpg wants str)."""
-    return {k: v.value if isinstance(v, Enum) else v for k, v in vars(entity).items()}
+    """A dataclass as column values; enums as their plain strings (asyncpg wants str), a message's
+    attachments as JSON objects."""
+    return {k: _column_value(v) for k, v in vars(entity).items()}
+
+
+def _column_value(value: Any) -> Any:
+    if isinstance(value, Enum):
+        return value.value
+    if isinstance(value, list) and value and isinstance(value[0], Attachment):
+        return [asdict(a) for a in value]
+    return value
 
 
 def _conversation(row: Mapping[str, Any]) -> Conversation:
@@ -224,7 +235,14 @@ def _conversation(row: Mapping[str, Any]) -> Conversation:
 
 
 def _message(row: Mapping[str, Any]) -> Message:
-    return Message(**{**row, "role": Role(row["role"]), "status": MessageStatus(row["status"])})
+    attached = row["attachments"]
+    return Message(**{**row, "role": Role(row["role"]), "status": MessageStatus(row["status"]),
+                      "attachments": [_attachment(a) for a in attached] if attached else None})
+
+
+def _attachment(stored: Mapping[str, Any]) -> Attachment:
+    # By name: a key a later version adds to the stored object is not this version's field.
+    return Attachment(stored["file_id"], stored["filename"], stored["bytes"], stored["content_type"])
 
 
 def _reply(row: Mapping[str, Any]) -> Reply:
@@ -525,6 +543,7 @@ class SqlConversationStore(ConversationStore):
                         client_key=turn.client_key if i == last else None,
                         status=MessageStatus.FLAGGED if i in flagged else MessageStatus.COMPLETE, created_at=now(),
                         tools=item[2] if len(item) > 2 else None,
+                        attachments=list(item[3]) if len(item) > 3 and item[3] else None,
                         flagged_categories=list(flagged[i]) if i in flagged else None)
                 for i, item in enumerate(turn.messages)]
         reply = Reply(id=new_id("rep"), conversation_id=conv.id, message_id=msgs[-1].id,

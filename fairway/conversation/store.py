@@ -9,7 +9,17 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .entities import ApiKey, Conversation, Message, MessageStatus, Reply, ReplyState, Role, UsageRecord
+from .entities import (
+    ApiKey,
+    Attachment,
+    Conversation,
+    Message,
+    MessageStatus,
+    Reply,
+    ReplyState,
+    Role,
+    UsageRecord,
+)
 
 
 class StoreError(Exception):
@@ -77,7 +87,10 @@ class NewTurn:
 
     conversation: Conversation
     new_conversation: bool
-    messages: Sequence[tuple[Role, str] | tuple[Role, str, dict[str, Any] | None]]  # (role, text[, tools])
+    # (role, text[, tools[, attachments]]): a user message's attached files are stored with it, in
+    # the statement that stores it (no write of their own on the chat path).
+    messages: Sequence[tuple[Role, str] | tuple[Role, str, dict[str, Any] | None]
+                       | tuple[Role, str, dict[str, Any] | None, Sequence[Attachment]]]
     client_key: str | None = None
     prompt_token_ids: Sequence[int] | None = None
     replica_id: str | None = None
