@@ -254,6 +254,18 @@ async def test_a_step_bigger_than_one_append_call_lands_in_order_with_errors_in_
     assert [e.n for e in await log.read(replies[4])] == [1]
 
 
+async def test_exists_many_answers_for_each_reply_in_its_place(backend: Backend) -> None:
+    """A sweep over many unfinished replies asks for their logs at once (on a cluster, their keys
+    lie on several masters)."""
+    log = backend.log()
+    replies = [rid() for _ in range(12)]
+    for r in replies[::2]:
+        await log.create(r)
+    await log.finish(replies[0], final())  # a finished log is still there
+    assert await log.exists_many(replies) == [i % 2 == 0 for i in range(12)]
+    assert await log.exists_many([]) == []
+
+
 async def test_unknown_reply_and_bad_cursor_errors(backend: Backend) -> None:
     log, r = backend.log(), rid()
     assert not await log.exists(r)

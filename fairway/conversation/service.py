@@ -54,6 +54,7 @@ log = logging.getLogger(__name__)
 # and a sweep looks for such replies this often.
 LOST_AFTER_S = 5.0
 LOST_POLL_S = 30.0
+LOST_CHECK_BATCH = 500  # unfinished replies whose logs one round trip looks for
 
 
 class NothingToResume(NotFound):
@@ -490,8 +491,13 @@ class ConversationService:
         replicas start alongside its gateways)."""
         restarted = unplaced = 0
         now = time.time()
-        for reply_id in await self.store.unfinished_reply_ids(created_before=now - min_age_s):
-            if await self.relay.log.exists(reply_id) or (reply := await self.store.get_reply(reply_id)) is None:
+        unfinished = await self.store.unfinished_reply_ids(created_before=now - min_age_s)
+        lost: list[str] = []
+        for at in range(0, len(unfinished), LOST_CHECK_BATCH):  # one round trip a batch
+            batch = unfinished[at:at + LOST_CHECK_BATCH]
+            lost += [r for r, found in zip(batch, await self.relay.log.exists_many(batch), strict=True) if not found]
+        for reply_id in lost:
+            if (reply := await self.store.get_reply(reply_id)) is None:
                 continue
             if reply.created_at < now - self.relay.log.ttl_s:
                 await self.stop_lost(reply)

@@ -123,9 +123,13 @@ class TokenLog(ABC):
         before), from the callback where the event arrives. That spares the consumer's task a wake
         per event (Redis backend; the in-process one yields everything)."""
 
-    @abstractmethod
     async def exists(self, reply_id: str) -> bool:
         """Whether the reply's log is there (created and not yet expired)."""
+        return (await self.exists_many([reply_id]))[0]
+
+    @abstractmethod
+    async def exists_many(self, reply_ids: Sequence[str]) -> list[bool]:
+        """exists() for each of these replies, in one round trip (a sweep over many replies)."""
 
     @abstractmethod
     async def last_event_id(self, reply_id: str) -> int:

@@ -157,8 +157,8 @@ class InProcessTokenLog(TokenLog):
         except TimeoutError:
             pass
 
-    async def exists(self, reply_id: str) -> bool:
-        return self._get(reply_id) is not None
+    async def exists_many(self, reply_ids: Sequence[str]) -> list[bool]:
+        return [self._get(reply_id) is not None for reply_id in reply_ids]
 
     async def last_event_id(self, reply_id: str) -> int:
         return self._require(reply_id).last_n

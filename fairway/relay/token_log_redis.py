@@ -479,8 +479,8 @@ class RedisTokenLog(TokenLog):
         with guard():
             await self._client.run_packed_scripts(self._heartbeat, calls)
 
-    async def exists(self, reply_id: str) -> bool:
-        return (await self._exist([self._key(reply_id)]))[0]
+    async def exists_many(self, reply_ids: Sequence[str]) -> list[bool]:
+        return await self._exist([self._key(reply_id) for reply_id in reply_ids]) if reply_ids else []
 
     async def last_event_id(self, reply_id: str) -> int:
         with guard():
