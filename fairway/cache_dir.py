@@ -1,5 +1,6 @@
-"""Fairway's cache folder: dequantized weights and built tokenizers (the models), compiled C
-sources (native_build), kept so a later start is fast. A bottom module: both sides import it."""
+"""Fairway's cache folder: dequantized weights, stored blocks laid out for the kernels and built
+tokenizers (the models), compiled C sources (native_build), kept so a later start is fast. A
+bottom module: both sides import it."""
 
 from __future__ import annotations
 
