@@ -13,12 +13,17 @@ import signal
 import socket
 import sys
 import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fairway.domain import Tier
 from fairway.models.bundled import ModelFileError
 from fairway.models.weights import WEIGHTS
 from fairway.server_gc import settle_heap
+
+if TYPE_CHECKING:  # (imported where used: the conversation package loads SQLAlchemy)
+    from fairway.conversation.context_builder import ContextBuilder
 
 # Option types: each refuses, at the command line, a value that would start a server that then
 # breaks (a 0 s keepalive floods every stream, port 70000 silently wraps to 4464, NaN passes every
@@ -142,9 +147,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _build(args: argparse.Namespace):
+    from fairway.engine import EngineConfig
     from fairway.engine.factory import build_engine
 
-    return build_engine(args.model, args.dtype, args.device, weights=args.weights)
+    config = EngineConfig(max_model_len=getattr(args, "max_model_len", None))
+    return build_engine(args.model, args.dtype, args.device, config, weights=args.weights)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -166,14 +173,44 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+CHAT_MAX_TOKENS = 256  # an answer's tokens at most, unless --max-tokens says otherwise
+
+
+@dataclass
+class _ChatHistory:
+    """The session's messages, sent to the engine within its window: the context builder's rule,
+    as the API applies it (system text always, then the newest whole turns, room for the reply)."""
+
+    builder: ContextBuilder
+    max_tokens: int
+    system: list[dict[str, str]]
+    turns: list[dict[str, str]] = field(default_factory=list)
+    told: bool = False  # the user heard that older turns are left out
+
+    def prompt(self, line: str) -> list[int]:
+        """The prompt for the new line (ContextTooLong when the line alone leaves no room).
+        Turns dropped now stay dropped: the chat forgets them once, rather than on and off."""
+        context = self.builder.build(self.system, self.turns, [{"role": "user", "content": line}], self.max_tokens)
+        del self.turns[: context.dropped_messages]
+        if context.dropped_turns and not self.told:
+            self.told = True
+            print(f"fairway chat: the oldest turns no longer fit the {self.builder.window}-token window; "
+                  "they are left out from here on", file=sys.stderr, flush=True)
+        return context.prompt_token_ids
+
+    def answered(self, line: str, reply: str) -> None:
+        self.turns += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+
+
 def cmd_chat(args: argparse.Namespace) -> int:
+    from fairway.conversation.context_builder import ContextBuilder
     from fairway.engine import SamplingParams
 
     engine = _build(args)
-    tok = engine.tokenizer
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
+    # Unless told, the API's default: room for the prompt in a small window too.
+    max_tokens = args.max_tokens or min(CHAT_MAX_TOKENS, engine.max_model_len // 2)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    history = _ChatHistory(ContextBuilder(engine.tokenizer, engine.max_model_len), max_tokens, system)
     print("Fairway chat with the bundled model. Empty line or Ctrl-D quits; Ctrl-C stops a reply.", file=sys.stderr)
     while True:
         try:
@@ -186,15 +223,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
             return 130
         if not line.strip():
             break
-        messages.append({"role": "user", "content": line})
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        params = SamplingParams(temperature=args.temperature, max_tokens=max_tokens, seed=args.seed)
         try:
-            reply = _stream_reply(engine, tok.chat_prompt_ids(messages), params)
+            reply = _stream_reply(engine, history.prompt(line), params)
         except ValueError as exc:  # too long for the window, say: this message is not sent, the chat goes on
-            messages.pop()
-            print(f"fairway chat: {exc}; not sent", file=sys.stderr, flush=True)
+            print(f"fairway chat: {str(exc).rstrip('.')}; not sent", file=sys.stderr, flush=True)
             continue
-        messages.append({"role": "assistant", "content": reply})
+        history.answered(line, reply)
     return 0
 
 
@@ -817,11 +852,15 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-cancel", type=_positive_seconds, default=30.0, help="cancel a reply nobody listened to for this many seconds")
     p.add_argument("--sandbox", default="local", type=_sandbox_url,
                    help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
-    p.add_argument("--max-model-len", type=_model_len, default=None,
-                   help=f"cap the context window (tokens, at least {MIN_MODEL_LEN})")
+    _max_model_len_arg(p)
     p.add_argument("--background-max-wait", type=_positive_seconds, default=30.0, metavar="S",
                    help="background work (memory extraction) waiting this long, to be claimed or in the engine, "
                         "moves up a lane: a free flood never starves it for ever")
+
+
+def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-model-len", type=_model_len, default=None,
+                   help=f"cap the context window (tokens, at least {MIN_MODEL_LEN})")
 
 
 def _fleet_args(sub) -> None:
@@ -889,10 +928,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="a terminal chat with the model; the conversation is kept across turns")
-    c.add_argument("--max-tokens", type=_count, default=256, help="tokens per answer at most (default 256)")
+    c.add_argument("--max-tokens", type=_count, default=None,
+                   help=f"tokens per answer at most (default {CHAT_MAX_TOKENS}, or half the window when less)")
     c.add_argument("--temperature", type=_non_negative, default=0.7, help="sampling temperature (default 0.7; 0: greedy)")
     c.add_argument("--seed", type=int, default=None, help="the sampler's seed, for repeatable answers")
     c.add_argument("--system", default=None, help="a system message for the conversation")
+    _max_model_len_arg(c)
     _engine_args(c)
     c.set_defaults(func=cmd_chat)
 

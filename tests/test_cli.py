@@ -66,6 +66,7 @@ def refused(argv: list[str], capsys) -> str:
     (["generate", "--prompt", "x", "--temperature", "nan"], "--temperature: must be a finite number"),
     (["chat", "--temperature", "inf"], "--temperature: must be a finite number"),
     (["chat", "--temperature", "-1"], "--temperature: must be 0 or more"),
+    (["chat", "--max-model-len", "64"], "--max-model-len: must be at least 128 tokens"),
     (["fleet", "--cooldown", "nan"], "--cooldown: must be a finite number"),
     (["fleet", "--metrics-port", "99999"], "--metrics-port: a TCP port is 1 to 65535"),
     (["serve", "--keepalive", "soon"], "--keepalive: 'soon' is not a number"),
@@ -237,7 +238,7 @@ def test_chat_ctrl_c_stops_a_reply_a_long_message_is_refused_and_the_chat_goes_o
         assert "[stopped]" in chat.stderr
         chat.type("word " * 10_000)
         chat.wait_for(lambda: chat.stdout.count("> ") == 3, "prompt after the refused message")
-        assert "the context window is" in chat.stderr and "not sent" in chat.stderr
+        assert "context window is" in chat.stderr and "not sent" in chat.stderr
         chat.type("What did I ask you to count to?")  # the conversation is still there
         chat.wait_for(lambda: chat.stdout.count("> ") == 4, "prompt after a reply")
         chat.proc.send_signal(signal.SIGINT)  # at the prompt: the chat ends
@@ -246,6 +247,22 @@ def test_chat_ctrl_c_stops_a_reply_a_long_message_is_refused_and_the_chat_goes_o
         chat.proc.kill()
         chat.proc.wait()
     assert "Traceback" not in chat.stderr, chat.stderr
+
+
+def test_chat_longer_than_the_window_drops_the_oldest_turns_and_every_turn_is_answered():
+    """Once the history outgrew the window every later message was refused ("not sent"), however
+    short: a long session died. Now the oldest turns are left out, as the API's context builder
+    does, and the user is told once."""
+    line = "Tell me about the sea, the ships that sail on it and the sailors who work on those ships."
+    turns = 5  # each about 40 tokens with its reply: three fill the 128-token window
+    chat = subprocess.run(
+        [sys.executable, "-m", "fairway.cli", "chat", "--max-model-len", "128", "--max-tokens", "8",
+         "--temperature", "0"], input=f"{line}\n" * turns, capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    replies = chat.stdout.split("> ")[1:-1]  # (the last prompt met the end of input)
+    assert len(replies) == turns and all(reply.strip() for reply in replies), chat.stdout
+    assert chat.stderr.count("the oldest turns no longer fit the 128-token window") == 1, chat.stderr
+    assert "not sent" not in chat.stderr and "Traceback" not in chat.stderr, chat.stderr
 
 
 def test_chat_ctrl_d_ends_the_line():
