@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -502,3 +503,37 @@ def test_a_file_sent_alone_is_shown_to_the_model(server):
     assert sources[0]["page"] == 1 and sources[0]["filename"] == "report.pdf"
     assert reply.usage.prompt_tokens > 200  # the file's first pages, not only the chat template
     assert http.get(f"/v1/replies/{reply.id}").json()["sources"] == sources
+
+
+def test_a_reopened_conversation_lists_each_message_s_attached_files(server):
+    """The files a turn attached are listed on that user message when the conversation is read
+    back (not on the answer, nor on a later turn without files); a file deleted since stays listed,
+    by name, marked deleted; another user still gets a 404 for the conversation."""
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    note = b"The gate code of the north depot is 4471.\n"
+    file_id = http.post("/v1/files", files={"file": ("depot notes.txt", note)}, data={"purpose": "user_data"}).json()["id"]
+    wait_for(lambda: http.get(f"/v1/files/{file_id}").json()["status"] == "ready", timeout=90)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    reply = client.chat.completions.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": [
+        {"type": "text", "text": "What is the gate code?"}, {"type": "file", "file": {"file_id": file_id}}]}])
+    conversation_id = reply.model_extra["conversation_id"]
+    client.chat.completions.create(model=MODEL, max_tokens=2, extra_body={"conversation_id": conversation_id},
+                                   messages=[{"role": "user", "content": "Thanks."}])
+
+    def attachments() -> list[tuple[str, Any]]:
+        messages = http.get(f"/v1/conversations/{conversation_id}").json()["messages"]
+        return [(m["role"], m.get("attachments")) for m in messages]
+
+    listed = {"file_id": file_id, "filename": "depot notes.txt", "bytes": len(note), "content_type": "text/plain",
+              "deleted": False}
+    assert attachments() == [("user", [listed]), ("assistant", None), ("user", []), ("assistant", None)]
+    other = httpx.Client(base_url=server.url, headers=headers(OTHER_KEY), timeout=30)
+    assert other.get(f"/v1/conversations/{conversation_id}").status_code == 404
+    assert http.delete(f"/v1/files/{file_id}").json()["deleted"] is True
+    assert attachments()[0] == ("user", [{**listed, "deleted": True}])
+    documented = httpx.get(f"{server.url}/openapi.json").json()
+    ok = documented["paths"]["/v1/conversations/{conversation_id}"]["get"]["responses"]["200"]
+    assert ok["content"]["application/json"]["schema"]["$ref"].endswith("/ConversationOut")
+    schemas = documented["components"]["schemas"]
+    assert "attachments" in schemas["ConversationMessageOut"]["properties"]
+    assert set(schemas["AttachmentOut"]["required"]) == set(listed)

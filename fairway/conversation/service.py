@@ -26,7 +26,16 @@ from fairway.conversation.context_builder import (
     ContextBuilder,
     ContextTooLong,
 )
-from fairway.conversation.entities import Conversation, Message, MessageStatus, Reply, Role, new_id, now
+from fairway.conversation.entities import (
+    Attachment,
+    Conversation,
+    Message,
+    MessageStatus,
+    Reply,
+    Role,
+    new_id,
+    now,
+)
 from fairway.conversation.extras import ContextSource, TurnExtras, TurnInfo
 from fairway.conversation.launched import LaunchedReplies
 from fairway.conversation.store import (
@@ -55,6 +64,9 @@ log = logging.getLogger(__name__)
 LOST_AFTER_S = 5.0
 LOST_POLL_S = 30.0
 LOST_CHECK_BATCH = 500  # unfinished replies whose logs one round trip looks for
+
+# A new message as the store takes it (NewTurn.messages): role, text, tools, attached files.
+StoredMessage = tuple[Role, str, dict[str, Any] | None, Sequence[Attachment]]
 
 
 class NothingToResume(NotFound):
@@ -100,13 +112,19 @@ class TurnRequest:
     client_key: str | None = None  # the client's message id (or idempotency key)
     resume_only: bool = False  # attach to the message's running reply; never start one
     tier: str | None = None  # the user's tier (from their key): the conversation's lane
-    file_ids: list[str] = field(default_factory=list)  # files the new message attaches
+    # The files each user message attaches, by its index in messages (stored with it).
+    attachments: dict[int, list[Attachment]] = field(default_factory=dict)
     tools: ToolSet | None = None  # what the reply may call (None: no tools)
     region: str | None = None  # the region the request asked to be served in (X-Fairway-Region)
     # Called once the context is built, before anything is stored, with (the model that will
     # serve, prompt tokens, max_tokens): the gateway reserves tokens here, and may refuse by
     # raising (OverQuota: the user's quota for that model is spent; the mini pool may serve).
     admit: Callable[[str, int, int], Awaitable[Admitted]] | None = None
+
+    @property
+    def file_ids(self) -> list[str]:
+        """The files the request attaches, in order, once each: what the turn retrieves from."""
+        return list(dict.fromkeys(a.file_id for i in sorted(self.attachments) for a in self.attachments[i]))
 
 
 class OverQuota(Exception):
@@ -156,6 +174,7 @@ class _Start:
     conversation: Conversation | None
     stored: list[Message]
     new: list[ChatMessage]
+    to_store: list[StoredMessage]  # the new messages as the store takes them (with their files)
     lane: Lane
     shed_before: Message | None = None
     model: str = ""  # the model that serves it: the requested one, or its mini pool's
@@ -248,14 +267,16 @@ class ConversationService:
                 return turn
             if turn is not None:
                 shed_before = turn.message  # stored with what came before it: the context is the store's
-        new = _new_messages(req.messages, stored) if shed_before is None else []
+        kept = _new_messages(req.messages, stored) if shed_before is None else []
+        new = [req.messages[i] for i in kept]
+        to_store = [_stored(req.messages[i], req.attachments.get(i, ())) for i in kept]
         if shed_before is None:  # each tool result answers a waiting call, and none is left waiting (else ToolError)
             check_results(req.messages, waiting_calls([(m.role, m.tools) for m in stored
                                                        if m.status != MessageStatus.FLAGGED]))
         if self.moderator is not None and shed_before is None:
-            await self._check_input(req, conversation, new)
+            await self._check_input(req, conversation, new, to_store)
         lane = lane_of_tier(conversation.tier if conversation else req.tier or self.settings.default_tier)
-        start = _Start(req, conversation, stored, new, lane, shed_before)
+        start = _Start(req, conversation, stored, new, to_store, lane, shed_before)
         pressure = await self.router.pressure(req.model, lane) if lane == Lane.FREE else None
         if pressure is not None and pressure.at_capacity:
             treatment = self.router.settings.pressure.free_at_capacity
@@ -294,7 +315,7 @@ class ConversationService:
                 reply = await self.store.add_reply(conversation.id, message.id, None, None, job, shed=True)
             else:
                 message, reply = await self.store.store_turn(NewTurn(
-                    conversation, new_conversation, [_stored(m) for m in start.new], req.client_key, job=job,
+                    conversation, new_conversation, start.to_store, req.client_key, job=job,
                     shed=True))
             assert reply is not None
         except DuplicateClientKey:  # the same message raced in twice: the other one is answered
@@ -342,7 +363,7 @@ class ConversationService:
                                                        replica.id, _stored_job(job, admitted.meta, info))
                 else:
                     message, reply = await self.store.store_turn(NewTurn(
-                        conversation, new_conversation, [_stored(m) for m in start.new], req.client_key,
+                        conversation, new_conversation, start.to_store, req.client_key,
                         job.prompt_token_ids, replica.id, _stored_job(job, admitted.meta, info)))
                 assert reply is not None
             except DuplicateClientKey as dup:  # the same message raced in twice: one reply for both
@@ -361,7 +382,7 @@ class ConversationService:
         return Turn(conversation, message, reply, context, max_tokens, region_fallback(req.region, replica))
 
     async def _check_input(self, req: TurnRequest, conversation: Conversation | None,
-                           new: list[ChatMessage]) -> None:
+                           new: list[ChatMessage], to_store: list[StoredMessage]) -> None:
         """Classify the request's new user messages (only they: the stored history was checked
         when it was new; usually one, but a client may send history the store has not seen) and,
         if any is flagged, store the turn flagged (each flagged message with its own categories,
@@ -381,7 +402,7 @@ class ConversationService:
         last = own.pop(len(new) - 1, [])
         try:
             message, _ = await self.store.store_turn(NewTurn(
-                conversation, new_conversation, [_stored(m) for m in new], req.client_key, flagged=True,
+                conversation, new_conversation, to_store, req.client_key, flagged=True,
                 flagged_categories=last, flagged_earlier=own))
         except DuplicateClientKey as dup:  # the same refused message, sent again
             message = dup.existing
@@ -570,24 +591,25 @@ def _chat(message: Message) -> list[ChatMessage]:
     return [{"role": str(message.role), "content": message.text}]
 
 
-def _stored(message: ChatMessage) -> tuple[Role, str, dict[str, Any] | None]:
+def _stored(message: ChatMessage, attachments: Sequence[Attachment] = ()) -> StoredMessage:
     """A request's message as the store keeps it: its tool calls (or the call a result answers)
-    in the tools column, each client call at the end of the text."""
+    in the tools column, each client call at the end of the text; a user message with the files
+    it attaches."""
     if message.get("tool_calls"):
         calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"],
                   "status": "call", "index": i, "at": len(message["content"])}
                  for i, c in enumerate(message["tool_calls"])]
-        return Role(message["role"]), message["content"], {"calls": calls}
+        return Role(message["role"]), message["content"], {"calls": calls}, ()
     if message["role"] == "tool":
-        return Role.TOOL, message["content"], {"tool_call_id": message.get("tool_call_id", "")}
-    return Role(message["role"]), message["content"], None
+        return Role.TOOL, message["content"], {"tool_call_id": message.get("tool_call_id", "")}, ()
+    return Role(message["role"]), message["content"], None, attachments
 
 
-def _new_messages(messages: list[ChatMessage], stored: list[Message]) -> list[ChatMessage]:
-    """The request's messages minus system text the conversation already has (clients that keep
-    re-sending their system prompt would otherwise repeat it every turn)."""
+def _new_messages(messages: list[ChatMessage], stored: list[Message]) -> list[int]:
+    """The indexes of the request's messages minus system text the conversation already has
+    (clients that keep re-sending their system prompt would otherwise repeat it every turn)."""
     known = {m.text for m in stored if m.role == Role.SYSTEM}
-    return [m for m in messages if not (m["role"] == "system" and m["content"] in known)]
+    return [i for i, m in enumerate(messages) if not (m["role"] == "system" and m["content"] in known)]
 
 
 def _derived_id(user_id: str, client_key: str) -> str:

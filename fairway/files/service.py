@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from fairway.conversation.entities import new_id
@@ -208,6 +208,10 @@ class FileService:
 
     async def get(self, user_id: str, file_id: str) -> FileRecord | None:
         return await self.store.get(file_id, user_id)
+
+    async def existing(self, user_id: str, file_ids: Collection[str]) -> set[str]:
+        """Which of these files the user still has (the others were deleted, or never theirs)."""
+        return await self.store.existing(user_id, file_ids)
 
     async def page(self, user_id: str, query: FileQuery) -> FilePage:
         return await self.store.page(user_id, query)

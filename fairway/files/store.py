@@ -4,6 +4,7 @@ conversations they are attached to, in the conversation store's database."""
 from __future__ import annotations
 
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +80,14 @@ class FileStore(SqlTables):
         async with self.engine.connect() as conn:
             row = (await conn.execute(sa.select(files).where(*where))).first()
         return FileRecord(**row._mapping) if row else None
+
+    async def existing(self, user_id: str, file_ids: Collection[str]) -> set[str]:
+        """Which of these files the user still has, in one query."""
+        if not file_ids:
+            return set()
+        query = sa.select(files.c.file_id).where(files.c.user_id == user_id, files.c.file_id.in_(list(file_ids)))
+        async with self.engine.connect() as conn:
+            return set((await conn.execute(query)).scalars())
 
     async def page(self, user_id: str, query: FileQuery) -> FilePage:
         """One page of the user's files, ordered by (created_at, file_id): the id breaks ties, so

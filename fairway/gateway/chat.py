@@ -22,7 +22,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from fairway.conversation import ConversationBusy, NotFound, Reply
+from fairway.conversation import Attachment, ConversationBusy, NotFound, Reply
 from fairway.conversation.context_builder import ContextTooLong
 from fairway.conversation.service import (
     Admitted,
@@ -272,7 +272,7 @@ async def chat_completions(request: Request) -> Any:
         resume_only=body.last_received_token_index is not None,
         tier=principal.tier,
         admit=edge.admit_tokens,
-        file_ids=await _attached_files(gw, principal.user_id, body),
+        attachments=await _attached_files(gw, principal.user_id, body),
         tools=tool_set(body),
         region=_region(request) or principal.region,
     )
@@ -379,14 +379,18 @@ async def _start_shared(gw: GatewayContext, edge: Edge, turn_request: TurnReques
     return None, reply
 
 
-async def _attached_files(gw: GatewayContext, user: str, body: ChatCompletionRequest) -> list[str]:
-    """The files the request attaches, each the user's and ready (404 / 409 otherwise)."""
-    ids = file_ids(body)
-    if not ids:
-        return ids
+async def _attached_files(gw: GatewayContext, user: str, body: ChatCompletionRequest) -> dict[int, list[Attachment]]:
+    """The files each user message attaches, by its index in messages, each the user's and ready
+    (404 / 409 otherwise), as the message stores them."""
+    by_message = file_ids(body)
+    if not by_message:
+        return {}
     if gw.files is None:
         raise unavailable("Files are off on this server.", "files_unavailable")
-    for file_id in ids:
+    found: dict[str, Attachment] = {}
+    for file_id in (f for ids in by_message.values() for f in ids):
+        if file_id in found:
+            continue
         record = await gw.files.get(user, file_id)
         if record is None:
             raise not_found(f"No file {file_id!r}.", "file_id", "file_not_found")
@@ -394,7 +398,8 @@ async def _attached_files(gw: GatewayContext, user: str, body: ChatCompletionReq
             detail = f": {record.status_details}" if record.status_details else ""
             raise ApiError(409, f"File {file_id!r} is {record.status}{detail}; attach it once it is ready.",
                            param="file_id", code="file_not_ready")
-    return ids
+        found[file_id] = Attachment(file_id, record.filename, record.bytes, record.content_type)
+    return {i: [found[f] for f in ids] for i, ids in by_message.items()}
 
 
 def flagged_input(exc: InputFlagged) -> ApiError:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 from fastapi import APIRouter, Depends, Query, Request
+from pydantic import BaseModel, ConfigDict, Field
 
-from fairway.conversation import Conversation, Message
+from fairway.conversation import Attachment, Conversation, Message, Role
 from fairway.gateway.app_state import gateway
 from fairway.gateway.auth import authenticated, user_id
 from fairway.gateway.errors import error_responses, not_found
@@ -22,9 +24,57 @@ def _conversation(c: Conversation) -> dict[str, Any]:
             "created_at": c.created_at, "updated_at": c.updated_at}
 
 
-def _message(m: Message, job: dict[str, Any] | None = None, finish_reason: str | None = None) -> dict[str, Any]:
+class AttachmentOut(BaseModel):
+    """A file the user message attached, as it was when sent."""
+
+    file_id: str
+    filename: str
+    bytes: int
+    content_type: str
+    deleted: bool = Field(description="The file was deleted since: it is no longer in /v1/files, nor retrieved from.")
+
+
+class ConversationMessageOut(BaseModel):
+    model_config = ConfigDict(extra="allow")  # tool calls, usage, context...: as the message has them
+
+    id: str
+    object: str = "conversation.message"
+    role: str
+    content: str
+    status: str
+    created_at: float
+    attachments: list[AttachmentOut] | None = Field(
+        None, description="A user message's attached files, in the order it attached them (empty when none); "
+                          "absent on other roles' messages.")
+
+
+class ConversationOut(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    object: str = "conversation"
+    title: str
+    model: str
+    tier: str
+    created_at: float
+    updated_at: float
+    messages: list[ConversationMessageOut]
+
+
+def _attachment(a: Attachment, kept: Collection[str] | None) -> dict[str, Any]:
+    # A file deleted since stays listed, by name, and says so, rather than vanishing: the message
+    # did carry it (its answer may cite it), and a shorter list would misstate what was sent.
+    # kept is None when files are off on this server: nothing says any was deleted.
+    return {"file_id": a.file_id, "filename": a.filename, "bytes": a.bytes, "content_type": a.content_type,
+            "deleted": kept is not None and a.file_id not in kept}
+
+
+def _message(m: Message, job: dict[str, Any] | None = None, finish_reason: str | None = None,
+             kept: Collection[str] | None = None) -> dict[str, Any]:
     out: dict[str, Any] = {"id": m.id, "object": "conversation.message", "role": str(m.role), "content": m.text,
                            "status": str(m.status), "created_at": m.created_at}
+    if m.role == Role.USER:
+        out["attachments"] = [_attachment(a, kept) for a in m.attachments or ()]
     if m.flagged_categories:
         out["flagged_categories"] = list(m.flagged_categories)
     tools = m.tools or {}
@@ -60,19 +110,25 @@ async def list_conversations(
     return {"object": "list", "data": [_conversation(c) for c in found[:limit]], "has_more": len(found) > limit}
 
 
-@router.get("/v1/conversations/{conversation_id}", responses=error_responses(404))
+@router.get("/v1/conversations/{conversation_id}",
+            responses={200: {"model": ConversationOut, "description": "The conversation with its messages, oldest "
+                             "first: each user message with the files it attached."}, **error_responses(404)})
 async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
-    store = gateway(request).store
+    state = gateway(request)
+    store = state.store
     conversation = await store.get_conversation(conversation_id, user_id(request))
     if conversation is None:
         raise not_found(f"No conversation {conversation_id!r}.", "conversation_id", "conversation_not_found")
     messages = await store.list_messages(conversation.id)
+    attached = {a.file_id for m in messages for a in m.attachments or ()}
+    kept = await state.files.existing(conversation.user_id, attached) if state.files is not None else None
     jobs = await store.get_reply_jobs([m.reply_id for m in messages if m.reply_id])
     # The status alone does not say why a reply ended: one cut off by max_tokens (length) is
     # stored complete, as is one that ended by itself (stop).
     endings = await store.get_finish_reasons([m.reply_id for m in messages if m.reply_id])
     return {**_conversation(conversation),
-            "messages": [_message(m, jobs.get(m.reply_id or ""), endings.get(m.reply_id or "")) for m in messages]}
+            "messages": [_message(m, jobs.get(m.reply_id or ""), endings.get(m.reply_id or ""), kept)
+                         for m in messages]}
 
 
 @router.delete("/v1/conversations/{conversation_id}", responses=error_responses(404))

@@ -359,17 +359,18 @@ def file_part_id(part: dict[str, Any], where: str) -> str:
     return file_id
 
 
-def file_ids(request: ChatCompletionRequest) -> list[str]:
-    """The file ids the request's user messages attach, in order, once each."""
-    found: list[str] = []
+def file_ids(request: ChatCompletionRequest) -> dict[int, list[str]]:
+    """The file ids each of the request's user messages attaches, by its index in messages: in
+    order, once each (a message without files is left out)."""
+    found: dict[int, list[str]] = {}
     for i, message in enumerate(request.messages):
         if message.role != "user" or not isinstance(message.content, list):
             continue
         for j, part in enumerate(message.content):
             if part.get("type") in FILE_PARTS:
                 file_id = file_part_id(part, f"messages[{i}].content[{j}]")
-                if file_id not in found:
-                    found.append(file_id)
+                if file_id not in found.setdefault(i, []):
+                    found[i].append(file_id)
     return found
 
 
