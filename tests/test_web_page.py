@@ -503,9 +503,20 @@ def test_chat_page_attaches_a_file_cites_it_and_manages_memory(server, browser_c
     page.wait_for_selector("#messages .msg.assistant .sources >> nth=1")
     used = page.locator("#messages .msg.assistant .sources").all_text_contents()
     assert "report.pdf, chunk" in used[-2] and "notes.md, chunk" in used[-1], used
+    # and each message with the file it attached, as when it was sent
+    attached = [m.locator(".attached").all_text_contents() for m in page.locator("#messages .msg.user").all()]
+    assert attached[-2:] == [["Attached: report.pdf"], ["Attached: notes.md"]], attached
+    # a file deleted since is still named on its message, and said to be deleted
+    auth = {"Authorization": f"Bearer {KEY}"}
+    conversation_id = page.evaluate("decodeURIComponent(location.hash.slice(1))")
+    stored = httpx.get(f"{server}/v1/conversations/{conversation_id}", headers=auth).json()["messages"]
+    notes = next(a["file_id"] for m in stored for a in m.get("attachments", []) if a["filename"] == "notes.md")
+    assert httpx.delete(f"{server}/v1/files/{notes}", headers=auth).json()["deleted"] is True
+    page.reload()
+    page.wait_for_selector("#messages .msg.user .attached:has-text('notes.md (deleted)')")
+    assert page.locator("#messages .msg.user .attached").first.text_content() == "Attached: report.pdf"
 
     # The memory panel: lists what was learnt, deletes one, deletes all, turns memory off.
-    auth = {"Authorization": f"Bearer {KEY}"}
     chat = httpx.post(f"{server}/v1/chat/completions", headers=auth, timeout=120, json={
         "model": page.locator("#model-name").text_content(), "max_tokens": 2,
         "messages": [{"role": "user", "content": "I'm allergic to peanuts. My name is Ada."}]}).json()

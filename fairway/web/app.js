@@ -391,6 +391,18 @@ function messageElement(role, text, status, categories, finishReason = null) {
   return el;
 }
 
+/**
+ * The files a user message attached, under its text: as it is sent, and as a reopened
+ * conversation lists them (a file deleted since still named, and said to be).
+ */
+function attachedNote(files) {
+  const note = document.createElement('div');
+  note.className = 'attached';
+  // textContent: a file's name is the user's text, never markup.
+  note.textContent = `Attached: ${files.map((f) => (f.deleted ? `${f.name} (deleted)` : f.name)).join(', ')}`;
+  return note;
+}
+
 /** A reply's text, rendered; the text as written stays in data-source (rendering drops its marks). */
 function showMarkdown(body, text) {
   body.replaceChildren(Markdown.render(text));
@@ -719,6 +731,9 @@ async function openConversation(id, { fromUrl = false, attachTo = null, notice =
   for (const m of conversation.messages) {
     const el = messageElement(m.role, m.content, m.status, m.flagged_categories, m.finish_reason);
     if (m.reply_id) el.dataset.replyId = m.reply_id;
+    if (m.attachments && m.attachments.length) {
+      el.append(attachedNote(m.attachments.map((a) => ({ name: a.filename, deleted: a.deleted }))));
+    }
     const runs = storedRuns(m);
     if (runs.length) {
       const tools = document.createElement('div');
@@ -797,12 +812,7 @@ function maxTokens() {
 function send(text) {
   const files = state.attachments.filter((a) => a.status === 'ready');
   const userEl = messageElement('user', text, 'complete');
-  if (files.length) {
-    const note = document.createElement('div');
-    note.className = 'attached';
-    note.textContent = `Attached: ${files.map((f) => f.name).join(', ')}`;
-    userEl.append(note);
-  }
+  if (files.length) userEl.append(attachedNote(files));
   appendMessage(userEl);
   // Files alone are a message too: the server then gives the model the files' opening chunks.
   const content = files.length
