@@ -4,6 +4,7 @@ real model: a PDF's page-3 fact reaches the context of a conversation that attac
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import time
 from pathlib import Path
@@ -537,3 +538,35 @@ def test_a_reopened_conversation_lists_each_message_s_attached_files(server):
     schemas = documented["components"]["schemas"]
     assert "attachments" in schemas["ConversationMessageOut"]["properties"]
     assert set(schemas["AttachmentOut"]["required"]) == set(listed)
+
+
+def test_identical_requests_attaching_different_files_are_not_one_shared_generation(server):
+    """Identical greedy requests in flight together share one reply (single flight), but not when
+    they attach different files: each reply's context holds its own file's chunks."""
+    http = httpx.Client(base_url=server.url, headers=headers(), timeout=120)
+    ids = []
+    for name, text in (("north.txt", b"The north depot's gate code is 4471.\n"),
+                       ("south.txt", b"The south depot's gate code is 9035.\n")):
+        ids.append(http.post("/v1/files", files={"file": (name, text)}, data={"purpose": "user_data"}).json()["id"])
+    for file_id in ids:
+        wait_for(lambda file_id=file_id: http.get(f"/v1/files/{file_id}").json()["status"] == "ready", timeout=90)
+
+    def body(file_id: str) -> dict:
+        return {"model": MODEL, "stream": True, "temperature": 0, "max_tokens": 24, "ignore_eos": True,
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "What is the gate code?"},
+                                                          {"type": "file_url", "file_id": file_id}]}]}
+
+    async def together(*bodies: dict) -> list[tuple[str, str | None]]:
+        async with httpx.AsyncClient(base_url=server.url, headers=headers(), timeout=120) as client:
+            async def one(b: dict) -> tuple[str, str | None]:
+                async with client.stream("POST", "/v1/chat/completions", json=b) as r:
+                    assert r.status_code == 200, await r.aread()
+                    async for _ in r.aiter_lines():
+                        pass
+                    return r.headers["x-reply-id"], r.headers.get("x-shared-generation")
+            return await asyncio.gather(*(one(b) for b in bodies))
+
+    same = asyncio.run(together(body(ids[0]), body(ids[0])))
+    assert same[0][0] == same[1][0] and [s for _, s in same].count("true") == 1  # (they were in flight together)
+    different = asyncio.run(together(body(ids[0]), body(ids[1])))
+    assert different[0][0] != different[1][0] and not any(s for _, s in different)

@@ -295,7 +295,9 @@ async def chat_completions(request: Request) -> Any:
             turn = await _start_claimed(gw, edge, turn_request)
     elif (not turn_request.resume_only and not body.conversation_id and turn_request.tools is None
           and is_cacheable(body.temperature, body.n)):
+        # The attached files change the context (their chunks), so they are part of what is shared.
         edge.flight = flight_fingerprint(principal.user_id, body.model, turn_request.messages,
+                                         files=turn_request.file_ids,
                                          **{k: v for k, v in turn_request.sampling.items() if k != "temperature"})
         turn, reply = await _start_shared(gw, edge, turn_request)
         if reply is not None:
