@@ -286,6 +286,9 @@ def open_chat(browser_context, url: str):
     return page
 
 
+LONG_REPLY = 1200  # tokens: a reply a test stops while it runs
+
+
 def greedy(page) -> None:
     """The page's chat requests with temperature 0 (it sends none, so the server samples at 1.0):
     replies the same every run, which the servers' policy words are chosen against."""
@@ -364,7 +367,9 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     # Opened from the store, the story still says it was cut off.
     assert other.locator("#messages .msg.assistant .badge").all_text_contents() == ["cut off at the token limit"]
     # A reload mid-reply: the conversation comes back by itself and its reply goes on streaming.
-    send(page, "Now tell me a much longer story about a lighthouse keeper and the sea.", max_tokens=400)
+    # Long enough to be still running when the other tab stops it, on a fast CPU too (greedy, this
+    # story runs past 1,200 tokens; 400 could end during the reload below).
+    send(page, "Now tell me a much longer story about a lighthouse keeper and the sea.", max_tokens=LONG_REPLY)
     page.wait_for_selector("#messages .msg.assistant[data-reply-id] >> nth=1")
     before_reload = wait_for_text(page, 30)
     assert page.evaluate("location.hash") == f"#{conversation_id}"
@@ -402,7 +407,7 @@ def test_chat_page_streams_resumes_and_stops(server, proxy, browser_context, tmp
     assert reply_text(other.locator("#messages .msg.assistant").last) == stored["content"]
     assert other.locator("#status").is_hidden() and other.locator("#send").is_visible()
     other.close()
-    assert stored["usage"]["completion_tokens"] < 400
+    assert stored["usage"]["completion_tokens"] < LONG_REPLY
     assert page.locator("#send").is_visible() and page.locator("#stop").is_hidden()
     screenshot = Path(os.environ.get("FAIRWAY_WEB_SCREENSHOT", tmp_path / "chat-page.png"))
     page.screenshot(path=str(screenshot))
