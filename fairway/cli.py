@@ -203,12 +203,11 @@ class _ChatHistory:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    from fairway.conversation.context_builder import ContextBuilder
+    from fairway.conversation.context_builder import ContextBuilder, reply_max_tokens
     from fairway.engine import SamplingParams
 
     engine = _build(args)
-    # Unless told, the API's default: room for the prompt in a small window too.
-    max_tokens = args.max_tokens or min(CHAT_MAX_TOKENS, engine.max_model_len // 2)
+    max_tokens = args.max_tokens or reply_max_tokens(CHAT_MAX_TOKENS, engine.max_model_len)  # the API's rule
     system = [{"role": "system", "content": args.system}] if args.system else []
     history = _ChatHistory(ContextBuilder(engine.tokenizer, engine.max_model_len), max_tokens, system)
     print("Fairway chat with the bundled model. Empty line or Ctrl-D quits; Ctrl-C stops a reply.", file=sys.stderr)

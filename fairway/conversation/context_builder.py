@@ -65,6 +65,12 @@ class Context:
         return len(self.prompt_token_ids)
 
 
+def reply_max_tokens(default: int, window: int) -> int:
+    """A reply's max_tokens when the request sets none: the default, but at most half the window,
+    so a small window still has room for the prompt."""
+    return min(default, window // 2)
+
+
 def split_turns(history: Sequence[ChatMessage]) -> list[list[ChatMessage]]:
     """Whole turns: each starts at a user message and runs to the next one. Anything before the
     first user message (an assistant greeting) is a turn of its own."""

@@ -25,6 +25,7 @@ from fairway.conversation.context_builder import (
     Context,
     ContextBuilder,
     ContextTooLong,
+    reply_max_tokens,
 )
 from fairway.conversation.entities import (
     Attachment,
@@ -328,7 +329,7 @@ class ConversationService:
         if req.tools is not None and req.tools.code and all(r.sandbox_off for r in replicas):
             raise ToolUnavailable(f"Code execution is off on this server: {replicas[0].sandbox_off}.")
         window = min(r.max_model_len for r in replicas)
-        max_tokens = int(req.sampling.get("max_tokens") or min(self.settings.default_max_tokens, window // 2))
+        max_tokens = int(req.sampling.get("max_tokens") or reply_max_tokens(self.settings.default_max_tokens, window))
         if start.max_tokens_cap is not None:
             max_tokens = min(max_tokens, start.max_tokens_cap)
         new_conversation = conversation is None
