@@ -381,6 +381,26 @@ def test_metrics_in_prometheus_text(server, http):
     assert 'fairway:rate_limited_total{type="tokens"}' in text  # from the quota test (same process)
 
 
+def chat_requests(server) -> dict[tuple[str, str], float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    family = next((f for f in text_string_to_metric_families(text) if f.name == "fairway:chat_requests"), None)
+    return {(s.labels["status"], s.labels["outcome"]): s.value
+            for s in (family.samples if family else []) if s.name.endswith("_total")}
+
+
+def test_metrics_count_each_chat_request_by_what_it_got(server, http):
+    """An operator reads from fairway:chat_requests what the edge answered: a reply generated, a bad
+    request, a message the input check refused (none of which moved a token counter)."""
+    before = chat_requests(server)
+    assert http.post("/v1/chat/completions", json=chat_body("Say one.", max_tokens=2, stream=False)).status_code == 200
+    assert http.post("/v1/chat/completions", json={"model": MODEL, "messages": []}).status_code == 400
+    flagged = http.post("/v1/chat/completions", json=chat_body("I will kill you.", stream=False))
+    assert flagged.json()["error"]["code"] == "content_policy_violation"
+    after = chat_requests(server)
+    moved = {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+    assert moved == {("200", "generated"): 1, ("400", "empty_array"): 1, ("400", "content_policy_violation"): 1}
+
+
 def test_metrics_time_each_garbage_collection(server):
     def collections(generation: str) -> float:
         text = httpx.get(f"{server.url}/metrics", timeout=30).text

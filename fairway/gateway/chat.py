@@ -255,6 +255,18 @@ _ERRORS[503] = {**_ERRORS[503], "description": _ERRORS[503]["description"] + " C
                                              "chat.completion.chunk events (SSE)."},
                         **_ERRORS})
 async def chat_completions(request: Request) -> Any:
+    """Counted once whatever it answers (fairway:chat_requests): a refusal by its status and code."""
+    try:
+        response, outcome = await _chat_completions(request)
+    except ApiError as exc:
+        metrics.CHAT_REQUESTS.labels(str(exc.status), exc.code or exc.type).inc()
+        raise
+    metrics.CHAT_REQUESTS.labels("200", outcome).inc()
+    return response
+
+
+async def _chat_completions(request: Request) -> tuple[Any, str]:
+    """The response, and how it is served: generated, shared, replayed or resumed."""
     principal = await authenticate(request)
     gw = gateway(request)
     data, body = parse_chat(await request.body())
@@ -329,15 +341,18 @@ async def chat_completions(request: Request) -> Any:
     async def on_final(final: FinalEvent) -> None:
         await edge.on_final(reply.id, final)
 
+    outcome = ("resumed" if turn_request.resume_only else
+               "replayed" if "X-Idempotent-Replayed" in extra_headers else
+               "shared" if "X-Shared-Generation" in extra_headers else "generated")
     if not body.stream:
-        return JSONResponse(await gw.relay.complete(reply, view, on_final), headers=headers)
+        return JSONResponse(await gw.relay.complete(reply, view, on_final), headers=headers), outcome
     await gw.relay.check_after(reply, after)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     stream = gw.relay.sse(reply, view, after, include_usage, on_final, connection_of(request.scope))
     streams = metrics.ACTIVE_STREAMS.labels(body.model)
     streams.inc()
     add_cleanup(request, streams.dec)
-    return EventStream(stream, headers={**SSE_HEADERS, **headers})
+    return EventStream(stream, headers={**SSE_HEADERS, **headers}), outcome
 
 
 async def _start_claimed(gw: GatewayContext, edge: Edge, turn_request: TurnRequest) -> Turn:

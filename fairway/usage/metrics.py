@@ -4,8 +4,10 @@ Where each is measured:
 * replica (where the tokens happen): time to first token, inter-token latency, end-to-end
   latency, prompt and generation tokens (labels model, tier), and the engine's own counters,
   read from each engine's last EngineStats when scraped (labels model, replica);
-* gateway: active SSE streams (label model), requests refused by a limit (label type), and the
-  router's placements (labels model, reason).
+* gateway: chat requests by HTTP status and outcome (each request once, a shared generation's
+  too: tokens and latencies above count generations, this counts requests), active SSE streams
+  (label model), requests refused by a limit (label type), and the router's placements (labels
+  model, reason).
 
 The embedded server (`fairway serve`) has both in one process: its /metrics shows everything. At
 scale each gateway serves its own /metrics, and each replica process serves its own on its health
@@ -44,6 +46,11 @@ E2E_REQUEST_LATENCY = Histogram("fairway:e2e_request_latency_seconds",
                                 buckets=E2E_BUCKETS)
 PROMPT_TOKENS = Counter("fairway:prompt_tokens", "Prompt tokens of finished replies.", ["model", "tier"])
 GENERATION_TOKENS = Counter("fairway:generation_tokens", "Generated tokens.", ["model", "tier"])
+CHAT_REQUESTS = Counter("fairway:chat_requests", "Chat completion requests this gateway answered, by HTTP status "
+                        "and outcome: generated (a generation of its own), shared (single flight: an identical "
+                        "request's generation), replayed (an idempotent resend), resumed (last_received_token_index), "
+                        "else the error's code.",
+                        ["status", "outcome"])
 ACTIVE_STREAMS = Gauge("fairway:active_streams", "SSE streams this gateway is sending now.", ["model"])
 ROUTER_PLACEMENTS = Counter("fairway:router_placements", "Replies placed by this gateway's router, by why that "
                             "replica: affinity (the most cached prefix), overflow (the best-scoring one was "
