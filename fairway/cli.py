@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from fairway.domain import Tier
 from fairway.models.bundled import ModelFileError
+from fairway.models.config import ALLOW_LONG_MAX_MODEL_LEN
 from fairway.models.weights import WEIGHTS
 from fairway.server_gc import settle_heap
 
@@ -859,7 +860,9 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
 
 def _max_model_len_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=_model_len, default=None,
-                   help=f"cap the context window (tokens, at least {MIN_MODEL_LEN})")
+                   help=f"cap the context window (tokens, at least {MIN_MODEL_LEN}; at most the model's context "
+                        f"length, unless {ALLOW_LONG_MAX_MODEL_LEN}=1 in the environment: past its trained positions "
+                        "a reply is likely garbage)")
 
 
 def _fleet_args(sub) -> None:
@@ -1045,6 +1048,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _check_window(args: argparse.Namespace) -> None:
+    """--max-model-len against each model the command loads, from its metadata before the load
+    (LlamaConfig.window: a ValueError past the model's context length, one line from main)."""
+    if getattr(args, "max_model_len", None) is None:
+        return
+    from fairway.models.bundled import bundled_model_path
+    from fairway.models.loader import read_config
+
+    mini = getattr(args, "mini_model", None)  # (serve's mini pool runs in the same window)
+    for model in [args.model, *([mini] if mini else [])]:
+        path = Path(model) if model and model != "bundled" else bundled_model_path()
+        read_config(path).window(args.max_model_len, "--max-model-len")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -1052,6 +1069,7 @@ def main(argv: list[str] | None = None) -> int:
             from fairway.engine.device import check_device
 
             check_device(args.device)
+        _check_window(args)
         return args.func(args)
     except ModelFileError as exc:
         print(f"fairway: {exc}", file=sys.stderr)

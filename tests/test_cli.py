@@ -84,6 +84,35 @@ def test_numbers_in_range_are_taken():
     assert (replica.health_port, replica.drain_grace, replica.max_model_len) == (0, 0.0, 128)
 
 
+@pytest.mark.parametrize("argv", [["chat"], ["serve", "--port", "1"], ["replica", *REDIS]])
+def test_a_window_past_the_models_context_length_is_refused_before_the_load(argv):
+    """The bundled model is trained on 8,192 positions, its RoPE table as long: a longer
+    --max-model-len was taken, and a prompt past 8,192 tokens read the table out of its bounds
+    (the reply was "-----")."""
+    out = fairway(*argv, "--max-model-len", "20000", timeout=30)
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr == ("fairway: --max-model-len 20000 is longer than the model's context length of 8192 tokens "
+                          "(its trained positions, the size of its RoPE table): use at most 8192, or set "
+                          "FAIRWAY_ALLOW_LONG_MAX_MODEL_LEN=1 to run past it, with replies likely garbage there\n")
+
+
+def test_a_window_past_the_models_context_length_runs_when_allowed(tiny_model, monkeypatch):
+    """With the override the engine takes the window and its RoPE tables cover it: a prompt past
+    the trained positions is answered, not read out of the tables' bounds."""
+    from fairway.engine import EngineConfig, LLMEngine
+
+    trained = tiny_model.cfg.max_position_embeddings
+    config = EngineConfig(max_model_len=trained * 2, bound_step_time=False, speculative=None)
+    with pytest.raises(ValueError, match=f"context length of {trained} tokens"):
+        LLMEngine(tiny_model, config)
+    monkeypatch.setenv("FAIRWAY_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    engine = LLMEngine(tiny_model, config)
+    assert engine.max_model_len == trained * 2 and tiny_model.rotary.positions >= trained * 2
+    engine.add_request("long", [1] * (trained + 16), SamplingParams(max_tokens=2))
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_a_zero_keepalive_gateway_exits_at_once_with_one_line():
     """It flooded every stream with keepalives and then ignored SIGINT/SIGTERM."""
     out = fairway(*GATEWAY, "--keepalive", "0")

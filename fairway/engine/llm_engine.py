@@ -68,7 +68,10 @@ class LLMEngine:
         c = self.config
         self.model = model
         self.tokenizer = tokenizer
-        self.max_model_len = c.max_model_len or model.cfg.max_position_embeddings
+        self.max_model_len = model.cfg.window(c.max_model_len)  # (past the model's: ValueError, unless allowed)
+        for m in (model, draft_model):  # an allowed longer window: RoPE tables that cover it
+            if m is not None:
+                m.rotary = m.rotary.covering(self.max_model_len)
         self.kv = KVCacheManager(c.num_kv_blocks, c.block_size, c.reserve_blocks, c.enable_prefix_caching)
         if runner is None and model.embed_tokens.weight.device.type == "cuda":
             runner = GPUModelRunner(model, c.num_kv_blocks, c.block_size, c.max_num_seqs, self.max_model_len,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
+
+# vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN: a window past the model's trained positions, asked for knowingly.
+ALLOW_LONG_MAX_MODEL_LEN = "FAIRWAY_ALLOW_LONG_MAX_MODEL_LEN"
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,19 @@ class LlamaConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+    def window(self, requested: int | None, option: str = "max_model_len") -> int:
+        """The context window: requested, else the model's. A window past the positions the model
+        was trained on (its RoPE table's size) is a ValueError unless ALLOW_LONG_MAX_MODEL_LEN=1:
+        past them the table was read out of its bounds, and the replies were garbage."""
+        trained = self.max_position_embeddings
+        if requested is None:
+            return trained
+        if requested > trained and os.environ.get(ALLOW_LONG_MAX_MODEL_LEN) != "1":
+            raise ValueError(f"{option} {requested} is longer than the model's context length of {trained} tokens "
+                             f"(its trained positions, the size of its RoPE table): use at most {trained}, or set "
+                             f"{ALLOW_LONG_MAX_MODEL_LEN}=1 to run past it, with replies likely garbage there")
+        return requested
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> LlamaConfig:

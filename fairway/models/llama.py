@@ -47,11 +47,24 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float) -> None:
         super().__init__()
+        self.theta = theta
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+
+    @property
+    def positions(self) -> int:
+        return self.cos.shape[0]
+
+    def covering(self, positions: int) -> RotaryEmbedding:
+        """These tables, or longer ones (same dtype and device) with at least `positions` rows: a
+        window past the trained positions (LlamaConfig.window's override) is never read out of bounds."""
+        if positions <= self.positions:
+            return self
+        longer = RotaryEmbedding(self.cos.shape[1], positions, self.theta)
+        return longer.to(device=self.cos.device, dtype=self.cos.dtype)
 
     def batch(self, positions: torch.Tensor, dtype: torch.dtype, native: bool) -> RopeBatch:
         if native:  # the kernel reads the tables by position itself

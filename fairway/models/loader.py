@@ -176,6 +176,26 @@ def stored_tensors(path: Path) -> dict[str, StoredTensor]:
     return layout
 
 
+def read_config(path: Path) -> LlamaConfig:
+    """A model's shape alone, without its weights (a GGUF's metadata, a folder's config.json): what
+    the command line checks its options against before the load."""
+    if not path.exists():
+        raise ModelFileError(f"model file {path} does not exist: pass a .gguf file or a Hugging Face folder")
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelFileError(f"model folder {path} needs config.json and *.safetensors files")
+        return LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    import gguf
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as exc:
+        raise ModelFileError(f"model file {path} is not a readable GGUF file ({exc}): "
+                             "re-download or reinstall it") from exc
+    return gguf_config(reader)
+
+
 def read_gguf_cached(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     """Dequantize a GGUF once; later loads read the float32 safetensors cache (memory-mapped)."""
     from safetensors.torch import load_file, save_file
