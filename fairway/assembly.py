@@ -262,7 +262,8 @@ def gateway_context(
         context.on_startup.append(files.init)
         context.on_shutdown.append(files.close)
     recorder = ReplyRecorder(store, relay.inbox, launched=service.launched)
-    recorder.on_finished.append(Accounting(store, limits, options.pricing, service.launched).on_finished)
+    context.accounting = Accounting(store, limits, options.pricing, service.launched)
+    recorder.on_finished.append(context.accounting.on_finished)
 
     async def store_keys() -> None:
         for key, user, tier in options.api_keys:

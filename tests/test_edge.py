@@ -278,6 +278,33 @@ def test_identical_cacheable_requests_share_one_generation(server):
     assert sampled[0].json()["id"] != sampled[1].json()["id"]
 
 
+def test_each_request_sharing_a_generation_is_billed_as_a_request(server):
+    """Single flight saves the generation, not the bill: two identical requests are two requests in
+    GET /v1/usage, each with the tokens its response's usage reports, as OpenAI bills them; the
+    token metrics count the one generation, fairway:chat_requests both requests."""
+    def totals() -> dict:
+        return httpx.get(f"{server.url}/v1/usage", headers=auth(OTHER_KEY), timeout=30).json()["totals"]
+
+    def prompt_tokens() -> float:
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        family = next(f for f in text_string_to_metric_families(text) if f.name == "fairway:prompt_tokens")
+        return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+    before, tokens_before, requests_before = totals(), prompt_tokens(), chat_requests(server)
+    body = chat_body(f"Spell the word {uuid.uuid4().hex[:6]}.", max_tokens=12, stream=False, ignore_eos=True)
+    responses = post_all(server, [(body, auth(OTHER_KEY))] * 2)
+    assert [r.headers.get("x-shared-generation") for r in responses].count("true") == 1
+    usage = responses[0].json()["usage"]
+    assert responses[1].json()["usage"] == usage
+    after = wait_for(lambda: (t := totals())["requests"] == before["requests"] + 2 and t)
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        assert after[key] - before[key] == 2 * usage[key], key
+    assert after["cost"] > before["cost"]
+    assert prompt_tokens() - tokens_before == usage["prompt_tokens"]  # generated once
+    moved = {k: v - requests_before.get(k, 0) for k, v in chat_requests(server).items()}
+    assert moved[("200", "generated")] == 1 and moved[("200", "shared")] == 1
+
+
 def test_admission_queue_waits_then_refuses_with_retry_after(server, http):
     from fairway.limits import Admission
 

@@ -16,6 +16,7 @@ from fairway.limits import Limits
 from fairway.relay import TokenLog
 from fairway.router import Router
 from fairway.safety import Moderator
+from fairway.usage.accounting import Accounting
 
 if TYPE_CHECKING:  # memory and files load the embedding model's libraries only where configured
     from fairway.files import FileService
@@ -37,6 +38,7 @@ class GatewayContext:
     memory_off_reason: str | None = None
     files: FileService | None = None
     moderator: Moderator | None = None  # /v1/moderations (the service's input check has its own reference)
+    accounting: Accounting | None = None  # bills the requests that shared another's generation
     on_startup: list[Hook] = field(default_factory=list)  # e.g. store.init, the recorder, an embedded replica
     on_shutdown: list[Hook] = field(default_factory=list)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
+import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -101,6 +103,8 @@ class Edge:
         self.reservation: Reservation | None = None
         self.key: str | None = None  # the idempotency key this request claimed
         self.flight: str | None = None  # the single-flight fingerprint, when cacheable
+        self.follows = False  # single flight: this request is served another's generation, billed on its own
+        self.started = time.monotonic()
 
     # -- limits ----------------------------------------------------------------------------------
 
@@ -179,13 +183,25 @@ class Edge:
         raise ApiError(409, "A request with this idempotency key is still being started; retry shortly.",
                        param="X-Idempotency-Key", code="idempotency_key_in_use", headers={"Retry-After": "1"})
 
-    async def on_final(self, reply_id: str, final: FinalEvent) -> None:
-        """At the final event, before [DONE]: stop sharing the reply, mark the key complete. (The
-        accounting hook does both too, for replies nobody watched to the end.)"""
+    async def on_final(self, reply_id: str, final: FinalEvent, model: str) -> None:
+        """At the final event, before [DONE]: stop sharing the reply, mark the key complete (the
+        accounting hook does both too, for replies nobody watched to the end), bill a follower."""
         if self.flight:
             await self.limits.flights.finish(self.flight, reply_id)
         if self.key:
             await self.limits.idempotency.complete(self.user, self.key)
+        if self.follows and self.gw.accounting is not None:
+            await self._bill_shared(reply_id, final, model)
+
+    async def _bill_shared(self, reply_id: str, final: FinalEvent, model: str) -> None:
+        """A follower is a request of its own (usage/accounting.py): billed once it has the reply's
+        end. A store that fails here costs the bill, not the client's answer."""
+        assert self.gw.accounting is not None
+        try:
+            await self.gw.accounting.shared(reply_id, uuid.uuid4().hex[:16], self.user, self.principal.tier,
+                                            model, final, time.monotonic() - self.started)
+        except Exception:
+            log.warning("reply %s: could not record a shared request's usage", reply_id, exc_info=True)
 
 
 # The body is parsed by parse_chat and the headers read from the request, not by FastAPI: stated
@@ -339,7 +355,7 @@ async def _chat_completions(request: Request) -> tuple[Any, str]:
             headers["X-Fairway-Fallback"] = str(context["fallback"])
 
     async def on_final(final: FinalEvent) -> None:
-        await edge.on_final(reply.id, final)
+        await edge.on_final(reply.id, final, served)
 
     outcome = ("resumed" if turn_request.resume_only else
                "replayed" if "X-Idempotent-Replayed" in extra_headers else
@@ -393,6 +409,7 @@ async def _start_shared(gw: GatewayContext, edge: Edge, turn_request: TurnReques
         edge.flight = None
         return await _start(gw.service, turn_request), None
     edge.flight = None  # a follower neither finishes the flight nor holds a reservation
+    edge.follows = True
     return None, reply
 
 

@@ -8,6 +8,11 @@ restarted reply) a no-op for the quota too.
 What the gateway knew at admission travels with the reply, in the stored job's "meta": the user,
 the tier, the reservation (window key, bucket, tokens), the idempotency key and the single-flight
 fingerprint.
+
+Single flight: identical requests share one generation, but each is a request, billed as OpenAI
+bills each request. The leader's is the reply's record; each follower that receives the reply's
+end gets a record of its own (`shared`), keyed by the reply and the follower's request, with the
+reply's usage (what its response's `usage` says). The token metrics count the generation once.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from fairway.conversation import ConversationStore, UsageRecord
 from fairway.conversation.entities import new_id, now
 from fairway.conversation.launched import LaunchedReplies
 from fairway.limits import Limits, LimitsError, Reservation, WindowState
+from fairway.relay import FinalEvent
 from fairway.replica.report import ReplyReport
 from fairway.usage.pricing import Pricing
 
@@ -37,6 +43,11 @@ def reservation_meta(reservation: Reservation) -> dict[str, Any]:
 def reservation_from_meta(user: str, model: str, tier: str, quota: dict[str, Any]) -> Reservation:
     return Reservation(user, model, tier, int(quota["tokens"]), WindowState(0, 0, 0.0), int(quota["bucket"]),
                        str(quota["key"]))
+
+
+def _failed(report: ReplyReport) -> bool:
+    """A failed or shed reply is not billed."""
+    return report.error is not None or report.state == "SHED"
 
 
 class Accounting:
@@ -67,25 +78,8 @@ class Accounting:
                 continue  # not submitted through the edge (a test, or a reply from before keys)
             model = str(job.get("model", ""))
             tier = str(meta.get("tier") or "")
-            failed = report.error is not None or report.state == "SHED"
-            records.append(UsageRecord(
-                id=new_id("usage"),
-                reply_id=report.reply_id,
-                user_id=user,
-                model=model,
-                tier=tier,
-                prompt_tokens=report.prompt_tokens,
-                cached_tokens=report.cached_tokens,
-                completion_tokens=report.completion_tokens,
-                ttft_s=report.ttft_s,
-                duration_s=report.duration_s,
-                finish_reason="error" if report.error else (report.finish_reason or report.state.lower()),
-                # A failed or shed reply is not billed (and its reservation is released below).
-                cost=0.0 if failed else self.pricing.cost(model, report.prompt_tokens, report.cached_tokens,
-                                                          report.completion_tokens),
-                created_at=ts,
-                day=utc_day(ts),
-            ))
+            failed = _failed(report)
+            records.append(self._record(report.reply_id, user, model, tier, report, failed, ts))
             ends.append((meta, user, model, tier, report, failed))
         if not records:
             return
@@ -98,6 +92,37 @@ class Accounting:
             except LimitsError:
                 # The reservation ages out of its window within a minute: over-counted, never under.
                 log.warning("reply %s: could not settle its limits", report.reply_id, exc_info=True)
+
+    async def shared(self, reply_id: str, request_id: str, user: str, tier: str, model: str, final: FinalEvent,
+                     duration_s: float) -> None:
+        """Bill a request that followed another's generation (single flight) with the usage its
+        response reported; request_id tells it apart from the reply's own record."""
+        usage = ReplyReport("finished", reply_id, "", state=str(final.state), finish_reason=str(final.finish_reason),
+                            prompt_tokens=final.prompt_tokens, cached_tokens=final.cached_tokens,
+                            completion_tokens=final.completion_tokens, error=final.error, duration_s=duration_s)
+        await self.store.add_usage_many([self._record(f"{reply_id}+{request_id}", user, model, tier, usage,
+                                                      _failed(usage), now())])
+
+    def _record(self, key: str, user: str, model: str, tier: str, report: ReplyReport, failed: bool,
+                ts: float) -> UsageRecord:
+        return UsageRecord(
+            id=new_id("usage"),
+            reply_id=key,
+            user_id=user,
+            model=model,
+            tier=tier,
+            prompt_tokens=report.prompt_tokens,
+            cached_tokens=report.cached_tokens,
+            completion_tokens=report.completion_tokens,
+            ttft_s=report.ttft_s,
+            duration_s=report.duration_s,
+            finish_reason="error" if report.error else (report.finish_reason or report.state.lower()),
+            # A failed or shed reply is not billed (and its reservation is released by on_finished).
+            cost=0.0 if failed else self.pricing.cost(model, report.prompt_tokens, report.cached_tokens,
+                                                      report.completion_tokens),
+            created_at=ts,
+            day=utc_day(ts),
+        )
 
     async def _close(self, meta: dict[str, Any], user: str, model: str, tier: str, report: ReplyReport,
                      failed: bool) -> None:
