@@ -116,6 +116,23 @@ def _folder(value: str) -> Path:
     return path
 
 
+def _model_file(value: str) -> str:
+    """--model: a .gguf file or a Hugging Face folder (with its config.json). A missing one was a
+    traceback in the gateway, and in serve and replica a late exit 1 after the servers' checks."""
+    path = Path(value)
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"{value!r} does not exist: pass a .gguf file or a Hugging Face folder")
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{value!r} is a folder without config.json: pass a .gguf file or a "
+                                         "Hugging Face folder")
+    return value
+
+
+def _mini_model(value: str) -> str:
+    """--mini-model: a model (_model_file), or 'bundled'."""
+    return value if value == "bundled" else _model_file(value)
+
+
 def _files(value: str) -> str:
     """--files: an s3://bucket as given, else a folder (_folder)."""
     return value if value.startswith("s3://") else str(_folder(value))
@@ -135,7 +152,7 @@ def _model_len(value: str) -> int:
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face folder (default: bundled SmolLM2)")
+    p.add_argument("--model", type=_model_file, default=None, help="a .gguf file or Hugging Face folder (default: bundled SmolLM2)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
                    help="activations and KV cache (and the weights, where they are not run as stored)")
     p.add_argument("--weights", default="auto", choices=list(WEIGHTS),
@@ -810,7 +827,7 @@ def _pressure_args(p: argparse.ArgumentParser) -> None:
                         "pool serves it), shorten (at most --shorter-max-tokens)")
     g.add_argument("--shorter-max-tokens", type=_count, default=default.shorter_max_tokens, metavar="N",
                    help=f"the most tokens a free reply gets under shorten (default {default.shorter_max_tokens})")
-    g.add_argument("--mini-model", default=None, metavar="PATH",
+    g.add_argument("--mini-model", type=_mini_model, default=None, metavar="PATH",
                    help="the mini pool's model (a .gguf file or Hugging Face folder, or 'bundled'): its replicas "
                         "run `fairway replica --model PATH --mini-of MAIN`")
     g.add_argument("--no-mini-past-quota", action="store_true",
@@ -962,7 +979,7 @@ def build_parser() -> argparse.ArgumentParser:
                     default=os.environ.get("FAIRWAY_REDIS_URL"), help="redis://host:port/db")
     gw.add_argument("--database", required=not os.environ.get("FAIRWAY_DATABASE_URL"),
                     default=os.environ.get("FAIRWAY_DATABASE_URL"), help="postgresql://user@host/db (or sqlite://)")
-    gw.add_argument("--model", default=None, help="the model whose tokenizer builds prompts (default: bundled)")
+    gw.add_argument("--model", type=_model_file, default=None, help="the model whose tokenizer builds prompts (default: bundled)")
     gw.add_argument("--reuse-port", action="store_true", help="share the port with other gateway processes (SO_REUSEPORT)")
     gw.add_argument("--default-max-tokens", type=_count, default=512,
                     help="a reply's max_tokens when the request gives none (default 512)")
@@ -1071,9 +1088,9 @@ def main(argv: list[str] | None = None) -> int:
             check_device(args.device)
         _check_window(args)
         return args.func(args)
-    except ModelFileError as exc:
+    except ModelFileError as exc:  # a model file that is no model: refused at start, as a bad option is
         print(f"fairway: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except ValueError as exc:  # bad sampling parameters and the like: one line, no traceback
         print(f"fairway: {exc}", file=sys.stderr)
         return 2

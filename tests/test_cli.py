@@ -113,6 +113,27 @@ def test_a_window_past_the_models_context_length_runs_when_allowed(tiny_model, m
         engine.step()
 
 
+@pytest.mark.parametrize("argv", [["serve"], ["replica", *REDIS], GATEWAY, ["chat"], ["serve", "--mini-model"]])
+def test_a_model_that_is_not_there_is_refused_at_parsing(argv, tmp_path, capsys):
+    """A missing --model was a FileNotFoundError traceback in the gateway, and serve and the
+    replica exited 1 only after their server checks; a folder without config.json the same."""
+    missing = tmp_path / "no-such-model.gguf"
+    flag = argv[-1] if argv[-1].startswith("--") else "--model"
+    argv = argv if flag != "--mini-model" else argv[:-1]
+    assert refused([*argv, flag, str(missing)], capsys).endswith(
+        f"argument {flag}: '{missing}' does not exist: pass a .gguf file or a Hugging Face folder")
+    assert refused([*argv, flag, str(tmp_path)], capsys).endswith(
+        f"argument {flag}: '{tmp_path}' is a folder without config.json: pass a .gguf file or a Hugging Face folder")
+
+
+def test_a_model_file_that_is_no_model_is_one_line_and_exit_2(tmp_path):
+    notes = tmp_path / "notes.gguf"
+    notes.write_text("not a model\n" * 100)
+    out = fairway("generate", "--prompt", "x", "--model", str(notes))
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1, out
+    assert out.stderr.startswith(f"fairway: model file {notes} is not a readable GGUF file"), out
+
+
 def test_a_zero_keepalive_gateway_exits_at_once_with_one_line():
     """It flooded every stream with keepalives and then ignored SIGINT/SIGTERM."""
     out = fairway(*GATEWAY, "--keepalive", "0")
@@ -424,12 +445,13 @@ def test_keys_without_a_subcommand_names_them(capsys):
 
 
 def test_a_malformed_safety_policy_is_reported_before_the_model_loads(tmp_path):
-    """The policy is read first: its one-line error comes at once (here the model named does not
-    even exist, so an error about the model would mean the policy was read after it)."""
+    """The policy is read first: its one-line error comes at once (here the model named is no
+    model, so an error about the model would mean the policy was read after it)."""
     policy = tmp_path / "policy.toml"
     policy.write_text('thresholds = "x"\n')
-    done = fairway("serve", "--safety-policy", str(policy), "--model", str(tmp_path / "no-such-model.gguf"),
-                   "--port", "1")
+    not_a_model = tmp_path / "not-a-model.gguf"
+    not_a_model.write_text("not a model\n")
+    done = fairway("serve", "--safety-policy", str(policy), "--model", str(not_a_model), "--port", "1")
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert "policy.toml" in last and "[thresholds] must be a table" in last, done.stderr
