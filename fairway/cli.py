@@ -401,15 +401,20 @@ def _safety_settings(args: argparse.Namespace):
                           profanity_model=not getattr(args, "no_profanity_model", False))
 
 
-def _serve_app(app, args: argparse.Namespace) -> int:
-    # --reuse-port: several gateway processes listen on one port and the kernel spreads the
-    # connections over them (`fairway up`).
+def _listen(args: argparse.Namespace) -> socket.socket | None:
+    """The API's listening socket, bound before the model loads: a port another program holds, or
+    an unknown host, was found only once the server had started (uvicorn's several lines, exit 3).
+    None, said in one line, where it cannot listen. --reuse-port: several gateway processes listen
+    on one port and the kernel spreads the connections over them (`fairway up`)."""
     try:
-        sockets = [_reuse_port_socket(args.host, args.port)] if getattr(args, "reuse_port", False) else None
-    except OSError as exc:  # a port another program holds, an unknown host: one line, as uvicorn's own bind says it
+        return _listening_socket(args.host, args.port, reuse_port=getattr(args, "reuse_port", False))
+    except OSError as exc:
         print(f"fairway {args.command}: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
               file=sys.stderr)
-        return 3
+        return None
+
+
+def _serve_app(app, args: argparse.Namespace, sock: socket.socket) -> int:
     import uvicorn
 
     from fairway.gateway.http_protocol import server_config
@@ -417,15 +422,16 @@ def _serve_app(app, args: argparse.Namespace) -> int:
     server = uvicorn.Server(server_config(app, args.host, args.port, args.log_level, timeout_graceful_shutdown=5))
     settle_heap()  # a server process from here on (fairway/server_gc.py)
     with contextlib.suppress(KeyboardInterrupt):  # Ctrl+C: uvicorn re-raises it once shut down
-        server.run(sockets=sockets)
-    return 0 if server.started else 3  # 3: did not start (e.g. the port is taken), as uvicorn.run() exits
+        server.run(sockets=[sock])
+    return 0 if server.started else 3  # 3: did not start, as uvicorn.run() exits
 
 
-def _reuse_port_socket(host: str, port: int) -> socket.socket:
+def _listening_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # (as uvicorn's own bind)
+        if reuse_port:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind((host, port))
         sock.listen(2048)
     except OSError:
@@ -464,7 +470,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from fairway.assembly import embedded_app
 
     options = _server_options(args)
-    if not _servers_answer("serve", database=options.database):
+    if not _servers_answer("serve", database=options.database) or (sock := _listen(args)) is None:
         return 2
     key = _dev_key()
     options.api_keys.append((key, DEV_USER, "paid"))
@@ -474,16 +480,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     print(f"Fairway: chat page on {url}/ , OpenAI-compatible API on {url}/v1", file=sys.stderr)
     print(f"Fairway: development key (user {DEV_USER!r}, tier paid; more with `fairway keys create`):", file=sys.stderr)
     print(key, file=sys.stderr, flush=True)
-    return _serve_app(app, args)
+    return _serve_app(app, args, sock)
 
 
 def cmd_gateway(args: argparse.Namespace) -> int:
     from fairway.assembly import gateway_app
 
     options = _server_options(args)  # (its own errors first: one line each)
-    if not _servers_answer("gateway", redis=options.redis, database=options.database):
+    if not _servers_answer("gateway", redis=options.redis, database=options.database) or (sock := _listen(args)) is None:
         return 2
-    return _serve_app(gateway_app(options), args)
+    return _serve_app(gateway_app(options), args, sock)
 
 
 def cmd_replica(args: argparse.Namespace) -> int:

@@ -388,18 +388,23 @@ def test_a_files_folder_is_made_and_a_bucket_taken_as_it_is(tmp_path):
     assert build_parser().parse_args([*GATEWAY, "--files", "s3://bucket"]).files == "s3://bucket"
 
 
-def test_a_reuse_port_gateway_on_a_taken_port_is_one_line(capsys):
-    """`fairway up`'s gateways bind with SO_REUSEPORT themselves: a port another program held was
-    an OSError traceback (uvicorn's own bind, without --reuse-port, says it in one line)."""
-    from fairway.cli import _serve_app
-
+@pytest.mark.parametrize("command", [["serve"], ["gateway", "--redis", "redis://127.0.0.1:6379/0"],
+                                     ["gateway", "--redis", "redis://127.0.0.1:6379/0", "--reuse-port"]])
+def test_a_taken_port_or_an_unknown_host_is_one_line_before_the_model_loads(command, tmp_path):
+    """The API's port is bound at start: one held by another program was found only once the
+    server had loaded the model and started (uvicorn's lines, exit 3), and `fairway up`'s
+    SO_REUSEPORT gateways' bind was an OSError traceback once."""
+    database = ["--database", f"sqlite:///{tmp_path / 'fairway.db'}"]
     with socket.socket() as other:
         other.bind(("127.0.0.1", 0))
         other.listen()
         port = other.getsockname()[1]
-        args = build_parser().parse_args([*GATEWAY, "--reuse-port", "--port", str(port)])
-        assert _serve_app(None, args) == 3
-    assert capsys.readouterr().err == f"fairway gateway: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+        taken = fairway(*command, *database, "--port", str(port), timeout=30)
+    assert taken.returncode == 2 and taken.stdout == "", taken
+    assert taken.stderr == f"fairway {command[0]}: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    unknown = fairway(*command, *database, "--host", "no-such-host.invalid", "--port", "8000", timeout=30)
+    assert unknown.returncode == 2 and unknown.stderr.count("\n") == 1, unknown
+    assert unknown.stderr.startswith(f"fairway {command[0]}: cannot listen on no-such-host.invalid:8000: "), unknown
 
 
 def test_fleet_without_kubernetes_credentials_is_one_line(tmp_path, capsys):
