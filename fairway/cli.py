@@ -401,16 +401,16 @@ def _safety_settings(args: argparse.Namespace):
                           profanity_model=not getattr(args, "no_profanity_model", False))
 
 
-def _listen(args: argparse.Namespace) -> socket.socket | None:
-    """The API's listening socket, bound before the model loads: a port another program holds, or
-    an unknown host, was found only once the server had started (uvicorn's several lines, exit 3).
-    None, said in one line, where it cannot listen. --reuse-port: several gateway processes listen
-    on one port and the kernel spreads the connections over them (`fairway up`)."""
+def _listen(args: argparse.Namespace, host: str | None = None, port: int | None = None) -> socket.socket | None:
+    """The API's listening socket (or host:port's), bound before the model loads: a port another
+    program holds, or an unknown host, was found only once the server had started (uvicorn's
+    several lines, exit 3). None, said in one line, where it cannot listen. --reuse-port: several
+    gateway processes listen on one port and the kernel spreads the connections over them (`fairway up`)."""
+    host, port = host or args.host, args.port if port is None else port
     try:
-        return _listening_socket(args.host, args.port, reuse_port=getattr(args, "reuse_port", False))
+        return _listening_socket(host, port, reuse_port=getattr(args, "reuse_port", False))
     except OSError as exc:
-        print(f"fairway {args.command}: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}",
-              file=sys.stderr)
+        print(f"fairway {args.command}: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return None
 
 
@@ -504,6 +504,11 @@ def cmd_replica(args: argparse.Namespace) -> int:
     options = _server_options(args)
     if not _servers_answer("replica", redis=options.redis):
         return 2
+    # The health server binds once the model is loaded (replica/health.py), where a taken port was a
+    # traceback: tried here first, in one line (a port taken during the load still fails there).
+    if (health := _listen(args, args.health_host, args.health_port)) is None:
+        return 2
+    health.close()
 
     async def main() -> None:
         # SIGTERM (the supervisor, Kubernetes) or Ctrl-C drains: the replica leaves routing at

@@ -407,6 +407,18 @@ def test_a_taken_port_or_an_unknown_host_is_one_line_before_the_model_loads(comm
     assert unknown.stderr.startswith(f"fairway {command[0]}: cannot listen on no-such-host.invalid:8000: "), unknown
 
 
+def test_a_replicas_taken_health_port_is_one_line_before_the_model_loads():
+    """It was an OSError traceback once the model had loaded."""
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        taken = fairway("replica", "--redis", "redis://127.0.0.1:6379/0", "--namespace", "cli-test:",
+                        "--health-port", str(port), timeout=30)
+    assert taken.returncode == 2 and taken.stdout == "", taken
+    assert taken.stderr == f"fairway replica: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+
+
 def test_fleet_without_kubernetes_credentials_is_one_line(tmp_path, capsys):
     """A missing or broken kubeconfig was a ConfigException traceback."""
     from fairway.cli import main
