@@ -11,7 +11,7 @@ from probes import PARIS_PROMPT
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.models.bundled import ModelFileError
-from fairway.models.loader import load_model, stored_tensors
+from fairway.models.loader import load_model, read_config, stored_tensors
 from fairway.models.precision import compute_dtype
 from fairway.models.quant_linear import QuantLinear, native_types
 
@@ -22,6 +22,7 @@ def test_a_second_gguf_load_reads_the_cache_without_dequantizing(model_path, mon
     import gguf
 
     load_model(model_path)  # dequantizes and caches on first use
+    read_config(model_path)  # (the command line's check of --max-model-len: the metadata alone)
 
     def no_dequantizing(*_args, **_kwargs):
         raise AssertionError("a cached load dequantized the GGUF again")
@@ -32,6 +33,7 @@ def test_a_second_gguf_load_reads_the_cache_without_dequantizing(model_path, mon
     monkeypatch.setattr(gguf.quants, "dequantize", no_dequantizing)
     monkeypatch.setattr(gguf, "GGUFReader", no_parsing)  # its native layers' blocks too, by the cached layout
     model = load_model(model_path, torch.bfloat16)
+    assert read_config(model_path) == model.cfg
     held = compute_dtype(torch.bfloat16, "cpu")  # float32 on a CPU without bf16 matmuls
     assert next(model.parameters()).dtype == held
     assert any(isinstance(m, QuantLinear) for m in model.modules()) or not native_types(held)

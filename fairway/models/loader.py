@@ -186,6 +186,12 @@ def read_config(path: Path) -> LlamaConfig:
         if not cfg_file.is_file():
             raise ModelFileError(f"model folder {path} needs config.json and *.safetensors files")
         return LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+    cached = _cached_file(path, ".config.json")  # the gguf reader parses every metadata field: seconds
+    if cached.exists():
+        try:
+            return LlamaConfig(**json.loads(cached.read_text()))
+        except Exception:  # a half-written cache from an interrupted run: read the file again
+            pass
     import gguf
 
     try:
@@ -193,7 +199,11 @@ def read_config(path: Path) -> LlamaConfig:
     except Exception as exc:
         raise ModelFileError(f"model file {path} is not a readable GGUF file ({exc}): "
                              "re-download or reinstall it") from exc
-    return gguf_config(reader)
+    config = gguf_config(reader)
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(config.__dict__))
+    tmp.replace(cached)
+    return config
 
 
 def read_gguf_cached(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
