@@ -13,8 +13,10 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -37,6 +39,8 @@ from fairway.models.quant_linear import (
 from fairway.models.weights import WEIGHTS
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 DENSE_MEMORY_SHARE = 0.25  # a bf16 copy is kept only if it takes at most this share of the free memory
 
@@ -154,26 +158,35 @@ class StoredTensor:
         return np.memmap(path, dtype=self.dtype, mode="r", offset=self.offset, shape=self.shape)
 
 
+def _remembered(path: Path, suffix: str, read: Callable[[], Any], decode: Callable[[Any], T]) -> T:
+    """What read() finds in the model file (JSON), read once, then from the cache folder; a cache
+    that cannot be decoded (half written by an interrupted run) is read from the file again."""
+    cached = _cached_file(path, suffix)
+    if cached.exists():
+        try:
+            return decode(json.loads(cached.read_text()))
+        except Exception:
+            pass
+    found = read()
+    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(found))
+    tmp.replace(cached)
+    return decode(found)
+
+
 def stored_tensors(path: Path) -> dict[str, StoredTensor]:
     """The GGUF's tensors, by name: read once, then from the cache folder. To find them the gguf
     reader parses every metadata field (the tokenizer's vocabulary string by string), the slowest
     part of a replica's start when it ran at every start."""
-    cached = _cached_file(path, ".tensors.json")
-    if cached.exists():
-        try:
-            return {name: StoredTensor(kind, dtype, tuple(shape), offset)
-                    for name, (kind, dtype, shape, offset) in json.loads(cached.read_text()).items()}
-        except Exception:  # a half-written cache from an interrupted run: read the file again
-            pass
-    import gguf
 
-    reader = gguf.GGUFReader(str(path))
-    layout = {t.name: StoredTensor(t.tensor_type.name, str(t.data.dtype), tuple(int(d) for d in t.data.shape),
-                                   int(t.data_offset)) for t in reader.tensors}
-    tmp = cached.with_suffix(".tmp")
-    tmp.write_text(json.dumps({name: [t.type_name, t.dtype, list(t.shape), t.offset] for name, t in layout.items()}))
-    tmp.replace(cached)
-    return layout
+    def read() -> dict[str, list]:
+        import gguf
+
+        return {t.name: [t.tensor_type.name, str(t.data.dtype), [int(d) for d in t.data.shape], int(t.data_offset)]
+                for t in gguf.GGUFReader(str(path)).tensors}
+
+    return _remembered(path, ".tensors.json", read, lambda layout: {
+        name: StoredTensor(kind, dtype, tuple(shape), offset) for name, (kind, dtype, shape, offset) in layout.items()})
 
 
 def read_config(path: Path) -> LlamaConfig:
@@ -186,24 +199,9 @@ def read_config(path: Path) -> LlamaConfig:
         if not cfg_file.is_file():
             raise ModelFileError(f"model folder {path} needs config.json and *.safetensors files")
         return LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
-    cached = _cached_file(path, ".config.json")  # the gguf reader parses every metadata field: seconds
-    if cached.exists():
-        try:
-            return LlamaConfig(**json.loads(cached.read_text()))
-        except Exception:  # a half-written cache from an interrupted run: read the file again
-            pass
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:
-        raise ModelFileError(f"model file {path} is not a readable GGUF file ({exc}): "
-                             "re-download or reinstall it") from exc
-    config = gguf_config(reader)
-    tmp = cached.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(config.__dict__))
-    tmp.replace(cached)
-    return config
+    # (the gguf reader parses every metadata field: seconds at every start)
+    return _remembered(path, ".config.json", lambda: gguf_config(_gguf_reader(path)).__dict__,
+                       lambda fields: LlamaConfig(**fields))
 
 
 def read_gguf_cached(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
@@ -225,14 +223,20 @@ def read_gguf_cached(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
     return config, state
 
 
-def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+def _gguf_reader(path: Path):  # -> gguf.GGUFReader
     import gguf
 
     try:
-        reader = gguf.GGUFReader(str(path))
+        return gguf.GGUFReader(str(path))
     except Exception as exc:
         raise ModelFileError(f"model file {path} is not a readable GGUF file ({exc}): "
                              "re-download or reinstall it") from exc
+
+
+def read_gguf(path: Path) -> tuple[LlamaConfig, dict[str, torch.Tensor]]:
+    import gguf
+
+    reader = _gguf_reader(path)
     config = gguf_config(reader)
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
