@@ -123,3 +123,11 @@ class Priority(IntEnum):
 
 PRIORITY_OF_LANE: dict[Lane, Priority] = {Lane.PAID: Priority.PAID, Lane.FREE: Priority.FREE,
                                           Lane.BACKGROUND: Priority.BACKGROUND}
+
+
+# OpenAI's bounds on what a request adds to its logits (the gateway's 400s and the engine's own
+# checks alike): presence and frequency penalties in [-MAX_PENALTY, MAX_PENALTY]; logit_bias on at
+# most MAX_LOGIT_BIAS_ENTRIES token ids, each within [-MAX_LOGIT_BIAS, MAX_LOGIT_BIAS].
+MAX_PENALTY = 2
+MAX_LOGIT_BIAS_ENTRIES = 300
+MAX_LOGIT_BIAS = 100

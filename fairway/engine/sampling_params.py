@@ -6,12 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from fairway.domain import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY
+
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one,
 # or one that rounds to 0 in float32/bf16 (1e-320 does), overflows the sampler.
 SAMPLING_EPS = 1e-5
-MAX_PENALTY = 2.0  # OpenAI's bounds: presence and frequency penalties in [-2, 2]
-MAX_LOGIT_BIAS = 100.0  # a bias in [-100, 100]
-MAX_LOGIT_BIAS_ENTRIES = 300  # tokens one request may bias
 _DIGITS = frozenset("0123456789")  # str.isdigit() also takes '²', which int() refuses
 
 

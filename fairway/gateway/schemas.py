@@ -14,6 +14,7 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
+from fairway.domain import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY
 from fairway.gateway.errors import ApiError, invalid
 from fairway.limits import MAX_KEY_LENGTH
 from fairway.models.bundled import BUNDLED_MODEL_NAME
@@ -28,8 +29,6 @@ MAX_EVENT_ID = 2**63 - 1
 _EVENT_ID = re.compile(r"[0-9]{1,19}")  # ASCII digits: str.isdigit() also takes '²', which int() refuses
 # OpenAI's logit_bias: at most 300 token ids (ASCII digits), each to a number in [-100, 100].
 # Checked by logit_bias() (OpenAI's codes: invalid_type, invalid_value); the schema documents it.
-MAX_LOGIT_BIAS_ENTRIES = 300
-MAX_LOGIT_BIAS = 100
 _TOKEN_ID = re.compile(r"[0-9]{1,10}")
 LOGIT_BIAS_SCHEMA: dict[str, Any] = {
     "anyOf": [{"type": "object", "maxProperties": MAX_LOGIT_BIAS_ENTRIES, "propertyNames": {"pattern": "^[0-9]{1,10}$"},
@@ -88,9 +87,9 @@ class ChatCompletionRequest(BaseModel):
     tool_choice: str | dict[str, Any] | None = None  # auto | none | required | {"type": "function", ...}
     parallel_tool_calls: bool | None = None  # false: at most one client call per reply (default: several)
     # OpenAI's penalties on the tokens the reply has generated so far, and its per-token bias.
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2, description=(
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "Subtracted once from the logit of every token the reply has already generated."))
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2, description=(
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "Subtracted from the logit of every token the reply has already generated, times its count."))
     logit_bias: Annotated[Any, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}:
