@@ -328,7 +328,7 @@ async def _chat_completions(request: Request) -> tuple[Any, str]:
                                          files=turn_request.file_ids,
                                          **{k: v for k, v in turn_request.sampling.items() if k != "temperature"})
         turn, reply = await _start_shared(gw, edge, turn_request)
-        if reply is not None:
+        if edge.follows:
             extra_headers["X-Shared-Generation"] = "true"
     else:
         turn = await _start(gw.service, turn_request)
@@ -359,7 +359,7 @@ async def _chat_completions(request: Request) -> tuple[Any, str]:
 
     outcome = ("resumed" if turn_request.resume_only else
                "replayed" if "X-Idempotent-Replayed" in extra_headers else
-               "shared" if "X-Shared-Generation" in extra_headers else "generated")
+               "shared" if edge.follows else "generated")
     if not body.stream:
         return JSONResponse(await gw.relay.complete(reply, view, on_final), headers=headers), outcome
     await gw.relay.check_after(reply, after)
