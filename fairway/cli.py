@@ -162,6 +162,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu",
                    help="cpu, or cuda[:N]: the GPU path (Triton paged attention, CUDA graphs; needs a CUDA build "
                         "of torch and triton)")
+    _max_model_len_arg(p)  # every command that builds an engine: one option, one check (_check_window)
 
 
 def _build(args: argparse.Namespace):
@@ -880,7 +881,6 @@ def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--idle-cancel", type=_positive_seconds, default=30.0, help="cancel a reply nobody listened to for this many seconds")
     p.add_argument("--sandbox", default="local", type=_sandbox_url,
                    help="execute_code's sandbox: local (in this process), grpc://host:port (`fairway sandbox`), or off")
-    _max_model_len_arg(p)
     p.add_argument("--background-max-wait", type=_positive_seconds, default=30.0, metavar="S",
                    help="background work (memory extraction) waiting this long, to be claimed or in the engine, "
                         "moves up a lane: a free flood never starves it for ever")
@@ -963,7 +963,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--temperature", type=_non_negative, default=0.7, help="sampling temperature (default 0.7; 0: greedy)")
     c.add_argument("--seed", type=int, default=None, help="the sampler's seed, for repeatable answers")
     c.add_argument("--system", default=None, help="a system message for the conversation")
-    _max_model_len_arg(c)
     _engine_args(c)
     c.set_defaults(func=cmd_chat)
 

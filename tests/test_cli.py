@@ -67,6 +67,7 @@ def refused(argv: list[str], capsys) -> str:
     (["chat", "--temperature", "inf"], "--temperature: must be a finite number"),
     (["chat", "--temperature", "-1"], "--temperature: must be 0 or more"),
     (["chat", "--max-model-len", "64"], "--max-model-len: must be at least 128 tokens"),
+    (["generate", "--prompt", "x", "--max-model-len", "64"], "--max-model-len: must be at least 128 tokens"),
     (["fleet", "--cooldown", "nan"], "--cooldown: must be a finite number"),
     (["fleet", "--metrics-port", "99999"], "--metrics-port: a TCP port is 1 to 65535"),
     (["serve", "--keepalive", "soon"], "--keepalive: 'soon' is not a number"),
@@ -84,7 +85,8 @@ def test_numbers_in_range_are_taken():
     assert (replica.health_port, replica.drain_grace, replica.max_model_len) == (0, 0.0, 128)
 
 
-@pytest.mark.parametrize("argv", [["chat"], ["serve", "--port", "1"], ["replica", *REDIS]])
+@pytest.mark.parametrize("argv", [["chat"], ["serve", "--port", "1"], ["replica", *REDIS],
+                                  ["generate", "--prompt", "x"]])
 def test_a_window_past_the_models_context_length_is_refused_before_the_load(argv):
     """The bundled model is trained on 8,192 positions, its RoPE table as long: a longer
     --max-model-len was taken, and a prompt past 8,192 tokens read the table out of its bounds
@@ -94,6 +96,16 @@ def test_a_window_past_the_models_context_length_is_refused_before_the_load(argv
     assert out.stderr == ("fairway: --max-model-len 20000 is longer than the model's context length of 8192 tokens "
                           "(its trained positions, the size of its RoPE table): use at most 8192, or set "
                           "FAIRWAY_ALLOW_LONG_MAX_MODEL_LEN=1 to run past it, with replies likely garbage there\n")
+
+
+def test_generate_runs_in_the_window_max_model_len_gives():
+    """generate took no --max-model-len, where serve, replica and chat do (one option for every
+    command that builds an engine): a prompt past that window is one line naming it, exit 2."""
+    prompt = "one two three " * 60  # ~180 tokens: within the model's window, past 128
+    out = fairway("generate", "--prompt", prompt, "--max-tokens", "4", "--max-model-len", "128")
+    assert out.returncode == 2 and out.stdout == "", out
+    assert out.stderr.startswith("fairway: prompt has ") and "the context window is 128 tokens" in out.stderr, out
+    assert out.stderr.count("\n") == 1, out
 
 
 def test_a_window_past_the_models_context_length_runs_when_allowed(tiny_model, monkeypatch):
