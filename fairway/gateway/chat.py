@@ -43,7 +43,13 @@ from fairway.gateway.edge import add_cleanup, client_ip, set_ratelimit_headers
 from fairway.gateway.errors import ApiError, error_responses, invalid, not_found, unavailable
 from fairway.gateway.http_protocol import connection_of
 from fairway.gateway.keys import Principal
-from fairway.gateway.limit_errors import check_max_tokens, denied_error, guarded, overloaded_error
+from fairway.gateway.limit_errors import (
+    check_max_tokens,
+    count_refusal,
+    denied_error,
+    guarded,
+    overloaded_error,
+)
 from fairway.gateway.schemas import (
     ChatCompletionRequest,
     chat_messages,
@@ -276,6 +282,7 @@ async def chat_completions(request: Request) -> Any:
         response, outcome = await _chat_completions(request)
     except ApiError as exc:
         metrics.CHAT_REQUESTS.labels(str(exc.status), exc.code or exc.type).inc()
+        count_refusal(exc)
         raise
     metrics.CHAT_REQUESTS.labels("200", outcome).inc()
     return response

@@ -25,7 +25,6 @@ async def guarded(call: Awaitable[T]) -> T:
 def denied_error(denied: Denied, headers: dict[str, str]) -> ApiError:
     """429 for a limit that frees up with time. A request that alone exceeds the limit can never
     run, so retrying is pointless: that is a 400 (no Retry-After)."""
-    metrics.RATE_LIMITED.labels(denied.type).inc()
     if denied.type == "tokens" and denied.too_large:
         return ApiError(400, denied.message(), param="max_tokens", code="request_too_large",
                         type="invalid_request_error", headers=headers)
@@ -34,10 +33,21 @@ def denied_error(denied: Denied, headers: dict[str, str]) -> ApiError:
 
 
 def overloaded_error(exc: Overloaded) -> ApiError:
-    metrics.RATE_LIMITED.labels("admission").inc()
     return ApiError(503, "The server is overloaded with requests right now; retry after "
                          f"{exc.retry_after_header} s.", code="overloaded", type="server_error",
                     headers={"Retry-After": exc.retry_after_header})
+
+
+def count_refusal(error: ApiError) -> None:
+    """fairway:rate_limited, by the answer a request got, once it is the answer: a 429 by its
+    type (tokens, requests), the admission queue's 503 as admission. A request too large for its
+    quota (400 request_too_large) was never rate limited: fairway:chat_requests counts it under its
+    own code. Nor was one whose quota for the model was spent but that the mini pool then served
+    (its denial was made, then not raised)."""
+    if error.code == "rate_limit_exceeded":
+        metrics.RATE_LIMITED.labels(error.type).inc()
+    elif error.code == "overloaded":
+        metrics.RATE_LIMITED.labels("admission").inc()
 
 
 def check_max_tokens(max_tokens: int | None, limit: int, model: str) -> None:

@@ -1,0 +1,78 @@
+"""What the edge counts and bills, as a user and an operator see it over HTTP: a refusal counted
+under what it was (fairway:rate_limited, fairway:chat_requests), a request the service refused for
+its own load left off the user's request rate. The embedded server on a scripted model
+(tests/scripted_engine.py): the gateway, limits, relay, replica worker and store are the real ones."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.scripted_engine import ScriptedEngine
+from tests.serving import API_KEY, TEST_KEYS, chat_body, embedded_server, headers
+
+TPM_KEY = "sk-test-small-quota"  # free tier: a quota of a few requests
+RPM_KEY = "sk-test-few-requests"  # background tier: RPM requests a minute
+TPM, RPM = 400, 3
+
+
+def script(prompt: str) -> str:
+    """A long reply when the user asks for one (to hold a stream open), else a short one."""
+    return "word " * 400 if "long" in prompt else "Hi there."
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from fairway.assembly import ServerOptions, load_tokenizer
+    from fairway.limits import LimitsConfig, TierLimits
+    from fairway.limits.config import default_tiers
+
+    db = tmp_path_factory.mktemp("outcomes") / "fairway.db"
+    tiers = {**default_tiers(), "free": TierLimits(TPM, 1000), "background": TierLimits(100_000, RPM)}
+    options = ServerOptions(database=f"sqlite:///{db}", memory=False, limits=LimitsConfig(tiers=tiers),
+                            api_keys=[*TEST_KEYS, (TPM_KEY, "tpm-user", "free"), (RPM_KEY, "rpm-user", "background")])
+    engine = ScriptedEngine(load_tokenizer(None), script, step_s=0.01)
+    with embedded_server(options, engine) as server:
+        yield server
+
+
+def samples(server, family: str, *labels: str) -> dict[tuple[str, ...], float]:
+    """A counter family's totals on the server's /metrics, by the values of these labels."""
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    found = next((f for f in text_string_to_metric_families(text) if f.name == family), None)
+    return {tuple(s.labels[label] for label in labels): s.value
+            for s in (found.samples if found else []) if s.name.endswith("_total")}
+
+
+def rate_limited(server) -> dict[tuple[str, ...], float]:
+    return samples(server, "fairway:rate_limited", "type")
+
+
+def chat_requests(server) -> dict[tuple[str, ...], float]:
+    return samples(server, "fairway:chat_requests", "status", "outcome")
+
+
+def moved(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def post(server, body: dict, key: str = API_KEY) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers(key), timeout=60)
+
+
+def test_a_request_too_large_for_the_quota_is_not_counted_as_rate_limited(server):
+    """A request alone over the per-minute token quota is a 400 request_too_large (no wait helps):
+    it was never rate limited, so fairway:rate_limited{type="tokens"} does not move; it counts as
+    its own outcome in fairway:chat_requests. A request over what is left of the quota is rate
+    limited, and counted so."""
+    limited, requests = rate_limited(server), chat_requests(server)
+    too_large = post(server, chat_body("Hello.", max_tokens=TPM - 5, stream=False), TPM_KEY)
+    assert too_large.status_code == 400 and too_large.json()["error"]["code"] == "request_too_large"
+    assert moved(limited, rate_limited(server)) == {}
+    assert moved(requests, chat_requests(server)) == {("400", "request_too_large"): 1}
+
+    codes = [post(server, chat_body(f"A long answer {i}.", max_tokens=TPM // 3, stream=False), TPM_KEY).status_code
+             for i in range(4)]
+    assert codes.count(429) >= 1 and 400 not in codes, codes
+    assert moved(limited, rate_limited(server)) == {("tokens",): codes.count(429)}
