@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.scripted_engine import ScriptedEngine
-from tests.serving import API_KEY, TEST_KEYS, chat_body, embedded_server, headers
+from tests.serving import API_KEY, TEST_KEYS, chat_body, embedded_server, headers, sse_events, wait_for
 
 TPM_KEY = "sk-test-small-quota"  # free tier: a quota of a few requests
 RPM_KEY = "sk-test-few-requests"  # background tier: RPM requests a minute
@@ -76,3 +76,31 @@ def test_a_request_too_large_for_the_quota_is_not_counted_as_rate_limited(server
              for i in range(4)]
     assert codes.count(429) >= 1 and 400 not in codes, codes
     assert moved(limited, rate_limited(server)) == {("tokens",): codes.count(429)}
+
+
+def test_a_request_the_server_refused_for_its_load_does_not_use_the_users_request_rate(server):
+    """A 503 overloaded (the gateway's admission queue full) is the service's load, not the user's
+    doing: it leaves the user's requests per minute as they were. Before, five such refusals
+    spent a 3-a-minute user's minute, and their next request was a 429."""
+    from fairway.limits import Admission
+
+    limits = server.gateway.limits
+    saved = limits.admission
+    limits.admission = Admission(max_in_flight=1, max_waiting=0, timeout_s=0.3)
+    try:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=chat_body("A long answer.", max_tokens=300),
+                             headers=headers()) as held:
+                assert held.status_code == 200
+                next(sse_events(held))  # the one slot is taken while this stream is open
+                for _ in range(5):
+                    refused = post(server, chat_body("Hi.", stream=False), RPM_KEY)
+                    assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
+                    assert refused.headers["x-ratelimit-remaining-requests"] == str(RPM)
+                http.post(f"/v1/replies/{held.headers['x-reply-id']}/stop", headers=headers())
+        wait_for(lambda: limits.admission.in_flight == 0, timeout=30)
+        answered = [post(server, chat_body(f"Hi {i}.", stream=False), RPM_KEY) for i in range(RPM + 1)]
+        assert [r.status_code for r in answered] == [200] * RPM + [429]
+        assert answered[-1].json()["error"]["type"] == "requests"
+    finally:
+        limits.admission = saved

@@ -265,6 +265,24 @@ async def test_request_rate_per_user_refunds_the_ip(gateways: Gateways) -> None:
     assert isinstance(denied, Denied) and denied.scope == "ip" and denied.used == 4
 
 
+async def test_a_refunded_request_counts_against_neither_window(gateways: Gateways) -> None:
+    """A request the service refused for its own load is given back (RequestLimiter.refund): the
+    user's and the IP's windows both, once; its slot in the minute is free again."""
+    limits = gateways.open(clock=FakeClock(), ip_requests_per_minute=5)
+    for _ in range(3):  # free tier: 3 a minute
+        allowed = await limits.requests.hit("u", "free", ip="10.0.0.7")
+        assert isinstance(allowed, Allowed)
+    await limits.requests.refund(allowed)
+    assert (await limits.requests.state("u", "free")).used == 2
+    again = await limits.requests.hit("u", "free", ip="10.0.0.7")
+    assert isinstance(again, Allowed) and again.state.used == 3
+    assert isinstance(await limits.requests.hit("u", "free", ip="10.0.0.7"), Denied)
+    for user in ("v", "w"):  # the IP's 4th and 5th: the refunded one no longer counts there
+        assert isinstance(await limits.requests.hit(user, "paid", ip="10.0.0.7"), Allowed)
+    denied = await limits.requests.hit("x", "paid", ip="10.0.0.7")
+    assert isinstance(denied, Denied) and denied.scope == "ip"
+
+
 # -- headers -----------------------------------------------------------------------------------
 
 

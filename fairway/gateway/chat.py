@@ -64,6 +64,7 @@ from fairway.gateway.schemas import (
 from fairway.gateway.sse import ReplyView
 from fairway.gateway.streaming import EventStream
 from fairway.limits import (
+    Allowed,
     Claimed,
     Denied,
     LimitsUnavailable,
@@ -106,6 +107,7 @@ class Edge:
         self.data = data
         self.body = body
         self.requests_state: WindowState | None = None
+        self.allowed: Allowed | None = None  # this request as the request rate counted it
         self.reservation: Reservation | None = None
         self.key: str | None = None  # the idempotency key this request claimed
         self.flight: str | None = None  # the single-flight fingerprint, when cacheable
@@ -125,6 +127,15 @@ class Edge:
             set_ratelimit_headers(self.request, headers)
             raise denied_error(allowed, headers)
         self.requests_state = allowed.state
+        self.allowed = allowed
+
+    async def refund_request(self) -> None:
+        """Give this request back to the request rate (once; best effort: a store that is down
+        keeps it counted until it ages out of the window, over-counted, never under)."""
+        allowed, self.allowed = self.allowed, None
+        if allowed is not None:
+            with contextlib.suppress(LimitsUnavailable):
+                await self.limits.requests.refund(allowed)
 
     async def admit_slot(self) -> None:
         try:
@@ -316,6 +327,20 @@ async def _chat_completions(request: Request) -> tuple[Any, str]:
         raise invalid("last_received_token_index needs the message_id (or X-Idempotency-Key) of the message "
                       "whose reply to resume.", "last_received_token_index")
     await edge.hit_request_rate()
+    try:
+        return await _admitted(request, gw, edge, turn_request, key, after)
+    except ApiError as exc:
+        if exc.status >= 500:
+            # Refused for the service's own reasons (overloaded, shed, no replica, a failed reply):
+            # the user did nothing that should use their requests-per-minute quota.
+            await edge.refund_request()
+        raise
+
+
+async def _admitted(request: Request, gw: GatewayContext, edge: Edge, turn_request: TurnRequest, key: str | None,
+                    after: int) -> tuple[Any, str]:
+    """A request within its user's request rate, from the admission queue to its response."""
+    body = edge.body
     await edge.admit_slot()
 
     extra_headers: dict[str, str] = {}
@@ -331,7 +356,7 @@ async def _chat_completions(request: Request) -> tuple[Any, str]:
     elif (not turn_request.resume_only and not body.conversation_id and turn_request.tools is None
           and is_cacheable(body.temperature, body.n)):
         # The attached files change the context (their chunks), so they are part of what is shared.
-        edge.flight = flight_fingerprint(principal.user_id, body.model, turn_request.messages,
+        edge.flight = flight_fingerprint(edge.user, body.model, turn_request.messages,
                                          files=turn_request.file_ids,
                                          **{k: v for k, v in turn_request.sampling.items() if k != "temperature"})
         turn, reply = await _start_shared(gw, edge, turn_request)

@@ -18,6 +18,7 @@ from fairway.limits.window import Denied, WindowCounter, WindowState
 @dataclass(frozen=True)
 class Allowed:
     state: WindowState  # the user's request window after this request: x-ratelimit-*-requests
+    counted: tuple[tuple[str, int], ...] = ()  # (key, bucket) of each window it went into: refund() takes it back
 
 
 class RequestLimiter:
@@ -49,7 +50,14 @@ class RequestLimiter:
             await self._counter.adjust(user_key, added.bucket, -1)
             return Denied("requests", ip_limit, by_ip[0].state.used, 1, by_ip[0].retry_after, "ip",
                           by_ip[0].state, ip)
-        return Allowed(added.state)
+        counted = [(user_key, added.bucket)] + ([(adds[1][0], by_ip[0].bucket)] if by_ip else [])
+        return Allowed(added.state, tuple(counted))
+
+    async def refund(self, allowed: Allowed) -> None:
+        """Take back a request counted by hit() that the service refused for its own reasons (its
+        load: overloaded, shed): the user's and the IP's windows alike, in the buckets it went into."""
+        for key, bucket in allowed.counted:
+            await self._counter.adjust(key, bucket, -1)
 
     async def state(self, user: str, tier: str) -> WindowState:
         return await self._counter.state(self._user_key(user), self.limit(tier))
