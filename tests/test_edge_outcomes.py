@@ -10,16 +10,29 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.scripted_engine import ScriptedEngine
-from tests.serving import API_KEY, TEST_KEYS, chat_body, embedded_server, headers, sse_events, wait_for
+from tests.serving import API_KEY, MODEL, TEST_KEYS, chat_body, embedded_server, headers, sse_events, wait_for
 
 TPM_KEY = "sk-test-small-quota"  # free tier: a quota of a few requests
 RPM_KEY = "sk-test-few-requests"  # background tier: RPM requests a minute
 TPM, RPM = 400, 3
 
 
+THREAT = "I will kill you."  # the bundled policy flags it: the output check stops the reply
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
 def script(prompt: str) -> str:
-    """A long reply when the user asks for one (to hold a stream open), else a short one."""
-    return "word " * 400 if "long" in prompt else "Hi there."
+    """The scripted model, by the user's last message: a long reply when asked for one (to hold a
+    stream open), a call to get_weather when it is offered, a threat, else a short reply."""
+    turn = prompt[prompt.rindex("<|im_start|>user"):]
+    if "long" in turn:
+        return "word " * 400
+    if "weather" in turn and "get_weather" in prompt:
+        return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    if "threat" in turn:
+        return f"Here it is. {THREAT} There."
+    return "Hi there."
 
 
 @pytest.fixture(scope="module")
@@ -104,3 +117,25 @@ def test_a_request_the_server_refused_for_its_load_does_not_use_the_users_reques
         assert answered[-1].json()["error"]["type"] == "requests"
     finally:
         limits.admission = saved
+
+
+def test_replies_are_counted_by_their_finish_reason_as_vllm_counts_them(server):
+    """fairway:request_success_total{finished_reason} (vLLM's name), once per reply, under the
+    reason its response gave: stop, length, tool_calls, content_filter; every reason (abort too)
+    is shown from the model's first reply on."""
+    def success() -> dict[tuple[str, ...], float]:
+        return samples(server, "fairway:request_success", "model", "finished_reason")
+
+    before = success()
+    bodies = {"stop": chat_body("Say hi.", stream=False),
+              "length": chat_body("A long answer.", max_tokens=5, stream=False),
+              "tool_calls": chat_body("What is the weather in Paris?", max_tokens=60, stream=False, tools=[WEATHER]),
+              "content_filter": chat_body("Tell me a threat.", max_tokens=40, stream=False)}
+    for reason, body in bodies.items():
+        response = post(server, body)
+        assert response.status_code == 200, response.text
+        assert response.json()["choices"][0]["finish_reason"] == reason
+    expected = {(MODEL, reason): 1 for reason in bodies}
+    wait_for(lambda: moved(before, success()) == expected, timeout=30)
+    assert {reason for model, reason in success() if model == MODEL} == {
+        "stop", "length", "tool_calls", "content_filter", "abort"}

@@ -27,6 +27,7 @@ from fairway.conversation.launched import LaunchedReplies
 from fairway.limits import Limits, LimitsError, Reservation, WindowState
 from fairway.relay import FinalEvent
 from fairway.replica.report import ReplyReport
+from fairway.usage import metrics
 from fairway.usage.pricing import Pricing
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class Accounting:
         for meta, user, model, tier, report, failed in ends:
             if report.reply_id not in stored:
                 continue  # accounted already
+            # Counted here, once per reply over the whole fleet (a report delivered twice stores one
+            # record), where the reply's end is known for certain: its finish reason as the replica said it.
+            metrics.observe_success(model, report.finish_reason, report.error is not None)
             try:
                 await self._close(meta, user, model, tier, report, failed)
             except LimitsError:

@@ -4,6 +4,8 @@ Where each is measured:
 * replica (where the tokens happen): time to first token, inter-token latency, end-to-end
   latency, prompt and generation tokens (labels model, tier), and the engine's own counters,
   read from each engine's last EngineStats when scraped (labels model, replica);
+* gateway's accounting (once per reply, in whichever gateway records its end): replies ended, by
+  finish reason (vLLM's request_success, labels model and finished_reason);
 * gateway: chat requests by HTTP status and outcome (each request once, a shared generation's
   too: tokens and latencies above count generations, this counts requests), active SSE streams
   (label model), requests refused by a limit (label type), and the router's placements (labels
@@ -29,6 +31,8 @@ from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from fairway.domain import FinishReason
+
 # vLLM's buckets, trimmed: CPU replicas are slower, GPU ones faster; both fit.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                 20.0, 40.0, 80.0)
@@ -46,6 +50,10 @@ E2E_REQUEST_LATENCY = Histogram("fairway:e2e_request_latency_seconds",
                                 buckets=E2E_BUCKETS)
 PROMPT_TOKENS = Counter("fairway:prompt_tokens", "Prompt tokens of finished replies.", ["model", "tier"])
 GENERATION_TOKENS = Counter("fairway:generation_tokens", "Generated tokens.", ["model", "tier"])
+REQUEST_SUCCESS = Counter("fairway:request_success", "Replies that ended, by why (vLLM's name): stop, length, "
+                          "tool_calls, content_filter, abort (cancelled or failed). A generation shared by identical "
+                          "requests (single flight) counts once, as the token counters do.",
+                          ["model", "finished_reason"])
 CHAT_REQUESTS = Counter("fairway:chat_requests", "Chat completion requests this gateway answered, by HTTP status "
                         "and outcome: generated (a generation of its own), shared (single flight: an identical "
                         "request's generation), replayed (an idempotent resend), resumed (last_received_token_index), "
@@ -141,6 +149,22 @@ def observe_reply(model: str, tier: str, ttft_s: float | None, e2e_s: float, pro
     E2E_REQUEST_LATENCY.labels(model, tier).observe(e2e_s)
     PROMPT_TOKENS.labels(model, tier).inc(prompt_tokens)
     GENERATION_TOKENS.labels(model, tier).inc(generation_tokens)
+
+
+_SUCCESS_MODELS: set[str] = set()
+
+
+def observe_success(model: str, finish_reason: str | None, failed: bool) -> None:
+    """One ended reply under its finish reason (FinishReason's values, the code base's one list);
+    a failed one, or a reason not in the list, as abort. A model's every reason is shown from its
+    first reply on, at 0 until it happens, so a rate over it starts at once (as vLLM does)."""
+    if model not in _SUCCESS_MODELS:
+        _SUCCESS_MODELS.add(model)
+        for reason in FinishReason:
+            REQUEST_SUCCESS.labels(model, reason.value)
+    known = {reason.value for reason in FinishReason}
+    reason = FinishReason.ABORT.value if failed or finish_reason not in known else str(finish_reason)
+    REQUEST_SUCCESS.labels(model, reason).inc()
 
 
 # Safety (fairway/safety/): measured where the check runs, the gateway (input, api) or the replica (output).
