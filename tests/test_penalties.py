@@ -10,7 +10,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from test_spec_decode import _next_probs
+from next_token import next_token_probs
 
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.engine.device_sampler import DeviceSampler
@@ -94,7 +94,7 @@ def test_a_bias_of_minus_100_bans_the_greedy_choice(tiny_model):
     (unbiased,) = eng.generate([prompt], GREEDY)
     banned = unbiased[0]
     (biased,) = eng.generate([prompt], with_(GREEDY, logit_bias={banned: -100}))
-    logits = torch.from_numpy(np.log(_next_probs(tiny_model, prompt, 1.0)))
+    logits = torch.from_numpy(np.log(next_token_probs(tiny_model, prompt, 1.0)))
     logits[banned] -= 100
     assert biased[0] == logits.argmax().item() != banned
     assert banned not in biased
@@ -106,7 +106,7 @@ def test_a_penalised_greedy_reply_follows_the_formula_and_repeats_less(tiny_mode
     params = with_(GREEDY, frequency_penalty=1.5, presence_penalty=0.5)
     expected: list[int] = []
     for _ in range(MAX_TOKENS):
-        logits = torch.from_numpy(np.log(_next_probs(tiny_model, prompt + expected, 1.0)))
+        logits = torch.from_numpy(np.log(next_token_probs(tiny_model, prompt + expected, 1.0)))
         expected.append(reference_logits(logits, params, expected).argmax().item())
     eng.add_request("p", prompt, params)
     got: list[int] = []

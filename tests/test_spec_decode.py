@@ -9,12 +9,12 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from next_token import next_token_probs, plain_engine
 from scipy.stats import chisquare
 
 from fairway.block_hash import prefix_block_hashes
 from fairway.engine import EngineConfig, LLMEngine, SamplingParams
 from fairway.engine.kv_cache_manager import blocks_for
-from fairway.engine.scheduler import ScheduledBatch
 from fairway.engine.sequence import Sequence
 from fairway.engine.spec_decode.config import SpeculativeConfig
 from fairway.engine.spec_decode.ngram_proposer import LONG_MATCH, NgramProposer
@@ -41,10 +41,6 @@ def spec_engine(model, draft=None, **spec) -> LLMEngine:
     config = EngineConfig(num_kv_blocks=256, bound_step_time=False,
                           speculative=SpeculativeConfig(method=method, **spec))
     return LLMEngine(model, config, draft_model=draft)
-
-
-def plain_engine(model) -> LLMEngine:
-    return LLMEngine(model, EngineConfig(num_kv_blocks=256, bound_step_time=False, speculative=None))
 
 
 def always_speculate(eng: LLMEngine, monkeypatch) -> LLMEngine:
@@ -146,16 +142,6 @@ def test_a_seeded_reply_is_the_same_with_speculation_on_or_off(tiny_model, monke
     assert 0 < stats.spec_decode_num_accepted_tokens < stats.spec_decode_num_draft_tokens
 
 
-def _next_probs(model, tokens: list[int], temperature: float) -> np.ndarray:
-    """The target's own distribution of the token after `tokens`, from one plain forward pass."""
-    eng = plain_engine(model)
-    seq = Sequence("p", list(tokens), GREEDY)
-    assert eng.kv.admit(seq)
-    ids, positions, meta, rows, _, _ = eng.runner._prepare(ScheduledBatch([seq], [len(tokens)]))
-    logits = model.compute_logits(model(ids, positions, eng.runner.kv, meta)[rows])[0]
-    return torch.softmax(logits.double() / temperature, dim=-1).numpy()
-
-
 def test_sampled_tokens_follow_the_target_distribution(monkeypatch):
     """Vocabulary of 8: the 2nd and 3rd tokens come from verifications of drafts (the target's own most
     likely tokens, kept a third of the time), unseeded so no draws are replayed; their joint
@@ -163,12 +149,12 @@ def test_sampled_tokens_follow_the_target_distribution(monkeypatch):
     cfg = dataclasses.replace(LlamaConfig.tiny(vocab_size=8), hidden_size=32)
     target = random_model(cfg, seed=1)
     prompt, temperature, n = [1, 4, 2, 7], 1.0, 3000
-    p1 = _next_probs(target, prompt, temperature)
+    p1 = next_token_probs(target, prompt, temperature)
     expected = np.zeros((8, 8))
     for t1 in range(8):
-        p2 = _next_probs(target, prompt + [t1], temperature)
+        p2 = next_token_probs(target, prompt + [t1], temperature)
         for t2 in range(8):
-            expected[t2] += p1[t1] * p2[t2] * _next_probs(target, prompt + [t1, t2], temperature)
+            expected[t2] += p1[t1] * p2[t2] * next_token_probs(target, prompt + [t1, t2], temperature)
     torch.manual_seed(1234)
     eng = always_speculate(spec_engine(target, target, num_speculative_tokens=2, disable_by_batch_size=10**6),
                            monkeypatch)
