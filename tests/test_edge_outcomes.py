@@ -13,6 +13,8 @@ from tests.scripted_engine import ScriptedEngine
 from tests.serving import API_KEY, MODEL, TEST_KEYS, chat_body, embedded_server, headers, sse_events, wait_for
 
 TPM_KEY = "sk-test-small-quota"  # free tier: a quota of a few requests
+FOLLOW_KEY = "sk-test-follower-free"  # free tier, a user of its own
+LEAVE_KEY = "sk-test-follower-paid"  # paid tier, a user of its own
 RPM_KEY = "sk-test-few-requests"  # background tier: RPM requests a minute
 TPM, RPM = 400, 3
 
@@ -27,7 +29,7 @@ def script(prompt: str) -> str:
     stream open), a call to get_weather when it is offered, a threat, else a short reply."""
     turn = prompt[prompt.rindex("<|im_start|>user"):]
     if "long" in turn:
-        return "word " * 400
+        return "This is a word. " * 150  # sentence by sentence: the output check releases each at once
     if "weather" in turn and "get_weather" in prompt:
         return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
     if "threat" in turn:
@@ -44,7 +46,8 @@ def server(tmp_path_factory):
     db = tmp_path_factory.mktemp("outcomes") / "fairway.db"
     tiers = {**default_tiers(), "free": TierLimits(TPM, 1000), "background": TierLimits(100_000, RPM)}
     options = ServerOptions(database=f"sqlite:///{db}", memory=False, limits=LimitsConfig(tiers=tiers),
-                            api_keys=[*TEST_KEYS, (TPM_KEY, "tpm-user", "free"), (RPM_KEY, "rpm-user", "background")])
+                            api_keys=[*TEST_KEYS, (TPM_KEY, "tpm-user", "free"), (RPM_KEY, "rpm-user", "background"),
+                                                (FOLLOW_KEY, "follow-user", "free"), (LEAVE_KEY, "leave-user", "paid")])
     engine = ScriptedEngine(load_tokenizer(None), script, step_s=0.01)
     with embedded_server(options, engine) as server:
         yield server
@@ -105,7 +108,8 @@ def test_a_request_the_server_refused_for_its_load_does_not_use_the_users_reques
             with http.stream("POST", "/v1/chat/completions", json=chat_body("A long answer.", max_tokens=300),
                              headers=headers()) as held:
                 assert held.status_code == 200
-                next(sse_events(held))  # the one slot is taken while this stream is open
+                events = sse_events(held)  # (dropping the iterator would close the connection)
+                next(events)  # the one slot is taken while this stream is open
                 for _ in range(5):
                     refused = post(server, chat_body("Hi.", stream=False), RPM_KEY)
                     assert refused.status_code == 503 and refused.json()["error"]["code"] == "overloaded"
@@ -139,3 +143,59 @@ def test_replies_are_counted_by_their_finish_reason_as_vllm_counts_them(server):
     wait_for(lambda: moved(before, success()) == expected, timeout=30)
     assert {reason for model, reason in success() if model == MODEL} == {
         "stop", "length", "tool_calls", "content_filter", "abort"}
+
+
+def usage_totals(server, key: str) -> dict:
+    return httpx.get(f"{server.url}/v1/usage", headers=headers(key), timeout=30).json()["totals"]
+
+
+def quota_used(server, user: str, tier: str) -> int:
+    return server.call(server.gateway.limits.tokens.state(user, MODEL, tier)).used
+
+
+def test_a_request_sharing_a_generation_reserves_its_tokens_as_any_request(server):
+    """Single flight shares the generation, not the quota: the follower reserves the prompt and
+    max_tokens it would as a request of its own, so a user cannot get past their tokens per minute
+    by sending the same greedy request many times; both are settled to what was billed."""
+    body = chat_body("A long answer, please.", max_tokens=150)
+    with httpx.Client(base_url=server.url, headers=headers(FOLLOW_KEY), timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as leader:
+            assert leader.status_code == 200
+            leader_events = sse_events(leader)
+            next(leader_events)
+            with http.stream("POST", "/v1/chat/completions", json=body) as follower:
+                assert follower.status_code == 200 and follower.headers["x-shared-generation"] == "true"
+                reserved = int(follower.headers["x-context-tokens"]) + 150
+                assert int(follower.headers["x-ratelimit-remaining-tokens"]) == TPM - 2 * reserved
+                # Fits beside one reservation, not beside two.
+                other = http.post("/v1/chat/completions", json=chat_body("Hi.", max_tokens=TPM - 2 * reserved + 10,
+                                                                         stream=False))
+                assert other.status_code == 429 and other.json()["error"]["type"] == "tokens", other.text
+                assert [e.finish_reason for e in sse_events(follower) if e.finish_reason] == ["length"]
+            assert [e.finish_reason for e in leader_events if e.finish_reason] == ["length"]
+    totals = wait_for(lambda: (t := usage_totals(server, FOLLOW_KEY))["requests"] == 2 and t)
+    assert totals["completion_tokens"] == 2 * 150
+    wait_for(lambda: quota_used(server, "follow-user", "free") == totals["total_tokens"])
+
+
+def test_a_follower_that_leaves_early_is_billed_for_what_it_was_sent(server):
+    """A follower whose client leaves before the reply's end gets a usage record of its own, with
+    its prompt and the completion tokens it was sent, and its reservation settled to them; the
+    leader, whose reply goes on, is billed the whole reply at its end."""
+    body = chat_body("A long answer, please.", max_tokens=300)
+    with httpx.Client(base_url=server.url, headers=headers(LEAVE_KEY), timeout=60) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as leader:
+            leader_events = sse_events(leader)
+            next(leader_events)
+            with http.stream("POST", "/v1/chat/completions", json=body) as follower:
+                assert follower.headers["x-shared-generation"] == "true"
+                prompt = int(follower.headers["x-context-tokens"])
+                events = sse_events(follower)
+                got = "".join(next(events).content for _ in range(3))
+                assert got  # the client leaves with a few sentences
+            assert [e.finish_reason for e in leader_events if e.finish_reason] == ["length"]
+    totals = wait_for(lambda: (t := usage_totals(server, LEAVE_KEY))["requests"] == 2 and t)
+    assert totals["prompt_tokens"] == 2 * prompt
+    sent = totals["completion_tokens"] - 300
+    assert 0 < sent < 300, totals
+    wait_for(lambda: quota_used(server, "leave-user", "paid") == totals["total_tokens"])

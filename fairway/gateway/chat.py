@@ -9,7 +9,8 @@ the gateway's admission queue (503 + Retry-After after a bounded wait), the idem
 (a duplicate attaches to the first request's reply; another body under the same key is 409),
 single-flight for identical cacheable requests (one generation, many streams), and, once the
 context is built and its size known, the token reservation (prompt + max_tokens, 429 over
-the user's TPM). The reservation is settled when the reply ends (usage/accounting.py).
+the user's TPM; a request that follows another's generation reserves the same). The reservation
+is settled when the reply ends (usage/accounting.py; a follower's by its own bill, here).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ from fairway.limits import (
     Allowed,
     Claimed,
     Denied,
+    LimitsError,
     LimitsUnavailable,
     Overloaded,
     Reservation,
@@ -78,10 +80,11 @@ from fairway.limits import (
     rate_limit_headers,
     request_rate_headers,
 )
-from fairway.relay import FinalEvent, RelayUnavailable
+from fairway.relay import FinalEvent, FinishReason, RelayError, RelayUnavailable, ReplyState, TokenEvent
 from fairway.replica.registry import REGION
 from fairway.router import RETRY_AFTER_S, NoReplica
 from fairway.tools import ToolError
+from fairway.uncancelled import finish_anyway
 from fairway.usage import metrics
 from fairway.usage.accounting import reservation_meta
 
@@ -112,6 +115,9 @@ class Edge:
         self.key: str | None = None  # the idempotency key this request claimed
         self.flight: str | None = None  # the single-flight fingerprint, when cacheable
         self.follows = False  # single flight: this request is served another's generation, billed on its own
+        self.followed: Reply | None = None  # the reply it follows
+        self.sent_chars: int | None = None  # a follower whose client left: the reply text it was sent
+        self.billed = False  # a follower's usage recorded and its reservation settled
         self.started = time.monotonic()
 
     # -- limits ----------------------------------------------------------------------------------
@@ -207,13 +213,81 @@ class Edge:
             await self.limits.flights.finish(self.flight, reply_id)
         if self.key:
             await self.limits.idempotency.complete(self.user, self.key)
-        if self.follows and self.gw.accounting is not None:
+        if self.follows:
             await self._bill_shared(reply_id, final, model)
 
+    # -- single flight: a follower is a request of its own -------------------------------------
+
+    async def follow(self, reply: Reply) -> bool:
+        """Serve this request the leader's reply: reserve its tokens as its own request would
+        (the prompt and max_tokens the reply was started with, on the model that serves it), and
+        bill it however its response ends. False, reserving nothing, when its quota cannot hold
+        them: it then runs as a request of its own (a mini pool or a 429, as any request gets)."""
+        job = reply.job or {}
+        context = job.get("context") or {}
+        model = str(job.get("model") or self.body.model)
+        tokens = int(context.get("prompt_tokens") or 0) + int(context.get("max_tokens") or 0)
+        got = await guarded(self.limits.tokens.reserve(self.user, model, self.principal.tier, tokens))
+        if isinstance(got, Denied):
+            return False
+        self.reservation, self.follows, self.followed = got, True, reply
+        add_cleanup(self.request, self._bill_if_left)
+        return True
+
+    def left(self, chars: int) -> None:
+        """The stream ended before the reply did (its client left), having sent this much text."""
+        self.sent_chars = chars
+
+    async def _bill_if_left(self) -> None:
+        """After the response, a follower its reply's end never reached (its client left first) is
+        billed for what it was sent: the prompt and the completion tokens of the text it got. As a
+        leader that leaves early is billed for what its reply generated, which goes on for it to
+        resume; a follower generated nothing, so what it left with is what it cost. (The leader's
+        bill is the reply's: it neither gains nor loses by a follower.)"""
+        if self.billed or self.followed is None:
+            return
+        reply = self.followed
+        prompt = int(((reply.job or {}).get("context") or {}).get("prompt_tokens") or 0)
+        completion = await self._tokens_sent(reply.id, self.sent_chars or 0)
+        final = FinalEvent(0, FinishReason.ABORT, ReplyState.STOPPED, prompt, 0, completion)
+        await finish_anyway(self._bill_shared(reply.id, final, str((reply.job or {}).get("model") or self.body.model)))
+
+    async def _tokens_sent(self, reply_id: str, chars: int) -> int:
+        """The completion tokens behind the first `chars` characters of the reply's text, from its
+        token log (each token event carries its ids)."""
+        if chars <= 0:
+            return 0
+        try:
+            events = await self.gw.relay.log.read(reply_id, 0)
+        except RelayError:
+            log.warning("reply %s: its log is gone: a follower that left is billed its prompt only", reply_id)
+            return 0
+        tokens = seen = 0
+        for event in events:
+            if seen >= chars:
+                break
+            if isinstance(event, TokenEvent):
+                seen += len(event.text)
+                tokens += len(event.token_ids)
+        return tokens
+
     async def _bill_shared(self, reply_id: str, final: FinalEvent, model: str) -> None:
-        """A follower is a request of its own (usage/accounting.py): billed once it has the reply's
-        end. A store that fails here costs the bill, not the client's answer."""
-        assert self.gw.accounting is not None
+        """Once: the follower's reservation settled to its usage (released for a failed reply)
+        and its usage record written (usage/accounting.py). A store that fails here costs the
+        bill, not the client's answer."""
+        if self.billed:
+            return
+        self.billed = True
+        if self.reservation is not None:
+            try:
+                if final.error is not None:
+                    await self.limits.tokens.release(self.reservation)
+                else:
+                    await self.limits.tokens.settle(self.reservation, final.prompt_tokens + final.completion_tokens)
+            except LimitsError:  # the reservation ages out of its window: over-counted, never under
+                log.warning("reply %s: could not settle a shared request's tokens", reply_id, exc_info=True)
+        if self.gw.accounting is None:
+            return
         try:
             await self.gw.accounting.shared(reply_id, uuid.uuid4().hex[:16], self.user, self.principal.tier,
                                             model, final, time.monotonic() - self.started)
@@ -396,7 +470,8 @@ async def _admitted(request: Request, gw: GatewayContext, edge: Edge, turn_reque
         return JSONResponse(await gw.relay.complete(reply, view, on_final), headers=headers), outcome
     await gw.relay.check_after(reply, after)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    stream = gw.relay.sse(reply, view, after, include_usage, on_final, connection_of(request.scope))
+    stream = gw.relay.sse(reply, view, after, include_usage, on_final, connection_of(request.scope),
+                          edge.left if edge.follows else None)
     streams = metrics.ACTIVE_STREAMS.labels(body.model)
     streams.inc()
     add_cleanup(request, streams.dec)
@@ -440,8 +515,9 @@ async def _start_shared(gw: GatewayContext, edge: Edge, turn_request: TurnReques
     if reply is None:  # deleted meanwhile: run our own
         edge.flight = None
         return await _start(gw.service, turn_request), None
-    edge.flight = None  # a follower neither finishes the flight nor holds a reservation
-    edge.follows = True
+    edge.flight = None  # a follower does not finish the flight: the leader's reply does
+    if not await edge.follow(reply):
+        return await _start(gw.service, turn_request), None
     return None, reply
 
 

@@ -271,13 +271,15 @@ class ReplyRelay:
 
     async def sse(self, reply: Reply, view: ReplyView, after: int, include_usage: bool,
                   on_final: OnFinal | None = None,
-                  connection: asyncio.WriteTransport | None = None) -> AsyncIterator[bytes]:
+                  connection: asyncio.WriteTransport | None = None,
+                  on_leave: Callable[[int], None] | None = None) -> AsyncIterator[bytes]:
         """SSE frames, for an EventStream. Events that arrive together go out in one write: under
         load that is what keeps a gateway's cost per event low. Read in the response's own task,
         straight from the token log's batches: no task or queue in between. With connection (the
         server's, see http_protocol), a plain token chunk that arrives while this waits is written
         from the token log's callback, with no task wake at all. A keepalive comment goes out after
-        keepalive_s without events. on_final runs at the final event, before [DONE]."""
+        keepalive_s without events. on_final runs at the final event, before [DONE]; on_leave, when
+        the stream ends without it (its client left), with the characters of reply text it sent."""
         tools: list[CallRecord] = []
         fresh = after == 0  # a stream from the start: its first chunk carries the role
         whole = fresh  # its text is all this stream sent (not after a snapshot replaced it)
@@ -287,6 +289,7 @@ class ReplyRelay:
         # the response, and its sends happen only while this is not waiting: the writer's bytes
         # land between them, in order.)
         writer = make_writer(token_template(view), connection, open=not fresh)
+        ended = False
         try:
             async with contextlib.aclosing(self.event_batches(reply, after, self.keepalive_s,
                                                               writer if connection is not None else None)) as batches:
@@ -297,6 +300,7 @@ class ReplyRelay:
                     out: list[bytes] = []
                     for event in batch:
                         if isinstance(event, FinalEvent):
+                            ended = True
                             await self._save(reply.id, writer.text() if whole else None, event, tools)
                             await _run(on_final, event)
                             out += self._final_frames(view, event, fresh, include_usage)
@@ -322,6 +326,9 @@ class ReplyRelay:
             yield frame({"error": {"message": str(exc), "type": "server_error", "param": None,
                                    "code": "relay_error"}}) + DONE
             return
+        finally:
+            if on_leave is not None and not ended:
+                on_leave(writer.chars)
         yield DONE
 
     def _first_or_snapshot(self, view: ReplyView, event: TokenEvent | Snapshot, fresh: bool) -> bytes:

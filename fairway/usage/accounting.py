@@ -12,7 +12,10 @@ fingerprint.
 Single flight: identical requests share one generation, but each is a request, billed as OpenAI
 bills each request. The leader's is the reply's record; each follower that receives the reply's
 end gets a record of its own (`shared`), keyed by the reply and the follower's request, with the
-reply's usage (what its response's `usage` says). The token metrics count the generation once.
+reply's usage (what its response's `usage` says); one whose client left first, a record of its
+prompt and the completion tokens it was sent. A follower reserves its tokens as any request does
+and the gateway settles them to that bill (gateway/chat.py, Edge.follow). The token metrics count
+the generation once.
 """
 
 from __future__ import annotations
