@@ -199,3 +199,71 @@ def test_a_follower_that_leaves_early_is_billed_for_what_it_was_sent(server):
     sent = totals["completion_tokens"] - 300
     assert 0 < sent < 300, totals
     wait_for(lambda: quota_used(server, "leave-user", "paid") == totals["total_tokens"])
+
+
+# -- logit_bias and the mini pool ----------------------------------------------------------------
+
+MINI = "fairway-mini"
+SAME_UP_TO, MINI_VOCAB = 1000, 4096
+
+
+class OtherVocabulary:
+    """The mini model's tokenizer as a logit_bias sees another model's: the same text (the
+    scripted engine needs it), but a vocabulary of MINI_VOCAB ids of which only the first
+    SAME_UP_TO spell the bundled model's tokens."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+
+    def __getattr__(self, name: str):
+        return getattr(self._tokenizer, name)
+
+    @property
+    def vocab_size(self) -> int:
+        return MINI_VOCAB
+
+    def id_to_token(self, token_id: int) -> str | None:
+        if token_id >= MINI_VOCAB:
+            return None
+        token = self._tokenizer.id_to_token(token_id)
+        return token if token_id < SAME_UP_TO else f"<other {token_id}>"
+
+
+@pytest.fixture(scope="module")
+def with_mini(tmp_path_factory):
+    """A server whose model has a mini pool of another vocabulary; the free tier's quota for the
+    main model holds one request, then the mini pool serves (mini_past_quota)."""
+    from fairway.assembly import ServerOptions, load_tokenizer
+    from fairway.limits import LimitsConfig
+
+    db = tmp_path_factory.mktemp("mini") / "fairway.db"
+    limits = LimitsConfig(model_tokens_per_minute={MODEL: {"free": 100}})
+    options = ServerOptions(database=f"sqlite:///{db}", memory=False, limits=limits, mini_model=f"/models/{MINI}.gguf",
+                            api_keys=[(TPM_KEY, "bias-user", "free")])
+    tokenizer = load_tokenizer(None)
+    engine = ScriptedEngine(tokenizer, script)
+    mini = ScriptedEngine(OtherVocabulary(tokenizer), script)
+    with embedded_server(options, engine, mini) as server:
+        yield server
+
+
+def test_a_logit_bias_is_checked_for_the_model_that_serves_the_reply(with_mini):
+    """logit_bias names the requested model's token ids. Past that vocabulary it is a 400 naming
+    the param. Past the user's quota a request moves to the mini pool only where those ids spell
+    the same tokens there: one biasing ids the mini model lacks or spells otherwise stays with
+    its model, and gets the quota's 429, as when no mini pool runs; before, it was moved and
+    biased other tokens, or ids past the mini model's vocabulary."""
+    vocab = with_mini.gateway.service.vocab_size(MODEL)
+    past = post(with_mini, chat_body("Hi.", stream=False, logit_bias={str(vocab): 5}), TPM_KEY)
+    assert past.status_code == 400 and past.json()["error"]["param"] == "logit_bias", past.text
+
+    spent = post(with_mini, chat_body("Hi.", max_tokens=60, stream=False), TPM_KEY)  # the main model's quota
+    assert spent.status_code == 200 and spent.headers["x-fairway-model"] == MODEL
+    for token in (MINI_VOCAB + 10, SAME_UP_TO + 10):  # the mini model lacks it; spells it otherwise
+        kept = post(with_mini, chat_body("Hi.", max_tokens=60, stream=False, logit_bias={str(token): 5}), TPM_KEY)
+        assert kept.status_code == 429 and kept.json()["error"]["type"] == "tokens", (token, kept.text)
+    for bias in ({str(SAME_UP_TO - 10): 5}, None):  # the same token there, or no bias: the mini pool serves
+        extra = {"logit_bias": bias} if bias else {}
+        moved_on = post(with_mini, chat_body("Hi.", max_tokens=60, stream=False, **extra), TPM_KEY)
+        assert moved_on.status_code == 200, moved_on.text
+        assert (moved_on.headers["x-fairway-model"], moved_on.headers["x-fairway-fallback"]) == (MINI, "quota")

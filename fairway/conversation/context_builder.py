@@ -32,6 +32,8 @@ class ChatTokenizer(Protocol):
     @property
     def vocab_size(self) -> int: ...  # token ids run 0..vocab_size - 1
 
+    def id_to_token(self, token_id: int) -> str | None: ...  # the token an id spells (a logit_bias's meaning)
+
     def apply_chat_template(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
     ) -> str: ...  # (a template with tool support also takes tools=[...])

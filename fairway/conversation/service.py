@@ -281,7 +281,7 @@ class ConversationService:
         pressure = await self.router.pressure(req.model, lane) if lane == Lane.FREE else None
         if pressure is not None and pressure.at_capacity:
             treatment = self.router.settings.pressure.free_at_capacity
-            mini = await self._mini(req.model) if treatment == "mini" else None
+            mini = await self._mini(req) if treatment == "mini" else None
             metrics.FREE_AT_CAPACITY.labels(req.model, treatment if treatment != "mini" or mini else "shed").inc()
             if treatment == "shorten":
                 start.max_tokens_cap = self.router.settings.pressure.shorter_max_tokens
@@ -293,16 +293,27 @@ class ConversationService:
         try:
             return await self._start_on(start)
         except OverQuota as over:
-            mini = await self._mini(req.model) if self.router.settings.pressure.mini_past_quota else None
+            mini = await self._mini(req) if self.router.settings.pressure.mini_past_quota else None
             if mini is None or start.model == mini:
                 raise over.error from None
             start.model, start.treated, start.max_tokens_cap = mini, "quota", None
             return await self._start_on(start)
 
-    async def _mini(self, model: str) -> str | None:
-        """The model's mini pool, when a replica of it runs and this gateway can tokenize for it."""
-        mini = await self.router.mini_pool(model)
-        return mini if mini in self.tokenizers else None
+    async def _mini(self, req: TurnRequest) -> str | None:
+        """The model's mini pool, when a replica of it runs, this gateway can tokenize for it, and
+        the request means the same there. A logit_bias names token ids of the requested model's
+        vocabulary (the gateway checked them against it), which another tokenizer may lack or
+        spell otherwise: biased there, it would push other tokens, or fail the reply. Such a
+        request stays with its model (shed at capacity, 429 past its quota, as when no mini pool
+        runs) unless the mini model's tokens at those ids are the same."""
+        mini = await self.router.mini_pool(req.model)
+        if mini not in self.tokenizers:
+            return None
+        ours, theirs = self.tokenizers[req.model], self.tokenizers[mini]
+        biased = [int(token) for token in req.sampling.get("logit_bias") or {}]
+        if any(t >= theirs.vocab_size or theirs.id_to_token(t) != ours.id_to_token(t) for t in biased):
+            return None
+        return mini
 
     async def _shed(self, start: _Start, retry_after_s: int) -> None:
         """Refuse a free request at capacity: its message is stored, answered by a SHED reply."""
