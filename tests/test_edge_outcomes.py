@@ -267,3 +267,22 @@ def test_a_logit_bias_is_checked_for_the_model_that_serves_the_reply(with_mini):
         moved_on = post(with_mini, chat_body("Hi.", max_tokens=60, stream=False, **extra), TPM_KEY)
         assert moved_on.status_code == 200, moved_on.text
         assert (moved_on.headers["x-fairway-model"], moved_on.headers["x-fairway-fallback"]) == (MINI, "quota")
+
+
+def test_past_both_the_models_and_its_mini_pools_quota_is_a_429(with_mini):
+    """A request whose user has spent the main model's quota and the mini pool's too was a 500
+    (the mini pool's refusal escaped the gateway): it is the mini pool's 429, with Retry-After."""
+    quotas = with_mini.gateway.limits.config.model_tokens_per_minute
+    quotas[MINI] = {"free": 100}
+    try:
+        codes = []
+        for i in range(4):
+            response = post(with_mini, chat_body(f"A long answer {i}.", max_tokens=60, stream=False), TPM_KEY)
+            codes.append(response.status_code)
+            if response.status_code == 429:
+                error = response.json()["error"]
+                assert error["type"] == "tokens" and MINI in error["message"], error
+                assert int(response.headers["retry-after"]) >= 1
+        assert 500 not in codes and codes[-1] == 429, codes
+    finally:
+        del quotas[MINI]

@@ -599,6 +599,8 @@ async def _start(service, turn_request: TurnRequest) -> Turn:
     except NotFound:
         raise not_found(f"No conversation {turn_request.conversation_id!r}.", "conversation_id",
                         "conversation_not_found") from None
+    except OverQuota as exc:  # the mini pool's quota spent too (the service raises the first model's itself)
+        raise exc.error from None
     except ContextTooLong as exc:
         raise invalid(str(exc), "messages", "context_length_exceeded") from None
     except InputFlagged as exc:
