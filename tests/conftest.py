@@ -57,6 +57,27 @@ def hf_model(model_path):
                                                     dtype=torch.float32).eval()
 
 
+@pytest.fixture(scope="session")
+def chat_api_server(tmp_path_factory):
+    """`fairway serve`'s app (bundled model on the CPU, in-process token log, SQLite) over real HTTP
+    for the chat API's modules, test_api.py and test_penalties_api.py: one model load for both.
+    No output check: replies here run their course (the idle cancel's is ~700 sampled tokens,
+    which at temperature 1.0 may write something the default policy flags, ending it flagged
+    instead of stopped). The output check is tested end to end in test_safety_api.py and
+    test_web_page.py."""
+    from serving import CHAT_API_IDLE_CANCEL_S, CHAT_API_WINDOW, TEST_KEYS, embedded_server
+
+    from fairway.assembly import ServerOptions
+    from fairway.safety import SafetySettings
+
+    db = tmp_path_factory.mktemp("api") / "fairway.db"
+    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=CHAT_API_WINDOW,
+                            idle_cancel_s=CHAT_API_IDLE_CANCEL_S, api_keys=list(TEST_KEYS),
+                            safety=SafetySettings(check_output=False))
+    with embedded_server(options) as server:
+        yield server
+
+
 @pytest.fixture
 def tiny_model():
     return random_model(LlamaConfig.tiny())

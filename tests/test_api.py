@@ -12,12 +12,12 @@ import openai
 import pytest
 from serving import (
     API_KEY,
+    CHAT_API_IDLE_CANCEL_S,
+    CHAT_API_WINDOW,
     MODEL,
     OTHER_KEY,
-    TEST_KEYS,
     USER,
     chat_body,
-    embedded_server,
     headers,
     sse_events,
     wait_for,
@@ -25,8 +25,8 @@ from serving import (
 
 from fairway.gateway.cursor import RUN_SPAN
 
-IDLE_CANCEL_S = 2.0
-WINDOW = 1024
+IDLE_CANCEL_S = CHAT_API_IDLE_CANCEL_S
+WINDOW = CHAT_API_WINDOW
 LONG_REPLY = WINDOW - 100  # tokens: room for a short prompt
 
 # A stable system text, as every deployment has: long enough that one turn's new tokens (the
@@ -38,20 +38,9 @@ SYSTEM = (
 ) * 6
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from fairway.assembly import ServerOptions
-    from fairway.safety import SafetySettings
-
-    db = tmp_path_factory.mktemp("api") / "fairway.db"
-    # No output check: replies here run their course (the idle cancel's is ~700 sampled tokens,
-    # which at temperature 1.0 may write something the default policy flags, ending it flagged
-    # instead of stopped). The output check is tested end to end in test_safety_api.py and
-    # test_web_page.py.
-    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=WINDOW, idle_cancel_s=IDLE_CANCEL_S,
-                           api_keys=list(TEST_KEYS), safety=SafetySettings(check_output=False))
-    with embedded_server(options) as server:
-        yield server
+@pytest.fixture
+def server(chat_api_server):
+    return chat_api_server
 
 
 @pytest.fixture

@@ -1,27 +1,20 @@
 """presence_penalty, frequency_penalty and logit_bias through the chat API, as an OpenAI SDK user
-sends them: `fairway serve`'s app (bundled model on the CPU) over real HTTP; bad values are 400s
-naming the param."""
+sends them: `fairway serve`'s app (bundled model on the CPU) over real HTTP, the one test_api.py
+uses (conftest's chat_api_server); bad values are 400s naming the param."""
 
 from __future__ import annotations
 
 import httpx
 import openai
 import pytest
-from serving import API_KEY, MODEL, TEST_KEYS, chat_body, embedded_server, headers
+from serving import API_KEY, MODEL, chat_body, headers
 
 QUESTION = [{"role": "user", "content": "Name a fruit."}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from fairway.assembly import ServerOptions
-    from fairway.safety import SafetySettings
-
-    db = tmp_path_factory.mktemp("penalties") / "fairway.db"
-    options = ServerOptions(database=f"sqlite:///{db}", max_model_len=1024, api_keys=list(TEST_KEYS),
-                            safety=SafetySettings(check_output=False))
-    with embedded_server(options) as server:
-        yield server
+@pytest.fixture
+def server(chat_api_server):
+    return chat_api_server  # test_api.py's server too
 
 
 @pytest.fixture
