@@ -131,3 +131,5 @@ PRIORITY_OF_LANE: dict[Lane, Priority] = {Lane.PAID: Priority.PAID, Lane.FREE: P
 MAX_PENALTY = 2
 MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_LOGIT_BIAS = 100
+# OpenAI's top_logprobs: the most likely tokens a reply may ask for at each position, 0..MAX_TOP_LOGPROBS.
+MAX_TOP_LOGPROBS = 20

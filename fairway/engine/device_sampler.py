@@ -12,6 +12,8 @@ between a CPU and a GPU replica.
 A guided row's mask (guided_decoding.py) is computed on the host and uploaded: one pageable
 copy per guided row, which waits for the step so far; only guided requests pay it. So do the
 sparse penalties and logit bias of the rows that set them (logit_adjust.py): three small uploads.
+Rows that ask for logprobs (logprobs.py) get them from the raw logits, a copy of their rows, and
+wait for the step a second time (their values' copy to the host); the other rows pay nothing.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from fairway.engine.host_buffers import HostBuffers
+from fairway.engine.logprobs import attach, raw_logprobs
 from fairway.engine.sampler import adjust_rows, draw, filtered, uniforms
 from fairway.engine.sequence import Sequence
 
@@ -29,7 +32,14 @@ class DeviceSampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """logits: [S, V] float32 on the device, one row per sampled sequence (adjusted in place
-        for those with penalties, a logit bias or a grammar). Returns the [S] token ids, on the device."""
+        for those with penalties, a logit bias or a grammar). Returns the [S] token ids, on the device;
+        a row asking for logprobs gets them from the logits as the model gave them (seq.step_logprobs)."""
+        raw = raw_logprobs(logits, seqs)  # (before adjust_rows: vLLM's raw logprobs)
+        tokens = self._sample(logits, seqs)
+        attach(raw, tokens, seqs)
+        return tokens
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         adjust_rows(logits, seqs)
         greedy_rows = [seq.params.greedy for seq in seqs]
         argmax = logits.argmax(dim=-1)

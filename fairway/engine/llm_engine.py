@@ -181,8 +181,11 @@ class LLMEngine:
         # A guided sequence samples one token a step: its mask depends on every token before it.
         # So does a penalised one: a verification row's penalties would have to count the drafts
         # before it in the same step. A logit bias alone is the same for every row: it speculates.
+        # One asking for logprobs samples one token a step too: the sampler gives logprobs to one
+        # row per sequence.
         decoding = [s for s in self.scheduler.running
-                    if s.is_decoding and s.guide is None and (s.adjust is None or not s.adjust.penalised)]
+                    if s.is_decoding and s.guide is None and (s.adjust is None or not s.adjust.penalised)
+                    and s.params.logprobs is None]
         self.speculator.propose(decoding, self.num_steps, self.scheduler.prefill_tokens_next())
 
     def _advance(self, seq: Sequence, n: int, new: list[int] | None) -> None:
@@ -204,6 +207,7 @@ class LLMEngine:
 
     def _append_token(self, seq: Sequence, token: int, now: float) -> RequestOutput:
         seq.token_ids.append(token)
+        logprobs, seq.step_logprobs = seq.step_logprobs, None
         if seq.guide is not None:
             seq.guide.consume_token(token)
         if seq.adjust is not None:
@@ -225,7 +229,9 @@ class LLMEngine:
         if finish is not None:
             text += seq.stop_checker.flush() if not stop_hit else ""
             self._finish(seq, finish)
-        return self._output(seq, token, text, finish)
+        out = self._output(seq, token, text, finish)
+        out.logprobs = logprobs
+        return out
 
     def _process_aborts(self) -> list[RequestOutput]:
         outputs = []

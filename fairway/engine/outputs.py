@@ -8,6 +8,16 @@ from fairway.domain import FinishReason
 
 
 @dataclass
+class Logprobs:
+    """One sampled token's log-probability and its position's most likely tokens, best first
+    (OpenAI's logprobs, from the model's raw logits: logprobs.py)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), at most the request's top_logprobs
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     token_id: int | None  # None only on a final output that carries no token (abort, or a stop string cut)
@@ -18,6 +28,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     ttft: float | None = None  # seconds from arrival to the first token
     inter_token_times: list[float] | None = None  # on the final output only
+    logprobs: Logprobs | None = None  # this token's, when the request asks for them
 
     @property
     def finished(self) -> bool:

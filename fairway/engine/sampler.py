@@ -1,6 +1,7 @@
 """Turns the last-position logits of each sequence into its next token.
 
-Penalties, logit bias and a grammar's mask apply first, to the rows that set them (adjust_rows).
+Penalties, logit bias and a grammar's mask apply first, to the rows that set them (adjust_rows);
+the rows that ask for logprobs have theirs taken before that, from the raw logits (logprobs.py).
 Three kinds of row: greedy (argmax), temperature only (the native one-pass sampler on the CPU,
 where it is built), and filtered by top-k or top-p (PyTorch: a sort). Every sampled row draws one
 uniform from its request's own generator, so a seed reproduces a reply whatever shares its batch.
@@ -12,13 +13,16 @@ import torch
 
 from fairway.engine.guided_decoding import mask_logits
 from fairway.engine.logit_adjust import adjust_logits
+from fairway.engine.logprobs import attach, raw_logprobs
 from fairway.engine.sequence import Sequence
 from fairway.models.cpu_kernels import temperature_sampler
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """logits: [S, V] float32, one row per sequence that samples this step. A row with penalties or
-    a logit bias, or guided, is adjusted first (in place: adjust_rows); the others are not touched."""
+    a logit bias, or guided, is adjusted first (in place: adjust_rows); the others are not touched.
+    A row asking for logprobs gets them from the logits as the model gave them (seq.step_logprobs)."""
+    raw = raw_logprobs(logits, seqs)  # (before adjust_rows: vLLM's raw logprobs)
     adjust_rows(logits, seqs)
     out = [0] * len(seqs)
     greedy, plain, filtered = _kinds(seqs, logits.shape[-1], logits.device.type == "cpu")
@@ -29,6 +33,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
             tokens = pick(chosen, [seqs[i] for i in rows])
             for i, token in zip(rows, tokens.tolist(), strict=True):
                 out[i] = token
+    attach(raw, out, seqs)
     return out
 
 

@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from fairway.domain import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY
+from fairway.domain import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY, MAX_TOP_LOGPROBS
 
 # Temperatures below this sample as greedy (vLLM's _SAMPLING_EPS): dividing logits by a smaller one,
 # or one that rounds to 0 in float32/bf16 (1e-320 does), overflows the sampler.
@@ -32,6 +32,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
+    # OpenAI's logprobs: how many of each position's most likely tokens to return with each sampled
+    # token's own log-probability (0: its own alone); None: no logprobs (logprobs.py).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Validate here so every entry point (CLI, HTTP, tests) gets the same error naming the field.
@@ -55,6 +58,10 @@ class SamplingParams:
             if not _number(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
         self.logit_bias = _logit_bias(self.logit_bias)
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] (the top tokens wanted) "
+                             f"or None, got {self.logprobs!r}")
 
     @property
     def adjusts_logits(self) -> bool:

@@ -12,6 +12,7 @@ import torch
 from fairway.domain import FinishReason, Priority
 from fairway.engine.block_pool import KVBlock
 from fairway.engine.logit_adjust import LogitAdjust
+from fairway.engine.outputs import Logprobs
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.spec_decode.state import SpecState
 from fairway.engine.stop_checker import StopChecker
@@ -51,6 +52,9 @@ class Sequence:
     base_priority: int = -1  # the lane it was added in (-1: priority's)
     # Its penalties and logit bias with the counts of its generated tokens (None: it sets neither)
     adjust: LogitAdjust | None = field(default=None, init=False)
+    # The logprobs of the token the last step sampled for it, when it asks for them (logprobs.py):
+    # set by the sampler, taken by the engine with the token.
+    step_logprobs: Logprobs | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         if self.base_priority < 0:
