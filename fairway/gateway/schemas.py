@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator
 
-from fairway.domain import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY
+from fairway.domain import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_PENALTY, MAX_TOP_LOGPROBS
 from fairway.gateway.errors import ApiError, invalid
 from fairway.limits import MAX_KEY_LENGTH
 from fairway.models.bundled import BUNDLED_MODEL_NAME
@@ -43,8 +43,6 @@ LOGIT_BIAS_SCHEMA: dict[str, Any] = {
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "functions": (None, []),  # the legacy form of tools
     "function_call": (None, "none", "auto"),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "audio": (None,),
 }
 
@@ -92,6 +90,15 @@ class ChatCompletionRequest(BaseModel):
     frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY, description=(
         "Subtracted from the logit of every token the reply has already generated, times its count."))
     logit_bias: Annotated[Any, WithJsonSchema(LOGIT_BIAS_SCHEMA)] = None
+    # OpenAI's logprobs: each generated token's log-probability (the model's own, before penalties,
+    # bias and temperature, as vLLM gives them), and with top_logprobs its position's likeliest tokens.
+    logprobs: bool | None = Field(default=None, description=(
+        "Return the log-probability of each generated token in `choices[0].logprobs.content` (streamed: "
+        "each chunk's, for the tokens of its delta). The model's own distribution, before penalties, "
+        "logit_bias and temperature."))
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS, description=(
+        "How many of the most likely tokens at each position to return with each token's logprob "
+        "(`top_logprobs`, best first). Only with `logprobs: true`."))
     # {"type": "text" | "json_object"} or {"type": "json_schema", "json_schema": {"name", "schema"}}:
     # held to it by guided decoding in the engine.
     response_format: dict[str, Any] | None = None
@@ -245,6 +252,9 @@ def _check_supported(request: ChatCompletionRequest, data: dict[str, Any]) -> No
             raise invalid(f"'{name}' is not supported by this server yet.", name, "unsupported_parameter")
     if not request.messages:
         raise invalid("'messages' must contain at least one message.", "messages", "empty_array")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise invalid("Invalid value for 'top_logprobs': 'logprobs' must be set to true when 'top_logprobs' is "
+                      "set.", "top_logprobs", "invalid_value")
 
 
 def chat_messages(request: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -396,6 +406,8 @@ def sampling(request: ChatCompletionRequest, vocab_size: int | None = None) -> d
         out["seed"] = request.seed
     if request.ignore_eos:
         out["ignore_eos"] = True
+    if request.logprobs:
+        out["logprobs"] = request.top_logprobs or 0  # the engine's: how many top tokens (0: the token's own)
     guided = guided_decoding(request.response_format)
     if guided is not None:
         out["guided_decoding"] = guided

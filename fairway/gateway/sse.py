@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fairway.conversation import Reply
+from fairway.relay import TokenLogprob
 
 
 @dataclass
@@ -25,11 +26,16 @@ class ReplyView:
     model: str
     created: int
     first_extra: dict[str, Any] = field(default_factory=dict)  # e.g. context info, on a fresh stream's first chunk
+    # The reply asked for logprobs: its token chunks carry them, so they are rendered here, never
+    # by the token writer's template (which has none).
+    logprobs: bool = False
 
     @classmethod
     def of(cls, reply: Reply, model: str | None = None) -> ReplyView:
-        model = model or str((reply.job or {}).get("model", ""))
-        return cls(reply.id, reply.conversation_id, reply.message_id, model, int(reply.created_at))
+        job = reply.job or {}
+        model = model or str(job.get("model", ""))
+        logprobs = (job.get("sampling") or {}).get("logprobs") is not None
+        return cls(reply.id, reply.conversation_id, reply.message_id, model, int(reply.created_at), logprobs=logprobs)
 
     def headers(self) -> dict[str, str]:
         return {"X-Reply-Id": self.reply_id, "X-Conversation-Id": self.conversation_id, "X-Message-Id": self.message_id}
@@ -63,10 +69,19 @@ def chunk_base(view: ReplyView) -> dict[str, Any]:
 
 
 def chunk(view: ReplyView, delta: dict[str, Any], n: int, extra: dict[str, Any] | None = None,
-          finish: str | None = None) -> dict[str, Any]:
-    """The chunk of event n: its one choice's delta (and finish reason), then any extra fields."""
-    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None, "checkpoint_id": f"tok_{n}"}
+          finish: str | None = None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The chunk of event n: its one choice's delta (and finish reason, and the logprobs of the
+    delta's tokens), then any extra fields."""
+    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs, "checkpoint_id": f"tok_{n}"}
     return {**chunk_base(view), "choices": [choice], **(extra or {})}
+
+
+def logprobs_of(tokens: list[TokenLogprob]) -> dict[str, Any]:
+    """OpenAI's choice.logprobs for these tokens (a chunk's, or a whole reply's)."""
+    return {"content": [{"token": t.token, "logprob": t.logprob, "bytes": t.bytes,
+                         "top_logprobs": [{"token": o.token, "logprob": o.logprob, "bytes": o.bytes} for o in t.top]}
+                        for t in tokens],
+            "refusal": None}
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from fairway.gateway.cursor import Cursor, wire_id
 from fairway.gateway.edge import BODY_SEND
 from fairway.gateway.errors import ApiError, not_found
 from fairway.gateway.http_protocol import connection_of
-from fairway.gateway.sse import ReplyView, chunk, chunk_base, frame, token_template
+from fairway.gateway.sse import ReplyView, chunk, chunk_base, frame, logprobs_of, token_template
 from fairway.gateway.token_writer import make_writer
 from fairway.relay import (
     EventIdOutOfRange,
@@ -45,6 +45,7 @@ from fairway.relay import (
     ReplyState,
     TokenEvent,
     TokenLog,
+    TokenLogprob,
     TokenSink,
     ToolEvent,
 )
@@ -288,6 +289,8 @@ class ReplyRelay:
         # which it may not do before the first chunk is out. (This runs once EventStream started
         # the response, and its sends happen only while this is not waiting: the writer's bytes
         # land between them, in order.)
+        # A reply with logprobs: every chunk rendered here (the writer's template has no logprobs).
+        connection = None if view.logprobs else connection
         writer = make_writer(token_template(view), connection, open=not fresh)
         ended = False
         try:
@@ -319,6 +322,9 @@ class ReplyRelay:
                             out.append(self._first_or_snapshot(view, event, fresh))
                             fresh = False
                             writer.open = True
+                        elif view.logprobs:
+                            out.append(frame(chunk(view, {"content": token.text}, token.n,
+                                                   logprobs=logprobs_of(token.logprobs)), token.n))
                         else:
                             out.append(writer.chunk(token.n, token.text))
                     yield b"".join(out)
@@ -334,7 +340,9 @@ class ReplyRelay:
     def _first_or_snapshot(self, view: ReplyView, event: TokenEvent | Snapshot, fresh: bool) -> bytes:
         token = event.event if isinstance(event, Snapshot) else event
         delta: dict[str, Any] = {"role": "assistant", "content": token.text} if fresh else {"content": token.text}
-        first = chunk(view, delta, token.n, view.first_extra if fresh else {})
+        # (A snapshot's text, from the store, has no tokens behind it: no logprobs.)
+        logprobs = logprobs_of(token.logprobs) if view.logprobs and not isinstance(event, Snapshot) else None
+        first = chunk(view, delta, token.n, view.first_extra if fresh else {}, logprobs=logprobs)
         if isinstance(event, Snapshot):
             first["snapshot"] = True
         return frame(first, token.n)
@@ -372,6 +380,7 @@ class ReplyRelay:
         """Wait for the whole reply (the request counts as a listener meanwhile)."""
         text: list[str] = []
         tools: list[CallRecord] = []
+        logprobs: list[TokenLogprob] = []
         final: FinalEvent | None = None
         async with contextlib.aclosing(self.event_batches(reply, 0)) as batches:
             async for batch in batches:
@@ -385,8 +394,10 @@ class ReplyRelay:
                     if isinstance(event, Snapshot):  # the text so far is replaced (a lost log's new run)
                         text.clear()
                         tools.clear()
+                        logprobs.clear()
                     token = event.event if isinstance(event, Snapshot) else event
                     text.append(token.text)
+                    logprobs += token.logprobs
                 if final is not None:
                     break
         if final is None:
@@ -407,7 +418,7 @@ class ReplyRelay:
             "index": 0,
             "message": message,
             "finish_reason": finish_reason(final),
-            "logprobs": None,
+            "logprobs": logprobs_of(logprobs) if view.logprobs else None,
         }
         body: dict[str, Any] = {
             "id": view.reply_id,

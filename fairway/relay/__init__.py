@@ -25,7 +25,7 @@ from fairway.relay.errors import (
     ReplyFinished,
     ReplyNotFound,
 )
-from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields
+from fairway.relay.events import Event, FinalEvent, TokenEvent, TokenLogprob, ToolEvent, event_from_fields
 from fairway.relay.inbox import Delivery, Inbox
 from fairway.relay.inbox_memory import InProcessInbox
 from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue
@@ -154,6 +154,7 @@ __all__ = [
     "ReplyNotFound",
     "ReplyState",
     "TokenEvent",
+    "TokenLogprob",
     "ToolEvent",
     "TokenLog",
     "TokenSink",

@@ -15,15 +15,42 @@ from fairway.domain import FinishReason, ReplyState, ToolStatus
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability as OpenAI's logprobs give it: the token's text (its bytes
+    decoded, U+FFFD for a part of a character), its bytes, and for a sampled token its position's
+    most likely tokens, best first."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+    top: list[TokenLogprob] = field(default_factory=list)
+
+    def to_json(self) -> list[Any]:
+        return [self.token, self.logprob, self.bytes, [t.to_json()[:3] for t in self.top]]
+
+    @classmethod
+    def from_json(cls, data: list[Any]) -> TokenLogprob:
+        token, logprob, raw = data[0], data[1], data[2]
+        top = data[3] if len(data) > 3 else []
+        return cls(str(token), float(logprob), [int(b) for b in raw], [cls.from_json(t) for t in top])
+
+
+@dataclass(frozen=True)
 class TokenEvent:
-    """One step of output: text delta plus the token ids behind it (may be several, or none)."""
+    """One step of output: text delta plus the token ids behind it (may be several, or none), and
+    their logprobs when the reply asks for them (an event without them has none: older ones too)."""
 
     n: int  # 0 asks append() to assign the next number
     text: str
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     def to_fields(self) -> dict[str, str]:
-        return {"k": "t", "n": str(self.n), "text": self.text, "ids": ",".join(map(str, self.token_ids))}
+        fields = {"k": "t", "n": str(self.n), "text": self.text, "ids": ",".join(map(str, self.token_ids))}
+        if self.logprobs:
+            fields["lp"] = json.dumps([t.to_json() for t in self.logprobs], separators=(",", ":"),
+                                      ensure_ascii=False)
+        return fields
 
 
 @dataclass(frozen=True)
@@ -100,7 +127,7 @@ def with_n(event: Event, n: int) -> Event:
     if event.n == n:
         return event
     if isinstance(event, TokenEvent):
-        return TokenEvent(n, event.text, list(event.token_ids))
+        return TokenEvent(n, event.text, list(event.token_ids), list(event.logprobs))
     if isinstance(event, ToolEvent):
         return ToolEvent(n, event.call_id, event.name, event.status, event.arguments, event.index, event.output,
                          dict(event.detail))
@@ -122,7 +149,8 @@ def event_from_fields(fields: dict[str, str]) -> Event:
     n = int(fields["n"])
     if kind == "t":
         ids = fields.get("ids", "")
-        return TokenEvent(n, fields.get("text", ""), [int(i) for i in ids.split(",")] if ids else [])
+        logprobs = [TokenLogprob.from_json(t) for t in json.loads(fields["lp"])] if fields.get("lp") else []
+        return TokenEvent(n, fields.get("text", ""), [int(i) for i in ids.split(",")] if ids else [], logprobs)
     if kind == "x":
         try:
             return ToolEvent(n, fields["id"], fields["name"], ToolStatus(fields["status"]), fields.get("args", ""),

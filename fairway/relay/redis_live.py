@@ -53,8 +53,9 @@ UNSUBSCRIBE_WAIT_S = 0.05  # the longest an unsubscription waits to share a writ
 def live_payload(event: Event) -> str:
     """What the append script publishes after "<n> " (n, which the script may only assign then,
     is not in it). A token, the event sent thousands of times a second, as "t<ids>\\x1f<text>",
-    which takes no JSON to read; the final event as "f" + its fields in JSON."""
-    if isinstance(event, TokenEvent):
+    which takes no JSON to read; any other event (a token with its logprobs too) as "f" + its
+    fields in JSON."""
+    if isinstance(event, TokenEvent) and not event.logprobs:
         return sequenced_text(",".join(map(str, event.token_ids)), event.text)  # its head: the ids
     fields = event.to_fields()
     del fields["n"]

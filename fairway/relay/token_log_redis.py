@@ -313,8 +313,8 @@ class RedisTokenLog(TokenLog):
     async def _add(self, items: Sequence[tuple[str, Event]]) -> list[int | Exception]:
         """The events appended, a step's worth in few calls of the append script (script_groups:
         APPENDS_PER_CALL a call, those of one slot together on a cluster)."""
-        parts = [self._token_part(reply_id, event) if isinstance(event, TokenEvent) else self._event_part(reply_id, event)
-                 for reply_id, event in items]
+        parts = [self._token_part(reply_id, event) if isinstance(event, TokenEvent) and not event.logprobs
+                 else self._event_part(reply_id, event) for reply_id, event in items]
         ttl = pack_args([self._ttl_ms])
         with guard():
             groups = await self._client.script_groups([part[0] for part in parts], APPENDS_PER_CALL)

@@ -62,6 +62,7 @@ from fairway.relay import (
 )
 from fairway.replica.health import HealthServer
 from fairway.replica.job import GenerationJob, replica_queue
+from fairway.replica.logprobs import token_logprobs
 from fairway.replica.prefix_summary import DEFAULT_CAPACITY, PrefixSummary
 from fairway.replica.registry import DEFAULT_REGION, ReplicaInfo, ReplicaRegistry
 from fairway.replica.report import REPORTS_INBOX, ReplyReport
@@ -862,7 +863,10 @@ class ReplicaWorker:
                 running.inter_token = metrics.INTER_TOKEN_LATENCY.labels(running.job.model, running.job.tier)
             running.inter_token.observe(clock - running.last_token_at)
         running.last_token_at = clock
-        return TokenEvent(running.events + 1, out.text, [out.token_id] if out.token_id is not None else [])
+        ids = [out.token_id] if out.token_id is not None else []
+        if out.logprobs is None:
+            return TokenEvent(running.events + 1, out.text, ids)
+        return TokenEvent(running.events + 1, out.text, ids, token_logprobs(out.logprobs, self.engine.tokenizer))
 
     async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
         try:
