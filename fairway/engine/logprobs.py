@@ -19,11 +19,13 @@ from fairway.engine.sequence import Sequence
 
 @dataclass
 class RawLogprobs:
-    """The log-softmax of the asking rows, taken before the step's adjustments change the logits."""
+    """The log-softmax of the asking rows, taken before the step's adjustments change the logits
+    (tensors where the logits are: read back with the sampled tokens, so a GPU waits once)."""
 
     rows: list[int]  # their rows among the step's
-    logprobs: torch.Tensor  # [len(rows), V] float32, where the logits are
-    top: list[list[tuple[int, float]]]
+    logprobs: torch.Tensor  # [len(rows), V] float32
+    top_values: torch.Tensor | None  # [len(rows), k], best first (None: no row wants top tokens)
+    top_ids: torch.Tensor | None
 
 
 def raw_logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> RawLogprobs | None:
@@ -34,13 +36,8 @@ def raw_logprobs(logits: torch.Tensor, seqs: list[Sequence]) -> RawLogprobs | No
         return None
     logprobs = logits[torch.tensor(rows, device=logits.device)].float().log_softmax(dim=-1)
     k = max(seqs[i].params.logprobs or 0 for i in rows)
-    top: list[list[tuple[int, float]]] = [[] for _ in rows]
-    if k:
-        values, ids = logprobs.topk(k, dim=-1)  # sorted, best first
-        for j, (row_values, row_ids) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
-            wanted = seqs[rows[j]].params.logprobs or 0
-            top[j] = list(zip(row_ids[:wanted], row_values[:wanted], strict=True))
-    return RawLogprobs(rows, logprobs, top)
+    values, ids = logprobs.topk(k, dim=-1) if k else (None, None)  # sorted, best first
+    return RawLogprobs(rows, logprobs, values, ids)
 
 
 def attach(raw: RawLogprobs | None, tokens: list[int] | torch.Tensor, seqs: list[Sequence]) -> None:
@@ -49,9 +46,14 @@ def attach(raw: RawLogprobs | None, tokens: list[int] | torch.Tensor, seqs: list
     tensor where the logits are."""
     if raw is None:
         return
-    index = torch.tensor(raw.rows, device=raw.logprobs.device)
-    chosen = (tokens[index] if isinstance(tokens, torch.Tensor)
-              else torch.tensor([tokens[i] for i in raw.rows], device=raw.logprobs.device))
-    values = raw.logprobs.gather(1, chosen.long()[:, None]).squeeze(1)
-    for row, token, value, top in zip(raw.rows, chosen.tolist(), values.tolist(), raw.top, strict=True):
-        seqs[row].step_logprobs = Logprobs(token, value, top)
+    device = raw.logprobs.device
+    index = torch.tensor(raw.rows, device=device)
+    chosen = tokens[index] if isinstance(tokens, torch.Tensor) else torch.tensor([tokens[i] for i in raw.rows])
+    chosen = chosen.to(device=device, dtype=torch.long)
+    values = raw.logprobs.gather(1, chosen[:, None]).squeeze(1).tolist()
+    top_values = raw.top_values.tolist() if raw.top_values is not None else [[] for _ in raw.rows]
+    top_ids = raw.top_ids.tolist() if raw.top_ids is not None else [[] for _ in raw.rows]
+    for j, (row, token) in enumerate(zip(raw.rows, chosen.tolist(), strict=True)):
+        wanted = seqs[row].params.logprobs or 0
+        seqs[row].step_logprobs = Logprobs(token, values[j], list(zip(top_ids[j][:wanted], top_values[j][:wanted],
+                                                                         strict=True)))
