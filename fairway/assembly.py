@@ -16,42 +16,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
-
-from fairway.conversation import ConversationStore, database_url, make_store
-from fairway.conversation.recorder import ReplyRecorder
-from fairway.conversation.service import ConversationService, ServiceSettings
-from fairway.files.objects import make_object_store
-from fairway.files.service import FileService, FileSettings
-from fairway.files.source import FileSource
-from fairway.files.store import FileStore
-from fairway.gateway import GatewayContext, create_app
-from fairway.gateway.keys import KeyChecker, ensure_key
-from fairway.gateway.streaming import KEEPALIVE_S, ReplyRelay
-from fairway.limits import LimitsConfig, make_limits
-from fairway.memory import (
-    BackgroundCompleter,
-    MemoryService,
-    MemorySettings,
-    MemorySource,
-    MemoryStore,
-    readable,
-)
 from fairway.models.bundled import BUNDLED_MODEL_NAME, bundled_model_path
 from fairway.relay import DEFAULT_TTL_S, Relay, make_relay
 from fairway.replica.registry import ReplicaRegistry, make_registry
-from fairway.retrieval import SqlVectorIndex, embedder_available, shared_embedder
-from fairway.router import Failover, Router, RouterSettings
-from fairway.safety import Moderator, SafetySettings, make_moderator
+from fairway.router import RouterSettings
+from fairway.safety import SafetySettings, make_moderator
 from fairway.sandbox import Sandbox
 from fairway.server_gc import settle_heap
-from fairway.usage.accounting import Accounting
 from fairway.usage.pricing import Pricing
 
-if TYPE_CHECKING:  # the engine (torch) is only imported where a replica runs
+if TYPE_CHECKING:
+    # The engine (torch) is only imported where a replica runs; the gateway's parts (FastAPI, the
+    # store's SQLAlchemy, memory, files) only where a gateway runs: a replica process starts without them.
+    from fastapi import FastAPI
+
+    from fairway.conversation import ConversationStore
     from fairway.engine import EngineConfig, LLMEngine
+    from fairway.files.service import FileService, FileSettings
+    from fairway.gateway import GatewayContext
+    from fairway.limits import LimitsConfig
+    from fairway.memory import MemoryService
     from fairway.models.tokenizer import Tokenizer
     from fairway.replica.worker import ReplicaSettings
+    from fairway.retrieval import SqlVectorIndex
+    from fairway.router import Router
+    from fairway.safety import Moderator
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +76,7 @@ class ServerOptions:
     # serve`, test keys. Other keys come from `fairway keys create`.
     api_keys: list[tuple[str, str, str]] = field(default_factory=list)
     auth_cache_s: float = 5.0  # a valid key is re-checked in the store this often (revocation delay)
-    keepalive_s: float = KEEPALIVE_S  # an SSE keepalive after this long without events
+    keepalive_s: float | None = None  # an SSE keepalive after this long without events (None: gateway/streaming.py's)
     memory: bool = True  # facts across conversations (off by itself when the embedding model is missing)
     memory_idle_s: float = 300.0  # a conversation idle this long gets its facts extracted
     memory_poll_s: float = 10.0
@@ -196,6 +185,8 @@ def _redis_options(options: ServerOptions) -> dict[str, Any]:
 
 
 def open_backends(options: ServerOptions) -> tuple[Relay, ConversationStore, ReplicaRegistry]:
+    from fairway.conversation import make_store
+
     relay = make_relay(options.redis, ttl_s=options.log_ttl_s, **_redis_options(options))
     registry = make_registry(options.redis, **_redis_options(options))
     return relay, make_store(options.database), registry
@@ -205,6 +196,9 @@ def open_memory(options: ServerOptions, relay: Relay, router: Router, store: Con
                 tokenizers: dict[str, Any], index: SqlVectorIndex) -> tuple[MemoryService | None, str | None]:
     """The memory service (vectors and facts in the conversation store's database, extraction by
     the served model on the background lane), or None and the reason it is off."""
+    from fairway.memory import BackgroundCompleter, MemoryService, MemorySettings, MemoryStore, readable
+    from fairway.retrieval import embedder_available, shared_embedder
+
     if not options.memory:
         return None, "turned off (ServerOptions.memory)"
     reason = embedder_available()
@@ -224,6 +218,11 @@ def open_memory(options: ServerOptions, relay: Relay, router: Router, store: Con
 
 def open_files(options: ServerOptions, index: SqlVectorIndex) -> FileService | None:
     """Uploads with retrieval, or None when the embedding model is missing (memory says why)."""
+    from fairway.files.objects import make_object_store
+    from fairway.files.service import FileService, FileSettings
+    from fairway.files.store import FileStore
+    from fairway.retrieval import embedder_available, shared_embedder
+
     if embedder_available() is not None:
         return None
     return FileService(FileStore(index.engine), make_object_store(options.files), index, shared_embedder,
@@ -238,6 +237,19 @@ def gateway_context(
     tokenizers: dict[str, Any],
     moderator: Moderator | None = None,
 ) -> GatewayContext:
+    from fairway.conversation import database_url
+    from fairway.conversation.recorder import ReplyRecorder
+    from fairway.conversation.service import ConversationService, ServiceSettings
+    from fairway.files.source import FileSource
+    from fairway.gateway import GatewayContext
+    from fairway.gateway.keys import KeyChecker, ensure_key
+    from fairway.gateway.streaming import KEEPALIVE_S, ReplyRelay
+    from fairway.limits import LimitsConfig, make_limits
+    from fairway.memory import MemorySource
+    from fairway.retrieval import SqlVectorIndex
+    from fairway.router import Failover, Router
+    from fairway.usage.accounting import Accounting
+
     router = Router(registry, options.router)
     settings = ServiceSettings(default_max_tokens=options.default_max_tokens, max_tool_rounds=options.max_tool_rounds)
     background = Background()
@@ -253,7 +265,7 @@ def gateway_context(
     config = dataclasses.replace(options.limits or LimitsConfig(), prefix=options.namespace)
     limits = make_limits(options.redis, config)
     keys = KeyChecker(store, options.auth_cache_s)
-    context = GatewayContext(service, ReplyRelay(relay.log, store, service, options.keepalive_s), relay.log, store, router, limits, keys,
+    context = GatewayContext(service, ReplyRelay(relay.log, store, service, KEEPALIVE_S if options.keepalive_s is None else options.keepalive_s), relay.log, store, router, limits, keys,
                              memory=memory, memory_off_reason=memory_off, files=files, moderator=moderator)
     if memory is not None:
         context.on_startup += [memory.init, background.start(memory.run, "memory-extraction")]
@@ -284,6 +296,7 @@ def embedded_app(options: ServerOptions, engine: LLMEngine | None = None,
     options.mini_model a second replica on the mini model (mini_engine, else built), the mini
     pool of the first."""
     from fairway.engine import AsyncEngine
+    from fairway.gateway import create_app
     from fairway.replica.worker import ReplicaWorker
 
     # The policy first: a malformed one is reported at once, not after the model's load.
@@ -334,6 +347,8 @@ def replica_settings(options: ServerOptions, model: str) -> ReplicaSettings:
 
 def gateway_app(options: ServerOptions) -> FastAPI:
     """A stateless gateway process: Redis and a database shared with the other processes."""
+    from fairway.gateway import create_app
+
     relay, store, registry = open_backends(options)
     tokenizers = {model_name(options.model): load_tokenizer(options.model)}
     if options.mini_model:
