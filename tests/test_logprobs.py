@@ -58,7 +58,7 @@ def check_tokens(content, top: int, greedy: bool = True) -> None:
 
 
 def text_of(content) -> str:
-    return b"".join(bytes(t.bytes) for t in content).decode()
+    return b"".join(bytes(t.bytes) for t in content).decode(errors="replace")
 
 
 def test_a_greedy_reply_has_its_tokens_logprobs(client):
@@ -109,10 +109,10 @@ def test_a_streamed_reply_carries_each_chunks_logprobs(client):
             continue
         choice = piece.choices[0]
         if choice.finish_reason is None:
-            assert choice.logprobs is not None
-            assert text_of(choice.logprobs.content).encode() == (choice.delta.content or "").encode() \
-                or not choice.delta.content  # (a character split over tokens is whole only in the reply)
+            assert len(choice.logprobs.content) == 1  # a chunk's one token (its text may wait for the next's)
             content += choice.logprobs.content
+        else:
+            assert choice.logprobs is None
         text += choice.delta.content or ""
     check_tokens(content, 2)
     assert text_of(content) == text
@@ -153,10 +153,10 @@ def test_logprobs_hold_with_a_grammar_and_with_tools(client):
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
     response = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=40,
-        temperature=0, logprobs=True, tools=tools)
+        temperature=0, logprobs=True, tools=tools, tool_choice="required")
     choice = response.choices[0]
-    assert choice.logprobs is not None
-    check_tokens(choice.logprobs.content, 0, greedy=False) if choice.logprobs.content else None
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls[0].function.name == "get_weather"
+    assert choice.logprobs.content == []  # the call's tokens are no content: no logprobs for them
 
 
 def test_top_logprobs_without_logprobs_is_a_400_naming_it(client):
@@ -221,3 +221,42 @@ async def test_the_token_log_carries_logprobs_logged_and_live(backend):
     live = await asyncio.wait_for(listener, 5)
     logged = await backend.log().read(reply)
     assert live[:2] == sent and logged[:2] == sent
+
+
+# -- with the output check ----------------------------------------------------------------------
+
+FLAGGED_WORD = "domesticated"  # test_safety_api.py's policy edit: the greedy answer about cats turns flagged
+
+
+@pytest.fixture(scope="module")
+def checked_server(tmp_path_factory):
+    """A server with the output check on and test_safety_api.py's policy (its model's weights too)."""
+    from serving import TEST_KEYS, embedded_server
+
+    from fairway.assembly import ServerOptions
+    from fairway.safety import DEFAULT_POLICY, SafetySettings
+    from fairway.safety.profanity import available
+
+    tmp = tmp_path_factory.mktemp("logprobs-safety")
+    policy = tmp / "policy.toml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
+                                                          f'terms = ["{FLAGGED_WORD}", "with him in it"'))
+    options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
+                            weights="native",
+                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
+    with embedded_server(options) as server:
+        yield server
+
+
+def test_the_output_check_releases_each_sentences_logprobs_with_it(checked_server):
+    body = chat_body("Tell me about cats.", max_tokens=300, logprobs=True)
+    with httpx.Client(base_url=checked_server.url, headers=headers(), timeout=120) as http:
+        with http.stream("POST", "/v1/chat/completions", json=body) as response:
+            events = list(sse_events(response))
+    assert next(e for e in events if e.finish_reason).finish_reason == "content_filter"
+    tokens = token_events(events)
+    text = "".join(e.content for e in tokens)
+    assert text.startswith("Cats are")  # the first sentence, which passed
+    released = [t for e in tokens for t in e.data["choices"][0]["logprobs"]["content"]]
+    assert b"".join(bytes(t["bytes"]) for t in released).decode() == text  # no token of the flagged sentence
+    assert all(t["logprob"] <= 0 and t["top_logprobs"] == [] for t in released)

@@ -723,7 +723,10 @@ class ReplicaWorker:
                         step.calls_done = True
                         return step
                 elif text or (out.token_id is not None and not out.finished and not tools.parser.buffering):
-                    step.flagged = await self._release(running, hold, dataclasses.replace(out, text=text))
+                    # A token's logprobs go with its own text only: not with text the call parser
+                    # held back and releases now, nor with a token whose text a call took.
+                    step.flagged = await self._release(running, hold, dataclasses.replace(
+                        out, text=text, logprobs=out.logprobs if text == out.text else None))
                     if step.flagged is not None:
                         return step
                 for call in calls:
