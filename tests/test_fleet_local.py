@@ -262,10 +262,9 @@ def ramp_then_trickle(url: str, key: str, watch: Watch, full: float) -> tuple[li
     deadline, drained_for = time.monotonic() + 60, None
     while time.monotonic() < deadline and (drained_for is None or time.monotonic() < drained_for):
         send()
-        interval = TRICKLE_GAP_S
-        if drained_for is not None:
-            time.sleep(interval)
-        elif watch.drained.wait(interval):  # wakes at the drain: replies that begin as the replica leaves
+        if drained_for is not None:  # (then the loop ends: nothing more is sent)
+            time.sleep(max(0.0, drained_for - time.monotonic()))
+        elif watch.drained.wait(TRICKLE_GAP_S):  # wakes at the drain: replies that begin as the replica leaves
             drained_for = time.monotonic() + 3  # and after it
     trickled = time.monotonic()
     for thread in threads:
