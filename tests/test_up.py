@@ -113,21 +113,29 @@ def replica_pids(up: subprocess.Popen, replica_id: str) -> list[int]:
 
 
 def kill_the_replica_mid_reply(up: subprocess.Popen, url: str, key: str) -> str:
-    """SIGKILL the replica writing a long reply, mid-stream: the stream carries on to its end
-    (failover, or the replica up starts again), every event once. Returns the killed replica's id."""
+    """SIGKILL the replica writing a reply, mid-stream: the stream carries on to its end
+    (failover, or the replica up starts again), every event once. Returns the killed replica's id.
+    The reply was cut: its events after the kill paused for the takeover (a reply already whole in
+    its log would have come at once)."""
     http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {key}"}, timeout=120)
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": 200,
+    tokens = 64  # 10 come before the kill: the rest wait for the takeover
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Count to a thousand."}], "max_tokens": tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    ids, killed = [], ""
+    ids, killed, arrived = [], "", []
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
         for event in sse_events(r):
             if event.id is not None:
                 ids.append(event.id)
+                arrived.append(time.monotonic())
             if len(ids) == 10 and not killed:
                 killed = http.get(f"/v1/replies/{r.headers['x-reply-id']}").json()["replica_id"]
                 (pid,) = replica_pids(up, killed)
                 os.kill(pid, signal.SIGKILL)
-    assert killed and event.data == "[DONE]" and ids == list(range(1, len(ids) + 1)) and len(ids) == 201
+                killed_at = time.monotonic()
+    assert killed and event.data == "[DONE]" and ids == list(range(1, len(ids) + 1)) and len(ids) == tokens + 1
+    after = [killed_at, *(t for t in arrived if t > killed_at)]
+    pause = max((b - a for a, b in zip(after, after[1:], strict=False)), default=0.0)
+    assert pause > 0.3, f"no pause after the kill ({pause:.2f} s): the reply had ended before it"
     return killed
 
 
