@@ -41,18 +41,44 @@ def real_model_fp32(model_path):
 
 
 @pytest.fixture(scope="session")
-def hf_model(model_path):
-    """transformers' own Llama on the same GGUF: the reference for greedy tokens. (Its loader parses
-    the file's metadata twice and builds gguf's tensor-name table afresh for each of ~400 modules,
-    most of its ~24 s here: both are pure, so this one load remembers them.)"""
+def hf_gguf_reads():
+    """A context in which transformers' GGUF reading remembers what it read, for the session:
+    its loader parses the file's metadata twice and builds gguf's tensor-name table afresh for each
+    of ~400 modules, and each load (the reference model, then the reference tokenizer) parses the
+    file again; all pure. Only inside it: Fairway's own loading, under test, reads the file as ever."""
+    import contextlib
     import functools
 
     import gguf
+    import transformers.modeling_gguf_pytorch_utils as hf_gguf
+
+    reader, names, parse = (functools.cache(gguf.GGUFReader), functools.cache(gguf.get_tensor_name_map),
+                            hf_gguf._gguf_parse_value)
+    parsed: dict[tuple, tuple] = {}
+
+    def parse_once(value, data_type):  # value: a part of a remembered reader's field (a scalar, a string)
+        key = (id(value), tuple(data_type))
+        if key not in parsed:
+            parsed[key] = (value, parse(value, data_type))  # (value kept: its id stays its own)
+        return parsed[key][1]
+
+    @contextlib.contextmanager
+    def remembering():
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(gguf, "GGUFReader", reader)
+            patch.setattr(gguf, "get_tensor_name_map", names)
+            patch.setattr(hf_gguf, "_gguf_parse_value", parse_once)
+            yield
+
+    return remembering
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path, hf_gguf_reads):
+    """transformers' own Llama on the same GGUF: the reference for greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
-        patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+    with hf_gguf_reads():
         return AutoModelForCausalLM.from_pretrained(str(model_path.parent), gguf_file=model_path.name,
                                                     dtype=torch.float32).eval()
 

@@ -92,11 +92,12 @@ def tok(cache_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf():
+def hf(hf_gguf_reads):
     from transformers import AutoTokenizer  # slow import: only here
 
     path = bundled_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with hf_gguf_reads():  # (the file as transformers' reference model read it, where one was loaded)
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
 
 
 def stream(tok: Tokenizer, ids: list[int], **kwargs: bool) -> list[str]:
