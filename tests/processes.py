@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,9 +18,29 @@ from serving import MODEL, sse_events
 def create_key(database: str, user: str, tier: str = "paid", *options: str) -> str:
     """A key for the user in the database, made as an operator makes one (`fairway keys create`
     prints it last; options such as "--region", "eu" passed on)."""
-    out = subprocess.run([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", tier,
-                          "--database", database, *options], check=True, capture_output=True, text=True, timeout=60)
-    return out.stdout.strip().splitlines()[-1]
+    return start_keys(database, (user, tier, *options))()[0]
+
+
+def start_keys(database: str, *wanted: tuple[str, ...]) -> Callable[[], list[str]]:
+    """Keys made as create_key makes one, (user, tier, *options) each, their `fairway keys create`
+    processes started at once (the store's migration lock orders their first use of a new
+    database) while the caller starts other things; the function returned waits for them and
+    returns the keys in order."""
+    procs = [subprocess.Popen([sys.executable, "-m", "fairway.cli", "keys", "create", "--user", user, "--tier", tier,
+                               "--database", database, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+             for user, tier, *options in wanted]
+
+    def keys() -> list[str]:
+        made = []
+        for proc in procs:
+            out, err = proc.communicate(timeout=60)
+            if proc.returncode != 0:
+                raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+            made.append(out.strip().splitlines()[-1])
+        return made
+
+    return keys
 
 
 class Processes:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from backends import missing
 from pg_admin import PG_HOST, temporary_database, terminate_lock_waiters
-from processes import Processes, create_key
+from processes import Processes, start_keys
 from serving import (
     HERD_MAX_TOKENS,
     MODEL,
@@ -83,8 +83,7 @@ def gateways(tmp_path_factory, database, namespace, herd_limit, redis_url):
     shared = ["--redis", redis_url, "--namespace", namespace]
     procs.start("replica", "replica", *shared, "--idle-cancel", str(IDLE_CANCEL_S), "--max-model-len", str(WINDOW),
                 "--log-level", "warning")
-    KEYS["resume-user"] = create_key(database, "resume-user", "paid")
-    KEYS["herd-user"] = create_key(database, "herd-user", "free")
+    keys = start_keys(database, ("resume-user", "paid"), ("herd-user", "free"))
     urls = []
     for name in ("gateway-a", "gateway-b"):
         port = free_port()
@@ -92,6 +91,7 @@ def gateways(tmp_path_factory, database, namespace, herd_limit, redis_url):
                     "--tpm", f"free={herd_limit}")
         urls.append(f"http://127.0.0.1:{port}")
     try:
+        KEYS["resume-user"], KEYS["herd-user"] = keys()
         for url in urls:
             wait_ready(url, timeout=120)
     except RuntimeError:

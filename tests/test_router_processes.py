@@ -17,7 +17,7 @@ import httpx
 import pytest
 from backends import missing
 from pg_admin import temporary_database
-from processes import Processes, create_key
+from processes import Processes, start_keys
 from redis_keys import delete_prefixed
 from serving import MODEL, free_port, wait_for, wait_ready
 
@@ -40,13 +40,13 @@ def fleet(tmp_path_factory):
         procs = Processes(tmp_path_factory.mktemp("procs"))
         shared = ["--redis", REDIS_URL, "--namespace", namespace]
         try:
-            KEY["key"] = create_key(database, "router-user", "paid")
-            KEY["us"] = create_key(database, "router-user", "paid", "--region", "us")
+            keys = start_keys(database, ("router-user", "paid"), ("router-user", "paid", "--region", "us"))
             KEY["database"] = database
             port = free_port()
             url = f"http://127.0.0.1:{port}"
             procs.start("gateway", "gateway", *shared, "--database", database, "--port", str(port),
                         "--log-level", "warning")
+            KEY["key"], KEY["us"] = keys()
             wait_for(lambda: _answers(url), timeout=120)
             no_replica = httpx.post(f"{url}/v1/chat/completions", headers=auth(), timeout=30,
                                     json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]})
