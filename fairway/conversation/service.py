@@ -575,9 +575,12 @@ class ConversationService:
         # Counted before the log is made: a gateway that dies in between leaves a count and no
         # log, and the next reader restarts it again; never a new log its clients' ids would
         # mistake for the lost one (gateway/cursor.py).
-        if await self.store.claim_restart(reply.id, reply.restarts, replica.id) is None:
+        claimed = await self.store.claim_restart(reply.id, reply.restarts, replica.id)
+        if claimed is None:
             return False
-        if not await self.relay.log.create(reply.id):
+        # The log says which run it holds: a reader that read the row before this claim (run k)
+        # is told its log is gone rather than handed this run's events as run k's.
+        if not await self.relay.log.create(reply.id, run=claimed.restarts):
             return False
         await self.relay.jobs.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)
         return True

@@ -5,16 +5,18 @@ lost it) runs again from its stored context, in a new log numbered from 1 (Reply
 the runs). Its events go out as restarts * RUN_SPAN + n, so an id a client holds from an earlier
 run is told apart from one of the new log: that client is sent the new run from its start, after a
 snapshot that empties the text it had, instead of the new run's events past its old id spliced onto
-its old text. A reply never restarted keeps the log's own numbers.
+its old text. A reply never restarted keeps the log's own numbers. Each log knows its run
+(TokenLog.create(run=)), so a gateway that read restarts = k reads run k's log or is told it is
+gone (LogReplaced), never the next run's log numbered as run k's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Past any log's last event: a reply's events are its tokens (at most the model's context length)
-# and its tool events.
-RUN_SPAN = 1 << 20
+from fairway.relay.token_log import RUN_SPAN  # (the Redis log publishes a later run's events so too)
+
+__all__ = ["RUN_SPAN", "Cursor", "wire_id"]
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ from fairway.uncancelled import finish_anyway
 log = logging.getLogger(__name__)
 
 KEEPALIVE_S = 10.0  # an SSE comment this often while nothing happens, so proxies keep the line
+RUNS_FOLLOWED = 4  # a stream follows a reply through this many lost logs, then ends with an error
 DONE = b"data: [DONE]\n\n"
 # A comment line alone, with no blank line after it: a blank line ends an event, and the OpenAI SDKs
 # dispatch one (with empty data, which they then fail to parse as JSON) whenever an id: was seen
@@ -165,7 +166,7 @@ class ReplyRelay:
             return  # the start always exists; an earlier run's id gets this run from its start
         try:
             if await self.log.exists(reply.id):
-                await self.log.read(reply.id, cursor.n)  # raises EventIdOutOfRange past a finished end
+                await self.log.read(reply.id, cursor.n, run=reply.restarts)  # EventIdOutOfRange past a finished end
                 return
         except EventIdOutOfRange as exc:
             raise not_found(
@@ -192,44 +193,51 @@ class ReplyRelay:
         direct goes to the token log (TokenLog.subscribe_batches) while the ids are the log's own."""
         cursor = Cursor.of(after)
         started = after > 0  # the client has text of this reply (a log can vanish mid-stream too)
-        if cursor.run == reply.restarts:
-            try:
-                async with contextlib.aclosing(self._numbered(reply, cursor.n, idle_s, direct)) as batches:
-                    async for batch in batches:
-                        started = started or bool(batch)
-                        yield batch
-                return
-            except ReplyNotFound:
-                pass
-        current = await self.store.get_reply(reply.id) or reply
-        if current.finished:
-            stale = started and (cursor.run < current.restarts or not cursor.n)
-            yield _renumbered(await self._from_store(current, 1 if stale else cursor.n), current.restarts)
-            return
-        if not await self.log.exists(reply.id):
-            try:
-                await self.service.restart(current)  # or another gateway just did: either way the log is back
-            except NoReplica as exc:
-                yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED, error=f"cannot continue the reply: {exc}")]
-                return
+        current, run, n = reply, cursor.run, cursor.n
+        for _ in range(RUNS_FOLLOWED):
+            moved = False  # this round sent the client events
+            if run == current.restarts:
+                try:
+                    async with contextlib.aclosing(self._numbered(current, n, idle_s, direct)) as batches:
+                        async for batch in batches:
+                            moved = moved or bool(batch)
+                            yield batch
+                    return
+                except ReplyNotFound:  # (LogReplaced too: its log is not the run this read)
+                    started = started or moved
             current = await self.store.get_reply(reply.id) or current
-            if not await self.log.exists(reply.id):
-                yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED,
-                                  error="the reply's token log was lost and it has no stored context to continue from")]
+            if current.finished:
+                stale = started and (run < current.restarts or not n)
+                yield _renumbered(await self._from_store(current, 1 if stale else n), current.restarts)
                 return
-        if started:  # what the client has is of a run that is gone: it starts over
-            yield [Snapshot(TokenEvent(wire_id(current.restarts, 0), ""))]
-        async with contextlib.aclosing(self._numbered(current, 0, idle_s, None)) as batches:
-            async for batch in batches:
-                yield batch
+            if not await self.log.exists(reply.id):
+                try:
+                    await self.service.restart(current)  # or another gateway just did: either way the log is back
+                except NoReplica as exc:
+                    yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED, error=f"cannot continue the reply: {exc}")]
+                    return
+                current = await self.store.get_reply(reply.id) or current
+                if not await self.log.exists(reply.id):
+                    yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED,
+                                      error="the reply's token log was lost and it has no stored context to continue from")]
+                    return
+            if run == current.restarts and not moved:
+                continue  # the client's run is the reply's (this read the row before a restart): its log
+            if started:  # what the client has is of a run that is gone: it starts over
+                yield [Snapshot(TokenEvent(wire_id(current.restarts, 0), ""))]
+            # From the start of the run the row says now; a log that turns out to hold yet another
+            # run (restarted again since this read) sends this round again.
+            run, n, direct, started = current.restarts, 0, None, False
+        yield [FinalEvent(after + 1, "abort", ReplyState.STOPPED,
+                          error=f"the reply's token log was lost {RUNS_FOLLOWED} times while it was read")]
 
     async def _numbered(self, reply: Reply, n: int, idle_s: float | None,
                         direct: TokenSink | None) -> AsyncIterator[list[Item]]:
         """The log's batches after event n, with the ids clients see (the direct sink writes the
         log's own ids, so it is for a reply's first run only)."""
         run = reply.restarts
-        async with contextlib.aclosing(self.log.subscribe_batches(reply.id, n, idle_s,
-                                                                  direct if run == 0 else None)) as batches:
+        async with contextlib.aclosing(self.log.subscribe_batches(reply.id, n, idle_s, direct if run == 0 else None,
+                                                                  run=run)) as batches:
             async for batch in batches:
                 yield _renumbered(batch, run)
 

@@ -20,6 +20,7 @@ from fairway.redis_client import RedisClient, is_redis_url
 from fairway.relay.errors import (
     EventIdOutOfRange,
     EventOutOfOrder,
+    LogReplaced,
     RelayError,
     RelayUnavailable,
     ReplyFinished,
@@ -31,7 +32,7 @@ from fairway.relay.inbox_memory import InProcessInbox
 from fairway.relay.job_queue import DEFAULT_QUEUE, ClaimedJob, JobQueue
 from fairway.relay.job_queue_memory import InProcessJobQueue
 from fairway.relay.redis_guard import guard
-from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink, raise_if_error
+from fairway.relay.token_log import DEFAULT_TTL_S, RUN_SPAN, TokenLog, TokenSink, raise_if_error
 from fairway.relay.token_log_memory import InProcessTokenLog
 
 if TYPE_CHECKING:  # the Redis implementations load when a Redis URL is given (make_relay)
@@ -132,6 +133,7 @@ def make_relay(url: str | None = None, *, ttl_s: float = DEFAULT_TTL_S, prefix: 
 __all__ = [
     "DEFAULT_QUEUE",
     "DEFAULT_TTL_S",
+    "RUN_SPAN",
     "LANE_ORDER",
     "ClaimedJob",
     "Delivery",
@@ -146,6 +148,7 @@ __all__ = [
     "Inbox",
     "JobQueue",
     "Lane",
+    "LogReplaced",
     "RedisRelay",
     "Relay",
     "RelayError",

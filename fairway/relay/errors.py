@@ -22,6 +22,20 @@ class ReplyNotFound(RelayError, KeyError):
         return f"no token log for reply {self.reply_id!r} (unknown or expired)"
 
 
+class LogReplaced(ReplyNotFound):
+    """The reply's log is of another run than the reader's: the log it asked for was lost and the
+    reply runs again in a new log under the same id (ConversationService.restart). To that reader
+    its log is gone, as ReplyNotFound says; it must not take the new run's events for its own."""
+
+    def __init__(self, reply_id: str, run: int | None, held: int | None) -> None:
+        super().__init__(reply_id)
+        self.run = run
+        self.held = held
+
+    def __str__(self) -> str:
+        return f"the token log of reply {self.reply_id!r} holds run {self.held}, not run {self.run}"
+
+
 class ReplyFinished(RelayError):
     """An append or finish after the terminal event: the reply is over, nothing may follow it."""
 

@@ -13,7 +13,11 @@ The flow it serves (design seed "Wi-Fi drops at token 212, then Stop at 260"):
   watch_stops() (or stop_requested()) and finishes with state STOPPED, keeping the text;
 * every subscriber counts as a listener while it iterates; when nobody has listened for 30 s the
   replica cancels the reply ("nobody is listening"), checking all its replies at once with
-  listener_idle_many().
+  listener_idle_many();
+* a reply whose log was lost runs again in a new log under the same id: create(run=k) says which
+  run of the reply a log holds, and a reader that names its run (read(run=), subscribe(run=)) is
+  told LogReplaced, atomically with what it reads, rather than handed another run's events as its
+  run's (which would splice two different texts into one message).
 """
 
 from __future__ import annotations
@@ -23,11 +27,15 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import TypeVar
 
-from fairway.relay.errors import EventIdOutOfRange
+from fairway.relay.errors import EventIdOutOfRange, LogReplaced
 from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent
 
 DEFAULT_TTL_S = 1800.0  # 30 minutes: long enough for any reconnect, short enough to stay small
 LISTENER_STALE_S = 10.0  # a listener whose process stopped heartbeating for this long is gone
+# Past any log's last event: a reply's events are its tokens (at most the model's context length)
+# and its tool events. The ids clients see are run * RUN_SPAN + n (gateway/cursor.py), and the Redis
+# log publishes a restarted log's live events under those numbers too.
+RUN_SPAN = 1 << 20
 
 
 T = TypeVar("T")
@@ -52,6 +60,15 @@ def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
         raise EventIdOutOfRange(reply_id, after, last_n)
 
 
+def check_run(reply_id: str, run: int | None, held: int | None) -> None:
+    """A reader of run `run` of a log that holds run `held`: LogReplaced unless they agree. None
+    on either side agrees with anything: a reader of whatever run is there (a replica resuming the
+    log), or a log whose run nobody said (made by an append, or by a gateway of the previous
+    version, which wrote no run)."""
+    if run is not None and held is not None and run != held:
+        raise LogReplaced(reply_id, run, held)
+
+
 def check_token_events(items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> None:
     """append_many() takes token and tool events only: the terminal event goes through finish()."""
     for _, event in items:
@@ -74,9 +91,10 @@ class TokenLog(ABC):
     # -- the log -----------------------------------------------------------------------------
 
     @abstractmethod
-    async def create(self, reply_id: str) -> bool:
+    async def create(self, reply_id: str, run: int = 0) -> bool:
         """Open an empty log so subscribers can attach before the first token; also starts the
-        listener idle clock. Returns False (and changes nothing) if the log already exists."""
+        listener idle clock. run: which run of the reply it holds (Reply.restarts; 0 for the
+        first). Returns False (and changes nothing) if the log already exists."""
 
     async def append(self, reply_id: str, event: TokenEvent | ToolEvent) -> int:
         """Append one token (or tool) event and return its n. event.n == 0 takes the next number; any other
@@ -96,23 +114,27 @@ class TokenLog(ABC):
         """Append the terminal event (same numbering rules as append) and return its n."""
 
     @abstractmethod
-    async def read(self, reply_id: str, after: int = 0) -> list[Event]:
-        """Every event with n > after, right now. ReplyNotFound for an unknown/expired reply,
+    async def read(self, reply_id: str, after: int = 0, run: int | None = None) -> list[Event]:
+        """Every event with n > after, right now. ReplyNotFound for an unknown/expired reply (and
+        LogReplaced, one, when the log holds another run than `run`, see check_run),
         EventIdOutOfRange when after is past the end of a finished reply."""
 
-    async def subscribe(self, reply_id: str, after: int = 0) -> AsyncIterator[Event]:
+    async def subscribe(self, reply_id: str, after: int = 0, run: int | None = None) -> AsyncIterator[Event]:
         """Events with n > after: the logged ones at once, then live, ending after the terminal
-        event. Same errors as read(), raised on the first iteration. The subscriber counts as a
-        listener while it iterates; wrap it in contextlib.aclosing() so leaving is recorded at
-        once rather than at garbage collection."""
-        async with aclosing(self.subscribe_batches(reply_id, after)) as batches:
+        event. Same errors as read(), raised on the first iteration; once it iterates, the events
+        are those of the log it first read, never another's under the same id: a log lost and
+        made again meanwhile ends it with LogReplaced (with ReplyNotFound where the backend cannot
+        tell). The subscriber counts as a listener while it iterates; wrap it in
+        contextlib.aclosing() so leaving is recorded at once rather than at garbage collection."""
+        async with aclosing(self.subscribe_batches(reply_id, after, run=run)) as batches:
             async for batch in batches:
                 for event in batch:
                     yield event
 
     @abstractmethod
     def subscribe_batches(
-        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None
+        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None,
+        run: int | None = None,
     ) -> AsyncIterator[list[Event]]:
         """subscribe() as the batches the events arrive in (the replay is one), so a writer can
         send all that came together at once. With idle_s, an empty batch after each idle_s (give

@@ -2,7 +2,8 @@
 
 Logs are lists in a dict; each log has an asyncio.Event that is set and replaced on every append,
 so waiting subscribers wake exactly when there is something new. Expiry is by timestamp, checked
-on access and swept lazily, so no background task is needed.
+on access and swept lazily, so no background task is needed. A subscriber keeps the log object it
+first read: another one under the reply's id later (the reply run again) ends it with LogReplaced.
 """
 
 from __future__ import annotations
@@ -13,9 +14,16 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from fairway.relay.arrivals import new_signal
-from fairway.relay.errors import EventOutOfOrder, RelayError, ReplyFinished, ReplyNotFound
+from fairway.relay.errors import EventOutOfOrder, LogReplaced, RelayError, ReplyFinished, ReplyNotFound
 from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, with_n
-from fairway.relay.token_log import DEFAULT_TTL_S, TokenLog, TokenSink, check_after, check_token_events
+from fairway.relay.token_log import (
+    DEFAULT_TTL_S,
+    TokenLog,
+    TokenSink,
+    check_after,
+    check_run,
+    check_token_events,
+)
 
 
 @dataclass
@@ -26,6 +34,7 @@ class _Log:
     changed: asyncio.Event = field(default_factory=new_signal)
     listeners: int = 0
     stop: bool = False
+    run: int | None = None  # the reply's run it holds (create()); None: made by an append
 
     @property
     def last_n(self) -> int:
@@ -74,15 +83,15 @@ class InProcessTokenLog(TokenLog):
         for reply_id in [r for r, log in self._logs.items() if now - log.touched > self.ttl_s]:
             del self._logs[reply_id]
 
-    def _open(self) -> _Log:
-        return _Log(touched=time.monotonic(), listened_at=time.time())
+    def _open(self, run: int | None = None) -> _Log:
+        return _Log(touched=time.monotonic(), listened_at=time.time(), run=run)
 
     # -- the log -----------------------------------------------------------------------------
 
-    async def create(self, reply_id: str) -> bool:
+    async def create(self, reply_id: str, run: int = 0) -> bool:
         if self._get(reply_id) is not None:
             return False
-        self._logs[reply_id] = self._open()
+        self._logs[reply_id] = self._open(run)
         return True
 
     async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
@@ -116,16 +125,19 @@ class InProcessTokenLog(TokenLog):
         log.notify()
         return n
 
-    async def read(self, reply_id: str, after: int = 0) -> list[Event]:
+    async def read(self, reply_id: str, after: int = 0, run: int | None = None) -> list[Event]:
         log = self._require(reply_id)
+        check_run(reply_id, run, log.run)
         check_after(reply_id, after, log.last_n, log.finished)
         return log.events[after:]
 
     async def subscribe_batches(
-        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None
+        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None,
+        run: int | None = None,
     ) -> AsyncIterator[list[Event]]:
         # direct is not used: one process serves a few streams, for which a task wake is cheap.
         log = self._require(reply_id)
+        check_run(reply_id, run, log.run)
         check_after(reply_id, after, log.last_n, log.finished)
         counted = log  # the object we counted on, even if the id's log expires and is recreated
         counted.listeners += 1
@@ -143,7 +155,8 @@ class InProcessTokenLog(TokenLog):
                 if log.finished:
                     return  # the cursor is at the terminal event already: nothing will follow
                 await self._wait(log.changed)
-                log = self._require(reply_id)  # expired while we waited -> ReplyNotFound
+                if self._require(reply_id) is not log:  # expired while we waited -> ReplyNotFound
+                    raise LogReplaced(reply_id, run, self._logs[reply_id].run)  # lost, and made again
                 if idle_s is not None and loop.time() - quiet_since >= idle_s and not log.events[cursor:]:
                     yield []
                     quiet_since = loop.time()

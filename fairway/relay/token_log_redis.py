@@ -9,6 +9,7 @@ scripts below stay single-slot):
   {prefix}reply:{<id>}:listeners  ZSET listener token -> heartbeat deadline (server time)
   {prefix}reply:{<id>}:listened   when a listener was last seen (server time)
   {prefix}reply:{<id>}:stop       stop flag
+  {prefix}reply:{<id>}:run        the reply's run the log holds, when not its first (create(run=k))
   {prefix}control                 Stream of stop requests, tailed by replicas (capped)
 
 Explicit stream ids make n the id: a replay "after n" is an exact range, and Redis itself rejects
@@ -20,6 +21,23 @@ replica's replies in one round trip, APPENDS_PER_CALL events to a call of the ap
 cluster, those of one slot together), and the heartbeats of all of a gateway's listeners go in one
 pipeline per tick (_Heartbeats). Every key carries a TTL refreshed by the writes that matter, so retention
 needs no sweeper.
+
+Which run of a reply a log holds (a reply whose log was lost runs again under the same id) is its
+run key, read in the same atomic step as what it qualifies: a reader's snapshot reads it in the
+MULTI that reads the events, and the append script publishes a run k's events as k * RUN_SPAN + n
+(the ids clients see), so a subscriber of one run tells another run's live events from its own
+without a round trip. A first run's log has no run key: its events go out as before, as n.
+
+A rolling upgrade mixes versions on one Redis: (1) a replica of the previous version appending to
+a run-k log runs its own script, which neither reads nor refreshes the run key and publishes n; a
+subscriber of run k takes such an event as another log's and reads the log instead (its run key
+still says k, so the read's events are its own): the stream goes on, one read per batch. (2) A
+gateway of the previous version restarting a reply writes no run key; every reader takes that log
+for its run, as before (check_run). (3) A gateway of the previous version subscribed to a run-k log
+hears k * RUN_SPAN + n from new replicas: a gap, to its code, which it fills by reading the log
+after its cursor, as for a lost message; its stream goes on, one read per batch. Until every
+process runs this version, a subscriber can still mistake a new log's events for its own where
+the new log was made, or is appended to, by the previous version.
 """
 
 from __future__ import annotations
@@ -43,16 +61,25 @@ from fairway.redis_client import (
     pack_call,
     script_call,
 )
-from fairway.relay.errors import EventOutOfOrder, RelayError, RelayUnavailable, ReplyFinished, ReplyNotFound
-from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields
+from fairway.relay.errors import (
+    EventOutOfOrder,
+    LogReplaced,
+    RelayError,
+    RelayUnavailable,
+    ReplyFinished,
+    ReplyNotFound,
+)
+from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields, with_n
 from fairway.relay.redis_guard import guard
 from fairway.relay.redis_live import LiveRouter, live_payload
 from fairway.relay.token_log import (
     DEFAULT_TTL_S,
     LISTENER_STALE_S,
+    RUN_SPAN,
     TokenLog,
     TokenSink,
     check_after,
+    check_run,
     check_token_events,
     raise_if_error,
 )
@@ -63,8 +90,8 @@ OUTAGE_S = 30.0
 
 _NOW = "local t = redis.call('TIME'); local now = tonumber(t[1]) + tonumber(t[2]) / 1000000\n"
 
-# KEYS: stream, listened. ARGV: ttl_ms. Header entry 0-1 lets an empty log exist (streams can't
-# be empty otherwise) and sorts before event 1-0.
+# KEYS: stream, listened, run. ARGV: ttl_ms, run. Header entry 0-1 lets an empty log exist (streams
+# can't be empty otherwise) and sorts before event 1-0. A first run's log has no run key.
 _CREATE = (
     _NOW
     + """
@@ -72,15 +99,18 @@ if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('XADD', KEYS[1], '0-1', 'k', 'open')
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 redis.call('SET', KEYS[2], string.format('%.6f', now), 'PX', ARGV[1])
+if ARGV[2] == '0' then redis.call('DEL', KEYS[3]) else redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[1]) end
 return 1
 """
 )
 
-# KEYS: per event, its stream, listened and live channel. ARGV: ttl_ms, then per event its n (0 =
-# next), live payload, kind, how many field/value items follow, and those items. Returns per event
-# its n or its error. Atomic check-append-publish for each: the numbering rule holds even with two
-# producers racing (failover), and an event is published exactly when it is logged. One call takes
-# many events (a replica's step), so Redis pays its per-call cost once for them, not per token.
+# KEYS: per event, its stream, listened, live channel and run. ARGV: ttl_ms, then per event its n
+# (0 = next), live payload, kind, how many field/value items follow, and those items. Returns per
+# event its n or its error. Atomic check-append-publish for each: the numbering rule holds even with
+# two producers racing (failover), and an event is published exactly when it is logged, as
+# run * RUN_SPAN + n for a log of a run after the first (its run key; a first run's has none, which
+# costs its events one GET of a missing key). One call takes many events (a replica's step), so
+# Redis pays its per-call cost once for them, not per token.
 #
 # A log is its header (0-1) and events 1..last, never trimmed, so its length says last; its final
 # event sets the stream's last id past any event's, so Redis itself refuses any XADD after it.
@@ -94,15 +124,16 @@ local function refused(log, n, added)
   if top[2][2] == 'f' then return redis.error_reply('FAIRWAY_FINISHED ' .. last) end
   return added or redis.error_reply('FAIRWAY_ORDER ' .. last)
 end
-local function append(log, listened, live, a, last_arg)
+local function append(log, listened, live, runkey, a, last_arg)
   local size = redis.call('XLEN', log)
   local n = tonumber(ARGV[a])
-  if size == 0 then  -- a log create() never made (or one expired): its header first
+  if size == 0 then  -- a log create() never made (or one expired): its header first, of no run
     if n > 1 then return redis.error_reply('FAIRWAY_ORDER 0') end
     """ + _NOW + """
     redis.call('SET', listened, string.format('%.6f', now), 'PX', ttl, 'NX')
     redis.call('XADD', log, '0-1', 'k', 'open')
     redis.call('PEXPIRE', log, ttl)
+    redis.call('DEL', runkey)
     size = 1
   end
   if n == 0 then n = size end
@@ -112,13 +143,19 @@ local function append(log, listened, live, a, last_arg)
   if type(added) == 'table' and added.err then return refused(log, n, added) end
   if ARGV[a + 2] == 'f' then redis.call('XSETID', log, '18446744073709551615-18446744073709551615') end
   redis.call('PEXPIRE', log, ttl)
-  redis.call('SPUBLISH', live, n .. ' ' .. ARGV[a + 1])
+  local run = redis.call('GET', runkey)
+  local id = n
+  if run then
+    redis.call('PEXPIRE', runkey, ttl)
+    id = string.format('%d', tonumber(run) * """ + str(RUN_SPAN) + """ + n)
+  end
+  redis.call('SPUBLISH', live, id .. ' ' .. ARGV[a + 1])
   return n
 end
 local results, a = {}, 2
-for i = 1, #KEYS, 3 do
+for i = 1, #KEYS, 4 do
   local last_arg = a + 3 + tonumber(ARGV[a + 3])
-  results[#results + 1] = append(KEYS[i], KEYS[i + 1], KEYS[i + 2], a, last_arg)
+  results[#results + 1] = append(KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], a, last_arg)
   a = last_arg + 1
 end
 return results
@@ -180,6 +217,21 @@ def _n_of(entry_id: str) -> int:
 
 def _events(entries: list[tuple[str, dict[str, str]]]) -> list[Event]:
     return [event_from_fields(fields) for _, fields in entries if fields.get("k") != "open"]
+
+
+def _of_run(batch: list[Event], held: int | None) -> list[Event] | None:
+    """Live events of the log that holds run `held`, numbered as in that log (the append script
+    publishes run * RUN_SPAN + n); None when any was published otherwise: not its own, or not
+    told apart from another log's."""
+    if not held:
+        return batch if all(event.n < RUN_SPAN for event in batch) else None
+    own: list[Event] = []
+    for event in batch:
+        run, n = divmod(event.n, RUN_SPAN)
+        if run != held:
+            return None
+        own.append(with_n(event, n))
+    return own
 
 
 class _Heartbeats:
@@ -252,7 +304,7 @@ class RedisTokenLog(TokenLog):
         self._create = Script(_CREATE)
         self._append = Script(_APPEND)
         # A token's part of an append call: its keys; its n, live payload, kind t and its fields.
-        self._token_keys = args_format([None] * 3)
+        self._token_keys = args_format([None] * 4)
         self._token_args = args_format([None, None, b"t", b"4", b"text", None, b"ids", None])
         self._heartbeat = Script(_HEARTBEAT)
         self._listeners = Script(_LISTENERS)
@@ -288,18 +340,18 @@ class RedisTokenLog(TokenLog):
     # -- the log -----------------------------------------------------------------------------
 
     def _create_keys(self, reply_id: str) -> list[str]:
-        return [self._key(reply_id), self._key(reply_id, "listened")]
+        return [self._key(reply_id), self._key(reply_id, "listened"), self._key(reply_id, "run")]
 
-    def create_command(self, reply_id: str) -> Command:
+    def create_command(self, reply_id: str, run: int = 0) -> Command:
         """create() as one command, for a caller that pipelines it with others (a new reply's
         job): EVAL, not EVALSHA, since a script Redis lost (NOSCRIPT) would fail the create while
         the others still ran."""
         keys = self._create_keys(reply_id)
-        return ["EVAL", self._create.script, len(keys), *keys, self._ttl_ms]
+        return ["EVAL", self._create.script, len(keys), *keys, self._ttl_ms, run]
 
-    async def create(self, reply_id: str) -> bool:
+    async def create(self, reply_id: str, run: int = 0) -> bool:
         with guard():
-            return bool(await self._client.execute(*self.create_command(reply_id)))
+            return bool(await self._client.execute(*self.create_command(reply_id, run)))
 
     async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
         check_token_events(items)
@@ -319,7 +371,7 @@ class RedisTokenLog(TokenLog):
         with guard():
             groups = await self._client.script_groups([part[0] for part in parts], APPENDS_PER_CALL)
             calls = [script_call(self._append, [parts[i][1] for i in group], [ttl, *(parts[i][2] for i in group)],
-                                 3 * len(group), 1 + sum(parts[i][3] for i in group)) for group in groups]
+                                 4 * len(group), 1 + sum(parts[i][3] for i in group)) for group in groups]
             replies = await self._client.run_packed_scripts(self._append, calls)
         results: list[int | Exception] = [0] * len(items)
         for group, reply in zip(groups, replies, strict=True):
@@ -338,7 +390,7 @@ class RedisTokenLog(TokenLog):
         flat = [item for pair in fields.items() for item in pair]
         key = self._key(reply_id)
         args = [event.n, live_payload(event), kind, len(flat), *flat]
-        return key, pack_args([key, key + ":listened", key + ":live"]), pack_args(args), len(args)
+        return key, pack_args([key, key + ":listened", key + ":live", key + ":run"]), pack_args(args), len(args)
 
     def _token_part(self, reply_id: str, event: TokenEvent) -> tuple[str, bytes, bytes, int]:
         """_event_part for a token, filled into formats (the same bytes): a replica packs one a
@@ -346,40 +398,53 @@ class RedisTokenLog(TokenLog):
         ids = ",".join(map(str, event.token_ids)).encode()
         text = event.text.encode()
         key = self._key(reply_id)
-        log, listened, live = key.encode(), (key + ":listened").encode(), (key + ":live").encode()
+        log, listened, live, run = (key.encode(), (key + ":listened").encode(), (key + ":live").encode(),
+                                    (key + ":run").encode())
         n, payload = b"%d" % event.n, b"t%b\x1f%b" % (ids, text)
-        return (key, self._token_keys % (len(log), log, len(listened), listened, len(live), live),
+        return (key, self._token_keys % (len(log), log, len(listened), listened, len(live), live, len(run), run),
                 self._token_args % (len(n), n, len(payload), payload, len(text), text, len(ids), ids), 8)
 
-    async def _snapshot(self, reply_id: str, after: int, join: str | None = None) -> tuple[list[Event], bool]:
-        """Validated events after `after` and whether the log has ended, read atomically
-        (MULTI/EXEC) so the two agree. With join (a listener's token), the listener is counted in
-        the same round trip, right after the read."""
+    async def _snapshot(self, reply_id: str, after: int, join: str | None = None
+                        ) -> tuple[list[Event], bool, int | None]:
+        """Validated events after `after`, whether the log has ended and the run it holds (None:
+        not said), read atomically (MULTI/EXEC) so the three agree. With join (a listener's
+        token), the listener is counted in the same round trip, right after the read."""
         key = self._key(reply_id)
         calls = [pack(["MULTI"]), pack(["XREVRANGE", key, "+", "-", "COUNT", 1]),
-                 pack(["XRANGE", key, f"{after + 1}-0", "+"]), pack(["EXEC"])]
+                 pack(["XRANGE", key, f"{after + 1}-0", "+"]), pack(["GET", key + ":run"]), pack(["EXEC"])]
         if join is not None:
             calls.append(self._beat_call(reply_id, join))
         with guard():
             results = await self._client.batch_packed(calls)
-        if join is not None and isinstance(results[4], NoScriptError):
+        if join is not None and isinstance(results[5], NoScriptError):
             await self._beat([(reply_id, join)])  # (Redis lost the script: _beat reloads it)
         elif join is not None:
-            raise_if_error(results[4])
-        top, entries = (raise_if_error(part) for part in raise_if_error(results[3]))
+            raise_if_error(results[5])
+        top, entries, run = (raise_if_error(part) for part in raise_if_error(results[4]))
         if not top:
             raise ReplyNotFound(reply_id)
         top_id, top_flat = top[0]
         finished = field_pairs(top_flat).get("k") == "f"
         check_after(reply_id, after, _n_of(top_id), finished)
-        return _events([(entry_id, field_pairs(flat)) for entry_id, flat in entries]), finished
+        events = _events([(entry_id, field_pairs(flat)) for entry_id, flat in entries])
+        return events, finished, None if run is None else int(run)
 
-    async def read(self, reply_id: str, after: int = 0) -> list[Event]:
-        events, _ = await self._snapshot(reply_id, after)
+    async def read(self, reply_id: str, after: int = 0, run: int | None = None) -> list[Event]:
+        events, _, held = await self._snapshot(reply_id, after)
+        check_run(reply_id, run, held)
+        return events
+
+    async def _read_run(self, reply_id: str, after: int, held: int | None) -> list[Event]:
+        """read() for a subscriber of the log that held run `held` when it first read it: that
+        log's events, or LogReplaced when the log under the id says another run (or none) now."""
+        events, _, now_held = await self._snapshot(reply_id, after)
+        if now_held != held:
+            raise LogReplaced(reply_id, held, now_held)
         return events
 
     async def subscribe_batches(
-        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None
+        self, reply_id: str, after: int = 0, idle_s: float | None = None, direct: TokenSink | None = None,
+        run: int | None = None,
     ) -> AsyncIterator[list[Event]]:
         # Subscribed before the log is read: every event is in the replay or heard live (or both).
         sub = await self._live.add(self._key(reply_id), self._key(reply_id, "live"), idle_s)
@@ -387,7 +452,8 @@ class RedisTokenLog(TokenLog):
             # Counted as a listener before the first event is handed out, in the read's round trip.
             token = secrets.token_hex(16)
             try:
-                replay, finished = await self._snapshot(reply_id, after, join=token)
+                replay, finished, held = await self._snapshot(reply_id, after, join=token)
+                check_run(reply_id, run, held)
             except RelayError:
                 await self._heartbeats.leave(reply_id, token)  # (best effort, if it joined at all)
                 raise
@@ -405,7 +471,7 @@ class RedisTokenLog(TokenLog):
                     if batch and (batch[0].n != cursor + 1 or batch[-1].n != cursor + len(batch)):
                         fresh = [event for event in batch if event.n > cursor]  # the replay may hold the first live ones
                         if fresh and fresh[-1].n - cursor != len(fresh):
-                            fresh = await self.read(reply_id, cursor)  # a gap (a lost message): the log has it all
+                            fresh = await self._read_run(reply_id, cursor, held)  # a gap (a lost message): the log has it all
                     if fresh:
                         sub.cursor = fresh[-1].n
                         if isinstance(fresh[-1], FinalEvent):
@@ -414,14 +480,16 @@ class RedisTokenLog(TokenLog):
                         if ended:
                             return
                     try:
-                        batch = await sub.next_batch()
+                        batch = _of_run(await sub.next_batch(), held)
+                        if batch is None:  # another run's events, or an old replica's (module doc): ask the log
+                            batch = await self._read_run(reply_id, sub.cursor, held)
                     except RelayUnavailable:
                         # Redis went away (a restart): the live connection is gone. Come back on a
                         # new one, from the log after the cursor; idle batches meanwhile.
                         cursor = sub.cursor
                         self._live.remove(sub)
                         batch = []
-                        async for sub, replay in self._resubscribe(reply_id, cursor, idle_s, direct):
+                        async for sub, replay in self._resubscribe(reply_id, cursor, idle_s, direct, held):
                             if sub is None:
                                 yield []
                             batch = replay
@@ -440,8 +508,8 @@ class RedisTokenLog(TokenLog):
             if sub is not None:
                 self._live.remove(sub)
 
-    async def _resubscribe(self, reply_id: str, cursor: int, idle_s: float | None, direct: TokenSink | None
-                           ) -> AsyncIterator[tuple[Any, list[Event]]]:
+    async def _resubscribe(self, reply_id: str, cursor: int, idle_s: float | None, direct: TokenSink | None,
+                           held: int | None) -> AsyncIterator[tuple[Any, list[Event]]]:
         """(None, []) every idle_s (or second) while Redis stays away, up to OUTAGE_S; then the
         new subscriber and the log's events after cursor. RelayUnavailable after OUTAGE_S."""
         loop = asyncio.get_running_loop()
@@ -454,7 +522,7 @@ class RedisTokenLog(TokenLog):
                 sub = None
             if sub is not None:
                 try:
-                    replay = await self.read(reply_id, cursor)
+                    replay = await self._read_run(reply_id, cursor, held)
                 except RelayUnavailable:
                     self._live.remove(sub)
                 else:
