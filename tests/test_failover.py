@@ -21,7 +21,7 @@ import pytest
 import redis
 from backends import missing
 from pg_admin import temporary_database
-from processes import PrivateRedis, Processes, Stream, create_key, stream
+from processes import PrivateRedis, Processes, Stream, start_keys, stream
 from serving import free_port, wait_for, wait_ready
 
 MAX_TOKENS = 32
@@ -72,8 +72,7 @@ def fleet(tmp_path_factory):
         fleet.start_replica = start_replica
         for name in ("r1", "r2"):  # each takes all 16 at once: a pause is the failover's, not a queue's
             start_replica(name)
-        fleet.key = create_key(database, "failover-user")
-        fleet.free_key = create_key(database, "failover-free-user", "free")
+        keys = start_keys(database, ("failover-user", "paid"), ("failover-free-user", "free"))
 
         def gateways(n: int) -> list[str]:
             """The first n gateways' URLs, starting those not running (a killed one afresh)."""
@@ -92,6 +91,7 @@ def fleet(tmp_path_factory):
         fleet.gateways = gateways
         try:
             gateways(1)
+            fleet.key, fleet.free_key = keys()
             wait_for(lambda: len(live_replicas(fleet)) == 2, timeout=120)
             # What every request gives uninterrupted (both replicas up): the texts to compare with.
             began = time.monotonic()
