@@ -182,6 +182,9 @@ async def test_a_reader_of_one_run_is_told_the_log_holds_another(world: World) -
     await log.append(reply_id, TokenEvent(0, "x", [1]))
     assert [e.n for e in await log.read(reply_id, 0, run=2)] == [1]
     assert [e.n for e in await log.read(reply_id, 0)] == [1]  # a reader of any run (the replica's)
+    # A row that counts a run more than any log was made for (two gateways' restarts raced: the
+    # second claimed just before the first made its log, then found it): this log is its run.
+    assert [e.n for e in await log.read(reply_id, 0, run=3)] == [1]
     with pytest.raises(ReplyNotFound):
         await log.read(reply_id, 0, run=1)
     with pytest.raises(ReplyNotFound):
@@ -212,3 +215,35 @@ async def test_a_replica_of_the_previous_version_appending_to_a_later_runs_log_s
                 await client.execute("SPUBLISH", f"{stream}:live", "2 t7\x1fold")
                 await log.finish(reply_id, FinalEvent(0, "stop", ReplyState.FINISHED))
     assert [(e.n, getattr(e, "text", None)) for e in seen] == [(1, "new"), (2, "old"), (3, None)]
+
+
+async def test_a_row_that_counts_a_run_its_log_was_never_made_for_streams_the_log_there(world: World) -> None:
+    """Two gateways run a lost reply again at once: the second claims its run (restarts 2) just
+    after the first claimed run 1 and before it made run 1's log, then finds that log and gives up.
+    The row says 2, the one log is run 1's: readers of run 2 stream it (it is the reply's only
+    run since the loss) rather than ending with an error."""
+    reply = await started_reply(world)
+    await world.lose_log(reply.id)
+    store = world.store
+    claim = store.claim_restart
+
+    async def and_another_right_after(id: str, restarts: int, replica_id: str) -> Reply | None:
+        claimed = await claim(id, restarts, replica_id)
+        store.claim_restart = claim  # type: ignore[method-assign]
+        assert await claim(id, restarts + 1, "b") is not None  # the second gateway's claim
+        return claimed
+
+    store.claim_restart = and_another_right_after  # type: ignore[method-assign]
+    assert await world.service.restart(reply)
+    assert not await world.relay.log.create(reply.id, run=2)  # the second gateway's create: the log is there
+    for text in NEW:
+        await world.relay.log.append(reply.id, TokenEvent(0, text, [2]))
+    await world.relay.log.finish(reply.id, FinalEvent(0, "stop", ReplyState.FINISHED))
+    row = await store.get_reply(reply.id)
+    assert row is not None and row.restarts == 2
+    items: list = []
+    async with aclosing(world.gateway.event_batches(row, 0)) as batches:
+        async for batch in batches:
+            items += batch
+    assert text_of(items) == "".join(NEW), items
+    assert [i.n for i in items] == [2 * RUN_SPAN + n for n in range(1, len(NEW) + 2)]

@@ -23,7 +23,7 @@ class ReplyNotFound(RelayError, KeyError):
 
 
 class LogReplaced(ReplyNotFound):
-    """The reply's log is of another run than the reader's: the log it asked for was lost and the
+    """The reply's log is of a later run than the reader's: the log it asked for was lost and the
     reply runs again in a new log under the same id (ConversationService.restart). To that reader
     its log is gone, as ReplyNotFound says; it must not take the new run's events for its own."""
 

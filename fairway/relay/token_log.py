@@ -61,11 +61,14 @@ def check_after(reply_id: str, after: int, last_n: int, finished: bool) -> None:
 
 
 def check_run(reply_id: str, run: int | None, held: int | None) -> None:
-    """A reader of run `run` of a log that holds run `held`: LogReplaced unless they agree. None
-    on either side agrees with anything: a reader of whatever run is there (a replica resuming the
-    log), or a log whose run nobody said (made by an append, or by a gateway of the previous
-    version, which wrote no run)."""
-    if run is not None and held is not None and run != held:
+    """A reader of run `run` of a log that holds run `held`: LogReplaced when the log holds a later
+    run, made after the reader's was lost. An earlier run is the reader's to read: each run's log
+    is made once (its restart's claim is a compare-and-set), and a gateway whose claim came after
+    another's, just before that one made its log, counted a run it then found a log for (restart()
+    gives up there). None on either side agrees with anything: a reader of whatever run is there
+    (a replica resuming the log), or a log whose run nobody said (made by an append, or by a
+    gateway of the previous version, which wrote no run)."""
+    if run is not None and held is not None and held > run:
         raise LogReplaced(reply_id, run, held)
 
 
