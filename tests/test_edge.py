@@ -332,6 +332,18 @@ def test_admission_queue_waits_then_refuses_with_retry_after(server, http):
 # -- usage and metrics ----------------------------------------------------------------------------
 
 
+def test_a_query_parameter_given_twice_is_a_400_naming_it(server, http):
+    """Each query parameter takes one value: a second one is refused, not the last taken in silence."""
+    for path, name in (("/v1/usage?from=2026-01-01&from=2026-02-01", "from"),
+                       ("/v1/conversations?limit=1&limit=2", "limit"),
+                       ("/v1/files?order=asc&after=x&order=desc", "order")):
+        response = http.get(path)
+        assert response.status_code == 400, path
+        error = response.json()["error"]
+        assert error["param"] == name and error["type"] == "invalid_request_error" and "more than once" in error["message"]
+    assert http.get("/v1/usage?from=2026-01-01&to=2026-01-02").status_code == 200
+
+
 def test_usage_per_model_per_day(server, http):
     completion = http.post("/v1/chat/completions", json=chat_body("Say ok.", max_tokens=3, stream=False)).json()
     wait_for(lambda: http.get(f"/v1/replies/{completion['id']}").json()["usage"])
