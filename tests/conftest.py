@@ -104,6 +104,32 @@ def chat_api_server(tmp_path_factory):
         yield server
 
 
+@pytest.fixture(scope="session")
+def safety_api_server(tmp_path_factory):
+    """`fairway serve`'s app with the output check on and an operator's policy edit (serving's
+    FLAGGED_WORD added to the violence terms), for test_safety_api.py and test_logprobs.py: one model
+    load for both. The stored blocks alone (the greedy reply FLAGGED_WORD is in): the default
+    --weights auto prefills on a bf16 copy where the CPU keeps one, and the reply is another there.
+    server.engine: its KV blocks (a flagged reply's are freed at once)."""
+    from serving import FLAGGED_WORD, TEST_KEYS, embedded_server
+
+    from fairway.assembly import ServerOptions, build_engine
+    from fairway.safety import DEFAULT_POLICY, SafetySettings
+    from fairway.safety.profanity import available
+
+    tmp = tmp_path_factory.mktemp("safety")
+    policy = tmp / "policy.toml"
+    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
+                                                          f'terms = ["{FLAGGED_WORD}", "with him in it"'))
+    options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
+                            weights="native",
+                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
+    engine = build_engine(options)
+    with embedded_server(options, engine) as server:
+        server.engine = engine
+        yield server
+
+
 @pytest.fixture
 def tiny_model():
     return random_model(LlamaConfig.tiny())

@@ -23,6 +23,9 @@ OTHER_KEY = "sk-test-user-2"
 USER, OTHER_USER = "test-user-1", "test-user-2"
 # What the embedded test servers store at startup (ServerOptions.api_keys): (key, user, tier).
 TEST_KEYS = [(API_KEY, USER, "paid"), (OTHER_KEY, OTHER_USER, "paid")]
+# The safety server's policy edit (conftest.safety_api_server): a word added to the violence terms
+# that the greedy answer about cats writes in its second sentence, so that reply turns flagged mid-way.
+FLAGGED_WORD = "domesticated"
 # The chat API's server (conftest's chat_api_server): its window, and when a reply nobody listens to stops.
 CHAT_API_WINDOW = 1024
 CHAT_API_IDLE_CANCEL_S = 2.0

@@ -225,27 +225,9 @@ async def test_the_token_log_carries_logprobs_logged_and_live(backend):
 
 # -- with the output check ----------------------------------------------------------------------
 
-FLAGGED_WORD = "domesticated"  # test_safety_api.py's policy edit: the greedy answer about cats turns flagged
-
-
-@pytest.fixture(scope="module")
-def checked_server(tmp_path_factory):
-    """A server with the output check on and test_safety_api.py's policy (its model's weights too)."""
-    from serving import TEST_KEYS, embedded_server
-
-    from fairway.assembly import ServerOptions
-    from fairway.safety import DEFAULT_POLICY, SafetySettings
-    from fairway.safety.profanity import available
-
-    tmp = tmp_path_factory.mktemp("logprobs-safety")
-    policy = tmp / "policy.toml"
-    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
-                                                          f'terms = ["{FLAGGED_WORD}", "with him in it"'))
-    options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
-                            weights="native",
-                            safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
-    with embedded_server(options) as server:
-        yield server
+@pytest.fixture
+def checked_server(safety_api_server):
+    return safety_api_server  # conftest's: the output check on, test_safety_api.py's policy
 
 
 def test_the_output_check_releases_each_sentences_logprobs_with_it(checked_server):

@@ -12,40 +12,21 @@ import openai
 import pytest
 from serving import (
     API_KEY,
+    FLAGGED_WORD,
     MODEL,
-    TEST_KEYS,
     USER,
     chat_body,
-    embedded_server,
     headers,
     sse_events,
     wait_for,
 )
 
-from fairway.safety.profanity import available
-
-FLAGGED_WORD = "domesticated"
 CATS = "Tell me about cats."
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from fairway.assembly import ServerOptions, build_engine
-    from fairway.safety import DEFAULT_POLICY, SafetySettings
-
-    tmp = tmp_path_factory.mktemp("safety")
-    policy = tmp / "policy.toml"
-    policy.write_text(DEFAULT_POLICY.read_text().replace('terms = ["with him in it"',
-                                                          f'terms = ["{FLAGGED_WORD}", "with him in it"'))
-    # the stored blocks alone (the greedy reply FLAGGED_WORD is in): the default --weights auto
-    # prefills on a bf16 copy where the CPU keeps one, and the reply is another there
-    options = ServerOptions(database=f"sqlite:///{tmp / 'fairway.db'}", max_model_len=1024, api_keys=list(TEST_KEYS),
-                           weights="native",
-                           safety=SafetySettings(policy_path=str(policy), profanity_model=available()))
-    engine = build_engine(options)
-    with embedded_server(options, engine) as server:
-        server.engine = engine  # its KV blocks: a flagged reply's are freed at once
-        yield server
+@pytest.fixture
+def server(safety_api_server):
+    return safety_api_server  # conftest's: test_logprobs.py's too
 
 
 @pytest.fixture
