@@ -5,6 +5,7 @@ is extracted, listed, injected into the next conversation's system block, and go
 from __future__ import annotations
 
 import asyncio
+import re
 
 import httpx
 import openai
@@ -23,7 +24,8 @@ from serving import (
 
 from fairway.conversation import database_url
 from fairway.memory import MemoryService, MemoryStore
-from fairway.memory.extract import model_facts
+from fairway.memory.complete import ModelUnavailable, fit_prompt
+from fairway.memory.extract import EXTRACTION_PROMPT, model_facts, transcript
 from fairway.retrieval import SqlVectorIndex
 
 pytest_plugins = ["vector_backends"]  # its fixtures: the databases, the embedder
@@ -236,6 +238,28 @@ async def test_model_answers_are_validated_and_retried_within_a_bound():
     assert await model_facts(complete, [("user", "hello")]) == []
     answers = iter(['noise {"facts": ["User works at a bakery"]} more'])
     assert await model_facts(complete, [("user", "I work at a bakery")]) == ["User works at a bakery."]
+
+
+def test_an_extraction_prompt_past_the_window_keeps_its_newest_turns():
+    """The transcript is cut to 6,000 characters, more tokens than a 1,024-token window holds with
+    the answer's: the completer drops its oldest turns to fit rather than have the job refused."""
+    from fairway.assembly import load_tokenizer
+
+    tokenizer = load_tokenizer(None)
+    turns = [("user" if i % 2 == 0 else "assistant", f"turn {i}: " + "a few words of the chat, " * 6) for i in range(40)]
+    chat = [{"role": "system", "content": EXTRACTION_PROMPT},
+            {"role": "user", "content": "Conversation:\n" + transcript(turns)}]
+    budget = 1024 - 256
+    assert len(tokenizer.encode(tokenizer.apply_chat_template(chat))) > budget
+    text = tokenizer.decode(fit_prompt(tokenizer, chat, budget))
+    assert len(tokenizer.encode(text)) <= budget
+    assert EXTRACTION_PROMPT in text and re.search(r"Conversation:\n(user|assistant): turn \d+: ", text)
+    kept = [i for i in range(40) if f"turn {i}: " in text]
+    assert kept == list(range(kept[0], 40)) and kept[0] > 0  # the newest turns, whole, none skipped
+    one_line = [chat[0], {"role": "user", "content": "Conversation:\nuser: " + "word " * 3000}]
+    assert len(fit_prompt(tokenizer, one_line, budget)) <= budget  # a single long turn: its end
+    with pytest.raises(ModelUnavailable):
+        fit_prompt(tokenizer, chat, 20)  # not even the instructions fit
 
 
 # -- end to end ------------------------------------------------------------------------------
