@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
-from fastapi import Depends, FastAPI
+from fastapi import FastAPI
 
 from fairway.gateway import (
     chat,
@@ -41,8 +41,7 @@ def create_app(context: GatewayContext, max_body_bytes: int = MAX_BODY_BYTES,
     # (/metrics), and the hooks would otherwise look for providers on every request.
     app = FastAPI(title="Fairway", version="0.1.0", lifespan=lifespan,
                   telemetry={"tracing": False, "metrics": False, "logs": False},
-                  responses=errors.error_responses(*errors.EDGE_STATUSES),
-                  dependencies=[Depends(errors.single_query_values)])
+                  responses=errors.error_responses(*errors.EDGE_STATUSES))
     app.state.gateway = context
     errors.install(app)
     upload_max = context.files.settings.max_file_bytes + MULTIPART_SLACK if context is not None and context.files else None

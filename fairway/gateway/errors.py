@@ -125,19 +125,6 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
     return ApiError(400, message, param=param, code=code)
 
 
-async def single_query_values(request: Request) -> None:
-    """Every query parameter of this API takes one value: a repeated one (?from=a&from=b) is a 400
-    naming it, rather than the last value taken in silence (the app's dependency on every route;
-    async, as FastAPI runs a plain function in its thread pool: a thread's hand-off each request)."""
-    if not request.scope.get("query_string"):
-        return
-    seen: set[str] = set()
-    for name, _ in request.query_params.multi_items():
-        if name in seen:
-            raise invalid(f"Query parameter '{name}' is given more than once; give it once.", name, "invalid_value")
-        seen.add(name)
-
-
 def not_found(message: str, param: str | None = None, code: str | None = None) -> ApiError:
     return ApiError(404, message, param=param, code=code)
 
