@@ -101,7 +101,7 @@ class Side:
 
 
 async def run(args: argparse.Namespace, base_root: Path, tmp: Path) -> list[dict[str, dict[str, Any]]]:
-    sides = [Side("base", base_root, []), Side("this", ROOT, args.this_arg)]
+    sides = [Side("base", base_root, args.gateway_arg), Side("this", ROOT, [*args.gateway_arg, *args.this_arg])]
     tokens = int(relay.RATE * args.duration)
     rounds = []
     async with contextlib.AsyncExitStack() as stack:
@@ -200,6 +200,7 @@ async def main(args: argparse.Namespace) -> None:
 def parse_args() -> argparse.Namespace:
     parser = comparison_parser(__doc__)
     parser.add_argument("--streams", type=int, default=400, help="streams each side relays at once")
+    parser.add_argument("--gateway-arg", action="append", default=[], help="an option for both gateways (repeatable)")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per stream")
     parser.add_argument("--producers", type=int, default=2, help="synthetic replica processes a side")
     parser.add_argument("--database", default="postgres", help="postgres (a temporary database a side) or sqlite")
