@@ -11,7 +11,7 @@ from fairway.engine.gpu_model_runner import GPUModelRunner
 from fairway.engine.guided_decoding import Guides
 from fairway.engine.kv_cache_manager import KVCacheManager
 from fairway.engine.model_runner import ModelRunner
-from fairway.engine.outputs import FinishReason, RequestOutput
+from fairway.engine.outputs import FinishReason, Logprobs, RequestOutput
 from fairway.engine.sampling_params import SamplingParams
 from fairway.engine.scheduler import Scheduler, SchedulerConfig
 from fairway.engine.sequence import Sequence, SequenceStatus
@@ -178,14 +178,7 @@ class LLMEngine:
     def _propose(self) -> None:
         if self.speculator is None:
             return
-        # A guided sequence samples one token a step: its mask depends on every token before it.
-        # So does a penalised one: a verification row's penalties would have to count the drafts
-        # before it in the same step. A logit bias alone is the same for every row: it speculates.
-        # One asking for logprobs samples one token a step too: the sampler gives logprobs to one
-        # row per sequence.
-        decoding = [s for s in self.scheduler.running
-                    if s.is_decoding and s.guide is None and (s.adjust is None or not s.adjust.penalised)
-                    and s.params.logprobs is None]
+        decoding = [s for s in self.scheduler.running if s.is_decoding and s.can_speculate]
         self.speculator.propose(decoding, self.num_steps, self.scheduler.prefill_tokens_next())
 
     def _advance(self, seq: Sequence, n: int, new: list[int] | None) -> None:
@@ -229,9 +222,7 @@ class LLMEngine:
         if finish is not None:
             text += seq.stop_checker.flush() if not stop_hit else ""
             self._finish(seq, finish)
-        out = self._output(seq, token, text, finish)
-        out.logprobs = logprobs
-        return out
+        return self._output(seq, token, text, finish, logprobs)
 
     def _process_aborts(self) -> list[RequestOutput]:
         outputs = []
@@ -250,12 +241,13 @@ class LLMEngine:
         seq.finish_reason = reason
         del self.requests[seq.request_id]
 
-    def _output(self, seq: Sequence, token: int | None, text: str, finish: FinishReason | None) -> RequestOutput:
+    def _output(self, seq: Sequence, token: int | None, text: str, finish: FinishReason | None,
+                logprobs: Logprobs | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id, token_id=token, text=text, finish_reason=finish,
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens, ttft=seq.ttft,
-            inter_token_times=list(seq.inter_token_times) if finish is not None else None)
+            inter_token_times=list(seq.inter_token_times) if finish is not None else None, logprobs=logprobs)
 
     # --- counters -------------------------------------------------------------------------------
     def stats(self) -> EngineStats:

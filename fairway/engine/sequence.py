@@ -91,6 +91,15 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens == 1
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether drafts may be verified for it, all in one step. Not for one that samples a token
+        a step: a guided one (its mask depends on every token before it), a penalised one (a
+        verification row's penalties would have to count the drafts before it in that step), one
+        asking for logprobs (the sampler gives them to one row per sequence). A logit bias alone
+        is the same for every row: it speculates."""
+        return self.guide is None and (self.adjust is None or not self.adjust.penalised) and self.params.logprobs is None
+
+    @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
