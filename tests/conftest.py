@@ -104,6 +104,23 @@ def chat_api_server(tmp_path_factory):
         yield server
 
 
+@pytest.fixture
+def chat_api_sdk(chat_api_server):
+    """The OpenAI SDK on chat_api_server, as its modules' users call it (no retries)."""
+    import openai
+    from serving import API_KEY
+
+    return openai.OpenAI(base_url=f"{chat_api_server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def chat_api_tokenizer(chat_api_server):
+    """The tokenizer chat_api_server builds its prompts with."""
+    from serving import MODEL
+
+    return chat_api_server.gateway.service.tokenizers[MODEL]
+
+
 @pytest.fixture(scope="session")
 def safety_api_server(tmp_path_factory):
     """`fairway serve`'s app with the output check on and an operator's policy edit (serving's

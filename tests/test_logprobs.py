@@ -15,7 +15,7 @@ import openai
 import pytest
 import test_relay as relay_tests
 from next_token import next_token_probs
-from serving import API_KEY, MODEL, chat_body, headers, sse_events
+from serving import MODEL, chat_body, headers, sse_events
 
 from fairway.relay import FinalEvent, ReplyState, TokenEvent, TokenLogprob, event_from_fields
 
@@ -24,21 +24,6 @@ TOP = 5
 # nats: the server's decode steps against one forward pass over the context, both with bf16 logits
 # (a logit near 16 is 0.125 from its neighbours)
 TOLERANCE = 0.15
-
-
-@pytest.fixture
-def server(chat_api_server):
-    return chat_api_server  # test_api.py's server too
-
-
-@pytest.fixture
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
-
-
-@pytest.fixture
-def tokenizer(server):
-    return server.gateway.service.tokenizers[MODEL]
 
 
 def check_tokens(content, top: int, greedy: bool = True) -> None:
@@ -61,8 +46,8 @@ def text_of(content) -> str:
     return b"".join(bytes(t.bytes) for t in content).decode(errors="replace")
 
 
-def test_a_greedy_reply_has_its_tokens_logprobs(client):
-    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
+def test_a_greedy_reply_has_its_tokens_logprobs(chat_api_sdk):
+    response = chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
                                               logprobs=True, top_logprobs=TOP)
     choice = response.choices[0]
     content = choice.logprobs.content
@@ -71,20 +56,20 @@ def test_a_greedy_reply_has_its_tokens_logprobs(client):
     assert choice.logprobs.refusal is None
 
 
-def served_model(server):
+def served_model(chat_api_server):
     """The model the server's replica runs (its engine's, reached through the replica's start hook)."""
-    (worker,) = [hook.__self__ for hook in server.gateway.on_startup if type(getattr(hook, "__self__", None)).__name__
+    (worker,) = [hook.__self__ for hook in chat_api_server.gateway.on_startup if type(getattr(hook, "__self__", None)).__name__
                  == "ReplicaWorker"]
     return worker.engine.engine.model
 
 
-def test_the_logprobs_are_the_models_distribution(server, client, tokenizer):
-    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0,
+def test_the_logprobs_are_the_models_distribution(chat_api_server, chat_api_sdk, chat_api_tokenizer):
+    response = chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=6, temperature=0,
                                               logprobs=True, top_logprobs=3)
-    prompt = tokenizer.chat_prompt_ids(QUESTION)
+    prompt = chat_api_tokenizer.chat_prompt_ids(QUESTION)
     assert response.usage.prompt_tokens == len(prompt)  # (nothing added to the context: a fresh conversation)
-    ids = {tokenizer.token_bytes(i): i for i in range(tokenizer.vocab_size)}  # a token's bytes name it
-    model, context = served_model(server), list(prompt)
+    ids = {chat_api_tokenizer.token_bytes(i): i for i in range(chat_api_tokenizer.vocab_size)}  # a token's bytes name it
+    model, context = served_model(chat_api_server), list(prompt)
     for token in response.choices[0].logprobs.content:
         probs = next_token_probs(model, context, 1.0)  # one forward pass over the whole context
         for entry in (token, *token.top_logprobs):
@@ -92,16 +77,16 @@ def test_the_logprobs_are_the_models_distribution(server, client, tokenizer):
         context.append(ids[bytes(token.bytes)])
 
 
-def test_logprobs_without_top_logprobs_give_an_empty_top_list_and_a_sampled_reply_has_them(client):
-    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0.9,
+def test_logprobs_without_top_logprobs_give_an_empty_top_list_and_a_sampled_reply_has_them(chat_api_sdk):
+    response = chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0.9,
                                               seed=3, logprobs=True)
     check_tokens(response.choices[0].logprobs.content, 0, greedy=False)
-    plain = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
+    plain = chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0)
     assert plain.choices[0].logprobs is None  # not asked: none
 
 
-def test_a_streamed_reply_carries_each_chunks_logprobs(client):
-    chunks = list(client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
+def test_a_streamed_reply_carries_each_chunks_logprobs(chat_api_sdk):
+    chunks = list(chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
                                                  logprobs=True, top_logprobs=2, stream=True))
     content, text = [], ""
     for piece in chunks:
@@ -116,7 +101,7 @@ def test_a_streamed_reply_carries_each_chunks_logprobs(client):
         text += choice.delta.content or ""
     check_tokens(content, 2)
     assert text_of(content) == text
-    whole = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
+    whole = chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
                                            logprobs=True, top_logprobs=2)
     assert [(t.token, t.logprob) for t in whole.choices[0].logprobs.content] == [(t.token, t.logprob)
                                                                                for t in content]
@@ -127,9 +112,9 @@ def token_events(events: list) -> list:
             and e.data["choices"][0]["finish_reason"] is None]
 
 
-def test_a_resumed_stream_still_has_its_logprobs(server):
+def test_a_resumed_stream_still_has_its_logprobs(chat_api_server):
     body = chat_body("Name three fruits.", max_tokens=10, temperature=0, logprobs=True, top_logprobs=1)
-    with httpx.Client(base_url=server.url, headers=headers(), timeout=60) as http:
+    with httpx.Client(base_url=chat_api_server.url, headers=headers(), timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json=body) as response:
             events = list(sse_events(response))
         reply_id = response.headers["x-reply-id"]
@@ -142,8 +127,8 @@ def test_a_resumed_stream_still_has_its_logprobs(server):
     assert all(e.data["choices"][0]["logprobs"]["content"][0]["top_logprobs"] for e in again)
 
 
-def test_logprobs_hold_with_a_grammar_and_with_tools(client):
-    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
+def test_logprobs_hold_with_a_grammar_and_with_tools(chat_api_sdk):
+    response = chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, temperature=0,
                                               logprobs=True, top_logprobs=2, response_format={"type": "json_object"})
     content = response.choices[0].logprobs.content
     # The grammar's mask comes after the raw logprobs: a token need not be the model's first choice.
@@ -151,7 +136,7 @@ def test_logprobs_hold_with_a_grammar_and_with_tools(client):
     assert text_of(content) == response.choices[0].message.content
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
-    response = client.chat.completions.create(
+    response = chat_api_sdk.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "What is the weather in Paris?"}], max_tokens=40,
         temperature=0, logprobs=True, tools=tools, tool_choice="required")
     choice = response.choices[0]
@@ -159,10 +144,10 @@ def test_logprobs_hold_with_a_grammar_and_with_tools(client):
     assert choice.logprobs.content == []  # the call's tokens are no content: no logprobs for them
 
 
-def test_top_logprobs_without_logprobs_is_a_400_naming_it(client):
+def test_top_logprobs_without_logprobs_is_a_400_naming_it(chat_api_sdk):
     for extra in ({"top_logprobs": 2}, {"top_logprobs": 2, "logprobs": False}, {"top_logprobs": 0}):
         with pytest.raises(openai.BadRequestError) as err:
-            client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **extra)
+            chat_api_sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=4, **extra)
         assert err.value.param == "top_logprobs" and err.value.code == "invalid_value"
 
 
@@ -174,8 +159,8 @@ def test_top_logprobs_without_logprobs_is_a_400_naming_it(client):
     ({"logprobs": "yes"}, "logprobs"),
     ({"logprobs": 1}, "logprobs"),
 ])
-def test_bad_values_are_400s_in_openais_shape(server, extra, param):
-    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat_body("hi", stream=False, **extra),
+def test_bad_values_are_400s_in_openais_shape(chat_api_server, extra, param):
+    response = httpx.post(f"{chat_api_server.url}/v1/chat/completions", json=chat_body("hi", stream=False, **extra),
                           headers=headers(), timeout=60)
     assert response.status_code == 400
     error = response.json()["error"]
