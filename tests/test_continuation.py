@@ -11,6 +11,7 @@ import dataclasses
 import os
 import shutil
 import uuid
+from functools import partial
 
 import httpx
 import pytest
@@ -196,11 +197,11 @@ def append_many_at(relay, reply_id: str, n: int, before) -> None:
     batch holds reply_id's event n (once)."""
     real = relay.log.append_many
 
-    async def append_many(items):
+    async def append_many(items, runs=None):
         if any(r == reply_id and e.n == n for r, e in items) and not append_many.done:
             append_many.done = True
-            return await before(real, items)
-        return await real(items)
+            return await before(partial(real, runs=runs), items)
+        return await real(items, runs)
 
     append_many.done = False
     relay.log.append_many = append_many
@@ -245,6 +246,87 @@ async def test_an_append_whose_answer_was_lost_counts_as_written(replica):
     assert [e.n for e in events] == list(range(1, 18))
     final = events[-1]
     assert isinstance(final, FinalEvent) and final.error is None and final.state == ReplyState.FINISHED
+
+
+@pytest.fixture(params=["memory", "redis", "cluster"])
+async def replica_on(request, real_model_fp32, real_tokenizer):
+    """The replica fixture's worker on each token log backend (in process, Redis, a Redis Cluster)."""
+    url = {"memory": None, "redis": REDIS_URL}.get(request.param) or request.getfixturevalue("redis_cluster_url")
+    prefix = f"test:{uuid.uuid4().hex[:12]}:"
+    relay = make_relay(url, prefix=prefix, block_s=0.2)
+    try:
+        await relay.ping()
+    except Exception as exc:
+        await relay.close()
+        missing("Redis", f"nothing answers at {url}: {exc}")
+    engine = AsyncEngine(fp32_engine(real_model_fp32, real_tokenizer))
+    worker = ReplicaWorker(engine, relay, InProcessRegistry(), ReplicaSettings(model="m", replica_id="b"))
+    await worker.start()
+    yield worker, relay, real_tokenizer, prefix
+    await worker.stop()
+    engine.shutdown()
+    await relay.close()
+    if request.param == "redis":
+        await delete_prefixed(REDIS_URL, prefix)
+
+
+async def test_a_later_run_of_a_reply_replaces_the_run_still_going_on_its_replica(replica_on, caplog):
+    """The reply's log was lost while this replica ran its run 0 (which never learnt it); a
+    gateway ran the reply again (a log for run 1, then run 1's job), and the router placed run 1
+    here. The job is not dropped as a duplicate: run 0 gives way (its engine sequence goes, its
+    next append is refused for its run, it reports nothing) and run 1 runs here; the reply ends
+    with run 1's text alone, one finished report, and both jobs acknowledged. Run 0 is held at
+    its fourth append until run 1's job is here, so it cannot find the log missing first."""
+    worker, relay, tokenizer, prefix = replica_on
+    rid = f"rep-{uuid.uuid4().hex[:8]}"
+    old_prompt = tokenizer.encode(PROMPT)
+    new_prompt = tokenizer.encode(PROMPT.replace("three colours", "two rivers"))
+    new_params = {"temperature": 0, "max_tokens": 10, "ignore_eos": True}
+    whole, whole_text = run(fp32_engine(worker.engine.engine.model, tokenizer), new_prompt,
+                            SamplingParams(**new_params))
+    gate = asyncio.Event()
+
+    async def held_at_the_fourth(real, items):
+        await gate.wait()
+        return await real(items)
+
+    append_many_at(relay, rid, 4, held_at_the_fourth)
+    caplog.set_level("INFO", logger="fairway.replica.worker")
+    await relay.launch(rid, GenerationJob(rid, "m", old_prompt, {"temperature": 0, "max_tokens": 200,
+                                                                "ignore_eos": True}).to_dict(),
+                       Lane.PAID, queue=worker.queue)
+    for _ in range(600):
+        if await relay.log.exists(rid) and await relay.log.last_event_id(rid) >= 3:
+            break
+        await asyncio.sleep(0.02)
+    # The log is lost (a Redis restarted without its data) and a gateway runs the reply again.
+    if hasattr(relay.log, "_logs"):  # the in-process log: its process ended
+        relay.log._logs.pop(rid)
+    else:
+        stream = f"{prefix}reply:{{{rid}}}"
+        await relay.client.execute("DEL", stream, *(f"{stream}:{part}" for part in ("listened", "run")))
+    assert await relay.log.create(rid, run=1)
+    new_job = GenerationJob(rid, "m", new_prompt, new_params, Lane.PAID.value, run=1)
+    await relay.jobs.submit(new_job.to_dict(), Lane.PAID, queue=worker.queue, front=True)
+    for _ in range(600):
+        if "run 1 replaces run 0" in caplog.text:
+            break
+        await asyncio.sleep(0.02)
+    assert "run 1 replaces run 0" in caplog.text
+    gate.set()
+    events = await events_of(relay, rid)
+    assert [e.n for e in events] == list(range(1, len(whole) + 2))
+    assert "".join(e.text for e in events[:-1]) == whole_text
+    assert isinstance(events[-1], FinalEvent) and events[-1].state == ReplyState.FINISHED
+    for _ in range(100):  # (the report and the acknowledgement follow the final event)
+        if not await relay.jobs.unfinished(queue=worker.queue):
+            break
+        await asyncio.sleep(0.05)
+    assert await relay.jobs.unfinished(queue=worker.queue) == []
+    reports = [d.item for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)]
+    finished = [r for r in reports if r["kind"] == "finished"]
+    assert len(finished) == 1 and finished[0]["text"] == whole_text, reports
+    assert worker.engine.engine.has_unfinished() is False  # run 0's sequence left the engine
 
 
 async def test_a_continuation_that_no_longer_fits_ends_with_length(real_model_fp32, real_tokenizer):

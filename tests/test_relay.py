@@ -836,7 +836,8 @@ def test_a_tokens_append_part_packed_by_hand_is_the_generic_one() -> None:
     what the generic packing of an event's part makes (which final events still use)."""
     log = make_relay(REDIS_URL, prefix="t:").log
     for event in (TokenEvent(5, "héllo \x1f\n\"", [1, 2]), TokenEvent(1, "", []), TokenEvent(300, "x" * 5000, [7])):
-        assert log._token_part("rep_1", event) == log._event_part("rep_1", event)
+        for run in (None, 0, 3):
+            assert log._token_part("rep_1", event, run) == log._event_part("rep_1", event, run)
 
 
 async def test_redis_listener_that_saw_the_end_is_not_refreshed(redis_backend: Backend) -> None:
@@ -922,9 +923,9 @@ async def test_replica_appends_of_one_step_share_a_round_trip() -> None:
     calls: list[int] = []
     append_many = log.append_many
 
-    async def counting(items: Any) -> list[int | Exception]:
+    async def counting(items: Any, runs: Any = None) -> list[int | Exception]:
         calls.append(len(items))
-        return await append_many(items)
+        return await append_many(items, runs)
 
     log.append_many = counting  # type: ignore[method-assign]
     appender = _Appender(log)

@@ -34,6 +34,7 @@ from fairway.relay import (
     RelayUnavailable,
     ReplyNotFound,
     ReplyState,
+    RunReplaced,
     TokenEvent,
     make_relay,
 )
@@ -247,3 +248,56 @@ async def test_a_row_that_counts_a_run_its_log_was_never_made_for_streams_the_lo
             items += batch
     assert text_of(items) == "".join(NEW), items
     assert [i.n for i in items] == [2 * RUN_SPAN + n for n in range(1, len(NEW) + 2)]
+
+
+async def test_a_producer_of_the_lost_run_cannot_write_into_the_next_runs_log(world: World) -> None:
+    """The replica still running the first run never learnt its log was lost. The restart's job
+    says run 1; once run 1 has logged as many events as run 0 had, run 0's producer's next n fits
+    run 1's log, and so would its final event: both are refused for their run (RunReplaced, not an
+    order error), and a client reading the reply gets run 1's text alone."""
+    log = world.relay.log
+    reply = await started_reply(world)  # run 0 logged OLD: its producer's next event is len(OLD) + 1
+    await world.lose_log(reply.id)
+    assert await world.service.restart(reply)
+    (queued,) = await world.relay.jobs.unfinished(queue=replica_queue("a"))
+    assert queued.job["run"] == 1  # what the new run's replica appends as
+    for text in NEW[:len(OLD)]:
+        await log.append(reply.id, TokenEvent(0, text, [2]), run=1)
+    with pytest.raises(RunReplaced) as refused:
+        await log.append(reply.id, TokenEvent(len(OLD) + 1, "a6 ", [1]), run=0)
+    assert (refused.value.run, refused.value.held) == (0, 1)
+    (result,) = await log.append_many([(reply.id, TokenEvent(len(OLD) + 1, "a6 ", [1]))], [0])
+    assert isinstance(result, RunReplaced)
+    with pytest.raises(RunReplaced):
+        await log.finish(reply.id, FinalEvent(0, "stop", ReplyState.STOPPED), run=0)
+    for text in NEW[len(OLD):]:
+        await log.append(reply.id, TokenEvent(0, text, [2]), run=1)
+    await log.finish(reply.id, FinalEvent(0, "stop", ReplyState.FINISHED), run=1)
+    row = await world.store.get_reply(reply.id)
+    assert row is not None and row.restarts == 1
+    items: list = []
+    async with aclosing(world.gateway.event_batches(row, 0)) as batches:
+        async for batch in batches:
+            items += batch
+    assert text_of(items) == "".join(NEW), items
+    assert [i.n for i in items] == [RUN_SPAN + n for n in range(1, len(NEW) + 2)]
+
+
+async def test_a_log_made_by_a_producers_append_holds_its_run(world: World) -> None:
+    """A log no create() made (lost, and the producer's append came first) is of the appending
+    producer's run: another run's producer is refused, and readers are told which run it holds;
+    a producer that names no run (a replica's job from a gateway of the previous version) is not
+    checked."""
+    log = world.relay.log
+    reply_id = f"r{uuid.uuid4().hex[:8]}"
+    assert await log.append(reply_id, TokenEvent(1, "x", [1]), run=2) == 1
+    with pytest.raises(RunReplaced):
+        await log.append(reply_id, TokenEvent(2, "y", [1]), run=1)
+    with pytest.raises(ReplyNotFound):  # a reader of run 1: its log is gone
+        await log.read(reply_id, 0, run=1)
+    assert await log.append(reply_id, TokenEvent(2, "y", [1])) == 2
+    assert [e.text for e in await log.read(reply_id, 0, run=2)] == ["x", "y"]
+    first = f"r{uuid.uuid4().hex[:8]}"
+    assert await log.append(first, TokenEvent(1, "x", [1]), run=0) == 1  # run 0: the log of a first run
+    with pytest.raises(RunReplaced):
+        await log.append(first, TokenEvent(2, "y", [1]), run=1)

@@ -582,6 +582,7 @@ class ConversationService:
         # is told its log is gone rather than handed this run's events as run k's.
         if not await self.relay.log.create(reply.id, run=claimed.restarts):
             return False
+        job.run = claimed.restarts  # its appends: a replica still running an earlier run cannot write here
         await self.relay.jobs.submit(job.to_dict(), job.lane, queue=replica.queue, front=True)
         return True
 

@@ -25,6 +25,7 @@ from fairway.relay.errors import (
     RelayUnavailable,
     ReplyFinished,
     ReplyNotFound,
+    RunReplaced,
 )
 from fairway.relay.events import Event, FinalEvent, TokenEvent, TokenLogprob, ToolEvent, event_from_fields
 from fairway.relay.inbox import Delivery, Inbox
@@ -156,6 +157,7 @@ __all__ = [
     "ReplyFinished",
     "ReplyNotFound",
     "ReplyState",
+    "RunReplaced",
     "TokenEvent",
     "TokenLogprob",
     "ToolEvent",

@@ -36,6 +36,19 @@ class LogReplaced(ReplyNotFound):
         return f"the token log of reply {self.reply_id!r} holds run {self.held}, not run {self.run}"
 
 
+class RunReplaced(RelayError):
+    """A producer's append (or finish) of run `run` to a log that holds run `held` (None: not
+    said, run 0's): the reply's log was lost and the reply runs again in a new log, whose own
+    producer writes it. A producer still running the old run (it never learnt its log was lost)
+    stops there: its next n may well fit the new log, which would splice two texts into one."""
+
+    def __init__(self, reply_id: str, run: int, held: int) -> None:
+        super().__init__(f"reply {reply_id!r}: the token log holds run {held}, not this producer's run {run}")
+        self.reply_id = reply_id
+        self.run = run
+        self.held = held
+
+
 class ReplyFinished(RelayError):
     """An append or finish after the terminal event: the reply is over, nothing may follow it."""
 

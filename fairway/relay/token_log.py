@@ -14,10 +14,14 @@ The flow it serves (design seed "Wi-Fi drops at token 212, then Stop at 260"):
 * every subscriber counts as a listener while it iterates; when nobody has listened for 30 s the
   replica cancels the reply ("nobody is listening"), checking all its replies at once with
   listener_idle_many();
-* a reply whose log was lost runs again in a new log under the same id: create(run=k) says which
-  run of the reply a log holds, and a reader that names its run (read(run=), subscribe(run=)) is
-  told LogReplaced, atomically with what it reads, rather than handed another run's events as its
-  run's (which would splice two different texts into one message).
+* a reply whose log was lost runs again in a new log under the same id. Its runs are counted
+  (Reply.restarts: 0 for the first, k + 1 for the restart after run k) and each run is made once:
+  create(run=k) says which run a log holds (a log made by a producer's append, the producer's
+  run; nobody's said: run 0). A reader that names its run (read(run=), subscribe(run=)) is told
+  LogReplaced, atomically with what it reads, rather than handed another run's events as its
+  run's (which would splice two different texts into one message); a producer that names its run
+  (append(run=), finish(run=): its job's GenerationJob.run) is told RunReplaced by a log of any
+  other run, atomically with the append, rather than having its next n fit the new run's log.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from typing import TypeVar
 
-from fairway.relay.errors import EventIdOutOfRange, LogReplaced
+from fairway.relay.errors import EventIdOutOfRange, LogReplaced, RunReplaced
 from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent
 
 DEFAULT_TTL_S = 1800.0  # 30 minutes: long enough for any reconnect, short enough to stay small
@@ -72,6 +76,23 @@ def check_run(reply_id: str, run: int | None, held: int | None) -> None:
         raise LogReplaced(reply_id, run, held)
 
 
+def check_producer_run(reply_id: str, run: int | None, held: int | None) -> None:
+    """A producer of run `run` appending to a log that holds run `held` (None: not said, which is
+    run 0): RunReplaced unless they are the same run. None for `run` agrees with anything: a
+    producer whose job did not say its run (a gateway of the previous version)."""
+    if run is not None and run != (held or 0):
+        raise RunReplaced(reply_id, run, held or 0)
+
+
+def producer_runs(items: Sequence[object], runs: Sequence[int | None] | None) -> Sequence[int | None]:
+    """append_many()'s runs, one for each item (None for all when not given)."""
+    if runs is None:
+        return [None] * len(items)
+    if len(runs) != len(items):
+        raise ValueError(f"{len(runs)} runs for {len(items)} events")
+    return runs
+
+
 def check_token_events(items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> None:
     """append_many() takes token and tool events only: the terminal event goes through finish()."""
     for _, event in items:
@@ -99,22 +120,27 @@ class TokenLog(ABC):
         listener idle clock. run: which run of the reply it holds (Reply.restarts; 0 for the
         first). Returns False (and changes nothing) if the log already exists."""
 
-    async def append(self, reply_id: str, event: TokenEvent | ToolEvent) -> int:
+    async def append(self, reply_id: str, event: TokenEvent | ToolEvent, run: int | None = None) -> int:
         """Append one token (or tool) event and return its n. event.n == 0 takes the next number; any other
         n must be exactly last+1 (EventOutOfOrder otherwise, so a duplicate or zombie producer
-        cannot corrupt the log). Creates the log if missing; ReplyFinished after finish()."""
-        return raise_if_error((await self.append_many([(reply_id, event)]))[0])
+        cannot corrupt the log). run: the producer's run of the reply (its job's), checked with
+        the order, atomically: RunReplaced from a log of another run (check_producer_run); None
+        checks nothing. Creates the log if missing (of the producer's run); ReplyFinished after
+        finish()."""
+        return raise_if_error((await self.append_many([(reply_id, event)], [run]))[0])
 
     @abstractmethod
-    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]],
+                          runs: Sequence[int | None] | None = None) -> list[int | Exception]:
         """append() for many (reply id, event) pairs at once, in one round trip where the backend
-        has them: a replica appends one engine step's tokens for all its replies together. Each
-        pair's n, or the relay error append() would have raised for it, in its place; an outage
+        has them: a replica appends one engine step's tokens for all its replies together. runs:
+        each pair's producer run (append()'s run), None: no check for any. Each pair's n, or the
+        relay error append() would have raised for it, in its place; an outage
         (RelayUnavailable) raises for all of them."""
 
     @abstractmethod
-    async def finish(self, reply_id: str, final: FinalEvent) -> int:
-        """Append the terminal event (same numbering rules as append) and return its n."""
+    async def finish(self, reply_id: str, final: FinalEvent, run: int | None = None) -> int:
+        """Append the terminal event (same numbering and run rules as append) and return its n."""
 
     @abstractmethod
     async def read(self, reply_id: str, after: int = 0, run: int | None = None) -> list[Event]:

@@ -21,8 +21,10 @@ from fairway.relay.token_log import (
     TokenLog,
     TokenSink,
     check_after,
+    check_producer_run,
     check_run,
     check_token_events,
+    producer_runs,
 )
 
 
@@ -34,7 +36,7 @@ class _Log:
     changed: asyncio.Event = field(default_factory=new_signal)
     listeners: int = 0
     stop: bool = False
-    run: int | None = None  # the reply's run it holds (create()); None: made by an append
+    run: int | None = None  # the reply's run it holds (create(), or its first append's); None: not said
 
     @property
     def last_n(self) -> int:
@@ -94,27 +96,29 @@ class InProcessTokenLog(TokenLog):
         self._logs[reply_id] = self._open(run)
         return True
 
-    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]],
+                          runs: Sequence[int | None] | None = None) -> list[int | Exception]:
         check_token_events(items)
         results: list[int | Exception] = []
-        for reply_id, event in items:
+        for (reply_id, event), run in zip(items, producer_runs(items, runs), strict=True):
             try:
-                results.append(self._add(reply_id, event))
+                results.append(self._add(reply_id, event, run))
             except RelayError as exc:
                 results.append(exc)
         return results
 
-    async def finish(self, reply_id: str, final: FinalEvent) -> int:
+    async def finish(self, reply_id: str, final: FinalEvent, run: int | None = None) -> int:
         if not isinstance(final, FinalEvent):
             raise TypeError("finish() takes a FinalEvent")
-        return self._add(reply_id, final)
+        return self._add(reply_id, final, run)
 
-    def _add(self, reply_id: str, event: Event) -> int:
+    def _add(self, reply_id: str, event: Event, run: int | None) -> int:
         log = self._get(reply_id)
         if log is None:
             if event.n > 1:  # not a first event: refused, as by Redis, without leaving a log
                 raise EventOutOfOrder(reply_id, event.n, 0)
-            log = self._logs[reply_id] = self._open()
+            log = self._logs[reply_id] = self._open(run)
+        check_producer_run(reply_id, run, log.run)  # (before the order: across runs it means nothing)
         if log.finished:
             raise ReplyFinished(reply_id, log.last_n)
         n = event.n or log.last_n + 1

@@ -9,7 +9,8 @@ scripts below stay single-slot):
   {prefix}reply:{<id>}:listeners  ZSET listener token -> heartbeat deadline (server time)
   {prefix}reply:{<id>}:listened   when a listener was last seen (server time)
   {prefix}reply:{<id>}:stop       stop flag
-  {prefix}reply:{<id>}:run        the reply's run the log holds, when not its first (create(run=k))
+  {prefix}reply:{<id>}:run        the reply's run the log holds, when not its first (create(run=k),
+                                  or the first append's producer's run)
   {prefix}control                 Stream of stop requests, tailed by replicas (capped)
 
 Explicit stream ids make n the id: a replay "after n" is an exact range, and Redis itself rejects
@@ -26,7 +27,10 @@ Which run of a reply a log holds (a reply whose log was lost runs again under th
 run key, read in the same atomic step as what it qualifies: a reader's snapshot reads it in the
 MULTI that reads the events, and the append script publishes a run k's events as k * RUN_SPAN + n
 (the ids clients see), so a subscriber of one run tells another run's live events from its own
-without a round trip. A first run's log has no run key: its events go out as before, as n.
+without a round trip. A first run's log has no run key: its events go out as before, as n. The
+same script refuses a producer's event of another run than the run key says (absent: run 0) with
+FAIRWAY_REPLACED (RunReplaced), before it looks at n: a replica still running a lost log's run
+never writes into the next run's log, even where its next n happens to fit it.
 
 A rolling upgrade mixes versions on one Redis: (1) a replica of the previous version appending to
 a run-k log runs its own script, which neither reads nor refreshes the run key and publishes n; a
@@ -37,7 +41,9 @@ for its run, as before (check_run). (3) A gateway of the previous version subscr
 hears k * RUN_SPAN + n from new replicas: a gap, to its code, which it fills by reading the log
 after its cursor, as for a lost message; its stream goes on, one read per batch. Until every
 process runs this version, a subscriber can still mistake a new log's events for its own where
-the new log was made, or is appended to, by the previous version.
+the new log was made, or is appended to, by the previous version. (4) A replica of the previous
+version names no run in its appends (its own script) and a gateway of the previous version puts
+none in its jobs (GenerationJob.run None): neither is checked, as before.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ from fairway.relay.errors import (
     RelayUnavailable,
     ReplyFinished,
     ReplyNotFound,
+    RunReplaced,
 )
 from fairway.relay.events import Event, FinalEvent, TokenEvent, ToolEvent, event_from_fields, with_n
 from fairway.relay.redis_guard import guard
@@ -81,6 +88,7 @@ from fairway.relay.token_log import (
     check_after,
     check_run,
     check_token_events,
+    producer_runs,
     raise_if_error,
 )
 from fairway.uncancelled import finish_anyway
@@ -105,12 +113,13 @@ return 1
 )
 
 # KEYS: per event, its stream, listened, live channel and run. ARGV: ttl_ms, then per event its n
-# (0 = next), live payload, kind, how many field/value items follow, and those items. Returns per
-# event its n or its error. Atomic check-append-publish for each: the numbering rule holds even with
-# two producers racing (failover), and an event is published exactly when it is logged, as
-# run * RUN_SPAN + n for a log of a run after the first (its run key; a first run's has none, which
-# costs its events one GET of a missing key). One call takes many events (a replica's step), so
-# Redis pays its per-call cost once for them, not per token.
+# (0 = next), its producer's run ('' = not said: not checked), live payload, kind, how many
+# field/value items follow, and those items. Returns per event its n or its error. Atomic
+# check-append-publish for each: the run and numbering rules hold even with two producers racing
+# (failover; a replica still running a lost log's run), and an event is published exactly when it
+# is logged, as run * RUN_SPAN + n for a log of a run after the first (its run key; a first run's
+# has none, which costs its events one GET of a missing key). One call takes many events (a
+# replica's step), so Redis pays its per-call cost once for them, not per token.
 #
 # A log is its header (0-1) and events 1..last, never trimmed, so its length says last; its final
 # event sets the stream's last id past any event's, so Redis itself refuses any XADD after it.
@@ -127,34 +136,43 @@ end
 local function append(log, listened, live, runkey, a, last_arg)
   local size = redis.call('XLEN', log)
   local n = tonumber(ARGV[a])
-  if size == 0 then  -- a log create() never made (or one expired): its header first, of no run
+  local mine, run = ARGV[a + 1], false
+  if size == 0 then  -- a log create() never made (or one expired): its header first, of the producer's run
     if n > 1 then return redis.error_reply('FAIRWAY_ORDER 0') end
     """ + _NOW + """
     redis.call('SET', listened, string.format('%.6f', now), 'PX', ttl, 'NX')
     redis.call('XADD', log, '0-1', 'k', 'open')
     redis.call('PEXPIRE', log, ttl)
-    redis.call('DEL', runkey)
+    if mine == '' or mine == '0' then
+      redis.call('DEL', runkey)
+    else
+      redis.call('SET', runkey, mine, 'PX', ttl)
+      run = mine
+    end
     size = 1
+  else
+    run = redis.call('GET', runkey)
+    -- another run's producer (its log was lost; this is the next run's): refused, whatever its n
+    if mine ~= '' and mine ~= (run or '0') then return redis.error_reply('FAIRWAY_REPLACED ' .. (run or '0')) end
   end
   if n == 0 then n = size end
   if n ~= size then return refused(log, n, nil) end
   -- pcall: a write Redis refuses (after the final event; out of memory) fails this event alone
-  local added = redis.pcall('XADD', log, n .. '-0', 'k', ARGV[a + 2], 'n', n, unpack(ARGV, a + 4, last_arg))
+  local added = redis.pcall('XADD', log, n .. '-0', 'k', ARGV[a + 3], 'n', n, unpack(ARGV, a + 5, last_arg))
   if type(added) == 'table' and added.err then return refused(log, n, added) end
-  if ARGV[a + 2] == 'f' then redis.call('XSETID', log, '18446744073709551615-18446744073709551615') end
+  if ARGV[a + 3] == 'f' then redis.call('XSETID', log, '18446744073709551615-18446744073709551615') end
   redis.call('PEXPIRE', log, ttl)
-  local run = redis.call('GET', runkey)
   local id = n
   if run then
     redis.call('PEXPIRE', runkey, ttl)
     id = string.format('%d', tonumber(run) * """ + str(RUN_SPAN) + """ + n)
   end
-  redis.call('SPUBLISH', live, id .. ' ' .. ARGV[a + 1])
+  redis.call('SPUBLISH', live, id .. ' ' .. ARGV[a + 2])
   return n
 end
 local results, a = {}, 2
 for i = 1, #KEYS, 4 do
-  local last_arg = a + 3 + tonumber(ARGV[a + 3])
+  local last_arg = a + 4 + tonumber(ARGV[a + 4])
   results[#results + 1] = append(KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], a, last_arg)
   a = last_arg + 1
 end
@@ -202,8 +220,10 @@ return 1
 """
 
 
-def _script_error(exc: ResponseError, reply_id: str, n: int) -> Exception:
+def _script_error(exc: ResponseError, reply_id: str, n: int, run: int | None) -> Exception:
     code, _, last = str(exc).partition(" ")
+    if code == "FAIRWAY_REPLACED" and run is not None:
+        return RunReplaced(reply_id, run, int(last))
     if code == "FAIRWAY_FINISHED":
         return ReplyFinished(reply_id, int(last))
     if code == "FAIRWAY_ORDER":
@@ -303,9 +323,9 @@ class RedisTokenLog(TokenLog):
         self._heartbeats = _Heartbeats(self, heartbeat_s)
         self._create = Script(_CREATE)
         self._append = Script(_APPEND)
-        # A token's part of an append call: its keys; its n, live payload, kind t and its fields.
+        # A token's part of an append call: its keys; its n, run, live payload, kind t and its fields.
         self._token_keys = args_format([None] * 4)
-        self._token_args = args_format([None, None, b"t", b"4", b"text", None, b"ids", None])
+        self._token_args = args_format([None, None, None, b"t", b"4", b"text", None, b"ids", None])
         self._heartbeat = Script(_HEARTBEAT)
         self._listeners = Script(_LISTENERS)
         self._stop = Script(_STOP)
@@ -353,20 +373,21 @@ class RedisTokenLog(TokenLog):
         with guard():
             return bool(await self._client.execute(*self.create_command(reply_id, run)))
 
-    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]]) -> list[int | Exception]:
+    async def append_many(self, items: Sequence[tuple[str, TokenEvent | ToolEvent]],
+                          runs: Sequence[int | None] | None = None) -> list[int | Exception]:
         check_token_events(items)
-        return await self._add(items)
+        return await self._add(items, producer_runs(items, runs))
 
-    async def finish(self, reply_id: str, final: FinalEvent) -> int:
+    async def finish(self, reply_id: str, final: FinalEvent, run: int | None = None) -> int:
         if not isinstance(final, FinalEvent):
             raise TypeError("finish() takes a FinalEvent")
-        return raise_if_error((await self._add([(reply_id, final)]))[0])
+        return raise_if_error((await self._add([(reply_id, final)], [run]))[0])
 
-    async def _add(self, items: Sequence[tuple[str, Event]]) -> list[int | Exception]:
+    async def _add(self, items: Sequence[tuple[str, Event]], runs: Sequence[int | None]) -> list[int | Exception]:
         """The events appended, a step's worth in few calls of the append script (script_groups:
-        APPENDS_PER_CALL a call, those of one slot together on a cluster)."""
-        parts = [self._token_part(reply_id, event) if isinstance(event, TokenEvent) and not event.logprobs
-                 else self._event_part(reply_id, event) for reply_id, event in items]
+        APPENDS_PER_CALL a call, those of one slot together on a cluster); runs: their producers'."""
+        parts = [self._token_part(reply_id, event, run) if isinstance(event, TokenEvent) and not event.logprobs
+                 else self._event_part(reply_id, event, run) for (reply_id, event), run in zip(items, runs, strict=True)]
         ttl = pack_args([self._ttl_ms])
         with guard():
             groups = await self._client.script_groups([part[0] for part in parts], APPENDS_PER_CALL)
@@ -378,10 +399,11 @@ class RedisTokenLog(TokenLog):
             # A call that failed whole (no script ran) fails each of its events.
             for i, result in zip(group, reply if isinstance(reply, list) else [reply] * len(group), strict=True):
                 reply_id, event = items[i]
-                results[i] = _script_error(result, reply_id, event.n) if isinstance(result, ResponseError) else int(result)
+                results[i] = (_script_error(result, reply_id, event.n, runs[i]) if isinstance(result, ResponseError)
+                              else int(result))
         return results
 
-    def _event_part(self, reply_id: str, event: Event) -> tuple[str, bytes, bytes, int]:
+    def _event_part(self, reply_id: str, event: Event, run: int | None) -> tuple[str, bytes, bytes, int]:
         """An event's part of an append call: its stream's key, the packed keys, the packed
         arguments and how many they are."""
         fields = event.to_fields()
@@ -389,20 +411,21 @@ class RedisTokenLog(TokenLog):
         fields.pop("n")  # the script writes the n it assigned or validated
         flat = [item for pair in fields.items() for item in pair]
         key = self._key(reply_id)
-        args = [event.n, live_payload(event), kind, len(flat), *flat]
+        args = [event.n, b"" if run is None else run, live_payload(event), kind, len(flat), *flat]
         return key, pack_args([key, key + ":listened", key + ":live", key + ":run"]), pack_args(args), len(args)
 
-    def _token_part(self, reply_id: str, event: TokenEvent) -> tuple[str, bytes, bytes, int]:
+    def _token_part(self, reply_id: str, event: TokenEvent, run: int | None) -> tuple[str, bytes, bytes, int]:
         """_event_part for a token, filled into formats (the same bytes): a replica packs one a
         token, and building the fields dict and packing each argument by type was most of its cost."""
         ids = ",".join(map(str, event.token_ids)).encode()
         text = event.text.encode()
         key = self._key(reply_id)
-        log, listened, live, run = (key.encode(), (key + ":listened").encode(), (key + ":live").encode(),
-                                    (key + ":run").encode())
-        n, payload = b"%d" % event.n, b"t%b\x1f%b" % (ids, text)
-        return (key, self._token_keys % (len(log), log, len(listened), listened, len(live), live, len(run), run),
-                self._token_args % (len(n), n, len(payload), payload, len(text), text, len(ids), ids), 8)
+        log, listened, live, runkey = (key.encode(), (key + ":listened").encode(), (key + ":live").encode(),
+                                       (key + ":run").encode())
+        n, mine, payload = b"%d" % event.n, b"" if run is None else b"%d" % run, b"t%b\x1f%b" % (ids, text)
+        return (key, self._token_keys % (len(log), log, len(listened), listened, len(live), live, len(runkey), runkey),
+                self._token_args % (len(n), n, len(mine), mine, len(payload), payload, len(text), text, len(ids), ids),
+                9)
 
     async def _snapshot(self, reply_id: str, after: int, join: str | None = None
                         ) -> tuple[list[Event], bool, int | None]:

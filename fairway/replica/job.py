@@ -31,6 +31,11 @@ class GenerationJob:
     # Times a failover handed it on. From 1 the reply may have tokens in its log already: the
     # replica carries on after them (worker.serve).
     attempt: int = 0
+    # Which run of the reply it produces (Reply.restarts when submitted: 0 at first, the claimed
+    # run at a restart; a handoff keeps it): its appends name it, so a log made again for a later
+    # run refuses them, and a replica still running an earlier run gives way to it (worker.serve).
+    # None: a gateway of the previous version said nothing, and nothing is checked.
+    run: int | None = 0
 
     def to_dict(self) -> dict[str, Any]:
         # A copy, of plain data. (dataclasses.asdict deep-copies the prompt's token ids one by one,
@@ -52,4 +57,5 @@ class GenerationJob:
             tools=dict(data.get("tools") or {}),
             tenant=str(data.get("tenant") or ""),
             attempt=int(data.get("attempt") or 0),
+            run=None if data.get("run") is None else int(data["run"]),
         )

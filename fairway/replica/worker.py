@@ -50,12 +50,14 @@ from fairway.relay import (
     ClaimedJob,
     EventOutOfOrder,
     FinalEvent,
+    LogReplaced,
     Relay,
     RelayError,
     RelayUnavailable,
     ReplyFinished,
     ReplyNotFound,
     ReplyState,
+    RunReplaced,
     TokenEvent,
     TokenLog,
     ToolEvent,
@@ -79,8 +81,9 @@ from fairway.usage import metrics
 
 log = logging.getLogger(__name__)
 
-# handoff: a drain ran out of time; the reply is left for another replica to carry on.
-CancelCause = Literal["stop", "idle", "shutdown", "handoff"]
+# handoff: a drain ran out of time; the reply is left for another replica to carry on. replaced:
+# a job of a later run of the reply came here (its log was lost and made again): that run owns it.
+CancelCause = Literal["stop", "idle", "shutdown", "handoff", "replaced"]
 T = TypeVar("T")
 SANDBOX_RECHECK_BEATS = 30  # heartbeats between two looks at a sandbox that was off
 SEAT_RECHECK_S = 0.1  # every seat taken: how long a claim of paid work waits before looking for a freed seat
@@ -115,17 +118,18 @@ class _Appender:
 
     def __init__(self, token_log: TokenLog) -> None:
         self._log = token_log
-        self._pending: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]] = []
+        self._pending: list[tuple[str, TokenEvent | ToolEvent, int | None, asyncio.Future[int]]] = []
         self._writes: set[asyncio.Task] = set()  # strong references to batches in flight
 
-    def append(self, reply_id: str, event: TokenEvent | ToolEvent) -> asyncio.Future[int]:
-        """Append one event of the reply; the future gets its n. (A plain function returning the
-        future, not a coroutine: a coroutine's frame more for every token of every reply.)"""
+    def append(self, reply_id: str, event: TokenEvent | ToolEvent, run: int | None = None) -> asyncio.Future[int]:
+        """Append one event of the reply's run `run` (its job's); the future gets its n. (A plain
+        function returning the future, not a coroutine: a coroutine's frame more for every token
+        of every reply.)"""
         loop = asyncio.get_running_loop()
         if not self._pending:
             loop.call_soon(self._flush)  # after the replies woken with this one have appended too
         done: asyncio.Future[int] = loop.create_future()
-        self._pending.append((reply_id, event, done))
+        self._pending.append((reply_id, event, run, done))
         return done
 
     def _flush(self) -> None:
@@ -134,20 +138,21 @@ class _Appender:
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)
 
-    async def _write(self, batch: list[tuple[str, TokenEvent | ToolEvent, asyncio.Future[int]]]) -> None:
-        items = [(reply_id, event) for reply_id, event, _ in batch]
+    async def _write(self, batch: list[tuple[str, TokenEvent | ToolEvent, int | None, asyncio.Future[int]]]) -> None:
+        items = [(reply_id, event) for reply_id, event, _, _ in batch]
+        runs = [run for _, _, run, _ in batch]
         try:
-            results = await _through_outages(lambda: self._log.append_many(items), "append tokens")
+            results = await _through_outages(lambda: self._log.append_many(items, runs), "append tokens")
         except Exception as exc:  # an outage longer than the retries fails every append of the batch
-            for _, _, done in batch:
+            for _, _, _, done in batch:
                 if not done.done():
                     done.set_exception(exc)
             return
         except BaseException:  # cancelled (shutdown): so are the appends waiting for it
-            for _, _, done in batch:
+            for _, _, _, done in batch:
                 done.cancel()
             raise
-        for (reply_id, event, done), result in zip(batch, results, strict=True):
+        for (reply_id, event, _, done), result in zip(batch, results, strict=True):
             if done.done():
                 continue  # its reply was cancelled meanwhile
             if isinstance(result, EventOutOfOrder) and 0 < event.n <= result.last_n \
@@ -185,6 +190,7 @@ class _Running:
     tools: list[CallRecord] = field(default_factory=list)  # its tool calls, as the conversation stores them
     client_called: bool = False  # it made a client-defined call: the reply ends with tool_calls
     interrupted: ToolEvent | None = None  # a failover's: a run its log shows started and never ended
+    ended: asyncio.Event = field(default_factory=asyncio.Event)  # serve() is done with it (a later run waits)
 
 
 @dataclass
@@ -518,7 +524,8 @@ class ReplicaWorker:
 
     def _cancel(self, reply_id: str, cause: CancelCause) -> None:
         running = self._running.get(reply_id)
-        if running is not None and running.cancelled is None:
+        # replaced overrides an earlier cause: whatever it meant to end with, the log is no longer its own
+        if running is not None and (running.cancelled is None or cause == "replaced"):
             running.cancelled = cause
             # The engine drops it at the next step and frees its blocks (between tool rounds there
             # is none: the reply ends when its tool run does).
@@ -549,9 +556,16 @@ class ReplicaWorker:
         """Generate one reply into its token log, then report how it ended, and acknowledge
         claimed (the job's queue entry) with the report. False when the reply is left for
         another replica (a drain's handoff): its job stays unacknowledged."""
-        if job.reply_id in self._running:
-            log.warning("reply %s is already running here; ignoring the duplicate job", job.reply_id)
-            return True
+        while (other := self._running.get(job.reply_id)) is not None:
+            if job.run is None or other.job.run is None or job.run <= other.job.run:
+                log.warning("reply %s is already running here; ignoring the duplicate job", job.reply_id)
+                return True
+            # A later run: the reply's log was lost and made again for it. The run going here
+            # never learnt that; it gives way (its appends would be refused anyway), and this one
+            # runs once it has left the engine (the engine knows a reply's request by its id).
+            log.info("reply %s: run %d replaces run %d running here", job.reply_id, job.run, other.job.run)
+            self._cancel(job.reply_id, "replaced")
+            await other.ended.wait()
         running = self._running[job.reply_id] = _Running(job)
         if job.submitted_at:
             running.started = min(job.submitted_at, running.started)
@@ -565,13 +579,16 @@ class ReplicaWorker:
             final = _failed("the replica failed while generating the reply")
         finally:
             del self._running[job.reply_id]
+            running.ended.set()
         if running.cancelled == "handoff":
             return False
-        if final is None:  # another producer has the reply, or it had ended already
+        if running.cancelled == "replaced":  # (the later run's serve() said so)
+            final = None
+        final_n = None if final is None else await self._finish_log(job.reply_id, final, job.run)
+        if final is None or final_n is None:  # another producer (or run) has the reply, or it had ended already
             if claimed is not None:
                 await self._ack(claimed)
             return True
-        final_n = await self._finish_log(job.reply_id, final)
         await self._report(running, final, final_n, claimed)
         return True
 
@@ -596,6 +613,8 @@ class ReplicaWorker:
             event, running.interrupted = running.interrupted, None
             try:
                 ran = await self._run_tool(running, tools, ParsedCall(event.name, event.arguments, ""), event.call_id)
+            except RunReplaced as exc:
+                return _replaced(exc)
             except RelayError as exc:
                 return _failed(f"token log: {exc}", None)
             if isinstance(ran, ModerationResult):
@@ -621,7 +640,7 @@ class ReplicaWorker:
                                          generated if rounds == 0 else [])
                 counts.add(rounds == 0, step.last)
                 if step.flagged is None and step.call is None and not step.calls_done and hold is not None \
-                        and running.cancelled not in ("shutdown", "handoff"):
+                        and running.cancelled not in ("shutdown", "handoff", "replaced"):
                     step.flagged = await self._flush(running, hold)  # the last sentence, also of a stopped reply
             except (EngineDead, ValueError) as exc:  # ValueError: RequestRejected (prompt never fits)
                 if rounds == 0 and generated and running.events == running.resumed_at \
@@ -641,6 +660,8 @@ class ReplicaWorker:
                         "reply %s: another replica produces it (from event %d); dropping this copy",
                         job.reply_id, running.events + 1)
                 return None
+            except RunReplaced as exc:
+                return _replaced(exc)
             except RelayError as exc:
                 return _failed(f"token log: {exc}", None, counts)
             if step.flagged is not None:
@@ -658,6 +679,8 @@ class ReplicaWorker:
             assert tools is not None
             try:
                 ids = await self._run_tool(running, tools, step.call)
+            except RunReplaced as exc:
+                return _replaced(exc)
             except RelayError as exc:
                 return _failed(f"token log: {exc}", None, counts)
             if isinstance(ids, ModerationResult):  # the call or its output failed the output check
@@ -706,7 +729,8 @@ class ReplicaWorker:
                         # character; the stop token at the end is not (it has no text).
                         if hold is None:  # (without _append's frame: every await level costs each token)
                             running.events = await self._appender.append(running.job.reply_id,
-                                                                         self._token_event(running, out))
+                                                                         self._token_event(running, out),
+                                                                         running.job.run)
                             running.text.append(out.text)
                             running.chars += len(out.text)
                             continue
@@ -804,7 +828,7 @@ class ReplicaWorker:
 
     async def _append_tool(self, running: _Running, event: ToolEvent) -> None:
         event = dataclasses.replace(event, n=running.events + 1)
-        running.events = await self._appender.append(running.job.reply_id, event)
+        running.events = await self._appender.append(running.job.reply_id, event, running.job.run)
         add_event(running.tools, event, running.chars)
 
     async def _resume_point(self, running: _Running, tools: ToolLoop | None) -> list[int] | None:
@@ -816,7 +840,10 @@ class ReplicaWorker:
         here, under the same call id, before the model goes on."""
         reply_id = running.job.reply_id
         try:
-            events = await self.relay.log.read(reply_id)
+            events = await self.relay.log.read(reply_id, run=running.job.run)
+        except LogReplaced as exc:  # lost and made again for a later run: that run's producer has it
+            _replaced(exc)
+            return None
         except ReplyNotFound:  # the log expired: the reply starts over (its first append makes one)
             return []
         if any(isinstance(e, FinalEvent) for e in events):
@@ -848,7 +875,7 @@ class ReplicaWorker:
         clock = time.monotonic()  # (latency as listeners see it: a held-back sentence arrives at once)
         for out in outs:
             running.events = await self._appender.append(running.job.reply_id,
-                                                         self._token_event(running, out, clock))
+                                                         self._token_event(running, out, clock), running.job.run)
             running.text.append(out.text)
             running.chars += len(out.text)
 
@@ -871,9 +898,13 @@ class ReplicaWorker:
             return TokenEvent(running.events + 1, out.text, ids)
         return TokenEvent(running.events + 1, out.text, ids, token_logprobs(out.logprobs, self.engine.tokenizer))
 
-    async def _finish_log(self, reply_id: str, final: FinalEvent) -> int:
+    async def _finish_log(self, reply_id: str, final: FinalEvent, run: int | None) -> int | None:
+        """The final event's n (0 if it could not be written); None when the log is another
+        run's: that run ends the reply, and nothing is reported from here."""
         try:
-            return await _through_outages(lambda: self.relay.log.finish(reply_id, final), "finish")
+            return await _through_outages(lambda: self.relay.log.finish(reply_id, final, run), "finish")
+        except RunReplaced as exc:
+            return _replaced(exc)
         except ReplyFinished:  # a try that lost its answer to an outage had written it
             return await self.relay.log.last_event_id(reply_id)
         except RelayError:
@@ -959,6 +990,14 @@ async def post_report(post: Callable[[str, dict[str, Any]], Awaitable[None]], re
         log.exception("reply %s: could not report %s after %d attempts", report.reply_id, report.kind,
                       len(delays) + 1)
         return False
+
+
+def _replaced(exc: RunReplaced | LogReplaced) -> None:
+    """The reply's log holds a later run than this producer's (it was lost and made again): the
+    newer run's producer writes it and ends it. This one stops (its engine sequence goes as it
+    leaves the round), says so once, and reports nothing: None, as serve() takes it."""
+    log.warning("reply %s: its token log holds run %s now, not this replica's run %s; dropping this run",
+                exc.reply_id, exc.held, exc.run)
 
 
 def _p99(values: Sequence[float]) -> float | None:
