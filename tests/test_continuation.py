@@ -248,6 +248,21 @@ async def test_an_append_whose_answer_was_lost_counts_as_written(replica):
     assert isinstance(final, FinalEvent) and final.error is None and final.state == ReplyState.FINISHED
 
 
+async def test_a_handed_on_job_of_a_run_whose_log_was_made_again_leaves_the_later_run_alone(replica):
+    """A failover handed on run 0's job after its log was lost and made again for run 1: the
+    continuation does not carry on after run 1's events as if they were its own (nor write a final
+    event): it drops its copy, and its job is acknowledged."""
+    worker, relay, tokenizer = replica
+    await relay.log.create("rep9", run=1)
+    for i in range(1, 4):
+        await relay.log.append("rep9", TokenEvent(i, "b", [500 + i]), run=1)
+    job = GenerationJob("rep9", "m", tokenizer.encode(PROMPT), {"temperature": 0, "max_tokens": 8}, attempt=1, run=0)
+    assert await asyncio.wait_for(worker.serve(job), 60) is True
+    assert [e.text for e in await relay.log.read("rep9")] == ["b", "b", "b"]
+    reports = [d.item["kind"] for d in await relay.inbox.take(REPORTS_INBOX, "t", max_count=10)]
+    assert "finished" not in reports
+
+
 @pytest.fixture(params=["memory", "redis", "cluster"])
 async def replica_on(request, real_model_fp32, real_tokenizer):
     """The replica fixture's worker on each token log backend (in process, Redis, a Redis Cluster)."""

@@ -10,7 +10,10 @@ Jobs are delivered at least once: the worker acknowledges a job when its reply h
 replica that dies leaves its claimed jobs in its queue for a failover (fairway/router/failover.py)
 to hand to another replica, which carries the reply on after the tokens already in its log
 (serve). Of two producers of one reply (a failover raced a slow replica) the second fails at its
-first append and drops the reply without a word: the client sees one reply. SIGTERM drains
+first append and drops the reply without a word: the client sees one reply. Likewise of two runs
+of one reply (its log was lost and a gateway ran it again: GenerationJob.run): the earlier run's
+appends are refused by the later run's log and it drops the reply, and a job of the later run
+that reaches a replica still running the earlier one replaces it there (serve). SIGTERM drains
 (drain): the replica leaves routing, finishes what it can within a grace period and leaves the
 rest, unacknowledged and with their tokens logged, for a failover to carry on elsewhere.
 
