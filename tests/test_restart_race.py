@@ -123,6 +123,15 @@ async def run_again(w: World, reply: Reply) -> None:
     await w.relay.log.finish(reply.id, FinalEvent(0, "stop", ReplyState.FINISHED))
 
 
+async def streamed(w: World, reply: Reply, after: int) -> list:
+    """What a client that holds event `after` is sent, to the reply's end."""
+    items: list = []
+    async with aclosing(w.gateway.event_batches(reply, after)) as batches:
+        async for batch in batches:
+            items += batch
+    return items
+
+
 def text_of(items: list) -> str:
     """The client's text as a chat client builds it: a snapshot replaces what it had."""
     text = ""
@@ -150,10 +159,7 @@ async def test_a_gateway_that_read_the_row_before_another_ran_the_reply_again_ne
     row = await world.store.get_reply(reply.id)  # what the resuming gateway read
     assert row is not None and row.restarts == 0
     await run_again(world, row)  # between its read and its subscription
-    items: list = []
-    async with aclosing(world.gateway.event_batches(row, 3)) as batches:
-        async for batch in batches:
-            items += batch
+    items = await streamed(world, row, 3)
     assert text_of(items) == "".join(NEW), items  # not OLD[:3] + NEW[3:]
     check_new_run_from_its_start(items)
 
@@ -242,10 +248,7 @@ async def test_a_row_that_counts_a_run_its_log_was_never_made_for_streams_the_lo
     await world.relay.log.finish(reply.id, FinalEvent(0, "stop", ReplyState.FINISHED))
     row = await store.get_reply(reply.id)
     assert row is not None and row.restarts == 2
-    items: list = []
-    async with aclosing(world.gateway.event_batches(row, 0)) as batches:
-        async for batch in batches:
-            items += batch
+    items = await streamed(world, row, 0)
     assert text_of(items) == "".join(NEW), items
     assert [i.n for i in items] == [2 * RUN_SPAN + n for n in range(1, len(NEW) + 2)]
 
@@ -275,10 +278,7 @@ async def test_a_producer_of_the_lost_run_cannot_write_into_the_next_runs_log(wo
     await log.finish(reply.id, FinalEvent(0, "stop", ReplyState.FINISHED), run=1)
     row = await world.store.get_reply(reply.id)
     assert row is not None and row.restarts == 1
-    items: list = []
-    async with aclosing(world.gateway.event_batches(row, 0)) as batches:
-        async for batch in batches:
-            items += batch
+    items = await streamed(world, row, 0)
     assert text_of(items) == "".join(NEW), items
     assert [i.n for i in items] == [RUN_SPAN + n for n in range(1, len(NEW) + 2)]
 
