@@ -236,8 +236,12 @@ def measure_and_set_targets(url: str, key: str, manager: FleetManager) -> tuple[
     target = max(1.0, 4 * ttft, 1.5 * max(s.ttft for s in warm + burst))
     manager.forecaster = HoltForecaster(alpha=0.5, beta=0.3)  # a ramp of seconds, not minutes
     manager.meter = ArrivalMeter()
+    # Pressure only past the target itself (not 0.8 of it): the ramp's replies may come near the
+    # target (the check is that they stay under it), and the replicas' TTFT p99 keeps them for its
+    # 30 s window, which held the drain back that long after the ramp for nothing.
     manager.policy = ScalingPolicy(ScalingBounds(1, 2, step=1, cooldown_s=2, idle_s=4),
-                                   ScalingTarget(replica_rps=SERVES * full, ttft_target_s=target, lead_s=0))
+                                   ScalingTarget(replica_rps=SERVES * full, ttft_target_s=target, lead_s=0,
+                                                 pressure=1.0))
     return target, full
 
 
