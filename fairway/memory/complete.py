@@ -58,8 +58,10 @@ class BackgroundCompleter:
         return any(r.model == self.model and not r.draining for r in await self.router.live())
 
     async def __call__(self, messages: list[dict[str, Any]]) -> str:
-        replica = await self.router.place(self.model, self._prompt(messages, None))
-        prompt = self._prompt(messages, replica.max_model_len)
+        prompt = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        replica = await self.router.place(self.model, prompt)
+        if len(prompt) + self.max_tokens > replica.max_model_len:  # (rendered and encoded again only then)
+            prompt = fit_prompt(self.tokenizer, messages, replica.max_model_len - self.max_tokens)
         job = GenerationJob(reply_id=new_id("memx"), model=self.model, prompt_token_ids=prompt,
                             sampling={"max_tokens": self.max_tokens, "temperature": 0.0},
                             lane=Lane.BACKGROUND.value, tier="background", submitted_at=time.time())
@@ -72,8 +74,3 @@ class BackgroundCompleter:
                 elif isinstance(event, FinalEvent) and event.error:
                     raise ModelUnavailable(f"the extraction job failed: {event.error}")
         return "".join(parts)
-
-    def _prompt(self, messages: list[dict[str, Any]], window: int | None) -> list[int]:
-        if window is None:  # (placing: the prefix is what matters, the whole prompt will do)
-            return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
-        return fit_prompt(self.tokenizer, messages, window - self.max_tokens)
